@@ -1,0 +1,104 @@
+"""Wrap a backbone's target linears with RoutedLoRALinear and address them by name."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from contextlib import contextmanager
+
+import torch
+from torch import nn
+
+from adapters_store.layer import AdapterBatch, GatheredPlan, RoutedLoRALinear, SkillSpacePlan
+from adapters_store.spec import InventorySpec
+
+
+def find_target_linears(model: nn.Module, targets: tuple[str, ...]) -> list[str]:
+    """Qualified names of the nn.Linear modules whose last name component is in targets, in
+    model order. Raises if a target matches nothing (a typo would otherwise adapt nothing)."""
+    names = [
+        name
+        for name, module in model.named_modules()
+        if isinstance(module, nn.Linear) and name.rsplit(".", 1)[-1] in targets
+    ]
+    found = {n.rsplit(".", 1)[-1] for n in names}
+    missing = [t for t in targets if t not in found]
+    if missing:
+        raise ValueError(f"target modules {missing} match no nn.Linear in {type(model).__name__}")
+    return names
+
+
+class RoutedModel:
+    """A frozen backbone whose target linears carry the inventory's skills.
+
+    layers[l] is the l-th adapted linear; every per-layer tensor (routing logits (L, h, S),
+    plans) is indexed in this order, which `names` records.
+    """
+
+    def __init__(self, model: nn.Module, spec: InventorySpec) -> None:
+        self.model = model
+        self.spec = spec
+        self.batch = AdapterBatch()
+        self.names = find_target_linears(model, spec.target_modules)
+        self.layers: list[RoutedLoRALinear] = []
+        for param in model.parameters():
+            param.requires_grad_(False)
+        for index, name in enumerate(self.names):
+            parent_name, _, attr = name.rpartition(".")
+            parent = model.get_submodule(parent_name) if parent_name else model
+            layer = RoutedLoRALinear(getattr(parent, attr), index, spec, self.batch)
+            setattr(parent, attr, layer)
+            self.layers.append(layer)
+
+    # -- skills -------------------------------------------------------------------------------
+    def skill_tensors(self) -> dict[str, torch.Tensor]:
+        """{"<name>.A": (h, S, d_in/h, r), "<name>.B": (h, S, r, d_out/h)} for every layer."""
+        out: dict[str, torch.Tensor] = {}
+        for name, layer in zip(self.names, self.layers, strict=True):
+            out[f"{name}.A"] = layer.lora_A.detach()
+            out[f"{name}.B"] = layer.lora_B.detach()
+        return out
+
+    def load_skills(self, tensors: dict[str, torch.Tensor]) -> None:
+        for name, layer in zip(self.names, self.layers, strict=True):
+            for key, param in ((f"{name}.A", layer.lora_A), (f"{name}.B", layer.lora_B)):
+                if key not in tensors:
+                    raise KeyError(f"inventory has no tensor {key!r}")
+                if tuple(tensors[key].shape) != tuple(param.shape):
+                    raise ValueError(f"{key}: shape {tuple(tensors[key].shape)} != {tuple(param.shape)}")
+                with torch.no_grad():
+                    param.copy_(tensors[key])
+
+    def reset_skills(self, seed: int = 0) -> None:
+        gen = torch.Generator().manual_seed(seed)
+        for layer in self.layers:
+            layer.reset_skills(gen)
+
+    def skill_parameters(self) -> list[nn.Parameter]:
+        return [p for layer in self.layers for p in (layer.lora_A, layer.lora_B)]
+
+    def set_skills_trainable(self, trainable: bool) -> None:
+        for p in self.skill_parameters():
+            p.requires_grad_(trainable)
+
+    def layer_dims(self) -> list[tuple[int, int]]:
+        return [(layer.in_features, layer.out_features) for layer in self.layers]
+
+    # -- per-forward assignment ----------------------------------------------------------------
+    def set_weights(self, weights: torch.Tensor | None) -> None:
+        """weights: (L, N, h, S) per-row mixing weights (skill-space path), None = no adapters."""
+        self.batch.set(None if weights is None else SkillSpacePlan(weights))
+
+    def set_gathered(self, A_tables: list[torch.Tensor], B_tables: list[torch.Tensor], index: torch.Tensor) -> None:
+        """Materialised path: per layer (G, d_in, r) / (G, r, d_out) tables and a (N,) row index."""
+        if len(A_tables) != len(self.layers) or len(B_tables) != len(self.layers):
+            raise ValueError(f"need one table per adapted layer ({len(self.layers)})")
+        self.batch.set(GatheredPlan(A_tables, B_tables, index))
+
+    @contextmanager
+    def using_weights(self, weights: torch.Tensor | None) -> Iterator[None]:
+        previous = self.batch.plan
+        self.set_weights(weights)
+        try:
+            yield
+        finally:
+            self.batch.set(previous)

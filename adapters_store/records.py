@@ -1,0 +1,86 @@
+"""Plain records kept in the store's JSON files."""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field, fields
+from typing import Any, Literal
+
+from adapters_store.spec import InventorySpec
+
+TaskStatus = Literal["ready", "training", "failed"]
+AdapterKind = Literal["routing", "lora"]
+
+
+@dataclass(frozen=True)
+class InventoryInfo:
+    """inventory.json: what the skills are, which backbone they belong to, how they were made."""
+
+    spec: InventorySpec
+    layer_names: tuple[str, ...]
+    layer_dims: tuple[tuple[int, int], ...]
+    backbone_fingerprint: str
+    backbone_name: str
+    version: str  # digest of the skills' bytes: a retrained inventory is a new version
+    created_at: float
+    made_by: dict[str, Any] = field(default_factory=dict)
+    format_version: int = 1
+
+    def to_json(self) -> dict[str, Any]:
+        data = asdict(self)
+        data["spec"] = self.spec.to_json()
+        data["layer_names"] = list(self.layer_names)
+        data["layer_dims"] = [list(d) for d in self.layer_dims]
+        return data
+
+    @classmethod
+    def from_json(cls, data: dict[str, Any]) -> InventoryInfo:
+        return cls(
+            spec=InventorySpec.from_json(data["spec"]),
+            layer_names=tuple(data["layer_names"]),
+            layer_dims=tuple((int(a), int(b)) for a, b in data["layer_dims"]),
+            backbone_fingerprint=data["backbone_fingerprint"],
+            backbone_name=data.get("backbone_name", ""),
+            version=data["version"],
+            created_at=float(data["created_at"]),
+            made_by=data.get("made_by", {}),
+            format_version=int(data.get("format_version", 1)),
+        )
+
+    @property
+    def routing_params(self) -> int:
+        """Numbers in one task's routing row: L layers x h heads x S skills."""
+        return len(self.layer_names) * self.spec.n_heads * self.spec.n_skills
+
+
+@dataclass(frozen=True)
+class TaskRecord:
+    """tasks/<id>/task.json. `file` names the weights (routing logits or a plain LoRA)."""
+
+    id: str
+    method: str
+    status: TaskStatus
+    version: int
+    created_at: float
+    updated_at: float
+    kind: AdapterKind | None = None
+    file: str | None = None
+    digest: str | None = None
+    params: int = 0
+    source: dict[str, Any] = field(default_factory=dict)
+    metrics: dict[str, Any] = field(default_factory=dict)
+    job_id: str | None = None
+    error: str | None = None
+    inventory_version: str | None = None
+
+    def to_json(self) -> dict[str, Any]:
+        return asdict(self)
+
+    @classmethod
+    def from_json(cls, data: dict[str, Any]) -> TaskRecord:
+        names = {f.name for f in fields(cls)}
+        return cls(**{k: v for k, v in data.items() if k in names})
+
+    @property
+    def cache_version(self) -> str:
+        """Identifies the weights' content (for cache keys): never reused for other weights."""
+        return f"{self.version}-{self.digest}"

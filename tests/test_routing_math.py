@@ -1,0 +1,133 @@
+"""Pure routing / combine / batched-apply math, checked against naive references."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch.testing import assert_close
+
+from adapters_store.batched import apply_gathered, apply_skill_space
+from adapters_store.combine import check_heads, from_peft_lora, lora_delta, materialize, materialize_many, merge, to_peft_lora
+from adapters_store.routing import eval_weights, gumbel_sigmoid, routing_weights, train_weights, uniform_weights
+
+torch.manual_seed(0)
+
+
+def naive_materialize(A, B, w):
+    """Per-head loop, written the slow obvious way."""
+    h = A.shape[0]
+    A_heads = [sum(w[k, s] * A[k, s] for s in range(A.shape[1])) for k in range(h)]
+    B_heads = [sum(w[k, s] * B[k, s] for s in range(B.shape[1])) for k in range(h)]
+    return torch.cat(A_heads, dim=0), torch.cat(B_heads, dim=1)
+
+
+@pytest.mark.parametrize("h,S,d_in,d_out,r", [(1, 4, 16, 8, 2), (4, 3, 16, 8, 2), (8, 8, 64, 32, 4), (2, 1, 6, 10, 3)])
+def test_materialize_matches_per_head_loop(h, S, d_in, d_out, r):
+    A, B = torch.randn(h, S, d_in // h, r), torch.randn(h, S, r, d_out // h)
+    w = eval_weights(torch.randn(h, S))
+    A_t, B_t = materialize(A, B, w)
+    ref_A, ref_B = naive_materialize(A, B, w)
+    assert A_t.shape == (d_in, r) and B_t.shape == (r, d_out)
+    assert_close(A_t, ref_A)
+    assert_close(B_t, ref_B)
+
+
+def test_head_k_writes_only_its_output_block():
+    """Guards the B reshape: a skill that is non-zero only in head 1 changes only columns of head 1."""
+    h, S, d_in, d_out, r = 4, 2, 8, 12, 2
+    A = torch.randn(h, S, d_in // h, r)
+    B = torch.zeros(h, S, r, d_out // h)
+    B[1] = torch.randn(S, r, d_out // h)
+    _, B_t = materialize(A, B, uniform_weights(h, S))
+    block = d_out // h
+    assert B_t[:, block : 2 * block].abs().sum() > 0
+    assert B_t[:, :block].abs().sum() == 0 and B_t[:, 2 * block :].abs().sum() == 0
+
+
+@pytest.mark.parametrize("h,d_in,d_out", [(3, 16, 16), (4, 16, 6), (0, 8, 8)])
+def test_heads_must_divide_dims(h, d_in, d_out):
+    with pytest.raises(ValueError, match="routing heads"):
+        check_heads(d_in, d_out, h)
+
+
+def test_eval_weights_normalise_per_head():
+    w = eval_weights(torch.randn(5, 4, 8))
+    assert_close(w.sum(-1), torch.ones(5, 4))
+    assert (w > 0).all()
+
+
+def test_gumbel_is_reproducible_and_noisy_and_differentiable():
+    logits = torch.zeros(3, 8, requires_grad=True)
+    a = train_weights(logits, 0.5, torch.Generator().manual_seed(1))
+    b = train_weights(logits, 0.5, torch.Generator().manual_seed(1))
+    c = train_weights(logits, 0.5, torch.Generator().manual_seed(2))
+    assert_close(a, b)
+    assert not torch.allclose(a, c)
+    assert_close(a.sum(-1), torch.ones(3))
+    a.pow(2).sum().backward()
+    assert logits.grad is not None and logits.grad.abs().sum() > 0
+
+
+def test_gumbel_low_temperature_is_nearly_binary():
+    y = gumbel_sigmoid(torch.zeros(10_000), temperature=0.05, generator=torch.Generator().manual_seed(0))
+    # P(|logistic noise| < 0.05 * ln 99) ~ 0.115, so ~88% of samples land within 0.01 of 0 or 1
+    assert ((y < 0.01) | (y > 0.99)).float().mean() > 0.85
+    assert 0.4 < y.round().mean() < 0.6  # logits 0 -> Bernoulli(0.5)
+    with pytest.raises(ValueError, match="temperature"):
+        gumbel_sigmoid(torch.zeros(2), temperature=0.0)
+
+
+def test_routing_kinds():
+    logits = torch.randn(2, 3, 4)
+    assert_close(routing_weights(logits, "uniform"), torch.full((2, 3, 4), 0.25))
+    assert routing_weights(logits, "hyper") is logits
+    assert_close(routing_weights(logits, "sigmoid"), eval_weights(logits))
+    with pytest.raises(ValueError, match="routing kind"):
+        routing_weights(logits, "softmax")  # type: ignore[arg-type]
+
+
+def test_uniform_equals_mean_lora():
+    A, B = torch.randn(1, 5, 8, 2), torch.randn(1, 5, 2, 6)
+    A_t, B_t = materialize(A, B, uniform_weights(1, 5))
+    assert_close(A_t, A[0].mean(0))
+    assert_close(B_t, B[0].mean(0))
+
+
+def test_export_and_merge_conventions():
+    d_in, d_out, r = 8, 6, 2
+    A_t, B_t = torch.randn(d_in, r), torch.randn(r, d_out)
+    W = torch.randn(d_out, d_in)
+    x = torch.randn(3, d_in)
+    lora_A, lora_B = to_peft_lora(A_t, B_t)
+    assert lora_A.shape == (r, d_in) and lora_B.shape == (d_out, r)
+    # PEFT: y = x W^T + (x lora_A^T) lora_B^T * alpha / r, alpha = 1
+    assert_close(x @ W.T + (x @ lora_A.T) @ lora_B.T / r, x @ W.T + lora_delta(x, A_t, B_t, 1 / r))
+    assert_close(x @ merge(W, A_t, B_t, 1 / r).T, x @ W.T + lora_delta(x, A_t, B_t, 1 / r))
+    back_A, back_B = from_peft_lora(lora_A, lora_B)
+    assert_close(back_A, A_t) and assert_close(back_B, B_t)
+
+
+@pytest.mark.parametrize("h", [1, 4])
+def test_skill_space_equals_gathered_equals_per_row(h):
+    N, T, S, d_in, d_out, r = 5, 3, 4, 16, 8, 2
+    A, B = torch.randn(h, S, d_in // h, r), torch.randn(h, S, r, d_out // h)
+    x = torch.randn(N, T, d_in)
+    w = eval_weights(torch.randn(N, h, S))
+    w[2] = 0  # a row with no adapter
+    A_tab, B_tab = materialize_many(A, B, w)
+    index = torch.arange(N)
+    y_skill = apply_skill_space(x, A, B, w, 0.5)
+    y_gath = apply_gathered(x, A_tab, B_tab, index, 0.5)
+    for n in range(N):
+        A_t, B_t = materialize(A, B, w[n])
+        assert_close(y_skill[n], lora_delta(x[n], A_t, B_t, 0.5), rtol=1e-5, atol=1e-5)
+    assert_close(y_skill, y_gath, rtol=1e-5, atol=1e-5)
+    assert y_skill[2].abs().max() == 0
+
+
+def test_gathered_table_shared_by_rows():
+    A_tab, B_tab = torch.randn(2, 8, 2), torch.randn(2, 2, 4)
+    x = torch.randn(3, 1, 8)
+    y = apply_gathered(x, A_tab, B_tab, torch.tensor([1, 0, 1]), 1.0)
+    assert_close(y[0], x[0] @ A_tab[1] @ B_tab[1])
+    assert_close(y[1], x[1] @ A_tab[0] @ B_tab[0])

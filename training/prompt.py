@@ -1,0 +1,32 @@
+"""The one prompt format shared by training, evaluation and serving.
+
+The prompt deliberately does *not* name the task: the task identity is carried
+by the adapter that is routed/loaded for the request, so the same input text is
+formatted identically whichever task it is sent to.
+
+>>> format_prompt("cat dog 3")
+'Input: cat dog 3\\nOutput:'
+>>> format_prompt("cat dog 3") + format_target("3 dog cat")
+'Input: cat dog 3\\nOutput: 3 dog cat'
+"""
+
+from __future__ import annotations
+
+PROMPT_TEMPLATE = "Input: {input}\nOutput:"
+
+
+def format_prompt(input: str) -> str:
+    """Format the model input (everything the model is conditioned on)."""
+    return PROMPT_TEMPLATE.format(input=input)
+
+
+def format_target(output: str) -> str:
+    """Format the completion the model is trained to produce after the prompt.
+
+    A single leading space separates it from ``"Output:"``; the caller appends
+    the tokenizer's EOS token.
+
+    >>> format_target("CAT")
+    ' CAT'
+    """
+    return " " + output
