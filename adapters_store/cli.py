@@ -1,0 +1,79 @@
+"""Store-side commands: export a task as a PEFT LoRA, import a PEFT Poly checkpoint, warm caches."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import click
+
+
+def default_store() -> str:
+    home = Path(os.environ.get("POLYSERVE_HOME", Path.home() / ".cache" / "polyserve"))
+    return os.environ.get("POLYSERVE_STORE", str(home / "store"))
+
+
+store_option = click.option(
+    "--store", "store_dir", default=default_store, show_default="$POLYSERVE_STORE", help="Store directory."
+)
+backbone_option = click.option(
+    "--backbone", default=lambda: os.environ.get("POLYSERVE_BACKBONE", "default"), show_default=True,
+    help="'default' (embedded SmolLM2-135M-Instruct), 'tiny' (tests) or a local HF model directory.",
+)
+
+
+@click.command()
+@click.option("--task", required=True, help="Task id to export.")
+@click.option("--format", "fmt", type=click.Choice(["peft-lora"]), default="peft-lora", show_default=True)
+@click.option("--out", required=True, type=click.Path(file_okay=False), help="Output directory.")
+@store_option
+def export(task: str, fmt: str, out: str, store_dir: str) -> None:
+    """Write a task as a standard PEFT LoRA (adapter_config.json + adapter_model.safetensors)."""
+    from adapters_store.errors import StoreError
+    from adapters_store.ids import validate_task_id
+    from adapters_store.peft_io import export_peft_lora
+    from adapters_store.store import Store
+
+    try:
+        path = export_peft_lora(Store(store_dir), validate_task_id(task), out)
+    except (StoreError, ValueError) as err:
+        raise click.ClickException(str(err)) from err
+    click.echo(f"wrote {fmt} adapter for {task!r} to {path}")
+
+
+@click.command("import-peft-poly")
+@click.argument("src", type=click.Path(exists=True, file_okay=False))
+@click.option("--names", type=click.Path(exists=True, dir_okay=False), help="JSON list (or index->name map) of task ids.")
+@click.option("--replace", is_flag=True, help="Overwrite the store's existing inventory.")
+@store_option
+@backbone_option
+def import_peft_poly(src: str, names: str | None, replace: bool, store_dir: str, backbone: str) -> None:
+    """Import a PEFT Poly/MHR checkpoint: its skills become the inventory, its n_tasks rows tasks."""
+    import json
+
+    from adapters_store.backbone import load_backbone
+    from adapters_store.errors import StoreError
+    from adapters_store.inject import find_target_linears
+    from adapters_store.peft_io import import_peft_poly as do_import
+    from adapters_store.store import Store
+
+    config = json.loads((Path(src) / "adapter_config.json").read_text())
+    bb = load_backbone(backbone)
+    try:
+        order = find_target_linears(bb.model, tuple(config.get("target_modules") or ()))
+        info, tasks = do_import(
+            src, Store(store_dir), layer_order=order, backbone_fingerprint=bb.fingerprint,
+            backbone_name=bb.name, mapping=names, replace=replace,
+        )
+    except (StoreError, ValueError, KeyError) as err:
+        raise click.ClickException(str(err)) from err
+    click.echo(f"imported inventory {info.version} (S={info.spec.n_skills}, h={info.spec.n_heads}, "
+               f"r={info.spec.rank}) and {len(tasks)} tasks into {store_dir}")
+
+
+@click.command("warm-cache")
+def warm_cache() -> None:
+    """Dequantise the embedded default backbone once into $POLYSERVE_HOME (used by the Docker build)."""
+    from adapters_store.backbone import warm_default_cache
+
+    click.echo(f"default backbone cached at {warm_default_cache()}")

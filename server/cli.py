@@ -1,0 +1,42 @@
+"""`polyserve` — the one console script. Each package contributes its own commands:
+
+    serve                                   server.serve_cli      (runs the HTTP server)
+    train, adapt, eval, routing-plot        training.cli          (offline, on the store)
+    export, import-peft-poly, warm-cache    adapters_store.cli    (interop, caches)
+    generate, register, tasks, jobs         client.cli            (talk HTTP to a server)
+
+Modules imported here keep torch/transformers imports inside the command functions, so
+`polyserve --help` and the client commands start fast.
+"""
+
+from __future__ import annotations
+
+import importlib
+
+import click
+
+COMMANDS = {
+    "server.serve_cli": ["serve"],
+    "training.cli": ["train", "adapt", "eval", "routing_plot"],
+    "adapters_store.cli": ["export", "import_peft_poly", "warm_cache"],
+    "client.cli": ["generate", "register", "tasks", "jobs"],
+}
+
+
+@click.group(context_settings={"help_option_names": ["-h", "--help"]})
+@click.version_option(package_name="polyserve")
+def main() -> None:
+    """polyserve: serve many tasks over one frozen LM as routed combinations of LoRA skills."""
+
+
+for module_name, names in COMMANDS.items():
+    try:
+        module = importlib.import_module(module_name)
+    except ModuleNotFoundError as err:  # a package under construction must not break the others
+        if err.name != module_name:
+            raise
+        continue
+    for attr in names:
+        command = getattr(module, attr, None)
+        if isinstance(command, click.Command):
+            main.add_command(command)

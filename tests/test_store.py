@@ -1,0 +1,159 @@
+"""The adapter store: atomic writes, fingerprints, id validation, task independence."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+from torch.testing import assert_close
+
+from adapters_store import atomic
+from adapters_store.errors import FingerprintMismatch, JobNotFound, StoreError, TaskNotFound
+from adapters_store.spec import InventorySpec
+from adapters_store.store import Store
+
+NAMES = ["m.layers.0.q_proj", "m.layers.0.v_proj"]
+DIMS = [(8, 8), (8, 4)]
+SPEC = InventorySpec(n_skills=3, n_heads=2, rank=2, target_modules=("q_proj", "v_proj"))
+
+
+def skills(seed: int = 0) -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    out = {}
+    for name, (d_in, d_out) in zip(NAMES, DIMS, strict=True):
+        out[f"{name}.A"] = torch.randn(2, 3, d_in // 2, 2, generator=g)
+        out[f"{name}.B"] = torch.randn(2, 3, 2, d_out // 2, generator=g)
+    return out
+
+
+@pytest.fixture
+def store(tmp_path) -> Store:
+    s = Store(tmp_path / "store")
+    s.save_inventory(SPEC, NAMES, DIMS, skills(), backbone_fingerprint="llama-abc", backbone_name="tiny")
+    return s
+
+
+def test_inventory_round_trip(store):
+    info, tensors = store.load_inventory("llama-abc")
+    assert info.spec == SPEC and info.layer_names == tuple(NAMES) and info.layer_dims == tuple(DIMS)
+    for key, value in skills().items():
+        assert torch.equal(tensors[key], value)
+    assert info.routing_params == 2 * 2 * 3
+
+
+def test_wrong_backbone_is_refused(store):
+    with pytest.raises(FingerprintMismatch, match="llama-abc.*llama-other"):
+        store.load_inventory("llama-other")
+
+
+def test_routing_round_trip_and_versions(store):
+    logits = torch.randn(2, 2, 3)
+    rec = store.put_routing("t1", logits, method="mhr", source={"how": "test"})
+    assert rec.version == 1 and rec.status == "ready" and rec.params == 12
+    assert_close(store.load_routing("t1"), logits)
+    rec2 = store.put_routing("t1", logits + 1)
+    assert rec2.version == 2 and rec2.cache_version != rec.cache_version
+    assert rec2.created_at == rec.created_at
+    assert_close(store.load_routing("t1"), logits + 1)
+    assert len(list((store.root / "tasks" / "t1").glob("routing-*.safetensors"))) == 1
+
+
+def test_routing_shape_checked(store):
+    with pytest.raises(StoreError, match="shape"):
+        store.put_routing("t1", torch.randn(2, 2, 4))
+
+
+def test_adding_a_task_keeps_other_tasks_bit_identical(store):
+    store.put_routing("a", torch.randn(2, 2, 3))
+    before = {p.name: p.read_bytes() for p in (store.root / "tasks" / "a").iterdir()}
+    store.put_routing("b", torch.randn(2, 2, 3))
+    store.put_lora("c", {"x.A": torch.randn(8, 2), "x.B": torch.randn(2, 8)}, method="full")
+    after = {p.name: p.read_bytes() for p in (store.root / "tasks" / "a").iterdir()}
+    assert before == after
+    assert [r.id for r in store.list_tasks()] == ["a", "b", "c"]
+
+
+@pytest.mark.parametrize("bad", ["../x", "", "a" * 65, "Upper", "a/b", "..", "x\n"])
+def test_bad_task_ids_are_refused_everywhere(store, bad):
+    with pytest.raises(ValueError, match="task id"):
+        store.put_routing(bad, torch.randn(2, 2, 3))
+    with pytest.raises(ValueError, match="task id"):
+        store.get_task(bad)
+    with pytest.raises(ValueError, match="task id"):
+        store.delete_task(bad)
+    assert not any(p.name.startswith("..") for p in store.root.rglob("*"))
+
+
+def test_crash_during_write_keeps_the_old_state(store, monkeypatch):
+    logits = torch.randn(2, 2, 3)
+    store.put_routing("t1", logits)
+
+    def crash(src, dst):
+        raise OSError("simulated crash during rename")
+
+    monkeypatch.setattr(atomic.os, "replace", crash)
+    with pytest.raises(OSError, match="simulated crash"):
+        store.put_routing("t1", logits * 5)
+    with pytest.raises(OSError, match="simulated crash"):
+        store.save_inventory(SPEC, NAMES, DIMS, skills(1), backbone_fingerprint="llama-abc")
+    monkeypatch.undo()
+    assert_close(store.load_routing("t1"), logits)
+    assert store.get_task("t1").version == 1
+    info, tensors = store.load_inventory("llama-abc")
+    assert torch.equal(tensors[f"{NAMES[0]}.A"], skills()[f"{NAMES[0]}.A"])
+    assert not [p for p in store.root.rglob("*") if p.name.startswith(atomic.TMP_PREFIX)]
+
+
+def test_process_killed_mid_write_leaves_old_state_and_temp_is_swept(store, tmp_path):
+    """A writer killed between write and rename (os._exit, no cleanup) leaves a temp file only."""
+    logits = torch.randn(2, 2, 3)
+    store.put_routing("t1", logits)
+    pid = os.fork()
+    if pid == 0:  # child: write the temp file, then die before the rename
+        try:
+            atomic.os.replace = lambda *a: os._exit(17)  # type: ignore[assignment]
+            store.put_routing("t1", logits * 3)
+        finally:
+            os._exit(1)
+    _, status = os.waitpid(pid, 0)
+    assert os.WEXITSTATUS(status) == 17
+    leftovers = [p for p in store.root.rglob("*") if p.name.startswith(atomic.TMP_PREFIX)]
+    assert leftovers, "the killed writer should have left its temp file behind"
+    reopened = Store(store.root)
+    assert_close(reopened.load_routing("t1"), logits)
+    assert not [p for p in reopened.root.rglob("*") if p.name.startswith(atomic.TMP_PREFIX)]
+
+
+def test_delete_and_not_found(store):
+    store.put_routing("t1", torch.randn(2, 2, 3))
+    store.delete_task("t1")
+    assert not store.has_task("t1")
+    with pytest.raises(TaskNotFound, match="'t1' not found"):
+        store.get_task("t1")
+    with pytest.raises(TaskNotFound):
+        store.delete_task("t1")
+
+
+def test_jobs(store):
+    store.put_job({"id": "job-abc123", "status": "queued"})
+    assert store.get_job("job-abc123")["status"] == "queued"
+    assert [j["id"] for j in store.list_jobs()] == ["job-abc123"]
+    for bad in ["../etc/passwd", "job-../x", "x"]:
+        with pytest.raises(JobNotFound):
+            store.get_job(bad)
+
+
+def test_tampered_skills_detected(store):
+    path = store.root / "inventory" / "skills.safetensors"
+    from safetensors.torch import save
+
+    path.write_bytes(save(skills(9)))
+    with pytest.raises(StoreError, match="does not match"):
+        store.load_inventory()
+
+
+def test_no_pickle_anywhere(store):
+    store.put_routing("t1", torch.randn(2, 2, 3))
+    suffixes = {p.suffix for p in store.root.rglob("*") if p.is_file()}
+    assert suffixes <= {".json", ".safetensors", ""}
