@@ -36,7 +36,7 @@ def apply_skill_space(
 ) -> torch.Tensor:
     """x: (N, T, d_in); A: (h, S, d_in/h, r); B: (h, S, r, d_out/h); w: (N, h, S)
     -> delta (N, T, d_out)."""
-    N, T, d_in = x.shape
+    N, T, _d_in = x.shape
     h, n_skills, d_in_h, r = A.shape
     d_out_h = B.shape[-1]
     w = w.to(x.dtype)

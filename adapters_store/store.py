@@ -7,6 +7,8 @@ registry and job records. safetensors + JSON only (never pickle); every write is
     <root>/tasks/<id>/routing-<v>.safetensors   "logits" (L, h, S)
     <root>/tasks/<id>/lora-<v>.safetensors      "<layer>.A" (d_in, r), "<layer>.B" (r, d_out)
     <root>/jobs/<id>.json                  job records (owned by the server's job runner)
+    <root>/jobs/examples/<id>.json         a job's uploaded examples
+    <root>/jobs/locks/<id>.lock            held (fcntl) by the process running the job
 
 A task's weights file is written first, then task.json pointing at it; a crash in between
 leaves the previous task.json (and an orphan file that `open` sweeps). Writing one task never
@@ -29,7 +31,13 @@ import torch
 from safetensors.torch import load as st_load
 from safetensors.torch import save as st_save
 
-from adapters_store.atomic import TMP_PREFIX, atomic_write_bytes, atomic_write_json, read_json, sweep_temp_files
+from adapters_store.atomic import (
+    TMP_PREFIX,
+    atomic_write_bytes,
+    atomic_write_json,
+    read_json,
+    sweep_temp_files,
+)
 from adapters_store.errors import FingerprintMismatch, JobNotFound, StoreError, TaskNotFound
 from adapters_store.ids import validate_task_id
 from adapters_store.records import InventoryInfo, TaskRecord
@@ -227,6 +235,20 @@ class Store:
         if not path.is_file():
             raise JobNotFound(job_id)
         return read_json(path)
+
+    def put_job_examples(self, job_id: str, examples: list[dict[str, str]]) -> None:
+        self._job_path(job_id)  # validates the id
+        atomic_write_json(self.root / "jobs" / "examples" / f"{job_id}.json", examples)
+
+    def get_job_examples(self, job_id: str) -> list[dict[str, str]]:
+        self._job_path(job_id)
+        return read_json(self.root / "jobs" / "examples" / f"{job_id}.json")
+
+    def job_lock_path(self, job_id: str) -> Path:
+        self._job_path(job_id)
+        path = self.root / "jobs" / "locks" / f"{job_id}.lock"
+        path.parent.mkdir(parents=True, exist_ok=True)
+        return path
 
     def list_jobs(self) -> list[dict[str, Any]]:
         return [read_json(p) for p in sorted((self.root / "jobs").glob("job-*.json")) if not p.name.startswith(TMP_PREFIX)]

@@ -1,0 +1,1 @@
+"""Background adaptation jobs: register a task from few-shot examples while serving."""

@@ -1,0 +1,259 @@
+"""Runs adaptation jobs inside the server process, one slice at a time between decode steps.
+
+The engine thread calls `step()` once per loop iteration (and repeatedly while idle): each call
+runs at most one optimisation step of the current job, so a job never holds the shared model
+for longer than one slice and serving continues while a task is being registered.
+
+Persistence: the job record (store/jobs/<id>.json) is rewritten atomically on every transition
+and at most every `persist_every` seconds while running; the task's registry entry says
+"training" until the weights are committed. The process running a job holds an fcntl lock on
+store/jobs/locks/<id>.lock, so `recover()` (at start-up, any replica) can tell a job whose
+process died — lock free, status not terminal — and mark it failed with reason "interrupted".
+"""
+
+from __future__ import annotations
+
+import fcntl
+import logging
+import threading
+import time
+from collections import deque
+from collections.abc import Callable
+from typing import IO, Any, Protocol
+
+from adapters_store.errors import TaskNotFound
+from adapters_store.records import TaskRecord
+from adapters_store.store import Store
+from server.jobs.model import Job, new_job_id
+
+log = logging.getLogger(__name__)
+
+
+class AdaptationLike(Protocol):
+    def step(self) -> bool: ...
+    def cancel(self) -> None: ...
+    def result(self) -> Any: ...
+
+
+# (job, examples as dicts, progress callback) -> a steppable adaptation
+AdaptationFactory = Callable[[Job, list[dict[str, str]], Callable[[dict[str, Any]], None]], AdaptationLike]
+
+
+class JobRunner:
+    def __init__(
+        self,
+        store: Store,
+        make_adaptation: AdaptationFactory,
+        *,
+        replica_id: str,
+        on_task_changed: Callable[[str], None] = lambda task: None,
+        on_job_finished: Callable[[Job], None] = lambda job: None,
+        persist_every: float = 0.5,
+    ) -> None:
+        self.store = store
+        self.make_adaptation = make_adaptation
+        self.replica_id = replica_id
+        self.on_task_changed = on_task_changed
+        self.on_job_finished = on_job_finished
+        self.persist_every = persist_every
+        self._lock = threading.Lock()
+        self._queue: deque[str] = deque()
+        self._jobs: dict[str, Job] = {}
+        self._locks: dict[str, IO[str]] = {}
+        self._current: tuple[Job, AdaptationLike] | None = None
+        self._cancel_requested: set[str] = set()
+        self._last_persist = 0.0
+
+    # -- bookkeeping ------------------------------------------------------------------------
+    def _persist(self, job: Job) -> None:
+        self.store.put_job(job.to_json())
+
+    def _hold_lock(self, job_id: str) -> None:
+        f = open(self.store.job_lock_path(job_id), "a+")  # noqa: SIM115 - held until the job ends
+        fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        self._locks[job_id] = f
+
+    def _release_lock(self, job_id: str) -> None:
+        f = self._locks.pop(job_id, None)
+        if f is not None:
+            fcntl.flock(f, fcntl.LOCK_UN)
+            f.close()
+            self.store.job_lock_path(job_id).unlink(missing_ok=True)
+
+    @property
+    def pending(self) -> int:
+        with self._lock:
+            return len(self._queue) + (1 if self._current else 0)
+
+    def get(self, job_id: str) -> Job:
+        with self._lock:
+            if job_id in self._jobs:
+                return Job.from_json(self._jobs[job_id].to_json())
+        return Job.from_json(self.store.get_job(job_id))
+
+    # -- API ----------------------------------------------------------------------------------
+    def submit(
+        self, task: str, examples: list[dict[str, str]], *, method: str, steps: int | None, seed: int | None
+    ) -> Job:
+        """Persist the job and a "training" registry entry, then queue it. The caller has
+        validated the examples and checked that the task id is free."""
+        job = Job(id=new_job_id(), task=task, method=method, steps=steps, seed=seed,
+                  n_examples=len(examples), owner=self.replica_id)
+        job.add_event("status", f"job queued: {len(examples)} examples, method {method}")
+        self._hold_lock(job.id)
+        self.store.put_job_examples(job.id, examples)
+        self._persist(job)
+        now = time.time()
+        self.store.put_record(TaskRecord(id=task, method=method, status="training", version=0,
+                                         created_at=now, updated_at=now, job_id=job.id))
+        with self._lock:
+            self._jobs[job.id] = job
+            self._queue.append(job.id)
+        self.on_task_changed(task)
+        return Job.from_json(job.to_json())
+
+    def cancel(self, job_id: str) -> Job:
+        with self._lock:
+            job = self._jobs.get(job_id)
+            if job is not None and not job.finished:
+                if job_id in self._queue:
+                    self._queue.remove(job_id)
+                    self._finish(job, "cancelled")
+                else:
+                    self._cancel_requested.add(job_id)  # the running slice stops at its next step
+                    job.add_event("status", "cancellation requested")
+        return self.get(job_id)
+
+    # -- the slice the engine runs ------------------------------------------------------------
+    def step(self) -> bool:
+        """Run one slice of the current job (starting the next queued one if needed).
+        Returns True if any work was done."""
+        with self._lock:
+            if self._current is None:
+                if not self._queue:
+                    return False
+                job = self._jobs[self._queue.popleft()]
+                start = True
+            else:
+                job, adaptation = self._current
+                start = False
+        if start:
+            try:
+                examples = self.store.get_job_examples(job.id)
+                adaptation = self.make_adaptation(job, examples, lambda p, j=job: self._progress(j, p))
+            except Exception as err:
+                log.exception("job %s failed to start", job.id)
+                with self._lock:
+                    self._finish(job, "failed", error={"type": "adaptation_error", "message": str(err)})
+                return True
+            with self._lock:
+                job.transition("running")
+                self._persist(job)
+                self._current = (job, adaptation)
+        if job.id in self._cancel_requested:
+            adaptation.cancel()
+            with self._lock:
+                self._current = None
+                self._finish(job, "cancelled")
+            return True
+        try:
+            more = adaptation.step()
+            if not more:
+                result = adaptation.result()
+        except Exception as err:
+            log.exception("job %s failed", job.id)
+            with self._lock:
+                self._current = None
+                self._finish(job, "failed", error={"type": "adaptation_error", "message": str(err)})
+            return True
+        if not more:
+            self._commit(job, result)
+        return True
+
+    def _progress(self, job: Job, info: dict[str, Any]) -> None:
+        with self._lock:
+            steps = info.get("steps") or job.steps
+            if steps:
+                job.progress = min(0.999, float(info.get("step", 0)) / float(steps))
+            job.metrics.update({k: v for k, v in info.items() if isinstance(v, int | float)})
+            if "eval_loss" in info or info.get("event"):
+                job.add_event("metrics", info.get("event", "eval"), **{k: v for k, v in info.items()
+                                                                       if isinstance(v, int | float | str)})
+            if time.monotonic() - self._last_persist >= self.persist_every:
+                self._last_persist = time.monotonic()
+                self._persist(job)
+
+    def _commit(self, job: Job, result: Any) -> None:
+        """Write the learned weights (the task's commit point), then mark the job succeeded."""
+        try:
+            metrics = dict(getattr(result, "metrics", {}) or {})
+            source = {"job_id": job.id, "n_examples": job.n_examples, "method": job.method}
+            if result.kind == "routing":
+                self.store.put_routing(job.task, result.tensors["logits"], method=job.method,
+                                       source=source, metrics=metrics, job_id=job.id)
+            else:
+                self.store.put_lora(job.task, result.tensors, method=job.method,
+                                    source=source, metrics=metrics, job_id=job.id)
+        except Exception as err:
+            log.exception("job %s could not store its result", job.id)
+            with self._lock:
+                self._current = None
+                self._finish(job, "failed", error={"type": "store_error", "message": str(err)})
+            return
+        with self._lock:
+            job.metrics.update({k: v for k, v in metrics.items() if isinstance(v, int | float)})
+            self._current = None
+            self._finish(job, "succeeded")
+
+    def _finish(self, job: Job, status: str, error: dict[str, str] | None = None) -> None:
+        """Terminal transition (caller holds self._lock): persist, fix the registry, release."""
+        job.transition(status, error=error)  # type: ignore[arg-type]
+        self._persist(job)
+        self._cancel_requested.discard(job.id)
+        if status != "succeeded":
+            _mark_task_not_ready(self.store, job, status, error)
+        self._release_lock(job.id)
+        self.on_task_changed(job.task)
+        self.on_job_finished(job)
+
+    # -- start-up -----------------------------------------------------------------------------
+    def recover(self) -> list[str]:
+        """Mark every unfinished job whose owner process is gone as failed ("interrupted")."""
+        recovered = []
+        for data in self.store.list_jobs():
+            job = Job.from_json(data)
+            if job.finished or job.id in self._jobs:
+                continue
+            try:
+                with open(self.store.job_lock_path(job.id), "a+") as f:
+                    fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)  # a live owner would hold it
+                    if job.status == "queued":
+                        job.transition("failed", error={"type": "interrupted", "message": "interrupted: the server stopped before the job ran"})
+                    else:
+                        job.transition("failed", error={"type": "interrupted", "message": "interrupted: the server stopped while the job was running"})
+                    self._persist(job)
+                    _mark_task_not_ready(self.store, job, "failed", job.error)
+                    fcntl.flock(f, fcntl.LOCK_UN)
+            except BlockingIOError:
+                continue  # another live replica runs it
+            self.store.job_lock_path(job.id).unlink(missing_ok=True)
+            recovered.append(job.id)
+            self.on_task_changed(job.task)
+        return recovered
+
+
+def _mark_task_not_ready(store: Store, job: Job, status: str, error: dict[str, str] | None) -> None:
+    """A cancelled job removes its placeholder task; a failed one leaves it "failed" with the error."""
+    try:
+        record = store.get_task(job.task)
+    except TaskNotFound:
+        return
+    if record.job_id != job.id or record.status == "ready":
+        return  # the task belongs to another job now, or was committed: leave it
+    if status == "cancelled":
+        store.delete_task(job.task)
+    else:
+        from dataclasses import replace
+
+        store.put_record(replace(record, status="failed", updated_at=time.time(),
+                                 error=(error or {}).get("message")))

@@ -1,0 +1,162 @@
+"""The job runner's state machine and persistence, with a scripted adaptation (no model)."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+
+import pytest
+import torch
+
+from adapters_store.spec import InventorySpec
+from adapters_store.store import Store
+from server.jobs.model import IllegalTransition, Job
+from server.jobs.runner import JobRunner
+
+
+@dataclass
+class FakeResult:
+    kind: str = "routing"
+    tensors: dict = field(default_factory=lambda: {"logits": torch.ones(1, 1, 2)})
+    metrics: dict = field(default_factory=lambda: {"exact_match": 0.75})
+
+
+class FakeAdaptation:
+    def __init__(self, steps: int, progress, fail_at: int | None = None) -> None:
+        self.steps, self.progress, self.fail_at, self.done, self.cancelled = steps, progress, fail_at, 0, False
+
+    def step(self) -> bool:
+        if self.fail_at is not None and self.done == self.fail_at:
+            raise RuntimeError("loss became NaN")
+        self.done += 1
+        self.progress({"step": self.done, "steps": self.steps, "loss": 1.0 / self.done})
+        return self.done < self.steps
+
+    def cancel(self) -> None:
+        self.cancelled = True
+
+    def result(self) -> FakeResult:
+        return FakeResult()
+
+
+@pytest.fixture
+def store(tmp_path) -> Store:
+    s = Store(tmp_path / "store")
+    s.save_inventory(InventorySpec(n_skills=2, n_heads=1, rank=1, target_modules=("q",)), ["m.q"], [(2, 2)],
+                     {"m.q.A": torch.zeros(1, 2, 2, 1), "m.q.B": torch.zeros(1, 2, 1, 2)}, backbone_fingerprint="fp")
+    return s
+
+
+def make_runner(store, fail_at=None, steps=3, changed=None, finished=None):
+    made = []
+
+    def factory(job, examples, progress):
+        assert examples == [{"input": "a", "output": "b"}]
+        made.append(FakeAdaptation(steps, progress, fail_at))
+        return made[-1]
+
+    runner = JobRunner(store, factory, replica_id="r1", persist_every=0.0,
+                       on_task_changed=(changed.append if changed is not None else lambda t: None),
+                       on_job_finished=(finished.append if finished is not None else lambda j: None))
+    return runner, made
+
+
+EXAMPLES = [{"input": "a", "output": "b"}]
+
+
+def run_to_end(runner: JobRunner, limit: int = 100) -> int:
+    n = 0
+    while runner.step():
+        n += 1
+        assert n < limit
+    return n
+
+
+def test_job_succeeds_and_commits_the_routing(store):
+    changed, finished = [], []
+    runner, _ = make_runner(store, changed=changed, finished=finished)
+    job = runner.submit("new-task", EXAMPLES, method="routing", steps=3, seed=0)
+    assert job.status == "queued"
+    assert store.get_task("new-task").status == "training"
+    assert store.get_task("new-task").job_id == job.id
+    assert run_to_end(runner) == 3
+    done = runner.get(job.id)
+    assert done.status == "succeeded" and done.progress == 1.0 and done.metrics["exact_match"] == 0.75
+    assert done.started_at and done.finished_at and done.finished_at >= done.started_at
+    record = store.get_task("new-task")
+    assert record.status == "ready" and record.job_id == job.id
+    assert torch.equal(store.load_routing("new-task"), torch.ones(1, 1, 2))
+    assert Job.from_json(store.get_job(job.id)).status == "succeeded"  # persisted
+    assert "new-task" in changed and [j.status for j in finished] == ["succeeded"]
+    assert not store.job_lock_path(job.id).exists()
+
+
+def test_failure_is_recorded_with_a_clear_error(store):
+    runner, _ = make_runner(store, fail_at=1)
+    job = runner.submit("t", EXAMPLES, method="routing", steps=3, seed=0)
+    run_to_end(runner)
+    failed = runner.get(job.id)
+    assert failed.status == "failed" and "NaN" in failed.error["message"]
+    assert store.get_task("t").status == "failed"
+
+
+def test_cancel_running_and_queued(store):
+    runner, made = make_runner(store, steps=50)
+    first = runner.submit("t1", EXAMPLES, method="routing", steps=50, seed=0)
+    second = runner.submit("t2", EXAMPLES, method="routing", steps=50, seed=0)
+    runner.step()
+    runner.step()
+    assert runner.get(first.id).status == "running"
+    assert runner.cancel(second.id).status == "cancelled"  # queued: at once
+    assert not store.has_task("t2")
+    runner.cancel(first.id)
+    runner.step()
+    assert runner.get(first.id).status == "cancelled" and made[0].cancelled
+    assert not store.has_task("t1")
+    assert runner.step() is False
+
+
+def test_illegal_transitions_raise():
+    job = Job(id="job-abcdef", task="t", method="routing")
+    job.transition("running")
+    job.transition("succeeded")
+    with pytest.raises(IllegalTransition):
+        job.transition("running")
+    assert job.transition("succeeded") is False
+
+
+def test_recover_marks_orphaned_jobs_interrupted(store):
+    runner, _ = make_runner(store, steps=10)
+    job = runner.submit("t", EXAMPLES, method="routing", steps=10, seed=0)
+    runner.step()
+    runner.step()  # running, persisted
+    # "crash": the process dies; its flock vanishes with it. Simulate by dropping the runner's lock.
+    runner._release_lock(job.id)
+    fresh, _ = make_runner(store)
+    assert fresh.recover() == [job.id]
+    after = fresh.get(job.id)
+    assert after.status == "failed" and after.error["type"] == "interrupted"
+    assert store.get_task("t").status == "failed"
+    assert fresh.recover() == []
+
+
+def test_recover_leaves_jobs_of_a_live_replica_alone(store):
+    job = Job(id="job-live01", task="t", method="routing", status="running")
+    store.put_job(job.to_json())
+    lock = store.job_lock_path(job.id)
+    holder = subprocess.Popen([sys.executable, "-c",
+        f"import fcntl,time;f=open({str(lock)!r},'a+');fcntl.flock(f,fcntl.LOCK_EX);print('locked',flush=True);time.sleep(30)"],
+        stdout=subprocess.PIPE, text=True)
+    try:
+        assert holder.stdout.readline().strip() == "locked"
+        runner, _ = make_runner(store)
+        assert runner.recover() == []
+        assert Job.from_json(store.get_job(job.id)).status == "running"
+    finally:
+        holder.kill()
+        holder.wait()
+    time.sleep(0.05)
+    runner, _ = make_runner(store)
+    assert runner.recover() == [job.id]
