@@ -49,8 +49,10 @@ class Job:
     def finished(self) -> bool:
         return self.status in TERMINAL
 
-    def add_event(self, kind: str, message: str, **data: Any) -> None:
-        self.events.append({"time": time.time(), "type": kind, "message": message, **data})
+    def add_event(self, kind: str, message: str, level: str = "info", **data: Any) -> None:
+        """OpenAI fine-tuning style event: created_at, level, type, message, data."""
+        self.events.append({"created_at": time.time(), "level": level, "type": kind,
+                            "message": message, "data": data})
         del self.events[:-MAX_EVENTS]
 
     def transition(self, status: JobStatus, *, error: dict[str, str] | None = None) -> bool:
@@ -68,7 +70,8 @@ class Job:
         if status == "succeeded":
             self.progress = 1.0
         self.error = error
-        self.add_event("status", f"job {status}" + (f": {error['message']}" if error else ""))
+        self.add_event("status", f"job {status}" + (f": {error['message']}" if error else ""),
+                       level="error" if status == "failed" else "info", status=status)
         return True
 
     def to_json(self) -> dict[str, Any]:

@@ -1,0 +1,281 @@
+"""Client-side CLI commands, mounted by the root ``polyserve`` group (server/cli.py).
+
+``generate``, ``register``, ``tasks list|show`` and ``jobs show|cancel`` talk to a running server
+over HTTP.  Every command takes ``--url`` (env ``POLYSERVE_URL``), ``--api-key`` (env
+``POLYSERVE_API_KEY``) and ``--json``.  Errors print one line on stderr and exit non-zero.
+
+Tests swap :data:`_client_factory` for one that builds a client over a mock transport.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import sys
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+import click
+
+from . import _format as fmt
+from ._core import DEFAULT_URL, METHODS
+from .errors import Conflict, ConnectionFailed, InvalidInput, PolyserveError, Unauthorized
+from .sync import PolyserveClient
+from .types import Job
+
+__all__ = ["generate", "jobs", "register", "tasks"]
+
+_client_factory: Callable[..., PolyserveClient] = PolyserveClient
+"""Builds the client from ``base_url=`` and ``api_key=``; replaced by tests."""
+
+
+def _common(func: Callable[..., Any]) -> Callable[..., Any]:
+    """Add ``--url``, ``--api-key`` and ``--json`` to a command."""
+    options = [
+        click.option(
+            "--url",
+            envvar="POLYSERVE_URL",
+            default=DEFAULT_URL,
+            show_default=True,
+            help="Server URL (env POLYSERVE_URL).",
+        ),
+        click.option(
+            "--api-key",
+            envvar="POLYSERVE_API_KEY",
+            default=None,
+            help="Bearer API key (env POLYSERVE_API_KEY).",
+        ),
+        click.option("--json", "as_json", is_flag=True, help="Machine-readable JSON output."),
+    ]
+    return functools.reduce(lambda f, opt: opt(f), reversed(options), func)
+
+
+@contextmanager
+def _session(url: str, api_key: str | None) -> Iterator[PolyserveClient]:
+    """A client whose errors become one-line CLI errors (exit 1; bad input exits 2)."""
+    try:
+        with _client_factory(base_url=url, api_key=api_key) as client:
+            yield client
+    except InvalidInput as exc:
+        raise click.UsageError(str(exc)) from None
+    except ConnectionFailed as exc:
+        raise click.ClickException(f"cannot reach the server at {url} ({exc.message})") from None
+    except Unauthorized as exc:
+        raise click.ClickException(f"{exc} (pass --api-key or set POLYSERVE_API_KEY)") from None
+    except Conflict as exc:
+        hint = f" (job {exc.job_id}: see `polyserve jobs show {exc.job_id}`)" if exc.job_id else ""
+        raise click.ClickException(f"{exc}{hint}") from None
+    except PolyserveError as exc:
+        raise click.ClickException(str(exc)) from None
+    except TimeoutError as exc:
+        raise click.ClickException(str(exc)) from None
+
+
+def _echo_json(value: Any) -> None:
+    click.echo(fmt.to_json(value))
+
+
+# ---- generate -----------------------------------------------------------------------------------
+
+
+@click.command()
+@click.option("--task", required=True, help="Task id (or `base` for the plain backbone).")
+@click.argument("prompt")
+@click.option("--max-new-tokens", type=click.IntRange(min=1), default=None, help="[server default: 64]")
+@click.option("--temperature", type=click.FloatRange(min=0.0), default=None, help="0 = greedy.")
+@click.option("--top-p", type=click.FloatRange(0.0, 1.0), default=None)
+@click.option("--top-k", type=click.IntRange(min=0), default=None)
+@click.option("--stop", multiple=True, help="Stop string (repeatable).")
+@click.option("--seed", type=int, default=None)
+@click.option("--stream", is_flag=True, help="Print the text as it is generated.")
+@_common
+def generate(
+    task: str,
+    prompt: str,
+    max_new_tokens: int | None,
+    temperature: float | None,
+    top_p: float | None,
+    top_k: int | None,
+    stop: tuple[str, ...],
+    seed: int | None,
+    stream: bool,
+    url: str,
+    api_key: str | None,
+    as_json: bool,
+) -> None:
+    """Generate text for PROMPT with a task's adapter."""
+    params = {
+        "max_new_tokens": max_new_tokens,
+        "temperature": temperature,
+        "top_p": top_p,
+        "top_k": top_k,
+        "stop": list(stop) or None,
+        "seed": seed,
+    }
+    with _session(url, api_key) as client:
+        if not stream:
+            result = client.generate(task, prompt, **params)
+            _echo_json(result.raw) if as_json else click.echo(result.text)
+            return
+        for chunk in client.generate_stream(task, prompt, **params):
+            if as_json:
+                click.echo(json.dumps(chunk.raw, ensure_ascii=False))
+            else:
+                click.echo(chunk.text, nl=False)
+                sys.stdout.flush()
+        if not as_json:
+            click.echo()
+
+
+# ---- register -----------------------------------------------------------------------------------
+
+
+@click.command()
+@click.option("--task", required=True, help="Id of the new task.")
+@click.option(
+    "--examples",
+    "examples_path",
+    required=True,
+    type=click.Path(exists=True, dir_okay=False, path_type=Path),
+    help='JSONL file, one {"input": str, "output": str} a line.',
+)
+@click.option("--method", type=click.Choice(METHODS), default="routing", show_default=True)
+@click.option("--steps", type=click.IntRange(min=1), default=None, help="Training steps [server default].")
+@click.option("--seed", type=int, default=None)
+@click.option(
+    "--wait/--no-wait",
+    default=False,
+    show_default=True,
+    help="Show a progress bar until the job ends, then its metrics.",
+)
+@click.option(
+    "--poll-interval",
+    type=click.FloatRange(min=0.0),
+    default=1.0,
+    show_default=True,
+    help="Seconds between polls with --wait.",
+)
+@_common
+def register(
+    task: str,
+    examples_path: Path,
+    method: str,
+    steps: int | None,
+    seed: int | None,
+    wait: bool,
+    poll_interval: float,
+    url: str,
+    api_key: str | None,
+    as_json: bool,
+) -> None:
+    """Register a task from examples: starts a training job on the server."""
+    with _session(url, api_key) as client:
+        job = client.register_task(task, jsonl_path=examples_path, method=method, steps=steps, seed=seed)
+        if not wait:
+            if as_json:
+                _echo_json(job.raw)
+            else:
+                click.echo(f"job {job.id} {job.status} for task {job.task or task}")
+                click.echo(f"follow it with: polyserve jobs show {job.id}")
+            return
+        job = _wait_with_progress(client, job, poll_interval, show_bar=not as_json)
+    if as_json:
+        _echo_json(job.raw)
+    else:
+        click.echo(fmt.job_details(job))
+    if not job.succeeded:
+        raise click.exceptions.Exit(1)
+
+
+def _wait_with_progress(client: PolyserveClient, job: Job, poll_interval: float, show_bar: bool) -> Job:
+    """Poll ``job`` to its end, drawing a tqdm bar on stderr; Ctrl-C stops waiting, not the job."""
+    from tqdm import tqdm
+
+    bar = tqdm(
+        total=100,
+        unit="%",
+        desc=f"{job.task} [{job.status}]",
+        file=sys.stderr,
+        disable=not show_bar,
+        bar_format="{desc}: {percentage:3.0f}%|{bar}| {elapsed}{postfix}",
+    )
+
+    def on_progress(state: Job) -> None:
+        bar.set_description_str(f"{state.task or job.task} [{state.status}]", refresh=False)
+        numbers = {k: v for k, v in state.metrics.items() if isinstance(v, int | float)}
+        bar.set_postfix({k: numbers[k] for k in list(numbers)[:3]}, refresh=False)
+        bar.n = round(state.progress * 100)
+        bar.refresh()  # once per poll: status and metrics can change while progress does not
+
+    try:
+        return client.wait_for_job(job.id, poll_interval=poll_interval, on_progress=on_progress)
+    except KeyboardInterrupt:
+        click.echo(f"stopped waiting; job {job.id} goes on (polyserve jobs cancel {job.id})", err=True)
+        raise click.exceptions.Exit(130) from None
+    finally:
+        bar.close()
+
+
+# ---- tasks, jobs --------------------------------------------------------------------------------
+
+
+@click.group()
+def tasks() -> None:
+    """List and inspect registered tasks."""
+
+
+@tasks.command("list")
+@_common
+def tasks_list(url: str, api_key: str | None, as_json: bool) -> None:
+    """List the tasks the server knows."""
+    with _session(url, api_key) as client:
+        found = client.list_tasks()
+    if as_json:
+        _echo_json([t.raw for t in found])
+    else:
+        click.echo(fmt.tasks_table(found) if found else "no tasks")
+
+
+@tasks.command("show")
+@click.argument("task_id")
+@_common
+def tasks_show(task_id: str, url: str, api_key: str | None, as_json: bool) -> None:
+    """Show one task."""
+    with _session(url, api_key) as client:
+        task = client.get_task(task_id)
+    _echo_json(task.raw) if as_json else click.echo(fmt.task_details(task))
+
+
+@click.group()
+def jobs() -> None:
+    """Inspect and cancel training jobs."""
+
+
+@jobs.command("show")
+@click.argument("job_id")
+@click.option("--events", is_flag=True, help="Also list the job's events.")
+@_common
+def jobs_show(job_id: str, events: bool, url: str, api_key: str | None, as_json: bool) -> None:
+    """Show a job: status, progress, metrics, error."""
+    with _session(url, api_key) as client:
+        job = client.get_job(job_id)
+        log = client.job_events(job_id) if events else []
+    if as_json:
+        _echo_json({**job.raw, "events": [e.raw for e in log]} if events else job.raw)
+        return
+    click.echo(fmt.job_details(job))
+    if events:
+        rows = [(fmt.fmt_time(e.created_at), e.level, e.message) for e in log]
+        click.echo("events:\n" + (fmt.table(["time", "level", "message"], rows) if rows else "(none)"))
+
+
+@jobs.command("cancel")
+@click.argument("job_id")
+@_common
+def jobs_cancel(job_id: str, url: str, api_key: str | None, as_json: bool) -> None:
+    """Cancel a queued or running job."""
+    with _session(url, api_key) as client:
+        job = client.cancel_job(job_id)
+    _echo_json(job.raw) if as_json else click.echo(f"job {job.id}: {job.status}")

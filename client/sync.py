@@ -1,0 +1,219 @@
+"""Blocking client for the polyserve HTTP API (see shared/docs/contract.md)."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Iterator
+from os import PathLike
+from types import TracebackType
+from typing import Any, Self
+
+import httpx
+
+from . import _core
+from ._core import DEFAULT_URL, RequestSpec
+from ._sse import ChunkParser
+from .errors import error_from_response
+from .types import Generation, Job, JobEvent, StreamChunk, Task
+
+__all__ = ["PolyserveClient"]
+
+
+class PolyserveClient:
+    """Talks to one polyserve server (or a load balancer in front of several).
+
+    Answers 429 and 503 are retried up to ``max_retries`` times, waiting for the server's
+    ``Retry-After`` when it sends one and ``backoff * 2**attempt`` seconds otherwise; connection
+    failures are retried the same way (any transport error, for GETs).  Then the typed error from
+    :mod:`client.errors` is raised.  ``sleep`` and ``clock`` are injectable for tests.
+
+    >>> with PolyserveClient() as c:                                        # doctest: +SKIP
+    ...     print(c.generate("sentiment", "great movie!").text)
+    """
+
+    def __init__(
+        self,
+        base_url: str = DEFAULT_URL,
+        api_key: str | None = None,
+        timeout: float | None = 60.0,
+        max_retries: int = 3,
+        backoff: float = 0.5,
+        transport: httpx.BaseTransport | None = None,
+        *,
+        sleep: Callable[[float], None] = time.sleep,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self.settings = _core.ClientSettings(base_url, api_key, timeout, max_retries, backoff)
+        self._http = httpx.Client(transport=transport, **self.settings.http_kwargs())
+        self._sleep = sleep
+        self._clock = clock
+
+    # ---- plumbing -------------------------------------------------------------------------------
+
+    def _send(self, spec: RequestSpec) -> httpx.Response:
+        """Send ``spec`` with retries; return the successful response or raise the typed error."""
+        attempt = 0
+        while True:
+            try:
+                response = self._http.request(spec.method, spec.path, json=spec.json, params=spec.params)
+            except httpx.TransportError as exc:
+                delay = self._delay(attempt, spec, exc=exc)
+                if delay is None:
+                    raise _core.connection_failed(exc, spec) from exc
+            else:
+                if response.is_success:
+                    return response
+                delay = self._delay(attempt, spec, response=response)
+                if delay is None:
+                    raise error_from_response(response)
+            self._sleep(delay)
+            attempt += 1
+
+    def _delay(self, attempt: int, spec: RequestSpec, **why: Any) -> float | None:
+        s = self.settings
+        return _core.retry_delay(attempt, s.max_retries, s.backoff, spec, **why)
+
+    def _json(self, spec: RequestSpec) -> Any:
+        return _core.json_body(self._send(spec))
+
+    def _stream(self, spec: RequestSpec) -> Iterator[StreamChunk]:
+        attempt = 0
+        while True:
+            try:
+                with self._http.stream(
+                    spec.method, spec.path, json=spec.json, headers={"Accept": "text/event-stream"}
+                ) as response:
+                    if response.is_success:
+                        parser = ChunkParser()
+                        for line in response.iter_lines():
+                            yield from parser.feed(line)
+                            if parser.done:
+                                return
+                        yield from parser.close()
+                        return
+                    response.read()
+                    delay = self._delay(attempt, spec, response=response)
+                    if delay is None:
+                        raise error_from_response(response)
+            except httpx.TransportError as exc:
+                # Only a failed connect is retried for this POST: nothing was yielded before it.
+                delay = self._delay(attempt, spec, exc=exc)
+                if delay is None:
+                    raise _core.connection_failed(exc, spec) from exc
+            self._sleep(delay)
+            attempt += 1
+
+    # ---- generation -----------------------------------------------------------------------------
+
+    def generate(self, task: str, prompt: str, **params: Any) -> Generation:
+        """``POST /v1/generate``: ``params`` are max_new_tokens, temperature, top_p, top_k, stop, seed."""
+        return _core.parse_generation(self._json(_core.generate_request(task, prompt, params, stream=False)))
+
+    def generate_stream(self, task: str, prompt: str, **params: Any) -> Iterator[StreamChunk]:
+        """Stream ``POST /v1/generate``: yields chunks of new text, the last with finish_reason/usage."""
+        return self._stream(_core.generate_request(task, prompt, params, stream=True))
+
+    def completions(self, model: str, prompt: str | list[str], **params: Any) -> dict[str, Any]:
+        """OpenAI-compatible ``POST /v1/completions`` (``model`` = task id or ``base``)."""
+        spec = _core.openai_request("/v1/completions", "prompt", prompt, model, params)
+        return _core.json_object(self._json(spec))
+
+    def chat(self, model: str, messages: list[dict[str, Any]], **params: Any) -> dict[str, Any]:
+        """OpenAI-compatible ``POST /v1/chat/completions``."""
+        spec = _core.openai_request("/v1/chat/completions", "messages", messages, model, params)
+        return _core.json_object(self._json(spec))
+
+    def models(self) -> list[dict[str, Any]]:
+        """``GET /v1/models``: the OpenAI model objects (one per ready task, plus ``base``)."""
+        return _core.data_list(self._json(RequestSpec("GET", "/v1/models")))
+
+    # ---- tasks and jobs -------------------------------------------------------------------------
+
+    def list_tasks(self) -> list[Task]:
+        return _core.parse_tasks(self._json(RequestSpec("GET", "/v1/tasks")))
+
+    def get_task(self, task: str) -> Task:
+        return Task.from_json(self._json(RequestSpec("GET", _core.task_path(task))))
+
+    def delete_task(self, task: str) -> None:
+        self._send(RequestSpec("DELETE", _core.task_path(task)))
+
+    def register_task(
+        self,
+        task: str,
+        examples: list[dict[str, Any]] | None = None,
+        *,
+        jsonl_path: str | PathLike[str] | None = None,
+        method: str = "routing",
+        steps: int | None = None,
+        seed: int | None = None,
+    ) -> Job:
+        """``POST /v1/tasks``: start a job that trains ``task`` from examples (a list or a JSONL file).
+
+        Examples are validated locally first (non-empty; ``input`` and ``output`` are strings).
+        """
+        spec = _core.register_request(task, examples, jsonl_path, method, steps, seed)
+        return _core.parse_job(self._json(spec))
+
+    def get_job(self, job_id: str) -> Job:
+        return _core.parse_job(self._json(RequestSpec("GET", _core.job_path(job_id))))
+
+    def job_events(self, job_id: str) -> list[JobEvent]:
+        return _core.parse_events(self._json(RequestSpec("GET", _core.job_path(job_id, "/events"))))
+
+    def cancel_job(self, job_id: str) -> Job:
+        return _core.parse_job(self._json(RequestSpec("POST", _core.job_path(job_id, "/cancel"))))
+
+    def wait_for_job(
+        self,
+        job_id: str,
+        poll_interval: float = 0.5,
+        timeout: float | None = None,
+        on_progress: Callable[[Job], None] | None = None,
+    ) -> Job:
+        """Poll the job until it succeeds, fails or is cancelled; return its final state.
+
+        ``on_progress`` is called with every polled state.  Raises ``TimeoutError`` after
+        ``timeout`` seconds (the job goes on on the server).
+        """
+        deadline = None if timeout is None else self._clock() + timeout
+        while True:
+            job = self.get_job(job_id)
+            if on_progress is not None:
+                on_progress(job)
+            delay = _core.poll_delay(job, deadline, self._clock(), poll_interval)
+            if delay is None:
+                return job
+            self._sleep(delay)
+
+    # ---- health ---------------------------------------------------------------------------------
+
+    def health(self) -> dict[str, Any]:
+        """``GET /health`` (liveness)."""
+        body = self._json(RequestSpec("GET", "/health"))
+        return body if isinstance(body, dict) else {"status": body}
+
+    def ready(self) -> bool:
+        """``GET /ready``, asked once: True when the backbone is loaded and warm; False when the
+        server answers 503 or cannot be reached."""
+        try:
+            response = self._http.get("/ready")
+        except httpx.TransportError:
+            return False
+        ok = _core.ready_from_status(response.status_code)
+        if ok is None:
+            raise error_from_response(response)
+        return ok
+
+    # ---- lifecycle ------------------------------------------------------------------------------
+
+    def close(self) -> None:
+        self._http.close()
+
+    def __enter__(self) -> Self:
+        return self
+
+    def __exit__(
+        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        self.close()

@@ -1,0 +1,268 @@
+"""Typed, immutable views of the server's JSON responses.
+
+Every type has a ``from_json`` classmethod that ignores fields it does not know (the server may add
+fields at any time) and keeps the whole object in ``raw``, so nothing the server sent is lost.
+Timestamps are normalised to Unix seconds (``float``), whether the server sends numbers or
+ISO-8601 strings.
+"""
+
+from __future__ import annotations
+
+import datetime as _dt
+from dataclasses import dataclass, field
+from typing import Any, Literal, Self
+
+__all__ = [
+    "TERMINAL_JOB_STATUSES",
+    "ErrorInfo",
+    "Generation",
+    "Job",
+    "JobEvent",
+    "StreamChunk",
+    "Task",
+    "Usage",
+]
+
+FinishReason = Literal["stop", "length", "cancelled"]
+JobStatus = Literal["queued", "running", "succeeded", "failed", "cancelled"]
+TERMINAL_JOB_STATUSES: frozenset[str] = frozenset({"succeeded", "failed", "cancelled"})
+
+
+def _obj(data: Any, what: str) -> dict[str, Any]:
+    if not isinstance(data, dict):
+        raise TypeError(f"expected a JSON object for {what}, got {type(data).__name__}")
+    return data
+
+
+def _str(value: Any, default: str = "") -> str:
+    return default if value is None else str(value)
+
+
+def _opt_str(value: Any) -> str | None:
+    return None if value is None else str(value)
+
+
+def _int(value: Any, default: int = 0) -> int:
+    try:
+        return int(value)
+    except (TypeError, ValueError):
+        return default
+
+
+def _float(value: Any, default: float = 0.0) -> float:
+    try:
+        return float(value)
+    except (TypeError, ValueError):
+        return default
+
+
+def _timestamp(value: Any) -> float | None:
+    """Unix seconds from a number or an ISO-8601 string; ``None`` when absent or unreadable."""
+    if value is None or isinstance(value, bool):
+        return None
+    if isinstance(value, int | float):
+        return float(value)
+    if isinstance(value, str):
+        try:
+            return float(value)
+        except ValueError:
+            pass
+        try:
+            parsed = _dt.datetime.fromisoformat(value)
+        except ValueError:
+            return None
+        if parsed.tzinfo is None:
+            parsed = parsed.replace(tzinfo=_dt.UTC)
+        return parsed.timestamp()
+    return None
+
+
+@dataclass(frozen=True)
+class Usage:
+    """Token counts of one generation."""
+
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+
+    @property
+    def total_tokens(self) -> int:
+        return self.prompt_tokens + self.completion_tokens
+
+    @classmethod
+    def from_json(cls, data: Any) -> Self:
+        data = _obj(data, "usage")
+        return cls(_int(data.get("prompt_tokens")), _int(data.get("completion_tokens")))
+
+
+@dataclass(frozen=True)
+class ErrorInfo:
+    """The ``{"type", "message"}`` error a failed job carries."""
+
+    type: str
+    message: str
+
+    @classmethod
+    def from_json(cls, data: Any) -> Self:
+        if isinstance(data, str):
+            return cls("error", data)
+        data = _obj(data, "error")
+        return cls(_str(data.get("type"), "error"), _str(data.get("message")))
+
+
+@dataclass(frozen=True)
+class Generation:
+    """The answer of ``POST /v1/generate``."""
+
+    id: str
+    task: str
+    text: str
+    finish_reason: str | None
+    usage: Usage
+    raw: dict[str, Any] = field(default_factory=dict, repr=False, compare=False)
+
+    @classmethod
+    def from_json(cls, data: Any) -> Self:
+        data = _obj(data, "generation")
+        usage = data.get("usage")
+        return cls(
+            id=_str(data.get("id")),
+            task=_str(data.get("task")),
+            text=_str(data.get("text")),
+            finish_reason=_opt_str(data.get("finish_reason")),
+            usage=Usage.from_json(usage) if isinstance(usage, dict) else Usage(),
+            raw=data,
+        )
+
+
+@dataclass(frozen=True)
+class StreamChunk:
+    """One Server-Sent Event of a streamed generation: new ``text``; the last one has
+    ``finish_reason`` and ``usage``."""
+
+    id: str
+    task: str
+    text: str
+    finish_reason: str | None = None
+    usage: Usage | None = None
+    raw: dict[str, Any] = field(default_factory=dict, repr=False, compare=False)
+
+    @property
+    def is_final(self) -> bool:
+        return self.finish_reason is not None
+
+    @classmethod
+    def from_json(cls, data: Any) -> Self:
+        data = _obj(data, "stream chunk")
+        usage = data.get("usage")
+        return cls(
+            id=_str(data.get("id")),
+            task=_str(data.get("task")),
+            text=_str(data.get("text")),
+            finish_reason=_opt_str(data.get("finish_reason")),
+            usage=Usage.from_json(usage) if isinstance(usage, dict) else None,
+            raw=data,
+        )
+
+
+@dataclass(frozen=True)
+class Task:
+    """A registered task (``GET /v1/tasks/{task}``)."""
+
+    id: str
+    status: str
+    method: str | None = None
+    version: int | str | None = None
+    created_at: float | None = None
+    params: int | None = None
+    raw: dict[str, Any] = field(default_factory=dict, repr=False, compare=False)
+
+    @property
+    def ready(self) -> bool:
+        return self.status == "ready"
+
+    @classmethod
+    def from_json(cls, data: Any) -> Self:
+        data = _obj(data, "task")
+        version = data.get("version")
+        params = data.get("params")
+        return cls(
+            id=_str(data.get("id", data.get("task"))),
+            status=_str(data.get("status"), "unknown"),
+            method=_opt_str(data.get("method")),
+            version=version if isinstance(version, int | str) and not isinstance(version, bool) else None,
+            created_at=_timestamp(data.get("created_at")),
+            params=_int(params) if params is not None else None,
+            raw=data,
+        )
+
+
+@dataclass(frozen=True)
+class Job:
+    """A training job registering a task (shaped after OpenAI fine-tuning jobs)."""
+
+    id: str
+    task: str
+    status: str
+    created_at: float | None = None
+    started_at: float | None = None
+    finished_at: float | None = None
+    progress: float = 0.0
+    metrics: dict[str, Any] = field(default_factory=dict)
+    error: ErrorInfo | None = None
+    raw: dict[str, Any] = field(default_factory=dict, repr=False, compare=False)
+
+    @property
+    def done(self) -> bool:
+        """Whether the job reached a terminal status (succeeded, failed or cancelled)."""
+        return self.status in TERMINAL_JOB_STATUSES
+
+    @property
+    def succeeded(self) -> bool:
+        return self.status == "succeeded"
+
+    @classmethod
+    def from_json(cls, data: Any) -> Self:
+        data = _obj(data, "job")
+        metrics = data.get("metrics")
+        error = data.get("error")
+        return cls(
+            id=_str(data.get("id")),
+            task=_str(data.get("task")),
+            status=_str(data.get("status"), "unknown"),
+            created_at=_timestamp(data.get("created_at")),
+            started_at=_timestamp(data.get("started_at")),
+            finished_at=_timestamp(data.get("finished_at")),
+            progress=min(1.0, max(0.0, _float(data.get("progress")))),
+            metrics=dict(metrics) if isinstance(metrics, dict) else {},
+            error=ErrorInfo.from_json(error) if isinstance(error, dict | str) and error else None,
+            raw=data,
+        )
+
+
+@dataclass(frozen=True)
+class JobEvent:
+    """One entry of ``GET /v1/jobs/{id}/events`` (shaped after OpenAI fine-tuning job events)."""
+
+    message: str
+    created_at: float | None = None
+    level: str = "info"
+    type: str | None = None
+    id: str | None = None
+    data: dict[str, Any] = field(default_factory=dict)
+    raw: dict[str, Any] = field(default_factory=dict, repr=False, compare=False)
+
+    @classmethod
+    def from_json(cls, data: Any) -> Self:
+        if isinstance(data, str):
+            return cls(message=data, raw={"message": data})
+        data = _obj(data, "job event")
+        payload = data.get("data")
+        return cls(
+            message=_str(data.get("message", data.get("event"))),
+            created_at=_timestamp(data.get("created_at", data.get("time"))),
+            level=_str(data.get("level"), "info"),
+            type=_opt_str(data.get("type")),
+            id=_opt_str(data.get("id")),
+            data=dict(payload) if isinstance(payload, dict) else {},
+            raw=data,
+        )
