@@ -1,0 +1,12 @@
+"""polyserve's HTTP server: many routed-LoRA tasks over one frozen backbone.
+
+    app.py            create_app(settings): thin FastAPI shell, lifespan builds the Runtime
+    runtime.py        backbone + store + RoutedModel + adapter cache + task registry + engine
+    settings.py       Settings (POLYSERVE_* env)
+    routes/           one module per resource: generate, openai, tasks, health, metrics
+    generation.py     the request path shared by every generating endpoint
+    engine/           continuous batching in its own thread (batch, kv, lora_plan, sampling, detok)
+    adapters/         adapter cache tiers: L1 LRU (bytes), L2 Redis (safetensors), L3 compute
+    tasks.py          the task registry (store-backed; issue #5 adds create/delete/jobs)
+    metrics.py        Prometheus metrics (own registry per app)
+"""

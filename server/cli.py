@@ -40,3 +40,7 @@ for module_name, names in COMMANDS.items():
         command = getattr(module, attr, None)
         if isinstance(command, click.Command):
             main.add_command(command)
+
+
+if __name__ == "__main__":
+    main()

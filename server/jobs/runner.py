@@ -175,10 +175,10 @@ class JobRunner:
             steps = info.get("steps") or job.steps
             if steps:
                 job.progress = min(0.999, float(info.get("step", 0)) / float(steps))
-            job.metrics.update({k: v for k, v in info.items() if isinstance(v, int | float)})
-            if "eval_loss" in info or info.get("event"):
-                job.add_event("metrics", info.get("event", "eval"), **{k: v for k, v in info.items()
-                                                                       if isinstance(v, int | float | str)})
+            numbers = {k: v for k, v in info.items() if isinstance(v, int | float) and not isinstance(v, bool)}
+            job.metrics.update(numbers)
+            if info.get("phase") == "eval":
+                job.add_event("metrics", f"step {info.get('step')}: eval loss {info.get('eval_loss')}", **numbers)
             if time.monotonic() - self._last_persist >= self.persist_every:
                 self._last_persist = time.monotonic()
                 self._persist(job)
@@ -201,7 +201,8 @@ class JobRunner:
                 self._finish(job, "failed", error={"type": "store_error", "message": str(err)})
             return
         with self._lock:
-            job.metrics.update({k: v for k, v in metrics.items() if isinstance(v, int | float)})
+            job.metrics.update({k: v for k, v in metrics.items()
+                                if isinstance(v, int | float | str) and not isinstance(v, bool)})
             self._current = None
             self._finish(job, "succeeded")
 

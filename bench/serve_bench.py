@@ -1,0 +1,244 @@
+"""Serving benchmark: a mixed-task workload run side by side in ONE process against
+
+    (a) polyserve's engine (continuous batching, rows of all tasks in every forward)
+    (b) the same engine with adapters off (bare backbone: every row is `base`)
+    (c) PEFT's Poly model + transformers `generate`, static batches of mixed task_ids
+    (d) the same engine restricted to one task per batch (tasks served one after another)
+
+All requests arrive at t=0 (offline). Output lengths are fixed per request (EOS ignored) so every
+variant produces the same useful tokens; for (c) a batch runs until its longest request is done.
+Reports output tokens/s, TTFT and inter-token latency p50/p99, and the ratios.
+
+    .venv/bin/python bench/serve_bench.py --tasks 64 --requests 64 --threads 1
+
+With no shipped default inventory (training/default_inventory/inventory.json) the script builds
+a random inventory of the same shape (S=8, h=8, r=8, attention targets) in a temp store.
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import itertools
+import json
+import math
+import random
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from adapters_store.backbone import load_backbone
+from adapters_store.inject import RoutedModel
+from adapters_store.spec import ATTENTION_TARGETS, InventorySpec
+from adapters_store.store import Store
+from server.adapters.cache import AdapterCache
+from server.adapters.l1 import L1Cache
+from server.engine.engine import Engine
+from server.engine.request import FinalEvent, GenRequest, RequestHandle, SamplingParams
+from training.prompt import format_prompt
+
+WORDS = ["cat", "dog", "tree", "river", "stone", "cloud", "apple", "seven", "blue", "quick", "lamp", "music", "paper", "garden", "window", "orange", "silver", "market", "engine", "rabbit", "ocean", "winter", "bridge", "candle", "forest"]
+
+
+class TimedHandle(RequestHandle):
+    def __init__(self) -> None:
+        super().__init__(None)
+        self.times: list[float] = []
+
+    def push(self, event) -> None:  # type: ignore[override]
+        self.times.append(time.perf_counter())
+        super().push(event)
+
+
+def workload(n: int, tasks: list[str], out_min: int, out_max: int, seed: int,
+             dist: str = "uniform") -> list[tuple[str, str, int]]:
+    """(task, prompt, output length): prompts of 4-48 words; output lengths uniform or
+    log-uniform (heavy-tailed, like chat traffic: many short answers, a few long ones)."""
+    rng = random.Random(seed)
+    jobs = []
+    for _ in range(n):
+        words = " ".join(rng.choice(WORDS) for _ in range(rng.randint(4, 48)))
+        if dist == "loguniform":
+            out = round(math.exp(rng.uniform(math.log(out_min), math.log(out_max))))
+        else:
+            out = rng.randint(out_min, out_max)
+        jobs.append((rng.choice(tasks), format_prompt(words), out))
+    return jobs
+
+
+def pct(xs: list[float], q: float) -> float:
+    if not xs:
+        return float("nan")
+    xs = sorted(xs)
+    return xs[min(len(xs) - 1, round(q * (len(xs) - 1)))]
+
+
+def summary(name: str, wall: float, tokens: int, ttft: list[float], itl: list[float]) -> dict:
+    return {"variant": name, "wall_s": wall, "tokens": tokens, "tok_per_s": tokens / wall,
+            "ttft_p50": pct(ttft, 0.5), "ttft_p99": pct(ttft, 0.99),
+            "itl_p50": pct(itl, 0.5), "itl_p99": pct(itl, 0.99)}
+
+
+def build_inventory(bb, k: int, root: Path, seed: int):
+    """Random skills in PEFT Poly's layout (B non-zero) and k routing rows; returns the PEFT model too."""
+    import peft
+
+    spec = InventorySpec(n_skills=8, n_heads=8, rank=8, target_modules=ATTENTION_TARGETS)
+    config = peft.PolyConfig(task_type="CAUSAL_LM", r=spec.rank, n_tasks=k, n_skills=spec.n_skills,
+                             n_splits=spec.n_heads, target_modules=list(spec.target_modules), init_weights=False)
+    torch.manual_seed(seed)
+    pm = peft.get_peft_model(copy.deepcopy(bb.model), config).eval()
+    layers = {n[len("base_model.model."):]: m for n, m in pm.named_modules() if hasattr(m, "poly_lora_A")}
+    rm = RoutedModel(bb.model, spec)  # wraps bb.model in place
+    logits = []
+    with torch.no_grad():
+        for name in rm.names:
+            src = layers[name]
+            src.poly_lora_B["default"].normal_(0, 0.02)  # small: outputs stay fluent but differ per task
+            src.poly_router["default"].module_logits.normal_(0, 2)
+            logits.append(src.poly_router["default"].module_logits.view(k, spec.n_heads, spec.n_skills))
+        skills = {}
+        for name in rm.names:
+            skills[f"{name}.A"] = layers[name].poly_lora_A["default"].detach().clone()
+            skills[f"{name}.B"] = layers[name].poly_lora_B["default"].detach().clone()
+    rm.load_skills(skills)
+    store = Store(root)
+    store.save_inventory(spec, rm.names, rm.layer_dims(), skills, backbone_fingerprint=bb.fingerprint,
+                         backbone_name=bb.name, made_by={"method": "random-bench"})
+    table = torch.stack(logits, dim=1)  # (k, L, h, S)
+    tasks = [f"task-{t:03d}" for t in range(k)]
+    for t, task in enumerate(tasks):
+        store.put_routing(task, table[t].clone(), method="mhr")
+    return store, rm, pm, tasks
+
+
+def run_engine(engine: Engine, tok, jobs, adapters, name: str, *, base: bool = False, one_task: bool = False) -> dict:
+    encoded = [(task, tok(p, add_special_tokens=False).input_ids, n) for task, p, n in jobs]
+    groups: list[list[int]] = []
+    if one_task:
+        order: dict[str, list[int]] = {}
+        for i, (task, _, _) in enumerate(encoded):
+            order.setdefault(task, []).append(i)
+        groups = list(order.values())
+    else:
+        groups = [list(range(len(encoded)))]
+    t0 = time.perf_counter()
+    reqs = []
+    for group in groups:
+        batch = []
+        for i in group:
+            task, ids, n = encoded[i]
+            params = SamplingParams(max_new_tokens=n, ignore_eos=True)
+            req = GenRequest(list(ids), params, None if base else adapters[task], task, handle=TimedHandle())
+            req.arrival = t0
+            batch.append(engine.submit(req))
+        for req in batch:
+            req.handle.wait()
+        reqs += batch
+    wall = time.perf_counter() - t0
+    ttft, itl, tokens = [], [], 0
+    for req in reqs:
+        times = req.handle.times
+        assert isinstance(req.handle.events[-1], FinalEvent)
+        tokens += req.handle.events[-1].completion_tokens
+        ttft.append(times[0] - t0)
+        itl += [b - a for a, b in itertools.pairwise(times)]
+    return summary(name, wall, tokens, ttft, itl)
+
+
+class StepTimes:
+    """transformers streamer that records when each generation step's tokens appear."""
+
+    def __init__(self) -> None:
+        self.times: list[float] = []
+
+    def put(self, value) -> None:
+        self.times.append(time.perf_counter())
+
+    def end(self) -> None:
+        pass
+
+
+def run_peft(pm, tok, jobs, tasks, batch_size: int) -> dict:
+    task_index = {t: i for i, t in enumerate(tasks)}
+    tok.padding_side = "left"
+    t0 = time.perf_counter()
+    ttft, itl, tokens = [], [], 0
+    for start in range(0, len(jobs), batch_size):
+        chunk = jobs[start : start + batch_size]
+        enc = tok([p for _, p, _ in chunk], return_tensors="pt", padding=True, add_special_tokens=False)
+        longest = max(n for _, _, n in chunk)
+        streamer = StepTimes()
+        with torch.inference_mode():
+            pm.generate(input_ids=enc.input_ids, attention_mask=enc.attention_mask,
+                        task_ids=torch.tensor([task_index[t] for t, _, _ in chunk]), max_new_tokens=longest,
+                        min_new_tokens=longest, do_sample=False, pad_token_id=tok.pad_token_id, streamer=streamer)
+        steps = streamer.times[1:]  # first put() is the prompt
+        for _, _, n in chunk:
+            tokens += n
+            ttft.append(steps[0] - t0)
+            itl += [b - a for a, b in itertools.pairwise(steps[:n])]
+    return summary("(c) PEFT Poly + generate, static batches", time.perf_counter() - t0, tokens, ttft, itl)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--backbone", default="default")
+    ap.add_argument("--tasks", type=int, default=64)
+    ap.add_argument("--requests", type=int, default=64)
+    ap.add_argument("--batch", type=int, default=16, help="max rows per batch (engine) = static batch size (c)")
+    ap.add_argument("--out-min", type=int, default=8)
+    ap.add_argument("--out-max", type=int, default=128)
+    ap.add_argument("--out-dist", choices=["uniform", "loguniform"], default="uniform")
+    ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--variants", default="abcd")
+    ap.add_argument("--skill-space-min-tasks", type=int, default=0)
+    ap.add_argument("--json", type=Path, help="also write the results here")
+    args = ap.parse_args()
+    torch.set_num_threads(args.threads)
+
+    bb = load_backbone(args.backbone)
+    tmp = Path(tempfile.mkdtemp(prefix="polyserve-bench-"))
+    store, rm, pm, tasks = build_inventory(bb, args.tasks, tmp / "store", args.seed)
+    info, skills = store.load_inventory(bb.fingerprint)
+    cache = AdapterCache(store, info, skills, fingerprint=bb.fingerprint, device=bb.device,
+                         dtype=torch.float32, l1=L1Cache(4 << 30))
+    adapters = {t: cache.get(store.get_task(t)) for t in tasks}  # a warm L1 (steady state)
+    engine = Engine(bb.model, bb.tokenizer, rm, max_batch_rows=args.batch, max_batch_tokens=1 << 20,
+                    max_prefill_rows=args.batch, max_queue=1 << 16, skill_space_min_tasks=args.skill_space_min_tasks)
+    engine.start()
+    jobs = workload(args.requests, tasks, args.out_min, args.out_max, args.seed, args.out_dist)
+    run_engine(engine, bb.tokenizer, jobs[:4], adapters, "warm-up")
+
+    results = []
+    for v in args.variants:
+        if v == "a":
+            results.append(run_engine(engine, bb.tokenizer, jobs, adapters, "(a) polyserve engine"))
+        elif v == "b":
+            results.append(run_engine(engine, bb.tokenizer, jobs, adapters, "(b) engine, adapters off", base=True))
+        elif v == "c":
+            results.append(run_peft(pm, bb.tokenizer, jobs, tasks, args.batch))
+        elif v == "d":
+            results.append(run_engine(engine, bb.tokenizer, jobs, adapters, "(d) engine, one task per batch",
+                                      one_task=True))
+        r = results[-1]
+        print(f"{r['variant']:45s} {r['tok_per_s']:8.1f} tok/s  TTFT p50 {r['ttft_p50']:.2f}s p99 {r['ttft_p99']:.2f}s"
+              f"  ITL p50 {1000 * r['itl_p50']:.0f}ms p99 {1000 * r['itl_p99']:.0f}ms  ({r['wall_s']:.0f}s)", flush=True)
+    engine.stop()
+    by = {r["variant"][1]: r["tok_per_s"] for r in results}
+    for x, y in (("a", "b"), ("a", "c"), ("a", "d")):
+        if x in by and y in by:
+            print(f"({x})/({y}) output tokens/s ratio: {by[x] / by[y]:.2f}")
+    print(f"plan rebuilds {engine.planner.rebuilds}, decode steps {engine.steps}, path {engine.planner.last_path}")
+    if args.json:
+        args.json.write_text(json.dumps({"args": vars(args) | {"json": str(args.json)}, "results": results}, indent=2))
+
+
+if __name__ == "__main__":
+    main()

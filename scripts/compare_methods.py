@@ -1,0 +1,84 @@
+"""Few-shot comparison on held-out tasks of the procedural suite (docs/RESULTS.md).
+
+For each held-out task and seed: k training examples (split "train", seeded), adaptation with
+each method, then greedy exact match and loss on a fixed test set (split "test", seed 0) that
+no method ever sees during adaptation. "mu0" is zero-shot μ (no adaptation). Writes results
+incrementally as JSON (one record per task x seed x method).
+
+    .venv/bin/python scripts/compare_methods.py --store /tmp/default_store --tasks 4 --seeds 0,1,2 \
+        --k 16 --n-test 16 --methods mu0,routing,mu,full --out /tmp/compare.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+from pathlib import Path
+
+import torch
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--store", required=True)
+    ap.add_argument("--label", default="", help="name of the inventory in the output (e.g. mhr, poly)")
+    ap.add_argument("--backbone", default="default")
+    ap.add_argument("--tasks", type=int, default=16,
+                    help="N held-out tasks, evenly spaced in suite order (pairs first, then triples)")
+    ap.add_argument("--seeds", default="0,1,2")
+    ap.add_argument("--k", type=int, default=16)
+    ap.add_argument("--n-test", type=int, default=16)
+    ap.add_argument("--methods", default="mu0,routing,mu,full")
+    ap.add_argument("--steps", type=int, default=None)
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--out", required=True)
+    args = ap.parse_args()
+    torch.set_num_threads(args.threads)
+
+    from adapters_store.backbone import load_backbone
+    from adapters_store.inject import RoutedModel
+    from adapters_store.materialize import mu_weights, task_layers
+    from adapters_store.store import Store
+    from training.adapt import adapt
+    from training.evaluate import evaluate_task
+    from training.suite import build_suite, examples
+
+    bb = load_backbone(args.backbone)
+    store = Store(args.store)
+    info, skills = store.load_inventory(bb.fingerprint)
+    rm = RoutedModel(bb.model, info.spec)
+    rm.load_skills(skills)
+    skills = {k: v.float() for k, v in skills.items()}
+    held = build_suite(0).heldout_tasks
+    tasks = [held[(i * len(held)) // args.tasks] for i in range(min(args.tasks, len(held)))]
+    out = Path(args.out)
+    records = json.loads(out.read_text()) if out.exists() else []
+    done = {(r["inventory"], r["task"], r["seed"], r["method"]) for r in records}
+    label = args.label or info.made_by.get("method", "?")
+    for task in tasks:
+        test = examples(task, args.n_test, seed=0, split="test")
+        for seed in [int(s) for s in args.seeds.split(",")]:
+            few = examples(task, args.k, seed=1000 + seed, split="train")
+            for method in args.methods.split(","):
+                key = (label, task.name, seed, method)
+                if key in done or (method == "mu0" and seed != int(args.seeds.split(",")[0])):
+                    continue
+                started = time.perf_counter()
+                if method == "mu0":
+                    layers, params, metrics = mu_weights(info), 0, {}
+                else:
+                    res = adapt(rm, info, skills, few, bb.tokenizer, method=method, steps=args.steps, seed=seed)
+                    layers, params, metrics = task_layers(info, skills, res.kind, res.tensors), res.params, res.metrics
+                adapt_s = time.perf_counter() - started
+                scores = evaluate_task(rm, layers, bb.tokenizer, test)
+                rec = {"inventory": label, "task": task.name, "seed": seed, "method": method, "k": args.k,
+                       "n_test": args.n_test, **scores, "params": params, "adapt_seconds": round(adapt_s, 2),
+                       "steps_run": metrics.get("steps_run"), "best_step": metrics.get("best_step")}
+                records.append(rec)
+                out.write_text(json.dumps(records, indent=1))
+                print(json.dumps(rec), flush=True)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,48 @@
+"""Markdown tables from scripts/compare_methods.py output: mean (and std over seeds) per method.
+
+    .venv/bin/python scripts/summarise_compare.py /tmp/compare.json
+"""
+
+from __future__ import annotations
+
+import json
+import statistics
+import sys
+from collections import defaultdict
+
+
+def mean_std(xs: list[float]) -> str:
+    if len(xs) == 1:
+        return f"{xs[0]:.3f}"
+    return f"{statistics.mean(xs):.3f} ± {statistics.stdev(xs):.3f}"
+
+
+def main() -> None:
+    records = json.loads(open(sys.argv[1]).read())
+    by_method: dict[tuple[str, str], list[dict]] = defaultdict(list)
+    for r in records:
+        by_method[(r["inventory"], r["method"])].append(r)
+    print("| inventory | method | tasks | runs | exact match (mean over tasks; ± std over seeds) | test loss |"
+          " params adapted | adapt s (mean) |")
+    print("|---|---|---|---|---|---|---|---|")
+    for (inv, method), rs in by_method.items():
+        seeds = sorted({r["seed"] for r in rs})
+        per_seed_em = [statistics.mean(r["exact_match"] for r in rs if r["seed"] == s) for s in seeds]
+        per_seed_loss = [statistics.mean(r["loss"] for r in rs if r["seed"] == s) for s in seeds]
+        print(f"| {inv} | {method} | {len({r['task'] for r in rs})} | {len(rs)} | {mean_std(per_seed_em)} |"
+              f" {mean_std(per_seed_loss)} | {rs[0]['params']:,} | {statistics.mean(r['adapt_seconds'] for r in rs):.1f} |")
+    print()
+    tasks = sorted({r["task"] for r in records})
+    methods = list(dict.fromkeys(r["method"] for r in records))
+    print("| task | " + " | ".join(methods) + " |")
+    print("|---|" + "---|" * len(methods))
+    for t in tasks:
+        cells = []
+        for m in methods:
+            xs = [r["exact_match"] for r in records if r["task"] == t and r["method"] == m]
+            cells.append(f"{statistics.mean(xs):.3f}" if xs else "-")
+        print(f"| {t} | " + " | ".join(cells) + " |")
+
+
+if __name__ == "__main__":
+    main()

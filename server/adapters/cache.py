@@ -1,0 +1,122 @@
+"""The adapter cache: L1 (in-process LRU) -> L2 (Redis, optional) -> L3 (compute from the store).
+
+    get(record):
+        key = polyserve:v1:{fingerprint}:{inventory}:{task}:{record.cache_version}
+        L1 hit                                  -> adapter
+        L2 hit (bytes decode)                   -> adapter, add to L1
+        L3: load routing row / LoRA, materialise -> adapter, add to L1, write L2
+Concurrent misses of one key compute once (single flight). Blocking: call from a worker thread,
+never from the event loop nor the engine thread.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from concurrent.futures import Future
+from typing import Any, Literal
+
+import torch
+
+from adapters_store.materialize import task_layers, task_weights
+from adapters_store.records import InventoryInfo, TaskRecord
+from adapters_store.store import Store
+from server.adapters import codec
+from server.adapters.l1 import L1Cache
+from server.adapters.l2 import RedisTier, adapter_key
+from server.adapters.types import Adapter
+
+EntryState = Literal["absent", "loading", "resident"]
+
+
+class AdapterCache:
+    def __init__(self, store: Store, info: InventoryInfo, skills: dict[str, torch.Tensor], *,
+                 fingerprint: str, device: torch.device, dtype: torch.dtype, l1: L1Cache,
+                 l2: RedisTier | None = None, prefix: str = "polyserve", metrics: Any = None) -> None:
+        self.store, self.info, self.fingerprint = store, info, fingerprint
+        self.skills = {k: v.to(device=device, dtype=torch.float32) for k, v in skills.items()}
+        self.device, self.dtype = device, dtype
+        self.l1, self.l2, self.prefix, self.metrics = l1, l2, prefix, metrics
+        self._inflight: dict[str, Future[Adapter]] = {}
+        self._lock = threading.Lock()
+
+    def key(self, record: TaskRecord) -> str:
+        return adapter_key(self.prefix, self.fingerprint, self.info.version, record.id, record.cache_version)
+
+    def state(self, record: TaskRecord) -> EntryState:
+        key = self.key(record)
+        if key in self.l1:
+            return "resident"
+        with self._lock:
+            return "loading" if key in self._inflight else "absent"
+
+    def _count(self, tier: str, result: str) -> None:
+        if self.metrics is not None:
+            self.metrics.adapter_cache.labels(tier=tier, result=result).inc()
+
+    def get(self, record: TaskRecord) -> Adapter:
+        key = self.key(record)
+        adapter = self.l1.get(key)
+        if adapter is not None:
+            self._count("l1", "hit")
+            return adapter
+        self._count("l1", "miss")
+        with self._lock:
+            future = self._inflight.get(key)
+            owner = future is None
+            if owner:
+                future = self._inflight[key] = Future()
+        assert future is not None
+        if not owner:
+            return future.result()
+        try:
+            adapter = self._load(record, key)
+            self.l1.add(adapter)
+            future.set_result(adapter)
+            return adapter
+        except BaseException as err:
+            future.set_exception(err)
+            raise
+        finally:
+            with self._lock:
+                self._inflight.pop(key, None)
+
+    def _load(self, record: TaskRecord, key: str) -> Adapter:
+        kind = record.kind or "routing"
+        if self.l2 is not None:
+            data = self.l2.get(key)
+            if isinstance(data, Exception):
+                self._count("l2", "error")
+            elif data is None:
+                self._count("l2", "miss")
+            else:
+                try:
+                    adapter = codec.decode(data, key, record.id, kind, self.info, self.device, self.dtype)
+                    self._count("l2", "hit")
+                    return adapter
+                except ValueError:  # corrupt / foreign entry: recompute and overwrite
+                    self._count("l2", "error")
+        adapter = self.materialize(record, key)
+        if self.l2 is not None:
+            self.l2.set(key, codec.encode(adapter))
+        return adapter
+
+    def materialize(self, record: TaskRecord, key: str | None = None) -> Adapter:
+        """L3: skills + routing row (or the task's own LoRA) -> adapter on the model device."""
+        started = time.perf_counter()
+        kind = record.kind or "routing"
+        tensors = self.store.load_weights(record)
+        with torch.no_grad():
+            tensors = {k: v.to(device=self.device, dtype=torch.float32) for k, v in tensors.items()}
+            layers = task_layers(self.info, self.skills, kind, tensors)
+            weights = task_weights(self.info, tensors["logits"]) if kind == "routing" else None
+            layers = [(a.to(self.dtype).contiguous(), b.to(self.dtype).contiguous()) for a, b in layers]
+        adapter = Adapter(record.id, key or self.key(record), kind, layers, weights)
+        self._count("l3", "hit")
+        if self.metrics is not None:
+            self.metrics.materialize_seconds.observe(time.perf_counter() - started)
+        return adapter
+
+    def forget(self, task: str) -> int:
+        """Drop a task's L1 entries (deleted / replaced); L2 keys expire by TTL (versioned anyway)."""
+        return self.l1.discard_task(task)

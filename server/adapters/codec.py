@@ -1,0 +1,39 @@
+"""Adapter <-> bytes for the Redis tier: safetensors only (never pickle), shapes checked on load."""
+
+from __future__ import annotations
+
+import torch
+from safetensors.torch import load, save
+
+from adapters_store.records import InventoryInfo
+from server.adapters.types import Adapter
+
+
+def encode(adapter: Adapter) -> bytes:
+    tensors: dict[str, torch.Tensor] = {}
+    for i, (a, b) in enumerate(adapter.layers):
+        tensors[f"{i}.A"] = a.detach().contiguous().cpu()
+        tensors[f"{i}.B"] = b.detach().contiguous().cpu()
+    if adapter.weights is not None:
+        tensors["weights"] = adapter.weights.detach().contiguous().cpu()
+    return save(tensors, {"key": adapter.key, "task": adapter.task, "kind": adapter.kind})
+
+
+def decode(data: bytes, key: str, task: str, kind: str, info: InventoryInfo,
+           device: torch.device, dtype: torch.dtype) -> Adapter:
+    """Raises ValueError when the bytes do not hold this inventory's adapter shapes."""
+    tensors = load(data)
+    r = info.spec.rank
+    layers = []
+    for i, (d_in, d_out) in enumerate(info.layer_dims):
+        a, b = tensors.get(f"{i}.A"), tensors.get(f"{i}.B")
+        if a is None or b is None or tuple(a.shape) != (d_in, r) or tuple(b.shape) != (r, d_out):
+            raise ValueError(f"cached adapter {key!r}: layer {i} missing or mis-shaped")
+        layers.append((a.to(device=device, dtype=dtype), b.to(device=device, dtype=dtype)))
+    if len(tensors) - ("weights" in tensors) != 2 * len(info.layer_dims):
+        raise ValueError(f"cached adapter {key!r}: unexpected tensors")
+    weights = tensors.get("weights")
+    want = (len(info.layer_names), info.spec.n_heads, info.spec.n_skills)
+    if weights is not None and tuple(weights.shape) != want:
+        raise ValueError(f"cached adapter {key!r}: routing weights mis-shaped")
+    return Adapter(task, key, kind, layers, None if weights is None else weights.to(device))

@@ -1,0 +1,58 @@
+"""The FastAPI app: a thin shell. `create_app(settings)`; the lifespan builds the Runtime
+(backbone, store, caches, engine, warm-up) off the event loop, so /health answers at once and
+/ready turns 200 when the backbone is loaded and warmed up."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from contextlib import asynccontextmanager
+from typing import Any
+
+from fastapi import FastAPI
+
+from server.errors import install_handlers
+from server.metrics import Metrics
+from server.middleware import BodyLimit, RequestMetrics
+from server.routes import generate, health, metrics, openai, tasks
+from server.runtime import Runtime
+from server.settings import Settings
+
+log = logging.getLogger("polyserve")
+
+
+def create_app(settings: Settings | None = None, *, backbone: Any = None) -> FastAPI:
+    """backbone: an already loaded adapters_store.backbone.Backbone (tests), else settings.backbone."""
+    settings = settings or Settings()
+    metrics_ = Metrics()
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI):
+        async def load() -> None:
+            try:
+                app.state.runtime = await asyncio.to_thread(Runtime.build, settings, metrics_, backbone)
+                log.info("polyserve ready")
+            except Exception as err:  # surfaced by /ready
+                log.exception("start-up failed")
+                app.state.load_error = f"{type(err).__name__}: {err}"
+
+        loader = asyncio.create_task(load())
+        try:
+            yield
+        finally:
+            loader.cancel()
+            if app.state.runtime is not None:
+                await asyncio.to_thread(app.state.runtime.close)
+                app.state.runtime = None
+
+    app = FastAPI(title="polyserve", version="0.1.0", lifespan=lifespan)
+    app.state.settings = settings
+    app.state.metrics = metrics_
+    app.state.runtime = None
+    app.state.load_error = None
+    install_handlers(app)
+    for module in (health, metrics, generate, openai, tasks):
+        app.include_router(module.router)
+    app.add_middleware(BodyLimit, max_bytes=settings.max_body_bytes)
+    app.add_middleware(RequestMetrics, metrics=metrics_)
+    return app

@@ -1,0 +1,1 @@
+"""Iteration-level continuous batching over one routed-LoRA backbone, in its own thread."""

@@ -1,0 +1,65 @@
+"""Wire schemas for task registration and jobs (pydantic)."""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from adapters_store.ids import TASK_ID_PATTERN
+
+MAX_FIELD_CHARS = 4096
+
+
+class ExampleIn(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    input: str = Field(min_length=1, max_length=MAX_FIELD_CHARS)
+    output: str = Field(min_length=1, max_length=MAX_FIELD_CHARS)
+
+
+class RegisterRequest(BaseModel):
+    """POST /v1/tasks. The example count's upper bound is a setting, checked in the route."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    task: str = Field(pattern=TASK_ID_PATTERN, max_length=64)
+    examples: list[ExampleIn] = Field(min_length=1)
+    method: Literal["routing", "mu", "full"] = "routing"
+    steps: int | None = Field(default=None, ge=1, le=100_000)
+    seed: int | None = Field(default=None, ge=0, lt=2**31)
+
+
+class JobError(BaseModel):
+    type: str
+    message: str
+
+
+class JobOut(BaseModel):
+    id: str
+    object: Literal["polyserve.job"] = "polyserve.job"
+    task: str
+    method: str
+    status: Literal["queued", "running", "succeeded", "failed", "cancelled"]
+    created_at: float
+    started_at: float | None
+    finished_at: float | None
+    progress: float
+    metrics: dict[str, Any]
+    error: JobError | None
+    steps: int | None = None
+    seed: int | None = None
+    n_examples: int = 0
+
+
+class JobEventOut(BaseModel):
+    created_at: float
+    level: str
+    type: str
+    message: str
+    data: dict[str, Any] = Field(default_factory=dict)
+
+
+class JobEvents(BaseModel):
+    object: Literal["list"] = "list"
+    data: list[JobEventOut]

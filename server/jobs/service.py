@@ -1,0 +1,126 @@
+"""Task registration over HTTP: glue between the routes, the job runner, the engine loop, the
+task registry, and the other replicas. No math here.
+
+    POST /v1/tasks  -> validate -> runner.submit (job + "training" entry persisted) ->
+                       engine.add_background_task(runner.step): one adaptation step per engine step
+    job done        -> weights committed to the store -> registry.forget + publish to replicas
+    DELETE task     -> store.delete_task -> L1 + L2 entries dropped -> publish
+"""
+
+from __future__ import annotations
+
+import logging
+import secrets
+import threading
+from typing import Any
+
+from adapters_store.errors import TaskExists, TaskNotFound
+from adapters_store.ids import validate_new_task_id
+from server.jobs.model import Job
+from server.jobs.runner import JobRunner
+from server.replicas import ReplicaSync
+
+log = logging.getLogger(__name__)
+
+
+class Registration:
+    def __init__(self, rt: Any, *, rescan_every: float = 1.0) -> None:
+        self.rt = rt
+        self.replica_id = f"replica-{secrets.token_hex(4)}"
+        self.runner = JobRunner(rt.store, self._make_adaptation, replica_id=self.replica_id,
+                                on_task_changed=self._changed_here, on_job_finished=self._finished)
+        self.sync = ReplicaSync(rt.settings.redis_url, self._changed_elsewhere, replica_id=self.replica_id,
+                                rescan_every=rescan_every, on_redis_error=rt.metrics.redis_errors.inc)
+        self._submit_lock = threading.Lock()
+        self._versions: dict[str, str] = {}
+
+    def start(self) -> list[str]:
+        recovered = self.runner.recover()
+        for task in recovered:
+            log.warning("job of task %r was interrupted by a restart; marked failed", task)
+        self._versions = self._snapshot()
+        self.sync.start()
+        return recovered
+
+    def close(self) -> None:
+        self.sync.stop()
+
+    # -- HTTP-facing ----------------------------------------------------------------------------
+    def submit(self, task: str, examples: list[dict[str, str]], method: str, steps: int | None,
+               seed: int | None) -> Job:
+        """Raises ValueError (bad / reserved id), TaskExists (409), RuntimeError (no inventory)."""
+        validate_new_task_id(task)
+        if self.rt.routed is None:
+            raise RuntimeError("this server has no skill inventory: only `base` is servable, nothing to adapt")
+        with self._submit_lock:  # two concurrent POSTs of one id: one wins
+            if self.rt.store.has_task(task):
+                record = self.rt.store.get_task(task)
+                if record.status != "failed":
+                    suffix = f" (job {record.job_id})" if record.status == "training" else ""
+                    raise TaskExists(f"task {task!r} already exists with status {record.status!r}{suffix}")
+            job = self.runner.submit(task, examples, method=method, steps=steps, seed=seed)
+        self.rt.engine.add_background_task(self.runner.step)
+        return job
+
+    def delete(self, task: str) -> None:
+        record = self.rt.store.get_task(task)
+        if record.status == "training" and record.job_id:
+            self.runner.cancel(record.job_id)
+            if not self.rt.store.has_task(task):
+                self._changed_here(task)
+                return
+        cache = self.rt.cache
+        key = cache.key(record) if cache is not None and record.status == "ready" else None
+        self.rt.store.delete_task(task)
+        if key is not None and self.rt.l2 is not None:
+            self.rt.l2.delete(key)
+        self._changed_here(task)
+
+    # -- the adaptation a job runs ------------------------------------------------------------------
+    def _make_adaptation(self, job: Job, examples: list[dict[str, str]], progress):
+        from training.adapt import Adaptation
+        from training.data import Example
+
+        rt = self.rt
+        if rt.routed is None or rt.cache is None:
+            raise RuntimeError("no skill inventory loaded")
+        return Adaptation(
+            rt.routed, rt.cache.info, rt.cache.skills,
+            [Example(job.task, e["input"], e["output"]) for e in examples], rt.tokenizer,
+            method=job.method, steps=job.steps, seed=job.seed or 0, progress=progress,
+        )
+
+    # -- change propagation -----------------------------------------------------------------------
+    def _changed_here(self, task: str) -> None:
+        self.rt.registry.forget(task)
+        self._versions = self._snapshot()
+        self.sync.publish(task)
+
+    def _changed_elsewhere(self, task: str | None) -> None:
+        """A notification from another replica (task) or the periodic re-scan (None)."""
+        if task is not None:
+            self.rt.registry.forget(task)
+            return
+        now = self._snapshot()
+        for changed in {t for t in now.keys() | self._versions.keys() if now.get(t) != self._versions.get(t)}:
+            self.rt.registry.forget(changed)
+        self._versions = now
+
+    def _snapshot(self) -> dict[str, str]:
+        return {r.id: f"{r.status}:{r.cache_version}" for r in self.rt.store.list_tasks()}
+
+    def _finished(self, job: Job) -> None:
+        metrics = self.rt.metrics
+        metrics.jobs.labels(status=job.status).inc()
+        if job.started_at and job.finished_at and job.status == "succeeded":
+            metrics.adaptation_seconds.observe(job.finished_at - job.started_at)
+
+    # -- reads ------------------------------------------------------------------------------------
+    def job(self, job_id: str) -> Job:
+        return self.runner.get(job_id)
+
+    def cancel(self, job_id: str) -> Job:
+        return self.runner.cancel(job_id)
+
+
+__all__ = ["Registration", "TaskExists", "TaskNotFound"]

@@ -1,0 +1,33 @@
+"""GET /v1/jobs/{id}, GET /v1/jobs/{id}/events, POST /v1/jobs/{id}/cancel."""
+
+from __future__ import annotations
+
+import asyncio
+
+from fastapi import APIRouter
+
+from server.deps import ApiKey, RuntimeDep
+from server.jobs.model import Job
+from server.jobs.schemas import JobEvents, JobOut
+
+router = APIRouter(prefix="/v1/jobs", tags=["jobs"], dependencies=[ApiKey])
+
+
+def job_out(job: Job) -> JobOut:
+    return JobOut(**job.to_public())
+
+
+@router.get("/{job_id}", response_model=JobOut)
+async def get_job(job_id: str, rt: RuntimeDep) -> JobOut:
+    return job_out(await asyncio.to_thread(rt.registration.job, job_id))
+
+
+@router.get("/{job_id}/events", response_model=JobEvents)
+async def job_events(job_id: str, rt: RuntimeDep) -> JobEvents:
+    job = await asyncio.to_thread(rt.registration.job, job_id)
+    return JobEvents(data=job.events)  # type: ignore[arg-type]
+
+
+@router.post("/{job_id}/cancel", response_model=JobOut)
+async def cancel_job(job_id: str, rt: RuntimeDep) -> JobOut:
+    return job_out(await asyncio.to_thread(rt.registration.cancel, job_id))

@@ -1,0 +1,113 @@
+"""Everything the app serves with, built once at start-up (blocking; run off the event loop):
+
+    backbone (load_backbone) -> store (install the default inventory into an empty one)
+    -> RoutedModel with the inventory's skills (none: only `base` is servable)
+    -> adapter cache tiers (L1, optional L2 Redis) -> task registry -> engine (thread) -> warm-up
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+from adapters_store.backbone import Backbone, load_backbone
+from adapters_store.errors import StoreError
+from adapters_store.inject import RoutedModel
+from adapters_store.store import Store
+from server.adapters.breaker import CircuitBreaker
+from server.adapters.cache import AdapterCache
+from server.adapters.l1 import L1Cache
+from server.adapters.l2 import RedisTier
+from server.engine.engine import Engine
+from server.engine.request import GenRequest, SamplingParams
+from server.metrics import Metrics
+from server.settings import Settings
+from server.tasks import TaskRegistry
+
+log = logging.getLogger("polyserve")
+
+def _maybe_install_default_inventory(store: Store, backbone_spec: str) -> bool:
+    if backbone_spec != "default" or store.has_inventory() or store.list_tasks():
+        return False
+    try:
+        from training.default_inventory import install_default_inventory  # type: ignore[import-not-found]
+    except ImportError:
+        log.info("no shipped default inventory; serving `base` only until one is trained")
+        return False
+    install_default_inventory(store)
+    return True
+
+@dataclass
+class Runtime:
+    settings: Settings
+    backbone: Backbone
+    store: Store
+    routed: RoutedModel | None
+    cache: AdapterCache | None
+    registry: TaskRegistry
+    engine: Engine
+    metrics: Metrics
+    l2: RedisTier | None = None
+    started_at: float = field(default_factory=time.time)
+
+    @property
+    def tokenizer(self) -> Any:
+        return self.backbone.tokenizer
+
+    @classmethod
+    def build(cls, settings: Settings, metrics: Metrics, backbone: Backbone | None = None) -> Runtime:
+        if settings.threads:
+            import torch
+
+            torch.set_num_threads(settings.threads)
+        bb = backbone or load_backbone(settings.backbone, device=settings.device, dtype=settings.torch_dtype)
+        store = Store(settings.store_dir)
+        _maybe_install_default_inventory(store, settings.backbone)
+        routed, cache, l2 = None, None, None
+        if store.has_inventory():
+            try:
+                info, skills = store.load_inventory(expected_fingerprint=bb.fingerprint)
+            except StoreError as err:
+                log.error("skill inventory not loaded (%s); serving `base` only", err)
+            else:
+                routed = RoutedModel(bb.model, info.spec)
+                if tuple(routed.names) != tuple(info.layer_names):
+                    raise StoreError("the inventory's layer order does not match the backbone's target linears")
+                routed.load_skills({k: v.to(bb.device) for k, v in skills.items()})
+                if settings.redis_url:
+                    breaker = CircuitBreaker(settings.redis_breaker_failures, settings.redis_breaker_cooldown)
+                    l2 = RedisTier(settings.redis_url, ttl_seconds=settings.redis_ttl_seconds,
+                                   socket_timeout=settings.redis_socket_timeout,
+                                   connect_timeout=settings.redis_connect_timeout, breaker=breaker, metrics=metrics)
+                cache = AdapterCache(
+                    store, info, skills, fingerprint=bb.fingerprint, device=bb.device,
+                    dtype=next(bb.model.parameters()).dtype, l1=L1Cache(settings.l1_cache_bytes), l2=l2,
+                    prefix=settings.redis_prefix, metrics=metrics,
+                )
+        registry = TaskRegistry(store, cache, metrics)
+        engine = Engine(
+            bb.model, bb.tokenizer, routed, max_batch_rows=settings.max_batch_rows,
+            max_batch_tokens=settings.max_batch_tokens, max_prefill_rows=settings.max_prefill_rows,
+            max_queue=settings.max_queue, skill_space_min_tasks=settings.skill_space_min_tasks,
+            compact_min_padding=settings.compact_min_padding, prefill_padding=settings.prefill_padding,
+            metrics=metrics,
+        )
+        engine.start()
+        rt = cls(settings, bb, store, routed, cache, registry, engine, metrics, l2)
+        if settings.warmup:
+            rt.warmup()
+        return rt
+
+    def warmup(self) -> None:
+        """One short generation through the whole engine path (allocations, kernels)."""
+        ids = list(self.tokenizer("Hello", add_special_tokens=False).input_ids) or [0]
+        req = self.engine.submit(GenRequest(ids, SamplingParams(max_new_tokens=2, ignore_eos=True)))
+        if not req.handle.wait(timeout=300):
+            raise RuntimeError("warm-up generation did not finish")
+
+    def close(self) -> None:
+        self.engine.stop()
+        if self.l2 is not None:
+            self.l2.close()

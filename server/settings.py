@@ -1,0 +1,92 @@
+"""Process settings: one pydantic-settings object read from POLYSERVE_* environment variables.
+
+Model/adapter hyper-parameters live in dataclasses (adapters_store.spec); wire schemas live in
+server.schemas. Nothing here is CPU-specific: device and dtype come from the environment.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Annotated, Any
+
+from pydantic import Field, field_validator, model_validator
+from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
+
+
+def _default_home() -> Path:
+    return Path.home() / ".cache" / "polyserve"
+
+
+class Settings(BaseSettings):
+    model_config = SettingsConfigDict(env_prefix="POLYSERVE_", extra="ignore")
+
+    home: Path = Field(default_factory=_default_home)
+    store: Path | None = None  # default: $POLYSERVE_HOME/store
+    backbone: str = "default"  # "default" | "tiny" | a local HF directory
+    device: str = "cpu"
+    threads: int | None = Field(default=None, ge=1)  # torch intra-op threads (None = torch's default)
+    dtype: str | None = None  # default: float32 on CPU, bfloat16 on CUDA
+    redis_url: str | None = None  # unset = no L2 cache
+    redis_prefix: str = "polyserve"
+    redis_ttl_seconds: int = Field(default=24 * 3600, ge=1)
+    redis_socket_timeout: float = Field(default=0.05, gt=0)
+    redis_connect_timeout: float = Field(default=0.05, gt=0)
+    redis_breaker_failures: int = Field(default=3, ge=1)
+    redis_breaker_cooldown: float = Field(default=10.0, gt=0)
+    api_keys: Annotated[list[str], NoDecode] = Field(default_factory=list)
+
+    # limits
+    max_batch_rows: int = Field(default=32, ge=1)
+    max_batch_tokens: int = Field(default=16384, ge=16)  # prompt + max_new tokens of the rows in flight
+    max_prefill_rows: int = Field(default=16, ge=1)  # new rows joining in one prefill forward
+    max_queue: int = Field(default=256, ge=0)
+    max_prompt_tokens: int = Field(default=2048, ge=1)
+    max_new_tokens: int = Field(default=1024, ge=1)
+    max_body_bytes: int = Field(default=4 * 1024 * 1024, ge=1024)
+    max_examples_per_task: int = Field(default=1000, ge=1)
+    max_stop_strings: int = Field(default=8, ge=0)
+    l1_cache_bytes: int = Field(default=1 << 30, ge=0)
+    # cost rule: skill-space path when distinct adapted tasks in a batch >= this; 0 = auto (see planner)
+    skill_space_min_tasks: int = Field(default=0, ge=0)
+    compact_min_padding: float = Field(default=0.25, ge=0.0, le=1.0)  # trim KV when >= this is padding
+    prefill_padding: float = Field(default=0.25, ge=0.0)  # padding slack within one prefill forward
+    warmup: bool = True
+
+    @field_validator("api_keys", mode="before")
+    @classmethod
+    def _split_keys(cls, value: Any) -> Any:
+        if isinstance(value, str):
+            return [k.strip() for k in value.split(",") if k.strip()]
+        return value
+
+    @field_validator("device")
+    @classmethod
+    def _check_device(cls, value: str) -> str:
+        if not (value == "cpu" or value.startswith("cuda") or value == "mps"):
+            raise ValueError(f"device must be cpu, cuda[:N] or mps, got {value!r}")
+        return value
+
+    @field_validator("dtype")
+    @classmethod
+    def _check_dtype(cls, value: str | None) -> str | None:
+        if value is not None and value not in ("float32", "bfloat16", "float16"):
+            raise ValueError(f"dtype must be float32, bfloat16 or float16, got {value!r}")
+        return value
+
+    @model_validator(mode="after")
+    def _defaults(self) -> Settings:
+        if self.store is None:
+            self.store = self.home / "store"
+        if self.dtype is None:
+            self.dtype = "bfloat16" if self.device.startswith("cuda") else "float32"
+        return self
+
+    @property
+    def store_dir(self) -> Path:
+        assert self.store is not None
+        return self.store.expanduser()
+
+    @property
+    def torch_dtype(self) -> str:
+        assert self.dtype is not None
+        return self.dtype

@@ -1,0 +1,85 @@
+"""The task registry: which tasks exist, whether they can be served, and their adapters.
+
+The store on disk is the source of truth (other processes — `polyserve adapt`, the job runner —
+write there); the registry reads task records from it on demand and resolves a servable task to
+its materialised adapter through the cache tiers. Issue #5 adds create/delete/jobs on top:
+`register_listener` lets them refresh gauges, `forget` drops cached adapters of a changed task.
+"""
+
+from __future__ import annotations
+
+import threading
+from typing import Any
+
+from adapters_store.errors import TaskNotFound
+from adapters_store.ids import RESERVED_TASK_IDS, validate_task_id
+from adapters_store.records import TaskRecord
+from adapters_store.store import Store
+from server.adapters.cache import AdapterCache
+from server.adapters.types import Adapter
+from server.errors import ApiError
+
+BASE = "base"
+
+
+class TaskNotReady(ApiError):
+    def __init__(self, task: str, status: str) -> None:
+        super().__init__(409, "task_not_ready", f"task {task!r} is not ready (status {status!r})")
+
+
+class TaskRegistry:
+    def __init__(self, store: Store, cache: AdapterCache | None, metrics: Any = None) -> None:
+        self.store = store
+        self.cache = cache
+        self.metrics = metrics
+        self._lock = threading.Lock()
+        self.refresh()
+
+    @property
+    def inventory_version(self) -> str | None:
+        return self.cache.info.version if self.cache is not None else None
+
+    def refresh(self) -> int:
+        """Re-read the store's task list; updates tasks_registered. Returns the count."""
+        count = len(self.store.list_tasks())
+        if self.metrics is not None:
+            self.metrics.tasks_registered.set(count)
+        return count
+
+    def list(self) -> list[TaskRecord]:
+        records = self.store.list_tasks()
+        if self.metrics is not None:
+            self.metrics.tasks_registered.set(len(records))
+        return records
+
+    def get(self, task: str) -> TaskRecord:
+        """The stored record; raises ValueError (bad id) or TaskNotFound."""
+        validate_task_id(task)
+        if task in RESERVED_TASK_IDS:
+            raise TaskNotFound(task)
+        return self.store.get_task(task)
+
+    def servable(self, record: TaskRecord) -> bool:
+        return (record.status == "ready" and self.cache is not None
+                and record.inventory_version in (None, self.inventory_version))
+
+    def resolve(self, task: str) -> Adapter | None:
+        """The adapter a request for `task` runs with (None = the bare backbone).
+        Raises ValueError (malformed id), TaskNotFound (404), TaskNotReady (409). Blocking."""
+        validate_task_id(task)
+        if task == BASE:
+            return None
+        record = self.store.get_task(task)
+        if record.status != "ready":
+            raise TaskNotReady(task, record.status)
+        if self.cache is None:
+            raise TaskNotReady(task, "no skill inventory loaded")
+        if record.inventory_version not in (None, self.inventory_version):
+            raise TaskNotReady(task, f"trained on inventory {record.inventory_version}")
+        return self.cache.get(record)
+
+    def forget(self, task: str) -> int:
+        """A task changed or went away: drop its cached adapters and refresh the gauge."""
+        dropped = self.cache.forget(task) if self.cache is not None else 0
+        self.refresh()
+        return dropped

@@ -1,0 +1,125 @@
+"""Test inventories on the tiny backbone: random skills (B non-zero) and a few routing tasks."""
+
+from __future__ import annotations
+
+import copy
+from pathlib import Path
+
+import torch
+
+from adapters_store.backbone import Backbone, fingerprint
+from adapters_store.inject import RoutedModel
+from adapters_store.spec import InventorySpec
+from adapters_store.store import Store
+from adapters_store.tiny import tiny_llama, tiny_tokenizer
+
+TASKS = ("alpha", "beta", "gamma", "delta")
+SPEC = InventorySpec(n_skills=4, n_heads=2, rank=4)
+
+
+def tiny_backbone() -> Backbone:
+    model = tiny_llama(seed=0)
+    return Backbone(model, tiny_tokenizer(), "tiny", fingerprint(model), 0.0)
+
+
+def random_skills(model: torch.nn.Module, spec: InventorySpec = SPEC, seed: int = 0) -> RoutedModel:
+    """A RoutedModel on a copy of `model` with random A and clearly non-zero B."""
+    rm = RoutedModel(copy.deepcopy(model), spec)
+    rm.reset_skills(seed)
+    gen = torch.Generator().manual_seed(seed + 1)
+    with torch.no_grad():
+        for layer in rm.layers:
+            layer.lora_B.normal_(0, 1.0, generator=gen)
+    return rm
+
+
+def build_store(root: str | Path, tasks: tuple[str, ...] = TASKS, spec: InventorySpec = SPEC, seed: int = 0) -> Store:
+    """A store with a random inventory for the tiny backbone and one routing row per task."""
+    bb = tiny_backbone()
+    rm = random_skills(bb.model, spec, seed)
+    store = Store(root)
+    store.save_inventory(
+        spec, rm.names, rm.layer_dims(), rm.skill_tensors(), backbone_fingerprint=bb.fingerprint,
+        backbone_name="tiny", made_by={"method": "random-test"},
+    )
+    gen = torch.Generator().manual_seed(seed + 7)
+    shape = (len(rm.names), spec.n_heads, spec.n_skills)
+    for task in tasks:
+        store.put_routing(task, torch.randn(shape, generator=gen) * 3, method="mhr")
+    return store
+
+
+def put_task(store: Store, task: str, seed: int) -> None:
+    """Write (or re-write: new version) one routing row."""
+    info = store.inventory_info()
+    gen = torch.Generator().manual_seed(seed)
+    shape = (len(info.layer_names), info.spec.n_heads, info.spec.n_skills)
+    store.put_routing(task, torch.randn(shape, generator=gen) * 3, method="mhr")
+
+
+# -- a real HTTP server in a thread ------------------------------------------------------------
+import contextlib
+import socket
+import threading
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import Any
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@dataclass
+class LiveServer:
+    url: str
+    app: Any
+
+    @property
+    def runtime(self) -> Any:
+        return self.app.state.runtime
+
+
+def wait_ready(get, timeout: float = 60.0) -> None:
+    deadline = time.time() + timeout
+    while time.time() < deadline:
+        with contextlib.suppress(OSError, RuntimeError, ValueError, ImportError):
+            if get("/ready").status_code == 200:
+                return
+        time.sleep(0.05)
+    raise TimeoutError("server did not become ready")
+
+
+@contextlib.contextmanager
+def live_server(settings: Any, backbone: Backbone | None = None) -> Iterator[LiveServer]:
+    """uvicorn on a free loopback port, in a thread; yields once /ready is 200."""
+    import httpx
+    import uvicorn
+
+    from server.app import create_app
+
+    app = create_app(settings, backbone=backbone)
+    port = free_port()
+    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning", lifespan="on"))
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    url = f"http://127.0.0.1:{port}"
+    try:
+        with httpx.Client(base_url=url, timeout=5) as client:
+            wait_ready(client.get)
+        yield LiveServer(url, app)
+    finally:
+        server.should_exit = True
+        thread.join(20)
+
+
+def settings_for(root: str | Path, **overrides: Any) -> Any:
+    from server.settings import Settings
+
+    root = Path(root)
+    values = {"home": root, "store": root / "store", "backbone": "tiny", "redis_url": None, "api_keys": []}
+    values.update(overrides)
+    return Settings(**values)

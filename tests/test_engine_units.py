@@ -1,0 +1,108 @@
+"""Pure pieces of the engine: sampling filters, detokenisation + stop strings, KV surgery, plans."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from server.engine import kv
+from server.engine.detok import IncrementalDetokenizer
+from server.engine.engine import prefill_groups
+from server.engine.lora_plan import NEVER, auto_threshold, choose_path
+from server.engine.request import GenRequest, SamplingParams
+from server.engine.sampling import apply_top_k, apply_top_p, choose_tokens
+
+
+def test_top_k_and_top_p():
+    logits = torch.tensor([1.0, 3.0, 2.0, 0.0])
+    assert torch.isinf(apply_top_k(logits, 2)).tolist() == [True, False, False, True]
+    assert torch.equal(apply_top_k(logits, 0), logits)
+    probs = torch.softmax(logits, -1)  # ~[.09, .64, .24, .03]
+    kept = ~torch.isinf(apply_top_p(logits, 0.7))
+    assert kept.tolist() == [False, True, True, False]
+    assert (~torch.isinf(apply_top_p(logits, 0.5))).tolist() == [False, True, False, False]
+    assert probs.argmax() == 1
+
+
+def test_choose_tokens_greedy_and_seeded():
+    logits = torch.randn(3, 50, generator=torch.Generator().manual_seed(0))
+    gens = [None, torch.Generator().manual_seed(5), torch.Generator().manual_seed(5)]
+    out = choose_tokens(logits, [True, False, False], [0, 1.0, 1.0], [0, 0, 0], [1, 1, 1], gens)
+    assert out[0] == int(logits[0].argmax())
+    again = choose_tokens(logits, [True, False, False], [0, 1.0, 1.0], [0, 0, 0], [1, 1, 1],
+                          [None, torch.Generator().manual_seed(5), torch.Generator().manual_seed(5)])
+    assert out == again
+
+
+@pytest.mark.parametrize("text", ["héllo wörld ✓ done", "abc STOP def", "a\nb\n\nc"])
+def test_incremental_detok_equals_full_decode(tokenizer, text):
+    ids = tokenizer(text, add_special_tokens=False).input_ids
+    d = IncrementalDetokenizer(tokenizer, [1, 2, 3])
+    out = "".join(d.add(t) for t in ids) + d.flush()
+    assert out == tokenizer.decode(ids)
+
+
+def test_stop_string_is_cut_and_never_streamed(tokenizer):
+    ids = tokenizer("abc STOP def", add_special_tokens=False).input_ids
+    d = IncrementalDetokenizer(tokenizer, [], stops=("STOP",))
+    pieces = []
+    for t in ids:
+        pieces.append(d.add(t))
+        if d.stopped:
+            break
+    pieces.append(d.flush())
+    assert "".join(pieces) == "abc "
+    assert all("S" not in p for p in pieces)
+
+
+def test_held_back_prefix_is_released_when_no_stop_follows(tokenizer):
+    ids = tokenizer("abc ST end", add_special_tokens=False).input_ids
+    d = IncrementalDetokenizer(tokenizer, [], stops=("STOP",))
+    out = "".join(d.add(t) for t in ids) + d.flush()
+    assert out == "abc ST end" and not d.stopped
+
+
+def test_kv_concat_select_trim():
+    def cache(b, t, fill):
+        return kv.from_tensors([(torch.full((b, 2, t, 4), fill), torch.full((b, 2, t, 4), -fill))])
+
+    a_mask = torch.ones(2, 3, dtype=torch.long)
+    b_mask = torch.tensor([[0, 1, 1, 1, 1], [1, 1, 1, 1, 1]])
+    c, m = kv.concat(cache(2, 3, 1.0), a_mask, cache(2, 5, 2.0), b_mask)
+    assert m.shape == (4, 5) and m[:2, :2].sum() == 0 and m[2:].tolist() == b_mask.tolist()
+    keys = c.layers[0].keys
+    assert keys.shape == (4, 2, 5, 4) and keys[0, :, :2].abs().sum() == 0 and keys[0, :, 2:].eq(1).all()
+    c2, m2 = kv.select(c, m, torch.tensor([0, 1]))  # only the short rows remain: padding trimmed
+    assert m2.shape == (2, 3) and c2.layers[0].keys.shape == (2, 2, 3, 4) and c2.layers[0].keys.eq(1).all()
+    _, m3 = kv.select(c, m, torch.tensor([0, 1]), min_padding=0.5)  # 2/5 padding < 0.5: kept
+    assert m3.shape == (2, 5)
+
+
+def test_left_padding_positions():
+    ids, mask = kv.left_padded([[5, 6, 7], [8]], pad_id=0, device=torch.device("cpu"))
+    assert ids.tolist() == [[5, 6, 7], [0, 0, 8]] and mask.tolist() == [[1, 1, 1], [0, 0, 1]]
+    assert kv.positions(mask).tolist() == [[0, 1, 2], [0, 0, 0]]
+
+
+def test_prefill_groups_bound_padding():
+    reqs = [GenRequest([1] * n, SamplingParams()) for n in (10, 80, 12, 78, 11)]
+    groups = prefill_groups(reqs, 0.25)
+    assert sorted(len(g) for g in groups) == [2, 3]
+    for g in groups:
+        lens = [len(r.prompt_ids) for r in g]
+        assert max(lens) * len(lens) <= 1.25 * sum(lens)
+
+
+class _A:
+    def __init__(self, weights=True):
+        self.weights = torch.zeros(1) if weights else None
+
+
+def test_cost_rule():
+    a, b, c, lora = _A(), _A(), _A(), _A(weights=False)
+    assert choose_path([None, None], 2) == "none"
+    assert choose_path([a, None, b], 3) == "gathered"
+    assert choose_path([a, b, c, a], 3) == "skill"
+    assert choose_path([a, b, c, lora], 3) == "gathered"  # plain-LoRA tasks force the gathered path
+    assert auto_threshold(8, torch.device("cpu")) == NEVER
+    assert auto_threshold(8, torch.device("cuda")) == 9

@@ -1,0 +1,200 @@
+"""Registering a task over HTTP (tiny model, real HTTP, real Redis for the multi-replica test)."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+import uuid
+
+import httpx
+import pytest
+import torch
+
+from adapters_store.store import Store
+from tests.server_fixtures import build_store, free_port, live_server, settings_for, tiny_backbone, wait_ready
+
+EXAMPLES = [{"input": f"w{i} x{i}", "output": f"x{i} w{i}"} for i in range(12)]
+REDIS = "redis://127.0.0.1:6379/0"
+
+
+def redis_up() -> bool:
+    import redis
+
+    try:
+        return bool(redis.Redis.from_url(REDIS, socket_timeout=0.5).ping())
+    except Exception:  # noqa: BLE001
+        return False
+
+
+def wait_job(client: httpx.Client, job_id: str, timeout: float = 120) -> dict:
+    deadline = time.time() + timeout
+    while time.time() < deadline:
+        job = client.get(f"/v1/jobs/{job_id}").json()
+        if job["status"] in ("succeeded", "failed", "cancelled"):
+            return job
+        time.sleep(0.1)
+    raise TimeoutError(f"job {job_id} still {job['status']}")
+
+
+@pytest.fixture
+def server(tmp_path):
+    store = build_store(tmp_path / "store")
+    info = store.inventory_info()
+    store.put_routing("mu", torch.zeros(len(info.layer_names), info.spec.n_heads, info.spec.n_skills))
+    with live_server(settings_for(tmp_path, max_examples_per_task=50), backbone=tiny_backbone()) as srv:
+        yield srv
+
+
+@pytest.fixture
+def client(server):
+    with httpx.Client(base_url=server.url, timeout=30) as c:
+        yield c
+
+
+def generate(client: httpx.Client, task: str, prompt: str = "w3 x3") -> httpx.Response:
+    return client.post("/v1/generate", json={"task": task, "prompt": prompt, "max_new_tokens": 12})
+
+
+def test_register_poll_succeed_generate(client):
+    r = client.post("/v1/tasks", json={"task": "swap-two", "examples": EXAMPLES, "steps": 30, "seed": 1})
+    assert r.status_code == 202, r.text
+    job = r.json()
+    assert job["status"] in ("queued", "running") and job["task"] == "swap-two" and job["id"].startswith("job-")
+    done = wait_job(client, job["id"])
+    assert done["status"] == "succeeded", done
+    assert done["progress"] == 1.0 and done["finished_at"] >= done["started_at"] >= done["created_at"]
+    assert "eval_loss" in done["metrics"]
+    task = client.get("/v1/tasks/swap-two").json()
+    assert task["status"] == "ready" and task["method"] == "routing" and task["job_id"] == job["id"]
+    assert task["params"] > 0
+    events = client.get(f"/v1/jobs/{job['id']}/events").json()["data"]
+    assert [e["data"].get("status") for e in events if e["type"] == "status"][-1] == "succeeded"
+    new = generate(client, "swap-two")
+    mu = generate(client, "mu")
+    assert new.status_code == 200 and mu.status_code == 200
+    assert new.json()["text"] != mu.json()["text"], "the learned routing should change the output vs μ"
+    metrics = client.get("/metrics").text
+    assert 'polyserve_jobs_total{status="succeeded"} 1.0' in metrics
+    assert "polyserve_adaptation_seconds_count 1.0" in metrics
+
+
+def test_conflicts_and_cancel(client):
+    r = client.post("/v1/tasks", json={"task": "slow", "examples": EXAMPLES, "steps": 100_000})
+    assert r.status_code == 202
+    job_id = r.json()["id"]
+    busy = generate(client, "slow")
+    assert busy.status_code == 409
+    assert busy.json()["error"]["type"] == "task_not_ready" and job_id in busy.json()["error"]["message"]
+    dup = client.post("/v1/tasks", json={"task": "slow", "examples": EXAMPLES})
+    assert dup.status_code == 409 and job_id in dup.json()["error"]["message"]
+    assert client.post("/v1/tasks", json={"task": "alpha", "examples": EXAMPLES}).status_code == 409
+    cancelled = client.post(f"/v1/jobs/{job_id}/cancel")
+    assert cancelled.status_code == 200
+    assert wait_job(client, job_id)["status"] == "cancelled"
+    assert client.get("/v1/tasks/slow").status_code == 404
+    assert client.get("/v1/jobs/job-doesnotexist").status_code == 404
+    assert client.post("/v1/jobs/job-doesnotexist/cancel").status_code == 404
+
+
+@pytest.mark.parametrize("body, field", [
+    ({"task": "t1", "examples": []}, "examples"),
+    ({"task": "t1", "examples": [{"input": "a"}]}, "examples.0.output"),
+    ({"task": "t1", "examples": [{"input": "", "output": "b"}]}, "examples.0.input"),
+    ({"task": "t1", "examples": [{"input": "a" * 5000, "output": "b"}]}, "examples.0.input"),
+    ({"task": "T1", "examples": EXAMPLES}, "task"),
+    ({"task": "t1", "examples": EXAMPLES, "method": "magic"}, "method"),
+    ({"task": "t1", "examples": EXAMPLES, "steps": 0}, "steps"),
+    ({"task": "t1", "examples": [{"input": "a", "output": "b"}] * 51}, "examples"),
+    ({"task": "base", "examples": EXAMPLES}, "task"),
+])
+def test_bad_registrations_are_422_naming_the_problem(client, body, field):
+    r = client.post("/v1/tasks", json=body)
+    assert r.status_code == 422, r.text
+    message = r.json()["error"]["message"]
+    assert message.startswith(field) or f"{field}:" in message, message
+    assert "aaaaaaaaaa" not in message  # never echoes the input
+    assert client.get("/v1/tasks/t1").status_code == 404
+
+
+def test_delete_task(client):
+    assert generate(client, "beta").status_code == 200
+    assert client.delete("/v1/tasks/beta").status_code == 204
+    assert client.get("/v1/tasks/beta").status_code == 404
+    assert generate(client, "beta").status_code == 404
+    assert client.delete("/v1/tasks/beta").status_code == 404
+    assert client.delete("/v1/tasks/base").status_code in (400, 409)
+
+
+def serve_process(store: str, home: str, port: int, redis_url: str | None) -> subprocess.Popen:
+    env = {**os.environ, "POLYSERVE_HOME": home, "POLYSERVE_STORE": store, "POLYSERVE_BACKBONE": "tiny"}
+    env.pop("POLYSERVE_REDIS_URL", None)
+    if redis_url:
+        env["POLYSERVE_REDIS_URL"] = redis_url
+    return subprocess.Popen([sys.executable, "-m", "server.cli", "serve", "--port", str(port)], env=env,
+                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+
+
+def test_crash_mid_job_leaves_nothing_half_written_and_no_running_job(tmp_path):
+    build_store(tmp_path / "store")
+    port = free_port()
+    proc = serve_process(str(tmp_path / "store"), str(tmp_path), port, None)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        with httpx.Client(base_url=url, timeout=10) as c:
+            wait_ready(c.get, timeout=120)
+            job = c.post("/v1/tasks", json={"task": "doomed", "examples": EXAMPLES, "steps": 100_000}).json()
+            deadline = time.time() + 30
+            while c.get(f"/v1/jobs/{job['id']}").json()["status"] != "running" and time.time() < deadline:
+                time.sleep(0.05)
+    finally:
+        proc.send_signal(signal.SIGKILL)
+        proc.wait(10)
+    store_root = tmp_path / "store"
+    committed = [p for p in store_root.rglob("*.safetensors") if "doomed" in str(p)]
+    assert committed == [], "a killed job must not leave weights for its task"
+    Store(store_root)  # reopening sweeps temp files of the killed writer
+    assert not [p for p in store_root.rglob("*") if p.name.startswith(".tmp-")]
+    with live_server(settings_for(tmp_path), backbone=tiny_backbone()) as srv, \
+            httpx.Client(base_url=srv.url, timeout=10) as c:
+        after = c.get(f"/v1/jobs/{job['id']}").json()
+        assert after["status"] == "failed" and after["error"]["type"] == "interrupted"
+        task = c.get("/v1/tasks/doomed").json()
+        assert task["status"] == "failed"
+        # a failed task's id can be registered again
+        assert c.post("/v1/tasks", json={"task": "doomed", "examples": EXAMPLES, "steps": 3}).status_code == 202
+
+
+@pytest.mark.redis
+@pytest.mark.skipif(not redis_up(), reason="needs the real Redis at 127.0.0.1:6379 (.ci/run starts it)")
+def test_two_server_processes_share_store_and_redis(tmp_path):
+    build_store(tmp_path / "store")
+    redis_url = REDIS
+    port = free_port()
+    other = serve_process(str(tmp_path / "store"), str(tmp_path), port, redis_url)
+    try:
+        with live_server(settings_for(tmp_path, redis_url=redis_url, redis_prefix=f"pstest{uuid.uuid4().hex[:8]}"),
+                         backbone=tiny_backbone()) as srv, \
+                httpx.Client(base_url=srv.url, timeout=30) as a, \
+                httpx.Client(base_url=f"http://127.0.0.1:{port}", timeout=30) as b:
+            wait_ready(b.get, timeout=120)
+            job = a.post("/v1/tasks", json={"task": "shared-task", "examples": EXAMPLES, "steps": 5}).json()
+            assert b.get("/v1/tasks/shared-task").json()["status"] == "training"  # visible at once
+            assert wait_job(a, job["id"])["status"] == "succeeded"
+            assert b.get(f"/v1/jobs/{job['id']}").json()["status"] == "succeeded"
+            t0 = time.time()
+            while b.get("/v1/tasks/shared-task").json()["status"] != "ready":
+                assert time.time() - t0 < 1.0, "replica B did not see the new task within 1 s"
+                time.sleep(0.02)
+            ra, rb = generate(a, "shared-task"), generate(b, "shared-task")
+            assert ra.status_code == rb.status_code == 200 and ra.json()["text"] == rb.json()["text"]
+            assert b.delete("/v1/tasks/shared-task").status_code == 204
+            t0 = time.time()
+            while generate(a, "shared-task").status_code != 404:
+                assert time.time() - t0 < 1.0, "replica A still serves a task deleted through B"
+                time.sleep(0.02)
+    finally:
+        other.terminate()
+        other.wait(20)

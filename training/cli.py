@@ -1,0 +1,249 @@
+"""`polyserve train | adapt | eval | routing-plot`: offline commands on a store.
+
+Heavy imports (torch, transformers, matplotlib) stay inside the command functions so that
+`polyserve --help` starts fast.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import click
+
+STORE_HELP = "store directory (default: $POLYSERVE_STORE or $POLYSERVE_HOME/store)"
+
+
+def default_store() -> Path:
+    import os
+
+    if os.environ.get("POLYSERVE_STORE"):
+        return Path(os.environ["POLYSERVE_STORE"]).expanduser()
+    home = Path(os.environ.get("POLYSERVE_HOME", Path.home() / ".cache" / "polyserve")).expanduser()
+    return home / "store"
+
+
+def _threads(n: int | None) -> None:
+    if n:
+        import torch
+
+        torch.set_num_threads(n)
+
+
+def _open_store(path: str | None, *, install_default: bool = False):  # -> Store
+    from adapters_store.store import Store
+
+    store = Store(Path(path).expanduser() if path else default_store())
+    if install_default and not store.has_inventory():
+        from training.default_inventory import install_default_inventory
+
+        install_default_inventory(store)
+    return store
+
+
+@click.command()
+@click.option("--suite", required=True, help="procedural | PATH.jsonl ({task, input, output} per line)")
+@click.option("--method", required=True, type=click.Choice(["mhr", "poly", "shared", "private", "random-mu", "hyper"]))
+@click.option("--skills", default=8, show_default=True, help="S, skills in the inventory")
+@click.option("--heads", default=8, show_default=True, help="h, routing heads (mhr, random-mu, hyper)")
+@click.option("--rank", default=8, show_default=True)
+@click.option("--steps", default=1000, show_default=True)
+@click.option("--store", "store_dir", default=None, help=STORE_HELP)
+@click.option("--backbone", default="default", show_default=True, help="default | tiny | PATH")
+@click.option("--batch-size", default=8, show_default=True)
+@click.option("--lr-routing", default=0.1, show_default=True)
+@click.option("--lr-skills", default=1e-3, show_default=True)
+@click.option("--weight-decay", default=0.01, show_default=True, help="on skills only")
+@click.option("--warmup", default=0.06, show_default=True, help="fraction of steps")
+@click.option("--temperature", default=1.0, show_default=True, help="Gumbel-sigmoid temperature")
+@click.option("--no-gumbel", is_flag=True, help="train with plain sigmoid routing (no noise)")
+@click.option("--sampling", default="uniform", show_default=True,
+              type=click.Choice(["uniform", "proportional", "uncertainty"]))
+@click.option("--uncertainty-pool", default=1, show_default=True, help="candidates per task (uncertainty)")
+@click.option("--checkpoint-every", default=0, show_default=True, help="steps; 0 = only at the end")
+@click.option("--resume", is_flag=True, help="continue from the store's trainer state")
+@click.option("--seed", default=0, show_default=True)
+@click.option("--examples-per-task", default=500, show_default=True)
+@click.option("--targets", default="q_proj,k_proj,v_proj,o_proj", show_default=True)
+@click.option("--max-length", default=128, show_default=True)
+@click.option("--autocast", default="bf16", show_default=True, type=click.Choice(["bf16", "none"]))
+@click.option("--save-dtype", default="float32", show_default=True, type=click.Choice(["float32", "bfloat16"]))
+@click.option("--threads", default=None, type=int, help="torch CPU threads")
+@click.option("--no-progress", is_flag=True)
+def train(suite, method, skills, heads, rank, steps, store_dir, backbone, batch_size, lr_routing, lr_skills,
+          weight_decay, warmup, temperature, no_gumbel, sampling, uncertainty_pool, checkpoint_every, resume,
+          seed, examples_per_task, targets, max_length, autocast, save_dtype, threads, no_progress) -> None:
+    """Pre-train a skill inventory and the training tasks' routing rows (multi-task)."""
+    _threads(threads)
+    from adapters_store.backbone import load_backbone
+    from training import checkpoint as ckpt
+    from training.trainer import TrainConfig, Trainer, suite_tasks
+
+    cfg = TrainConfig(
+        method=method, n_skills=skills, n_heads=heads, rank=rank, targets=tuple(targets.split(",")), steps=steps,
+        batch_size=batch_size, lr_routing=lr_routing, lr_skills=lr_skills, weight_decay=weight_decay,
+        warmup=warmup, temperature=temperature, gumbel=not no_gumbel, sampling=sampling,
+        uncertainty_pool=uncertainty_pool, max_length=max_length, autocast=autocast, seed=seed,
+        checkpoint_every=checkpoint_every, save_dtype=save_dtype, suite=suite,
+    )
+    store = _open_store(store_dir)
+    bb = load_backbone(backbone)
+    tasks = suite_tasks(suite, examples_per_task, seed)
+    click.echo(f"backbone {bb.name} ({bb.fingerprint}); {len(tasks)} tasks; store {store.root}", err=True)
+    trainer = Trainer(cfg, bb, tasks, store)
+    if resume:
+        if not ckpt.has_state(store.root):
+            raise click.UsageError(f"--resume: no trainer state in {store.root / ckpt.STATE_DIR}")
+        trainer.load_state(store.root)
+        click.echo(f"resumed at step {trainer.step}/{cfg.steps}", err=True)
+    trainer.run(progress=not no_progress)
+    click.echo(json.dumps({"steps": trainer.step, "last_loss": trainer.last_loss, "seconds": round(trainer.elapsed, 1),
+                           "tokens_per_s": round(trainer.tokens / max(trainer.elapsed, 1e-9), 1),
+                           "store": str(store.root)}))
+
+
+def _routed(store, backbone: str):  # -> (bb, rm, info, skills)
+    from adapters_store.backbone import load_backbone
+    from adapters_store.inject import RoutedModel
+
+    bb = load_backbone(backbone)
+    info, skills = store.load_inventory(expected_fingerprint=bb.fingerprint)
+    rm = RoutedModel(bb.model, info.spec)
+    rm.load_skills(skills)
+    return bb, rm, info, skills
+
+
+@click.command()
+@click.option("--task", required=True, help="id of the new task")
+@click.option("--examples", "examples_file", required=True, type=click.Path(exists=True, dir_okay=False))
+@click.option("--method", default="routing", show_default=True, type=click.Choice(["routing", "mu", "full"]))
+@click.option("--steps", default=None, type=int, help="optimisation steps (default: per method)")
+@click.option("--lr", default=None, type=float)
+@click.option("--batch-size", default=8, show_default=True)
+@click.option("--seed", default=0, show_default=True)
+@click.option("--store", "store_dir", default=None, help=STORE_HELP)
+@click.option("--backbone", default="default", show_default=True)
+@click.option("--threads", default=None, type=int)
+def adapt(task, examples_file, method, steps, lr, batch_size, seed, store_dir, backbone, threads) -> None:
+    """Few-shot adaptation of a new task from a JSONL file of examples; stores it."""
+    _threads(threads)
+    from adapters_store.ids import validate_new_task_id
+    from training.adapt import Adaptation
+    from training.data import DataError, load_jsonl
+
+    try:
+        validate_new_task_id(task)
+        examples = load_jsonl(examples_file, task=task)
+    except (DataError, ValueError) as err:
+        raise click.UsageError(str(err)) from None
+    store = _open_store(store_dir, install_default=True)
+    bb, rm, info, skills = _routed(store, backbone)
+    from tqdm import tqdm
+
+    bar = tqdm(desc=f"adapt {task} ({method})", unit="step")
+
+    def progress(p: dict) -> None:
+        bar.total = p["steps"]
+        bar.n = p["step"]
+        fmt = {k: "-" if p[k] is None else f"{p[k]:.3f}" for k in ("loss", "eval_loss")}
+        bar.set_postfix(loss=fmt["loss"], eval=fmt["eval_loss"], refresh=False)
+        bar.refresh()
+
+    job = Adaptation(rm, info, skills, examples, bb.tokenizer, method=method, steps=steps, seed=seed,
+                     batch_size=batch_size, lr=lr, progress=progress)
+    while job.step():
+        pass
+    bar.close()
+    res = job.result()
+    source = {"kind": "adapt", "examples": len(examples), "file": Path(examples_file).name, "seed": seed}
+    if res.kind == "routing":
+        rec = store.put_routing(task, res.tensors["logits"], method=method, source=source, metrics=res.metrics)
+    else:
+        rec = store.put_lora(task, res.tensors, method=method, source=source, metrics=res.metrics)
+    click.echo(json.dumps({"task": rec.id, "version": rec.version, "kind": rec.kind, "params": res.params,
+                           "metrics": res.metrics}))
+
+
+@click.command("eval")
+@click.option("--store", "store_dir", default=None, help=STORE_HELP)
+@click.option("--tasks", default=None, help="comma-separated task ids (default: every task in the store)")
+@click.option("--split", default="test", show_default=True, type=click.Choice(["train", "valid", "test"]))
+@click.option("--n", default=32, show_default=True, help="examples per task")
+@click.option("--seed", default=0, show_default=True)
+@click.option("--examples", "examples_file", default=None, type=click.Path(exists=True, dir_okay=False),
+              help="JSONL with examples for tasks that are not procedural compositions")
+@click.option("--mu", is_flag=True, help="also evaluate zero-shot μ (the skills' average) on each task")
+@click.option("--backbone", default="default", show_default=True)
+@click.option("--threads", default=None, type=int)
+@click.option("--json-out", default=None, type=click.Path(dir_okay=False))
+def eval_cmd(store_dir, tasks, split, n, seed, examples_file, mu, backbone, threads, json_out) -> None:
+    """Per-task exact match (greedy) and loss; Z statistics of the stored routing rows."""
+    _threads(threads)
+    import torch
+
+    from adapters_store.materialize import mu_weights, task_layers
+    from training.data import group_by_task, load_jsonl
+    from training.evaluate import evaluate_task
+    from training.suite import examples as suite_examples
+    from training.suite import parse_task
+    from training.zstats import z_stats
+
+    store = _open_store(store_dir, install_default=True)
+    bb, rm, info, skills = _routed(store, backbone)
+    records = {r.id: r for r in store.list_tasks() if r.status == "ready"}
+    names = tasks.split(",") if tasks else sorted(records)
+    given = group_by_task(load_jsonl(examples_file)) if examples_file else {}
+    rows: dict[str, dict] = {}
+    for name in names:
+        if name not in records:
+            raise click.UsageError(f"task {name!r} is not in the store")
+        if name in given:
+            exs = given[name][:n]
+        else:
+            try:
+                exs = suite_examples(parse_task(name), n, seed=seed, split=split)
+            except ValueError:
+                click.echo(f"skip {name}: not a procedural task and not in --examples", err=True)
+                continue
+        rec = records[name]
+        layers = task_layers(info, skills, str(rec.kind), store.load_weights(rec))
+        row = {"method": rec.method, **evaluate_task(rm, layers, bb.tokenizer, exs)}
+        if mu:
+            row["mu"] = evaluate_task(rm, mu_weights(info), bb.tokenizer, exs)
+        rows[name] = row
+        click.echo(f"{name:32s} {rec.method:10s} exact_match={row['exact_match']:.3f} loss={row['loss']:.3f}", err=True)
+    routing = [r for r in records.values() if r.kind == "routing"]
+    summary: dict = {"tasks": rows, "n": n, "split": split}
+    if rows:
+        summary["mean_exact_match"] = sum(r["exact_match"] for r in rows.values()) / len(rows)
+    if routing and info.spec.routing != "hyper":
+        summary["z_stats"] = z_stats(torch.stack([store.load_routing(r.id).float() for r in routing]))
+    text = json.dumps(summary, indent=2)
+    if json_out:
+        Path(json_out).write_text(text + "\n")
+    click.echo(text)
+
+
+@click.command("routing-plot")
+@click.option("--store", "store_dir", default=None, help=STORE_HELP)
+@click.option("--out", required=True, type=click.Path(dir_okay=False))
+@click.option("--tasks", default=None, help="comma-separated task ids (default: every routing task)")
+def routing_plot(store_dir, out, tasks) -> None:
+    """Task x skill heatmap with a task dendrogram, as a PNG."""
+    import torch
+
+    from training.plot import routing_plot as draw
+
+    store = _open_store(store_dir, install_default=True)
+    info = store.inventory_info()
+    records = [r for r in store.list_tasks() if r.kind == "routing" and r.status == "ready"]
+    if tasks:
+        wanted = tasks.split(",")
+        records = [r for r in records if r.id in wanted]
+    if not records:
+        raise click.UsageError(f"no routing rows in {store.root}")
+    logits = torch.stack([store.load_routing(r.id).float() for r in records])
+    path = draw(logits, [r.id for r in records], out, routing=info.spec.routing,
+                title=f"{info.backbone_name}: S={info.spec.n_skills}, h={info.spec.n_heads}, r={info.spec.rank}")
+    click.echo(str(path))
+eval = eval_cmd  # server.cli mounts `training.cli.eval`

@@ -1,0 +1,93 @@
+"""The default inventory shipped as read-only package data, and its copy into a working store.
+
+    training/default_inventory/inventory/inventory.json, skills.safetensors
+    training/default_inventory/tasks/<id>/task.json, routing-<v>-<digest>.safetensors
+
+(the store layout, with the training tasks' routing rows). `install_default_inventory(store)`
+copies it into a working store that has no inventory; nothing is ever written into the
+package directory at run time. `python -m training.default_inventory --from-store DIR` refreshes
+the package data from a freshly trained store (a development step, see
+scripts/train_default_inventory.sh).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import shutil
+from pathlib import Path
+
+from adapters_store.atomic import atomic_write_bytes, read_json
+from adapters_store.ids import validate_task_id
+from adapters_store.store import Store
+
+PACKAGE_DIR = Path(__file__).resolve().parent / "default_inventory"
+
+
+def default_inventory_available(source: Path | None = None) -> bool:
+    src = Path(source) if source is not None else PACKAGE_DIR
+    return (src / "inventory" / "inventory.json").is_file() and (src / "inventory" / "skills.safetensors").is_file()
+
+
+def _task_dirs(src: Path) -> list[Path]:
+    return sorted(p.parent for p in (src / "tasks").glob("*/task.json"))
+
+
+def install_default_inventory(store: Store, source: Path | None = None) -> bool:
+    """Copy the shipped inventory and its tasks' routing rows into `store` if it has no inventory.
+
+    Returns True if it copied, False if the store already had an inventory (left untouched)
+    or no default inventory is shipped. Tasks the store already has are never overwritten.
+    Files are written atomically, each task's task.json last (its commit point).
+    """
+    src = Path(source) if source is not None else PACKAGE_DIR
+    if store.has_inventory() or not default_inventory_available(src):
+        return False
+    for task_dir in _task_dirs(src):
+        task = validate_task_id(task_dir.name)
+        if store.has_task(task):
+            continue
+        record = read_json(task_dir / "task.json")
+        if record.get("id") != task or not record.get("file"):
+            raise ValueError(f"{task_dir}/task.json does not describe task {task!r}")
+        weights = task_dir / Path(record["file"]).name
+        dest = store.root / "tasks" / task
+        atomic_write_bytes(dest / weights.name, weights.read_bytes())
+        atomic_write_bytes(dest / "task.json", (task_dir / "task.json").read_bytes())
+    # The inventory last: a crash before this leaves a store that installs again on next start.
+    inv = store.root / "inventory"
+    atomic_write_bytes(inv / "skills.safetensors", (src / "inventory" / "skills.safetensors").read_bytes())
+    atomic_write_bytes(inv / "inventory.json", (src / "inventory" / "inventory.json").read_bytes())
+    return True
+
+
+def export_store(store_root: Path, dest: Path = PACKAGE_DIR) -> dict[str, object]:
+    """Replace `dest` with the inventory of `store_root` and its pre-training tasks' routing rows."""
+    store = Store(store_root)
+    info = store.inventory_info()
+    tasks = [r for r in store.list_tasks() if r.kind == "routing" and r.source.get("kind") == "pretraining"]
+    tmp = dest.with_name(dest.name + ".tmp")
+    shutil.rmtree(tmp, ignore_errors=True)
+    (tmp / "inventory").mkdir(parents=True)
+    for name in ("inventory.json", "skills.safetensors"):
+        shutil.copy2(store.root / "inventory" / name, tmp / "inventory" / name)
+    for record in tasks:
+        (tmp / "tasks" / record.id).mkdir(parents=True)
+        shutil.copy2(store.root / "tasks" / record.id / str(record.file), tmp / "tasks" / record.id / str(record.file))
+        shutil.copy2(store.root / "tasks" / record.id / "task.json", tmp / "tasks" / record.id / "task.json")
+    shutil.rmtree(dest, ignore_errors=True)
+    tmp.rename(dest)
+    size = sum(p.stat().st_size for p in dest.rglob("*") if p.is_file())
+    return {"dest": str(dest), "inventory_version": info.version, "tasks": len(tasks), "bytes": size}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--from-store", required=True, type=Path, help="a trained store to ship")
+    parser.add_argument("--dest", type=Path, default=PACKAGE_DIR)
+    args = parser.parse_args()
+    print(json.dumps(export_store(args.from_store, args.dest)))
+
+
+if __name__ == "__main__":
+    main()
