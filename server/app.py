@@ -14,7 +14,7 @@ from fastapi import FastAPI
 from server.errors import install_handlers
 from server.metrics import Metrics
 from server.middleware import BodyLimit, RequestMetrics
-from server.routes import generate, health, metrics, openai, tasks
+from server.routes import generate, health, jobs, metrics, openai, tasks
 from server.runtime import Runtime
 from server.settings import Settings
 
@@ -51,7 +51,7 @@ def create_app(settings: Settings | None = None, *, backbone: Any = None) -> Fas
     app.state.runtime = None
     app.state.load_error = None
     install_handlers(app)
-    for module in (health, metrics, generate, openai, tasks):
+    for module in (health, metrics, generate, openai, tasks, jobs):
         app.include_router(module.router)
     app.add_middleware(BodyLimit, max_bytes=settings.max_body_bytes)
     app.add_middleware(RequestMetrics, metrics=metrics_)

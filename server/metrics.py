@@ -40,6 +40,12 @@ class Metrics:
         self.tasks_registered = Gauge(P + "tasks_registered", "Tasks in the registry.", registry=r)
         self.jobs = Counter(P + "jobs", "Adaptation jobs by final status.", ["status"], registry=r)
         self.redis_errors = Counter(P + "redis_errors", "Redis calls that failed or timed out.", registry=r)
+        # issue #5: wall time of successful adaptation jobs (seconds to minutes)
+        self.adaptation_seconds = Histogram(P + "adaptation_seconds", "Wall time of successful adaptation jobs.",
+                                            buckets=(1, 2.5, 5, 10, 20, 30, 60, 120, 300, 600, 1800, 3600),
+                                            registry=r)
+        for status in ("succeeded", "failed", "cancelled"):
+            self.jobs.labels(status=status)  # export zeros so dashboards and rate() see the series
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

@@ -50,6 +50,7 @@ class Runtime:
     engine: Engine
     metrics: Metrics
     l2: RedisTier | None = None
+    registration: Any = None  # server.jobs.service.Registration (task registration + jobs)
     started_at: float = field(default_factory=time.time)
 
     @property
@@ -96,6 +97,10 @@ class Runtime:
         )
         engine.start()
         rt = cls(settings, bb, store, routed, cache, registry, engine, metrics, l2)
+        from server.jobs.service import Registration
+
+        rt.registration = Registration(rt, rescan_every=settings.rescan_seconds)
+        rt.registration.start()
         if settings.warmup:
             rt.warmup()
         return rt
@@ -108,6 +113,8 @@ class Runtime:
             raise RuntimeError("warm-up generation did not finish")
 
     def close(self) -> None:
+        if self.registration is not None:
+            self.registration.close()
         self.engine.stop()
         if self.l2 is not None:
             self.l2.close()

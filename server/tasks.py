@@ -23,8 +23,10 @@ BASE = "base"
 
 
 class TaskNotReady(ApiError):
-    def __init__(self, task: str, status: str) -> None:
-        super().__init__(409, "task_not_ready", f"task {task!r} is not ready (status {status!r})")
+    def __init__(self, task: str, status: str, job_id: str | None = None) -> None:
+        job = f"; job {job_id}" if job_id else ""
+        super().__init__(409, "task_not_ready", f"task {task!r} is not ready (status {status!r}{job})")
+        self.job_id = job_id
 
 
 class TaskRegistry:
@@ -71,7 +73,7 @@ class TaskRegistry:
             return None
         record = self.store.get_task(task)
         if record.status != "ready":
-            raise TaskNotReady(task, record.status)
+            raise TaskNotReady(task, record.status, record.job_id)
         if self.cache is None:
             raise TaskNotReady(task, "no skill inventory loaded")
         if record.inventory_version not in (None, self.inventory_version):

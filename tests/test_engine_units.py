@@ -104,5 +104,49 @@ def test_cost_rule():
     assert choose_path([a, None, b], 3) == "gathered"
     assert choose_path([a, b, c, a], 3) == "skill"
     assert choose_path([a, b, c, lora], 3) == "gathered"  # plain-LoRA tasks force the gathered path
-    assert auto_threshold(8, torch.device("cpu")) == NEVER
+    assert auto_threshold(8, torch.device("cpu")) == 16 < NEVER
     assert auto_threshold(8, torch.device("cuda")) == 9
+
+
+def test_derived_row_plans_equal_fresh_ones():
+    from types import SimpleNamespace
+
+    from server.adapters.types import Adapter
+    from server.engine.lora_plan import Planner, RowPlan, build_row_plan
+
+    dims = [(8, 6), (6, 8)]
+    gen = torch.Generator().manual_seed(0)
+
+    def adapter(name):
+        return Adapter(name, name, "routing", [(torch.randn(i, 2, generator=gen), torch.randn(2, o, generator=gen))
+                                              for i, o in dims], torch.zeros(2, 1, 1))
+
+    a, b, c, d = (adapter(n) for n in "abcd")
+    layers = [SimpleNamespace(lora_A=torch.zeros(1), batch=None) for _ in dims]
+    rm = SimpleNamespace(layers=layers, spec=SimpleNamespace(rank=2, scale=0.5, n_heads=1, n_skills=1),
+                         layer_dims=lambda: dims)
+    planner = Planner(rm, threshold=100)  # gathered path
+    for rows in ([a, b, None, c], [b, None, c], [b, None, c, d, a], [d, d, None], [a]):
+        planner.apply(rows)
+        got = planner.batch.plan
+        want = build_row_plan(rows, dims, 2, 0.5, torch.device("cpu"), torch.float32)
+        assert isinstance(got, RowPlan)
+        for x, y in zip(got.A + got.B, want.A + want.B, strict=True):
+            assert torch.equal(x, y)
+
+
+@pytest.mark.parametrize("h,T", [(1, 1), (4, 1), (4, 3)])
+def test_skill_delta_equals_the_reference(h, T):
+    from adapters_store.batched import apply_skill_space
+    from server.engine.lora_plan import skill_delta
+
+    gen = torch.Generator().manual_seed(h * 10 + T)
+    N, S, r, d_in, d_out = 5, 3, 2, 8, 12
+    A = torch.randn(h, S, d_in // h, r, generator=gen)
+    B = torch.randn(h, S, r, d_out // h, generator=gen)
+    w = torch.rand(N, h, S, generator=gen)
+    x = torch.randn(N, T, d_in, generator=gen)
+    A_cat = A.permute(0, 2, 1, 3).reshape(h, d_in // h, S * r)
+    B_cat = B.reshape(h, S * r, d_out // h) * 0.5
+    got = skill_delta(x, A_cat, B_cat, w.reshape(N, h * S))
+    torch.testing.assert_close(got, apply_skill_space(x, A, B, w, 0.5), rtol=1e-5, atol=1e-5)

@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from adapters_store.store import Store
-from tests.server_fixtures import build_store, free_port, live_server, settings_for, tiny_backbone, wait_ready
+from tests.server_fixtures import build_store, free_port, live_server, settings_for, tiny_backbone
 
 EXAMPLES = [{"input": f"w{i} x{i}", "output": f"x{i} w{i}"} for i in range(12)]
 REDIS = "redis://127.0.0.1:6379/0"
@@ -128,6 +128,20 @@ def test_delete_task(client):
     assert client.delete("/v1/tasks/base").status_code in (400, 409)
 
 
+def wait_process_ready(proc: subprocess.Popen, url: str, timeout: float = 120) -> None:
+    deadline = time.time() + timeout
+    while time.time() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError(f"server exited with {proc.returncode}: {proc.stderr.read().decode()[-2000:]}")
+        try:
+            if httpx.get(f"{url}/ready", timeout=2).status_code == 200:
+                return
+        except httpx.TransportError:
+            pass
+        time.sleep(0.1)
+    raise TimeoutError(f"{url} not ready")
+
+
 def serve_process(store: str, home: str, port: int, redis_url: str | None) -> subprocess.Popen:
     env = {**os.environ, "POLYSERVE_HOME": home, "POLYSERVE_STORE": store, "POLYSERVE_BACKBONE": "tiny"}
     env.pop("POLYSERVE_REDIS_URL", None)
@@ -143,8 +157,8 @@ def test_crash_mid_job_leaves_nothing_half_written_and_no_running_job(tmp_path):
     proc = serve_process(str(tmp_path / "store"), str(tmp_path), port, None)
     url = f"http://127.0.0.1:{port}"
     try:
+        wait_process_ready(proc, url)
         with httpx.Client(base_url=url, timeout=10) as c:
-            wait_ready(c.get, timeout=120)
             job = c.post("/v1/tasks", json={"task": "doomed", "examples": EXAMPLES, "steps": 100_000}).json()
             deadline = time.time() + 30
             while c.get(f"/v1/jobs/{job['id']}").json()["status"] != "running" and time.time() < deadline:
@@ -179,7 +193,7 @@ def test_two_server_processes_share_store_and_redis(tmp_path):
                          backbone=tiny_backbone()) as srv, \
                 httpx.Client(base_url=srv.url, timeout=30) as a, \
                 httpx.Client(base_url=f"http://127.0.0.1:{port}", timeout=30) as b:
-            wait_ready(b.get, timeout=120)
+            wait_process_ready(other, f"http://127.0.0.1:{port}")
             job = a.post("/v1/tasks", json={"task": "shared-task", "examples": EXAMPLES, "steps": 5}).json()
             assert b.get("/v1/tasks/shared-task").json()["status"] == "training"  # visible at once
             assert wait_job(a, job["id"])["status"] == "succeeded"

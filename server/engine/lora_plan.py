@@ -14,10 +14,12 @@ Cost rule (per adapted linear, decode step, N_a adapted rows, G distinct adapted
     gathered    reads N_a*r*(d_in+d_out) numbers,  2*N_a*r*(d_in+d_out) FLOPs, 2 kernels
     skill space reads   S*r*(d_in+d_out) numbers,  2*N*S*r*(d_in+d_out) FLOPs, ~8 kernels
 On a memory-bound accelerator the skill-space path wins once G > S (more distinct adapters than
-skills); on a CPU the step is compute/launch-bound and gathered always wins (measured: see
-BENCHMARKS.md). So: skill space iff every adapted row has routing weights and
+skills). On a CPU the step is compute-bound; measured per decode step (SmolLM2-135M, S=8, h=8,
+r=8, one task per row, 1 thread): 16 rows base 87.1 / gathered 91.4 / skill 91.7 ms, 32 rows
+131.9 / 140.3 / 141.9 ms — a tie, while a skill plan is ~100x cheaper to rebuild when the
+composition changes. So: skill space iff every adapted row has routing weights and
 G >= threshold, threshold = settings.skill_space_min_tasks, or when that is 0 ("auto"):
-S + 1 on CUDA, never on CPU. Tasks stored as a plain LoRA (kind "lora") force gathered.
+S + 1 on CUDA, 2*S on CPU. Tasks stored as a plain LoRA (kind "lora") force gathered.
 """
 
 from __future__ import annotations
@@ -28,7 +30,7 @@ from typing import Any
 
 import torch
 
-from adapters_store.layer import AdapterBatch, SkillSpacePlan
+from adapters_store.layer import AdapterBatch
 from server.adapters.types import Adapter
 
 NEVER = 1 << 30
@@ -46,17 +48,70 @@ class RowPlan:
         return self.A[0].shape[0] if self.A else 0
 
 
-class ServingAdapterBatch(AdapterBatch):
-    """AdapterBatch that also understands RowPlan (installed on every RoutedLoRALinear)."""
+@dataclass
+class SkillPlan:
+    """Skill space with tables laid out once (not per forward): per layer l
+    A_cat[l] (h, d_in/h, S*r), B_cat[l] (h, S*r, d_out/h) with the scale folded in (shared by
+    every plan), and the rows' weights w (L, N, h*S)."""
+
+    A_cat: list[torch.Tensor]
+    B_cat: list[torch.Tensor]
+    w: torch.Tensor
 
     @property
     def rows(self) -> int:
-        if isinstance(self.plan, RowPlan):
+        return self.w.shape[1]
+
+
+def skill_delta(x: torch.Tensor, A_cat: torch.Tensor, B_cat: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    """x (N, T, d_in), w (N, h*S) -> delta (N, T, d_out); equals adapters_store.batched.apply_skill_space.
+
+        u[k, n, s] = x[n, head k] @ A[k, s]            one bmm over heads, width S*r
+        v[n]       = sum_{k,s} w[n, k, s] u[k, n, s]     one bmm over rows  (N, T, r)
+        y[n, head k] = [w[n,k,1] v, ..., w[n,k,S] v] @ stack_s B[k, s]   one bmm over heads
+    """
+    N, T, _ = x.shape
+    h, d_in_h, sr = A_cat.shape
+    hs = w.shape[1]
+    r = sr * h // hs
+    n_skills = hs // h
+    u = torch.bmm(x.reshape(N * T, h, d_in_h).transpose(0, 1), A_cat)  # (h, N*T, S*r)
+    u = u.view(h, N * T, n_skills, r).transpose(0, 1).reshape(N * T, hs, r)  # (N*T, h*S, r)
+    wt = w.repeat_interleave(T, dim=0) if T > 1 else w  # (N*T, h*S)
+    v = torch.bmm(wt.unsqueeze(1), u)  # (N*T, 1, r)
+    z = (wt.unsqueeze(2) * v).view(N * T, h, sr).transpose(0, 1)  # (h, N*T, S*r)
+    y = torch.bmm(z, B_cat)  # (h, N*T, d_out/h)
+    return y.transpose(0, 1).reshape(N, T, -1)
+
+
+def skill_tables(routed_model) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+    """Per layer A_cat (h, d_in/h, S*r) and B_cat (h, S*r, d_out/h) * scale, laid out once."""
+    A_cat, B_cat = [], []
+    for layer in routed_model.layers:
+        A, B = layer.lora_A.detach(), layer.lora_B.detach()  # (h, S, d_in/h, r), (h, S, r, d_out/h)
+        h, n_skills, d_in_h, r = A.shape
+        A_cat.append(A.permute(0, 2, 1, 3).reshape(h, d_in_h, n_skills * r).contiguous())
+        B_cat.append((B.reshape(h, n_skills * r, -1) * layer.scale).contiguous())
+    return A_cat, B_cat
+
+
+class ServingAdapterBatch(AdapterBatch):
+    """AdapterBatch that also understands RowPlan and SkillPlan (installed on every RoutedLoRALinear)."""
+
+    @property
+    def rows(self) -> int:
+        if isinstance(self.plan, (RowPlan, SkillPlan)):
             return self.plan.rows
         return super().rows
 
     def delta(self, layer, x, A, B, scale):  # type: ignore[override]
         plan = self.plan
+        if isinstance(plan, SkillPlan):
+            x3 = x.unsqueeze(1) if x.dim() == 2 else x
+            if x3.shape[0] != plan.rows:
+                raise ValueError(f"adapter plan has {plan.rows} rows but the forward got {x3.shape[0]}")
+            out = skill_delta(x3, plan.A_cat[layer], plan.B_cat[layer], plan.w[layer])
+            return out.squeeze(1) if x.dim() == 2 else out
         if not isinstance(plan, RowPlan):
             return super().delta(layer, x, A, B, scale)
         x3 = x.unsqueeze(1) if x.dim() == 2 else x  # (N, T, d_in)
@@ -76,7 +131,8 @@ def install(routed_model) -> ServingAdapterBatch:
 
 
 def auto_threshold(n_skills: int, device: torch.device) -> int:
-    return n_skills + 1 if device.type == "cuda" else NEVER
+    """Distinct adapted tasks from which the skill-space path is used (see the module docstring)."""
+    return n_skills + 1 if device.type == "cuda" else 2 * n_skills
 
 
 def choose_path(adapters: list[Adapter | None], threshold: int) -> str:
@@ -113,12 +169,13 @@ def build_row_plan(adapters: list[Adapter | None], dims: list[tuple[int, int]], 
     return RowPlan(A_rows, B_rows)
 
 
-def build_skill_plan(adapters: list[Adapter | None], shape: tuple[int, int, int],
-                     device: torch.device) -> SkillSpacePlan:
-    """weights (L, N, h, S); zeros for base rows."""
+def build_skill_plan(adapters: list[Adapter | None], shape: tuple[int, int, int], device: torch.device,
+                     dtype: torch.dtype, tables: tuple[list[torch.Tensor], list[torch.Tensor]]) -> SkillPlan:
+    """Rows' weights (L, N, h*S); zeros for base rows."""
     zeros = torch.zeros(shape, device=device)
     per_row = [zeros if a is None else a.weights.to(device) for a in adapters]  # type: ignore[union-attr]
-    return SkillSpacePlan(torch.stack(per_row, dim=1))
+    w = torch.stack(per_row, dim=1).to(dtype)  # (L, N, h, S)
+    return SkillPlan(tables[0], tables[1], w.reshape(shape[0], len(adapters), -1).contiguous())
 
 
 class Planner:
@@ -140,6 +197,7 @@ class Planner:
         # ids cannot be reused by new objects while a key refers to them
         self._plans: OrderedDict[tuple[int, ...], tuple[Any, str, list[Adapter | None]]] = OrderedDict()
         self._key: tuple[int, ...] | None = None
+        self._tables: tuple[list[torch.Tensor], list[torch.Tensor]] | None = None
         self.last_path = "none"
         self.rebuilds = 0
 
@@ -157,10 +215,11 @@ class Planner:
             path = choose_path(adapters, self.threshold)
             plan: Any = None
             if path == "skill":
-                plan = build_skill_plan(adapters, self.shape, self.device)
+                if self._tables is None:
+                    self._tables = skill_tables(self.rm)
+                plan = build_skill_plan(adapters, self.shape, self.device, self.dtype, self._tables)
             elif path == "gathered":
-                spec = self.rm.spec
-                plan = build_row_plan(adapters, self.dims, spec.rank, spec.scale, self.device, self.dtype)
+                plan = self._derive_row_plan(adapters)
             self._plans[key] = (plan, path, list(adapters))
             while len(self._plans) > self.max_plans:
                 self._plans.popitem(last=False)
@@ -171,7 +230,38 @@ class Planner:
         self._key = key
         return rebuilt
 
+    def _derive_row_plan(self, adapters: list[Adapter | None]) -> RowPlan:
+        """A RowPlan for `adapters`, re-using rows of the most recent cached RowPlan (rows with the
+        same adapter hold identical tables): one index_select per layer instead of restacking
+        every row (3x cheaper at 32 rows); only adapters new to the batch are stacked."""
+        spec = self.rm.spec
+        source = next((v for v in reversed(self._plans.values()) if isinstance(v[0], RowPlan)), None)
+        if source is None:
+            return build_row_plan(adapters, self.dims, spec.rank, spec.scale, self.device, self.dtype)
+        src_plan, _, src_adapters = source
+        pos: dict[int, int] = {}
+        for i, a in enumerate(src_adapters):
+            pos.setdefault(0 if a is None else id(a), i)
+        missing: dict[int, Adapter | None] = {}
+        for a in adapters:
+            k = 0 if a is None else id(a)
+            if k not in pos and k not in missing:
+                missing[k] = a
+        if len(missing) * 2 > len(adapters):
+            return build_row_plan(adapters, self.dims, spec.rank, spec.scale, self.device, self.dtype)
+        for j, k in enumerate(missing):
+            pos[k] = len(src_adapters) + j
+        index = torch.tensor([pos[0 if a is None else id(a)] for a in adapters], device=self.device)
+        if not missing:
+            return RowPlan([t.index_select(0, index) for t in src_plan.A], [t.index_select(0, index) for t in src_plan.B])
+        extra = build_row_plan(list(missing.values()), self.dims, spec.rank, spec.scale, self.device, self.dtype)
+        return RowPlan(
+            [torch.cat([s, e]).index_select(0, index) for s, e in zip(src_plan.A, extra.A, strict=True)],
+            [torch.cat([s, e]).index_select(0, index) for s, e in zip(src_plan.B, extra.B, strict=True)],
+        )
+
     def invalidate(self) -> None:
         """Forget the plans (e.g. after background work changed the model's plan or skills)."""
         self._plans.clear()
         self._key = None
+        self._tables = None  # background work may have changed the skills

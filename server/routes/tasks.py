@@ -1,15 +1,17 @@
-"""GET /v1/tasks, GET /v1/tasks/{task}. (POST/DELETE and jobs: issue #5, same registry.)"""
+"""GET /v1/tasks, GET /v1/tasks/{task}, POST /v1/tasks (register from examples), DELETE /v1/tasks/{task}."""
 
 from __future__ import annotations
 
 import asyncio
 
-from fastapi import APIRouter
+from fastapi import APIRouter, Response
 
-from adapters_store.ids import validate_task_id
+from adapters_store.ids import RESERVED_TASK_IDS, validate_task_id
 from adapters_store.records import TaskRecord
-from server.deps import ApiKey, RuntimeDep
+from server.deps import ApiKey, RuntimeDep, SettingsDep
 from server.errors import ApiError
+from server.jobs.schemas import JobOut, RegisterRequest
+from server.routes.jobs import job_out
 from server.schemas import TaskList, TaskOut
 from server.tasks import BASE
 
@@ -45,3 +47,31 @@ async def get_task(task: str, rt: RuntimeDep) -> TaskOut:
     if task == BASE:
         return base_out(rt)
     return task_out(await asyncio.to_thread(rt.registry.get, task))
+
+
+@router.post("/tasks", status_code=202, response_model=JobOut)
+async def register_task(body: RegisterRequest, rt: RuntimeDep, settings: SettingsDep) -> JobOut:
+    """Register a task from few-shot examples: 202 with the job that learns it."""
+    if len(body.examples) > settings.max_examples_per_task:
+        raise ApiError(422, "validation_error",
+                       f"examples: at most {settings.max_examples_per_task} examples per task, got {len(body.examples)}")
+    if body.task in RESERVED_TASK_IDS:
+        raise ApiError(422, "validation_error", f"task: {body.task!r} is reserved")
+    examples = [e.model_dump() for e in body.examples]
+    try:
+        job = await asyncio.to_thread(rt.registration.submit, body.task, examples, body.method, body.steps, body.seed)
+    except RuntimeError as err:
+        raise ApiError(409, "conflict", str(err)) from None
+    return job_out(job)
+
+
+@router.delete("/tasks/{task}", status_code=204)
+async def delete_task(task: str, rt: RuntimeDep) -> Response:
+    try:
+        validate_task_id(task)
+    except ValueError as err:
+        raise ApiError(404, "not_found", f"task: {err}") from None
+    if task in RESERVED_TASK_IDS:
+        raise ApiError(409, "conflict", f"task {task!r} is the bare backbone and cannot be deleted")
+    await asyncio.to_thread(rt.registration.delete, task)
+    return Response(status_code=204)
