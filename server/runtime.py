@@ -93,7 +93,7 @@ class Runtime:
             max_batch_tokens=settings.max_batch_tokens, max_prefill_rows=settings.max_prefill_rows,
             max_queue=settings.max_queue, skill_space_min_tasks=settings.skill_space_min_tasks,
             compact_min_padding=settings.compact_min_padding, prefill_padding=settings.prefill_padding,
-            metrics=metrics,
+            metrics=metrics, background_share=settings.background_share,
         )
         engine.start()
         rt = cls(settings, bb, store, routed, cache, registry, engine, metrics, l2)

@@ -1,7 +1,7 @@
 """The engine: one thread running iteration-level continuous batching.
 
     loop:
-        one background slice (if any)           add_background_task(fn): fn() -> more work?
+        one background slice (if any, and if within its time share)   add_background_task(fn)
         drop cancelled waiting requests
         admit waiting requests (rows / tokens budgets) -> prefill them together -> first tokens
         merge them into the running batch (left-padding the KV caches)
@@ -10,6 +10,11 @@
         nothing to do -> sleep until a submit (or run background slices back to back)
 
 The forward never runs on the asyncio loop; results reach it through RequestHandle.
+
+Background time share: while requests are running or waiting, background slices (adaptation
+steps, each far longer than a decode step) may take at most `background_share` of the engine's
+time: after a slice of d seconds the engine serves for d * (1 - share) / share seconds before the
+next one. With no traffic, slices run back to back.
 """
 
 from __future__ import annotations
@@ -49,8 +54,12 @@ class Engine:
         self, model: torch.nn.Module, tokenizer: Any, routed_model: Any = None, *,
         max_batch_rows: int = 32, max_batch_tokens: int = 16384, max_prefill_rows: int = 16,
         max_queue: int = 256, skill_space_min_tasks: int = 0, compact_min_padding: float = 0.25,
-        prefill_padding: float = 0.25, metrics: Any = None,
+        prefill_padding: float = 0.25, metrics: Any = None, background_share: float = 0.25,
     ) -> None:
+        if not 0 < background_share <= 1:
+            raise ValueError(f"background_share must be in (0, 1], got {background_share}")
+        self.background_share = background_share
+        self._serve_debt = 0.0  # seconds of serving owed before the next background slice
         self.tokenizer = tokenizer
         self.max_rows, self.max_tokens = max_batch_rows, max_batch_tokens
         self.max_prefill_rows, self.max_queue = max_prefill_rows, max_queue
@@ -143,25 +152,38 @@ class Engine:
     def step(self) -> None:
         """One iteration: a background slice, admissions + prefill, one decode step."""
         self._background_slice()
+        started = time.perf_counter()
         with torch.inference_mode():
             admitted = self._admit()
             if admitted:
                 self._prefill(admitted)
             if self.batch.rows:
                 self._decode()
+        self._serve_debt = max(0.0, self._serve_debt - (time.perf_counter() - started))
         self._gauges()
 
+    def _has_traffic(self) -> bool:
+        return bool(self.batch.rows or self._waiting)
+
     def _background_slice(self) -> None:
+        traffic = self._has_traffic()
+        if traffic and self._serve_debt > 0:
+            return  # serve first: background work is over its time share
         with self._cond:
             fn = self._background.popleft() if self._background else None
         if fn is None:
             return
+        started = time.perf_counter()
         try:
             more = bool(fn())
         except Exception:
             log.exception("background task failed; removed")
             more = False
-        self.planner.invalidate()
+        if traffic:
+            share = self.background_share
+            self._serve_debt = (time.perf_counter() - started) * (1 - share) / share
+        # No planner reset needed: a slice that sets its own plan restores the engine's (or the
+        # planner notices `batch.plan` is not its plan and sets it again before the next forward).
         if more:
             with self._cond:
                 self._background.append(fn)
