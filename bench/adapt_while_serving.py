@@ -25,12 +25,12 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from server.engine.request import GenRequest, SamplingParams  # noqa: E402
-from server.metrics import Metrics  # noqa: E402
-from server.runtime import Runtime  # noqa: E402
-from server.settings import Settings  # noqa: E402
-from training.prompt import format_prompt  # noqa: E402
-from training.suite import build_suite, examples  # noqa: E402
+from server.engine.request import GenRequest, SamplingParams
+from server.metrics import Metrics
+from server.runtime import Runtime
+from server.settings import Settings
+from training.prompt import format_prompt
+from training.suite import build_suite, examples
 
 
 def closed_loop(rt: Runtime, tasks: list[str], prompts: list[str], clients: int, new_tokens: int,
@@ -100,7 +100,9 @@ def main() -> None:
     ap.add_argument("--baseline-seconds", type=float, default=60)
     ap.add_argument("--steps", type=int, default=None)
     ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--heldout", default=None, help="held-out task (default: the first one)")
+    ap.add_argument("--heldout", default=None, help="held-out task for the traffic run (default: the first one)")
+    ap.add_argument("--accuracy-tasks", type=int, default=4, help="held-out tasks registered for the accuracy table")
+    ap.add_argument("--background-share", type=float, default=None)
     ap.add_argument("--threads", type=int, default=None)
     ap.add_argument("--json", default=None)
     args = ap.parse_args()
@@ -108,7 +110,8 @@ def main() -> None:
         torch.set_num_threads(args.threads)
 
     home = Path(tempfile.mkdtemp(prefix="polyserve-adapt-bench-"))
-    settings = Settings(home=home, store=home / "store", backbone="default", redis_url=None)
+    extra = {} if args.background_share is None else {"background_share": args.background_share}
+    settings = Settings(home=home, store=home / "store", backbone="default", redis_url=None, **extra)
     import os
 
     os.environ.setdefault("POLYSERVE_HOME", str(Path.home() / ".cache" / "polyserve"))  # backbone cache
@@ -116,7 +119,6 @@ def main() -> None:
     suite = build_suite()
     held = next(t for t in suite.heldout_tasks if args.heldout in (None, t.name))
     train = examples(held, args.k, seed=args.seed, split="train")
-    test = examples(held, args.n_test, seed=args.seed, split="test")
     info = rt.store.inventory_info()
     rt.store.put_routing("mu-zero", torch.zeros(len(info.layer_names), info.spec.n_heads, info.spec.n_skills),
                          method="mu")
@@ -133,16 +135,24 @@ def main() -> None:
 
     threading.Thread(target=job_thread, daemon=True).start()
     busy_tps, _ = closed_loop(rt, serving, prompts, args.clients, args.new_tokens, done, 0)
-    idle_job, idle_wall = run_job(rt, f"{held.name}-k{args.k}", train, args.steps, args.seed)
-    em_new = exact_match(rt, f"{held.name}-k{args.k}", test)
-    em_mu = exact_match(rt, "mu-zero", test)
+    per_task = []
+    for task in suite.heldout_tasks[: args.accuracy_tasks]:
+        task_train = examples(task, args.k, seed=args.seed, split="train")
+        task_test = examples(task, args.n_test, seed=args.seed, split="test")
+        job, wall = run_job(rt, f"{task.name}-k{args.k}", task_train, args.steps, args.seed)
+        per_task.append({"task": task.name, "status": job["status"], "wall_s_idle": round(wall, 2),
+                         "steps_run": job["metrics"].get("steps_run"),
+                         "exact_match_registered": exact_match(rt, f"{task.name}-k{args.k}", task_test),
+                         "exact_match_mu": exact_match(rt, "mu-zero", task_test)})
+        print(json.dumps(per_task[-1]), flush=True)
+    mean = lambda key: round(sum(t[key] for t in per_task) / len(per_task), 3)
     out = {
         "heldout_task": held.name, "k": args.k, "clients": args.clients, "new_tokens": args.new_tokens,
         "tokens_per_s_no_job": round(base_tps, 2), "tokens_per_s_during_job": round(busy_tps, 2),
         "throughput_kept": round(busy_tps / base_tps, 3),
-        "job_wall_s_under_load": round(result["wall"], 2), "job_wall_s_idle": round(idle_wall, 2),
-        "job_steps_run": idle_job["metrics"].get("steps_run"), "job_status": idle_job["status"],
-        "exact_match_registered": em_new, "exact_match_mu": em_mu, "n_test": len(test),
+        "job_wall_s_under_load": round(result["wall"], 2), "job_status_under_load": result["job"]["status"],
+        "mean_job_wall_s_idle": mean("wall_s_idle"), "mean_exact_match_registered": mean("exact_match_registered"),
+        "mean_exact_match_mu": mean("exact_match_mu"), "n_test": args.n_test, "per_task": per_task,
         "background_share": settings.background_share, "torch_threads": torch.get_num_threads(),
     }
     print(json.dumps(out, indent=2))

@@ -23,6 +23,7 @@ import itertools
 import json
 import math
 import random
+import statistics
 import sys
 import tempfile
 import time
@@ -82,6 +83,21 @@ def summary(name: str, wall: float, tokens: int, ttft: list[float], itl: list[fl
     return {"variant": name, "wall_s": wall, "tokens": tokens, "tok_per_s": tokens / wall,
             "ttft_p50": pct(ttft, 0.5), "ttft_p99": pct(ttft, 0.99),
             "itl_p50": pct(itl, 0.5), "itl_p99": pct(itl, 0.99)}
+
+
+def merge_repeats(results: list[dict]) -> list[dict]:
+    """Average repeated runs of one variant (means of every figure)."""
+    groups: dict[str, list[dict]] = {}
+    for r in results:
+        groups.setdefault(r["variant"], []).append(r)
+    out = []
+    for name, runs in groups.items():
+        merged = {"variant": name, "runs": len(runs)}
+        for k in runs[0]:
+            if k != "variant":
+                merged[k] = statistics.fmean(r[k] for r in runs)
+        out.append(merged)
+    return out
 
 
 def build_inventory(bb, k: int, root: Path, seed: int):
@@ -197,7 +213,8 @@ def main() -> None:
     ap.add_argument("--out-dist", choices=["uniform", "loguniform"], default="uniform")
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--variants", default="abcd")
+    ap.add_argument("--variants", default="abcd", help="letters run in this order; a repeated letter is "
+                    "run again and averaged (e.g. abcab interleaves to even out a shared machine's drift)")
     ap.add_argument("--skill-space-min-tasks", type=int, default=0)
     ap.add_argument("--json", type=Path, help="also write the results here")
     args = ap.parse_args()
@@ -231,6 +248,11 @@ def main() -> None:
         print(f"{r['variant']:45s} {r['tok_per_s']:8.1f} tok/s  TTFT p50 {r['ttft_p50']:.2f}s p99 {r['ttft_p99']:.2f}s"
               f"  ITL p50 {1000 * r['itl_p50']:.0f}ms p99 {1000 * r['itl_p99']:.0f}ms  ({r['wall_s']:.0f}s)", flush=True)
     engine.stop()
+    results = merge_repeats(results)
+    if len(args.variants) > len(set(args.variants)):
+        for r in results:
+            print(f"mean of {r['runs']}: {r['variant']:37s} {r['tok_per_s']:8.1f} tok/s  TTFT p50 {r['ttft_p50']:.2f}s "
+                  f"p99 {r['ttft_p99']:.2f}s  ITL p50 {1000 * r['itl_p50']:.0f}ms p99 {1000 * r['itl_p99']:.0f}ms")
     by = {r["variant"][1]: r["tok_per_s"] for r in results}
     for x, y in (("a", "b"), ("a", "c"), ("a", "d")):
         if x in by and y in by:

@@ -52,7 +52,7 @@ class Settings(BaseSettings):
     prefill_padding: float = Field(default=0.25, ge=0.0)  # padding slack within one prefill forward
     warmup: bool = True
     # while requests are in flight, adaptation jobs get at most this share of the engine's time
-    background_share: float = Field(default=0.25, gt=0, le=1)
+    background_share: float = Field(default=0.2, gt=0, le=1)
     rescan_seconds: float = Field(default=1.0, gt=0)  # store re-scan for changes made by other replicas
 
     @field_validator("api_keys", mode="before")

@@ -84,9 +84,11 @@ class LiveServer:
 
 
 def wait_ready(get, timeout: float = 60.0) -> None:
+    import httpx
+
     deadline = time.time() + timeout
     while time.time() < deadline:
-        with contextlib.suppress(OSError, RuntimeError, ValueError, ImportError):
+        with contextlib.suppress(OSError, httpx.HTTPError):
             if get("/ready").status_code == 200:
                 return
         time.sleep(0.05)

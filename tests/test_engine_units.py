@@ -104,8 +104,10 @@ def test_cost_rule():
     assert choose_path([a, None, b], 3) == "gathered"
     assert choose_path([a, b, c, a], 3) == "skill"
     assert choose_path([a, b, c, lora], 3) == "gathered"  # plain-LoRA tasks force the gathered path
-    assert auto_threshold(8, torch.device("cpu")) == 16 < NEVER
-    assert auto_threshold(8, torch.device("cuda")) == 9
+    assert choose_path([a, a, a, None], NEVER, 3) == "skill"  # the CPU rule counts adapted rows
+    assert choose_path([a, a, None], NEVER, 3) == "gathered"
+    assert auto_threshold(8, torch.device("cpu")) == (NEVER, 24)
+    assert auto_threshold(8, torch.device("cuda")) == (9, NEVER)
 
 
 def test_derived_row_plans_equal_fresh_ones():

@@ -113,19 +113,26 @@ def test_completions_feed_the_prompt_verbatim(client):
 
 def test_disconnect_cancels_the_row(server):
     engine = server.runtime.engine
-    with httpx.Client(base_url=server.url, timeout=30) as c, \
-            c.stream("POST", "/v1/generate", json=body(0, max_new_tokens=500, stream=True)) as r:
-        for line in r.iter_lines():
-            if line.startswith("data: "):
-                break
+    eos, engine.eos_ids = engine.eos_ids, frozenset()  # the random model must not stop on its own
+    try:
+        with httpx.Client(base_url=server.url, timeout=30) as c, \
+                c.stream("POST", "/v1/generate", json=body(0, max_new_tokens=500, stream=True)) as r:
+            for line in r.iter_lines():
+                if line.startswith("data: "):
+                    break
+            deadline = time.time() + 5
+            while engine.running == 0 and time.time() < deadline:
+                time.sleep(0.005)
+            row = engine.batch.rows[0]
         deadline = time.time() + 5
-        while engine.running == 0 and time.time() < deadline:
+        while row.finish is None and time.time() < deadline:
             time.sleep(0.005)
-        assert engine.running == 1
-    deadline = time.time() + 5
-    while engine.running and time.time() < deadline:
-        time.sleep(0.01)
-    assert engine.running == 0
+        assert row.finish == "cancelled" and row.generated < 500
+        while engine.running and time.time() < deadline:
+            time.sleep(0.005)
+        assert engine.running == 0
+    finally:
+        engine.eos_ids = eos
 
 
 def test_errors_have_the_contract_shape(client):

@@ -54,7 +54,7 @@ class Engine:
         self, model: torch.nn.Module, tokenizer: Any, routed_model: Any = None, *,
         max_batch_rows: int = 32, max_batch_tokens: int = 16384, max_prefill_rows: int = 16,
         max_queue: int = 256, skill_space_min_tasks: int = 0, compact_min_padding: float = 0.25,
-        prefill_padding: float = 0.25, metrics: Any = None, background_share: float = 0.25,
+        prefill_padding: float = 0.25, metrics: Any = None, background_share: float = 0.2,
     ) -> None:
         if not 0 < background_share <= 1:
             raise ValueError(f"background_share must be in (0, 1], got {background_share}")

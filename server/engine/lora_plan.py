@@ -16,10 +16,12 @@ Cost rule (per adapted linear, decode step, N_a adapted rows, G distinct adapted
 On a memory-bound accelerator the skill-space path wins once G > S (more distinct adapters than
 skills). On a CPU the step is compute-bound; measured per decode step (SmolLM2-135M, S=8, h=8,
 r=8, one task per row, 1 thread): 16 rows base 87.1 / gathered 91.4 / skill 91.7 ms, 32 rows
-131.9 / 140.3 / 141.9 ms — a tie, while a skill plan is ~100x cheaper to rebuild when the
-composition changes. So: skill space iff every adapted row has routing weights and
-G >= threshold, threshold = settings.skill_space_min_tasks, or when that is 0 ("auto"):
-S + 1 on CUDA, 2*S on CPU. Tasks stored as a plain LoRA (kind "lora") force gathered.
+131.9 / 140.3 / 141.9 ms — a tie per step; end to end (k=64, (a)/(b) in BENCHMARKS.md) gathered
+wins at 16 rows (0.95-0.98 vs 0.89) and skill space at 32 rows (0.94 vs 0.89): per-row tables
+cost N_a*r*(d_in+d_out) of traffic and a restack on every composition change, skill plans
+neither. So: skill space iff every adapted row has routing weights and (G >= min_tasks or
+N_a >= min_rows); auto: CUDA min_tasks = S + 1; CPU min_rows = 3*S. settings.skill_space_min_tasks
+> 0 sets min_tasks (and disables the row rule). Plain-LoRA tasks (kind "lora") force gathered.
 """
 
 from __future__ import annotations
@@ -130,18 +132,19 @@ def install(routed_model) -> ServingAdapterBatch:
     return batch
 
 
-def auto_threshold(n_skills: int, device: torch.device) -> int:
-    """Distinct adapted tasks from which the skill-space path is used (see the module docstring)."""
-    return n_skills + 1 if device.type == "cuda" else 2 * n_skills
+def auto_threshold(n_skills: int, device: torch.device) -> tuple[int, int]:
+    """(min distinct tasks, min adapted rows) from which the skill-space path is used."""
+    return (n_skills + 1, NEVER) if device.type == "cuda" else (NEVER, 3 * n_skills)
 
 
-def choose_path(adapters: list[Adapter | None], threshold: int) -> str:
+def choose_path(adapters: list[Adapter | None], min_tasks: int, min_rows: int = NEVER) -> str:
     """'none' | 'gathered' | 'skill'. adapters: one entry per row (None = base)."""
     used = [a for a in adapters if a is not None]
     if not used:
         return "none"
     distinct = {id(a): a for a in used}
-    if len(distinct) >= threshold and all(a.weights is not None for a in distinct.values()):
+    big = len(distinct) >= min_tasks or len(used) >= min_rows
+    if big and all(a.weights is not None for a in distinct.values()):
         return "skill"
     return "gathered"
 
@@ -190,7 +193,8 @@ class Planner:
             first = routed_model.layers[0].lora_A
             self.device, self.dtype = first.device, first.dtype
             spec = routed_model.spec
-            self.threshold = threshold or auto_threshold(spec.n_skills, self.device)
+            self.min_tasks, self.min_rows = (threshold, NEVER) if threshold else auto_threshold(
+                spec.n_skills, self.device)
             self.dims = routed_model.layer_dims()
             self.shape = (len(routed_model.layers), spec.n_heads, spec.n_skills)
         # a few recent compositions (prefill and decode alternate); the adapters are kept so their
@@ -212,7 +216,7 @@ class Planner:
             return False
         rebuilt = key not in self._plans
         if rebuilt:
-            path = choose_path(adapters, self.threshold)
+            path = choose_path(adapters, self.min_tasks, self.min_rows)
             plan: Any = None
             if path == "skill":
                 if self._tables is None:
