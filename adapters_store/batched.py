@@ -31,23 +31,42 @@ def apply_gathered(
     return torch.bmm(torch.bmm(x, A_rows), B_rows) * scale
 
 
+def stack_skills(A: torch.Tensor, B: torch.Tensor, scale: float = 1.0) -> tuple[torch.Tensor, torch.Tensor]:
+    """Lay one layer's skills out for the skill-space GEMMs (do it once, not per forward).
+
+    A: (h, S, d_in/h, r) -> A_cat (h, d_in/h, S*r);  B: (h, S, r, d_out/h) -> B_cat (h, S*r, d_out/h) * scale
+    """
+    h, n_skills, d_in_h, r = A.shape
+    A_cat = A.permute(0, 2, 1, 3).reshape(h, d_in_h, n_skills * r).contiguous()
+    B_cat = (B.reshape(h, n_skills * r, -1) * scale).contiguous()
+    return A_cat, B_cat
+
+
+def apply_stacked_skills(x: torch.Tensor, A_cat: torch.Tensor, B_cat: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    """x: (N, T, d_in); A_cat, B_cat from stack_skills; w: (N, h*S) or (N, h, S) -> delta (N, T, d_out).
+
+        u[k, n, s]   = x[n, head k] @ A[k, s]              one bmm over heads, width S*r
+        v[n]         = sum_{k,s} w[n, k, s] u[k, n, s]      one bmm over rows -> (N, T, r)
+        y[n, head k] = [w[n,k,1] v, ..., w[n,k,S] v] @ stack_s B[k, s]   one bmm over heads
+    """
+    N, T, _ = x.shape
+    h, d_in_h, sr = A_cat.shape
+    w = w.reshape(N, -1).to(x.dtype)
+    hs = w.shape[1]
+    n_skills, r = hs // h, sr * h // hs
+    u = torch.bmm(x.reshape(N * T, h, d_in_h).transpose(0, 1), A_cat.to(x.dtype))  # (h, N*T, S*r)
+    u = u.view(h, N * T, n_skills, r).transpose(0, 1).reshape(N * T, hs, r)  # (N*T, h*S, r)
+    wt = w.repeat_interleave(T, dim=0) if T > 1 else w  # (N*T, h*S)
+    v = torch.bmm(wt.unsqueeze(1), u)  # (N*T, 1, r)
+    z = (wt.unsqueeze(2) * v).view(N * T, h, sr).transpose(0, 1)  # (h, N*T, S*r)
+    y = torch.bmm(z, B_cat.to(x.dtype))  # (h, N*T, d_out/h)
+    return y.transpose(0, 1).reshape(N, T, -1)
+
+
 def apply_skill_space(
     x: torch.Tensor, A: torch.Tensor, B: torch.Tensor, w: torch.Tensor, scale: float
 ) -> torch.Tensor:
     """x: (N, T, d_in); A: (h, S, d_in/h, r); B: (h, S, r, d_out/h); w: (N, h, S)
-    -> delta (N, T, d_out)."""
-    N, T, _d_in = x.shape
-    h, n_skills, d_in_h, r = A.shape
-    d_out_h = B.shape[-1]
-    w = w.to(x.dtype)
-    # Down-projection against every skill of every head at once.
-    xh = x.reshape(N * T, h, d_in_h).transpose(0, 1)  # (h, N*T, d_in/h)
-    A_cat = A.to(x.dtype).permute(0, 2, 1, 3).reshape(h, d_in_h, n_skills * r)  # (h, d_in/h, S*r)
-    u = torch.bmm(xh, A_cat).reshape(h, N, T, n_skills, r)  # (h, N, T, S, r)
-    wk = w.permute(1, 0, 2)[:, :, None, :, None]  # (h, N, 1, S, 1)
-    v = (u * wk).sum(dim=(0, 3))  # (N, T, r)
-    # Up-projection: per head, the row's weighted copies of v against the stacked B.
-    z = (v.unsqueeze(0).unsqueeze(3) * wk).reshape(h, N * T, n_skills * r)  # (h, N*T, S*r)
-    B_cat = B.to(x.dtype).reshape(h, n_skills * r, d_out_h)  # (h, S*r, d_out/h)
-    y = torch.bmm(z, B_cat)  # (h, N*T, d_out/h)
-    return y.transpose(0, 1).reshape(N, T, h * d_out_h) * scale
+    -> delta (N, T, d_out). Differentiable in x, A, B and w (training uses it)."""
+    A_cat, B_cat = stack_skills(A, B, scale)
+    return apply_stacked_skills(x, A_cat, B_cat, w)

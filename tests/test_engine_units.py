@@ -135,20 +135,3 @@ def test_derived_row_plans_equal_fresh_ones():
         assert isinstance(got, RowPlan)
         for x, y in zip(got.A + got.B, want.A + want.B, strict=True):
             assert torch.equal(x, y)
-
-
-@pytest.mark.parametrize("h,T", [(1, 1), (4, 1), (4, 3)])
-def test_skill_delta_equals_the_reference(h, T):
-    from adapters_store.batched import apply_skill_space
-    from server.engine.lora_plan import skill_delta
-
-    gen = torch.Generator().manual_seed(h * 10 + T)
-    N, S, r, d_in, d_out = 5, 3, 2, 8, 12
-    A = torch.randn(h, S, d_in // h, r, generator=gen)
-    B = torch.randn(h, S, r, d_out // h, generator=gen)
-    w = torch.rand(N, h, S, generator=gen)
-    x = torch.randn(N, T, d_in, generator=gen)
-    A_cat = A.permute(0, 2, 1, 3).reshape(h, d_in // h, S * r)
-    B_cat = B.reshape(h, S * r, d_out // h) * 0.5
-    got = skill_delta(x, A_cat, B_cat, w.reshape(N, h * S))
-    torch.testing.assert_close(got, apply_skill_space(x, A, B, w, 0.5), rtol=1e-5, atol=1e-5)

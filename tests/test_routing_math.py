@@ -107,9 +107,9 @@ def test_export_and_merge_conventions():
     assert_close(back_A, A_t) and assert_close(back_B, B_t)
 
 
-@pytest.mark.parametrize("h", [1, 4])
-def test_skill_space_equals_gathered_equals_per_row(h):
-    N, T, S, d_in, d_out, r = 5, 3, 4, 16, 8, 2
+@pytest.mark.parametrize("h,T", [(1, 1), (1, 3), (4, 1), (4, 3)])
+def test_skill_space_equals_gathered_equals_per_row(h, T):
+    N, S, d_in, d_out, r = 5, 4, 16, 8, 2
     A, B = torch.randn(h, S, d_in // h, r), torch.randn(h, S, r, d_out // h)
     x = torch.randn(N, T, d_in)
     w = eval_weights(torch.randn(N, h, S))

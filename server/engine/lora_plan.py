@@ -32,6 +32,7 @@ from typing import Any
 
 import torch
 
+from adapters_store.batched import apply_stacked_skills, stack_skills
 from adapters_store.layer import AdapterBatch
 from server.adapters.types import Adapter
 
@@ -65,36 +66,11 @@ class SkillPlan:
         return self.w.shape[1]
 
 
-def skill_delta(x: torch.Tensor, A_cat: torch.Tensor, B_cat: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
-    """x (N, T, d_in), w (N, h*S) -> delta (N, T, d_out); equals adapters_store.batched.apply_skill_space.
-
-        u[k, n, s] = x[n, head k] @ A[k, s]            one bmm over heads, width S*r
-        v[n]       = sum_{k,s} w[n, k, s] u[k, n, s]     one bmm over rows  (N, T, r)
-        y[n, head k] = [w[n,k,1] v, ..., w[n,k,S] v] @ stack_s B[k, s]   one bmm over heads
-    """
-    N, T, _ = x.shape
-    h, d_in_h, sr = A_cat.shape
-    hs = w.shape[1]
-    r = sr * h // hs
-    n_skills = hs // h
-    u = torch.bmm(x.reshape(N * T, h, d_in_h).transpose(0, 1), A_cat)  # (h, N*T, S*r)
-    u = u.view(h, N * T, n_skills, r).transpose(0, 1).reshape(N * T, hs, r)  # (N*T, h*S, r)
-    wt = w.repeat_interleave(T, dim=0) if T > 1 else w  # (N*T, h*S)
-    v = torch.bmm(wt.unsqueeze(1), u)  # (N*T, 1, r)
-    z = (wt.unsqueeze(2) * v).view(N * T, h, sr).transpose(0, 1)  # (h, N*T, S*r)
-    y = torch.bmm(z, B_cat)  # (h, N*T, d_out/h)
-    return y.transpose(0, 1).reshape(N, T, -1)
-
-
 def skill_tables(routed_model) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
     """Per layer A_cat (h, d_in/h, S*r) and B_cat (h, S*r, d_out/h) * scale, laid out once."""
-    A_cat, B_cat = [], []
-    for layer in routed_model.layers:
-        A, B = layer.lora_A.detach(), layer.lora_B.detach()  # (h, S, d_in/h, r), (h, S, r, d_out/h)
-        h, n_skills, d_in_h, r = A.shape
-        A_cat.append(A.permute(0, 2, 1, 3).reshape(h, d_in_h, n_skills * r).contiguous())
-        B_cat.append((B.reshape(h, n_skills * r, -1) * layer.scale).contiguous())
-    return A_cat, B_cat
+    tables = [stack_skills(layer.lora_A.detach(), layer.lora_B.detach(), layer.scale)
+              for layer in routed_model.layers]
+    return [a for a, _ in tables], [b for _, b in tables]
 
 
 class ServingAdapterBatch(AdapterBatch):
@@ -112,7 +88,7 @@ class ServingAdapterBatch(AdapterBatch):
             x3 = x.unsqueeze(1) if x.dim() == 2 else x
             if x3.shape[0] != plan.rows:
                 raise ValueError(f"adapter plan has {plan.rows} rows but the forward got {x3.shape[0]}")
-            out = skill_delta(x3, plan.A_cat[layer], plan.B_cat[layer], plan.w[layer])
+            out = apply_stacked_skills(x3, plan.A_cat[layer], plan.B_cat[layer], plan.w[layer])
             return out.squeeze(1) if x.dim() == 2 else out
         if not isinstance(plan, RowPlan):
             return super().delta(layer, x, A, B, scale)
