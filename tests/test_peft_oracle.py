@@ -63,9 +63,9 @@ def test_routed_forward_equals_peft_poly(tiny_base, h):
 
 
 def test_exported_lora_loaded_by_peft_equals_our_task(tiny_base, tmp_path):
+    from adapters_store.backbone import fingerprint
     from adapters_store.peft_io import export_peft_lora, import_peft_poly
     from adapters_store.store import Store
-    from adapters_store.backbone import fingerprint
 
     h = 4
     pm = peft_poly(tiny_base, h)

@@ -7,8 +7,22 @@ import torch
 from torch.testing import assert_close
 
 from adapters_store.batched import apply_gathered, apply_skill_space
-from adapters_store.combine import check_heads, from_peft_lora, lora_delta, materialize, materialize_many, merge, to_peft_lora
-from adapters_store.routing import eval_weights, gumbel_sigmoid, routing_weights, train_weights, uniform_weights
+from adapters_store.combine import (
+    check_heads,
+    from_peft_lora,
+    lora_delta,
+    materialize,
+    materialize_many,
+    merge,
+    to_peft_lora,
+)
+from adapters_store.routing import (
+    eval_weights,
+    gumbel_sigmoid,
+    routing_weights,
+    train_weights,
+    uniform_weights,
+)
 
 torch.manual_seed(0)
 
