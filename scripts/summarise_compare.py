@@ -9,6 +9,7 @@ import json
 import statistics
 import sys
 from collections import defaultdict
+from pathlib import Path
 
 
 def mean_std(xs: list[float]) -> str:
@@ -18,7 +19,7 @@ def mean_std(xs: list[float]) -> str:
 
 
 def main() -> None:
-    records = json.loads(open(sys.argv[1]).read())
+    records = json.loads(Path(sys.argv[1]).read_text())
     by_method: dict[tuple[str, str], list[dict]] = defaultdict(list)
     for r in records:
         by_method[(r["inventory"], r["method"])].append(r)

@@ -119,7 +119,7 @@ def test_api_key_and_retry_on_429_honouring_retry_after(tmp_path):
 def run_cli(server, *args: str) -> subprocess.CompletedProcess:
     env = {**os.environ, "POLYSERVE_URL": server.url}
     return subprocess.run([sys.executable, "-m", "server.cli", *args], env=env, capture_output=True, text=True,
-                          timeout=180, cwd=ROOT)
+                          timeout=180, cwd=ROOT, check=False)
 
 
 def test_cli_register_with_progress_then_generate(server, tmp_path):

@@ -70,7 +70,7 @@ def test_exported_lora_loaded_by_peft_equals_our_task(tiny_base, tmp_path):
     h = 4
     pm = peft_poly(tiny_base, h)
     pm.save_pretrained(tmp_path / "poly")
-    routed, logits = ours_from_peft(tiny_base, pm, h)
+    routed, _logits = ours_from_peft(tiny_base, pm, h)
     store = Store(tmp_path / "store")
     _, tasks = import_peft_poly(
         tmp_path / "poly", store, layer_order=routed.names, backbone_fingerprint=fingerprint(tiny_base)

@@ -90,7 +90,7 @@ def test_beam_search_and_return_sequences_with_mixed_tasks(tiny_model):
     rm = routed(tiny_model, h=2)
     logits = task_logits(rm)
     prompt = INPUT[:2, :4]
-    kwargs = dict(max_new_tokens=5, num_beams=3, num_return_sequences=2, do_sample=False, pad_token_id=256)
+    kwargs = {"max_new_tokens": 5, "num_beams": 3, "num_return_sequences": 2, "do_sample": False, "pad_token_id": 256}
     with torch.no_grad():
         rm.set_weights(row_weights(logits, [0, 2]))
         mixed = rm.model.generate(prompt, attention_mask=torch.ones_like(prompt), **kwargs)

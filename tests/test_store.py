@@ -100,7 +100,7 @@ def test_crash_during_write_keeps_the_old_state(store, monkeypatch):
     monkeypatch.undo()
     assert_close(store.load_routing("t1"), logits)
     assert store.get_task("t1").version == 1
-    info, tensors = store.load_inventory("llama-abc")
+    _info, tensors = store.load_inventory("llama-abc")
     assert torch.equal(tensors[f"{NAMES[0]}.A"], skills()[f"{NAMES[0]}.A"])
     assert not [p for p in store.root.rglob("*") if p.name.startswith(atomic.TMP_PREFIX)]
 
