@@ -100,18 +100,20 @@ def test_api_key_and_retry_on_429_honouring_retry_after(tmp_path):
             import threading
             import time
 
-            busy = [threading.Thread(target=lambda: c.generate("alpha", "x" * 50, max_new_tokens=300))
-                    for _ in range(2)]
-            for t in busy:
-                t.start()
-            deadline = time.time() + 10
+            other = PolyserveClient(srv.url, api_key="sekret", max_retries=10, timeout=60)  # fills the server
             engine = srv.runtime.engine
-            while (engine.running == 0 or engine.waiting == 0) and time.time() < deadline:
-                time.sleep(0.005)
+            busy = []
+            for state in ("running", "waiting"):  # one row running, then one request waiting
+                busy.append(threading.Thread(target=lambda: other.generate("alpha", "x" * 20, max_new_tokens=400)))
+                busy[-1].start()
+                deadline = time.time() + 10
+                while getattr(engine, state) == 0 and time.time() < deadline:
+                    time.sleep(0.002)
             with pytest.raises(Overloaded) as err:
                 c.generate("beta", "y", max_new_tokens=2)
             for t in busy:
                 t.join()
+            other.close()
         assert err.value.retry_after is not None and err.value.retry_after >= 1
         assert sleeps == [err.value.retry_after] * 2  # waited what the server asked, twice
 
