@@ -125,3 +125,16 @@ def settings_for(root: str | Path, **overrides: Any) -> Any:
     values = {"home": root, "store": root / "store", "backbone": "tiny", "redis_url": None, "api_keys": []}
     values.update(overrides)
     return Settings(**values)
+
+
+REDIS_URL = "redis://127.0.0.1:6379/0"
+
+
+def redis_up(url: str = REDIS_URL) -> bool:
+    """Whether the real Redis answers (CI starts it in .ci/run)."""
+    import redis
+
+    try:
+        return bool(redis.Redis.from_url(url, socket_timeout=0.5).ping())
+    except Exception:  # noqa: BLE001
+        return False

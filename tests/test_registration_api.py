@@ -14,19 +14,11 @@ import pytest
 import torch
 
 from adapters_store.store import Store
-from tests.server_fixtures import build_store, free_port, live_server, settings_for, tiny_backbone
+from tests.server_fixtures import build_store, free_port, live_server, redis_up, settings_for, tiny_backbone
 
 EXAMPLES = [{"input": f"w{i} x{i}", "output": f"x{i} w{i}"} for i in range(12)]
 REDIS = "redis://127.0.0.1:6379/0"
 
-
-def redis_up() -> bool:
-    import redis
-
-    try:
-        return bool(redis.Redis.from_url(REDIS, socket_timeout=0.5).ping())
-    except Exception:  # noqa: BLE001
-        return False
 
 
 def wait_job(client: httpx.Client, job_id: str, timeout: float = 120) -> dict:

@@ -9,17 +9,10 @@ import uuid
 import pytest
 
 from server.replicas import ReplicaSync
+from tests.server_fixtures import redis_up
 
 REDIS = "redis://127.0.0.1:6379/0"
 
-
-def redis_up() -> bool:
-    import redis
-
-    try:
-        return bool(redis.Redis.from_url(REDIS, socket_timeout=0.5).ping())
-    except Exception:  # noqa: BLE001
-        return False
 
 
 @pytest.mark.redis
