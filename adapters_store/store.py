@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import fcntl
 import hashlib
+import os
 import re
 import shutil
 import time
@@ -141,6 +142,19 @@ class Store:
             except (ValueError, KeyError, TypeError):
                 continue  # unreadable entries are reported by `get_task`, not by listings
         return records
+
+    def task_stamps(self) -> dict[str, tuple[int, int]]:
+        """{task id: (inode, mtime_ns) of its task.json}: changes whenever the task is rewritten
+        (every write is a rename onto a new inode). Cheap: stats only, no JSON is read."""
+        stamps = {}
+        with os.scandir(self.root / "tasks") as entries:
+            for entry in entries:
+                try:
+                    st = os.stat(os.path.join(entry.path, "task.json"))
+                except OSError:
+                    continue
+                stamps[entry.name] = (st.st_ino, st.st_mtime_ns)
+        return stamps
 
     def has_task(self, task: str) -> bool:
         return (self._task_dir(task) / "task.json").is_file()

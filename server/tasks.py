@@ -43,7 +43,7 @@ class TaskRegistry:
 
     def refresh(self) -> int:
         """Re-read the store's task list; updates tasks_registered. Returns the count."""
-        count = len(self.store.list_tasks())
+        count = len(self.store.task_stamps())
         if self.metrics is not None:
             self.metrics.tasks_registered.set(count)
         return count

@@ -157,3 +157,14 @@ def test_no_pickle_anywhere(store):
     store.put_routing("t1", torch.randn(2, 2, 3))
     suffixes = {p.suffix for p in store.root.rglob("*") if p.is_file()}
     assert suffixes <= {".json", ".safetensors", ""}
+
+
+def test_task_stamps_change_on_every_write_and_delete(store):
+    store.put_routing("a", torch.randn(2, 2, 3))
+    first = store.task_stamps()
+    assert set(first) == {"a"}
+    store.put_routing("a", torch.randn(2, 2, 3))
+    second = store.task_stamps()
+    assert second["a"] != first["a"]
+    store.delete_task("a")
+    assert store.task_stamps() == {}

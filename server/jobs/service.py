@@ -14,7 +14,7 @@ import secrets
 import threading
 from typing import Any
 
-from adapters_store.errors import TaskExists, TaskNotFound
+from adapters_store.errors import TaskExists
 from adapters_store.ids import validate_new_task_id
 from server.jobs.model import Job
 from server.jobs.runner import JobRunner
@@ -32,7 +32,7 @@ class Registration:
         self.sync = ReplicaSync(rt.settings.redis_url, self._changed_elsewhere, replica_id=self.replica_id,
                                 rescan_every=rescan_every, on_redis_error=rt.metrics.redis_errors.inc)
         self._submit_lock = threading.Lock()
-        self._versions: dict[str, str] = {}
+        self._versions: dict[str, tuple[int, int]] = {}
 
     def start(self) -> list[str]:
         recovered = self.runner.recover()
@@ -106,8 +106,9 @@ class Registration:
             self.rt.registry.forget(changed)
         self._versions = now
 
-    def _snapshot(self) -> dict[str, str]:
-        return {r.id: f"{r.status}:{r.cache_version}" for r in self.rt.store.list_tasks()}
+    def _snapshot(self) -> dict[str, tuple[int, int]]:
+        """Stats only (no JSON reads): the re-scan runs every second whatever the task count."""
+        return self.rt.store.task_stamps()
 
     def _finished(self, job: Job) -> None:
         metrics = self.rt.metrics
@@ -122,5 +123,3 @@ class Registration:
     def cancel(self, job_id: str) -> Job:
         return self.runner.cancel(job_id)
 
-
-__all__ = ["Registration", "TaskExists", "TaskNotFound"]
