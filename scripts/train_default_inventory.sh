@@ -2,6 +2,8 @@
 # Train the shipped default inventory (MHR, S=8, h=8, r=8, attention q/k/v/o) for the embedded
 # SmolLM2-135M-Instruct backbone on the procedural suite, on CPU (~40-60 min on 2 idle cores), then
 # copy it into training/default_inventory/ (inventory + the 48 training tasks' routing rows).
+# It was trained with bf16 autocast on an AVX512_BF16 CPU; on an AVX2-only CPU bf16 is emulated
+# (~20x slower): pass --autocast none after STORE_DIR there (later flags win).
 #   usage: scripts/train_default_inventory.sh [STORE_DIR]   (default /tmp/default_store)
 set -euo pipefail
 STORE="${1:-/tmp/default_store}"

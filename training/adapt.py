@@ -37,6 +37,7 @@ from adapters_store.records import InventoryInfo
 from training.batching import DEFAULT_MAX_LENGTH, collate, encode_all
 from training.data import Example, split_examples
 from training.loss import per_example_loss, target_logits, token_loss
+from training.precision import resolve_autocast
 from training.routing_table import INIT, row_weights
 
 ADAPT_METHODS = ("routing", "mu", "full")
@@ -79,7 +80,7 @@ class Adaptation:
         eval_every: int = 5,
         patience: int = 3,
         max_length: int = DEFAULT_MAX_LENGTH,
-        autocast: bool = True,
+        autocast: bool | str | None = None,
     ) -> None:
         if method not in ADAPT_METHODS:
             raise ValueError(f"method must be one of {'|'.join(ADAPT_METHODS)}, got {method!r}")
@@ -93,7 +94,6 @@ class Adaptation:
             raise ValueError(f"steps must be >= 0, got {steps}")
         self.lr = float(lr if lr is not None else DEFAULTS[method]["lr"])
         self.progress, self.eval_every, self.patience = progress, max(1, eval_every), patience
-        self.autocast = autocast
         train, held = split_examples(list(examples), holdout_fraction, seed)
         self.n_train, self.n_held = len(train), len(held)
         self.train = encode_all(tokenizer, train, max_length)
@@ -104,6 +104,7 @@ class Adaptation:
         self.order: list[int] = []
         gen = torch.Generator().manual_seed(seed)
         self.device = rm.layers[0].lora_A.device
+        self.autocast = resolve_autocast(autocast, self.device)  # None = bf16 only where it is fast
         L, h, S = len(info.layer_names), info.spec.n_heads, info.spec.n_skills
         self.hyper = info.spec.routing == "hyper"
 

@@ -66,7 +66,8 @@ def _open_store(path: str | None, *, install_default: bool = False):  # -> Store
 @click.option("--examples-per-task", default=500, show_default=True)
 @click.option("--targets", default="q_proj,k_proj,v_proj,o_proj", show_default=True)
 @click.option("--max-length", default=128, show_default=True)
-@click.option("--autocast", default="bf16", show_default=True, type=click.Choice(["bf16", "none"]))
+@click.option("--autocast", default="auto", show_default=True, type=click.Choice(["auto", "bf16", "none"]),
+              help="auto = bf16 only where the CPU has fast bf16 kernels (AVX-512/AMX); fp32 on AVX2")
 @click.option("--save-dtype", default="float32", show_default=True, type=click.Choice(["float32", "bfloat16"]))
 @click.option("--threads", default=None, type=int, help="torch CPU threads")
 @click.option("--no-progress", is_flag=True)

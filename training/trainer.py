@@ -31,10 +31,9 @@ from training import checkpoint as ckpt
 from training.batching import DEFAULT_MAX_LENGTH, collate, encode_all
 from training.data import Example
 from training.loss import normalised_entropy, target_logits, token_loss
+from training.precision import AUTOCAST_CHOICES, resolve_autocast
 from training.routing_table import METHODS, RoutingTable, method_shape
 from training.sampling import SAMPLINGS, draw_candidates, draw_rows, most_uncertain
-
-AUTOCAST = {"none": None, "bf16": torch.bfloat16}
 
 
 @dataclass
@@ -56,7 +55,7 @@ class TrainConfig:
     sampling: str = "uniform"
     uncertainty_pool: int = 1  # candidates per task for MT-Uncertainty sampling
     max_length: int = DEFAULT_MAX_LENGTH
-    autocast: str = "bf16"
+    autocast: str = "auto"  # auto = bf16 only where the CPU has fast bf16 kernels
     seed: int = 0
     checkpoint_every: int = 0  # 0: only at the end
     save_dtype: str = "float32"
@@ -69,8 +68,8 @@ class TrainConfig:
             raise ValueError(f"method must be one of {'|'.join(METHODS)}, got {self.method!r}")
         if self.sampling not in SAMPLINGS:
             raise ValueError(f"sampling must be one of {'|'.join(SAMPLINGS)}, got {self.sampling!r}")
-        if self.autocast not in AUTOCAST:
-            raise ValueError(f"autocast must be one of {sorted(AUTOCAST)}, got {self.autocast!r}")
+        if self.autocast not in AUTOCAST_CHOICES:
+            raise ValueError(f"autocast must be one of {'|'.join(AUTOCAST_CHOICES)}, got {self.autocast!r}")
         if self.save_dtype not in ("float32", "bfloat16"):
             raise ValueError(f"save_dtype must be float32 or bfloat16, got {self.save_dtype!r}")
         for name in ("steps", "batch_size", "n_skills", "n_heads", "rank", "uncertainty_pool"):
@@ -128,6 +127,7 @@ class Trainer:
         self.sizes = [len(d) for d in self.data]
         self.rng = random.Random(cfg.seed)
         self.gumbel_gen = torch.Generator().manual_seed(cfg.seed + 2)
+        self.bf16 = resolve_autocast(cfg.autocast, "cpu")
         self.step = 0
         self.tokens = 0
         self.elapsed = 0.0
@@ -135,8 +135,7 @@ class Trainer:
 
     # -- one step ------------------------------------------------------------------------------
     def _autocast(self) -> Any:
-        dtype = AUTOCAST[self.cfg.autocast]
-        return torch.autocast("cpu", dtype=dtype or torch.bfloat16, enabled=dtype is not None)
+        return torch.autocast("cpu", dtype=torch.bfloat16, enabled=self.bf16)
 
     def _rows(self) -> list[tuple[int, int]]:
         cfg = self.cfg
