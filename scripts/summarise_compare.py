@@ -1,6 +1,8 @@
 """Markdown tables from scripts/compare_methods.py output: mean (and std over seeds) per method.
 
-    .venv/bin/python scripts/summarise_compare.py /tmp/compare.json
+    .venv/bin/python scripts/summarise_compare.py /tmp/compare.json [more.json ...]
+
+Several files (e.g. one per inventory) are merged; columns are "inventory/method".
 """
 
 from __future__ import annotations
@@ -19,7 +21,9 @@ def mean_std(xs: list[float]) -> str:
 
 
 def main() -> None:
-    records = json.loads(Path(sys.argv[1]).read_text())
+    if len(sys.argv) < 2:
+        sys.exit("usage: summarise_compare.py COMPARE.json [MORE.json ...]")
+    records = [r for path in sys.argv[1:] for r in json.loads(Path(path).read_text())]
     by_method: dict[tuple[str, str], list[dict]] = defaultdict(list)
     for r in records:
         by_method[(r["inventory"], r["method"])].append(r)
@@ -34,13 +38,13 @@ def main() -> None:
               f" {mean_std(per_seed_loss)} | {rs[0]['params']:,} | {statistics.mean(r['adapt_seconds'] for r in rs):.1f} |")
     print()
     tasks = sorted({r["task"] for r in records})
-    methods = list(dict.fromkeys(r["method"] for r in records))
-    print("| task | " + " | ".join(methods) + " |")
+    methods = list(dict.fromkeys((r["inventory"], r["method"]) for r in records))
+    print("| task | " + " | ".join(f"{inv}/{m}" for inv, m in methods) + " |")
     print("|---|" + "---|" * len(methods))
     for t in tasks:
         cells = []
         for m in methods:
-            xs = [r["exact_match"] for r in records if r["task"] == t and r["method"] == m]
+            xs = [r["exact_match"] for r in records if r["task"] == t and (r["inventory"], r["method"]) == m]
             cells.append(f"{statistics.mean(xs):.3f}" if xs else "-")
         print(f"| {t} | " + " | ".join(cells) + " |")
 
