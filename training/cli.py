@@ -217,7 +217,7 @@ def eval_cmd(store_dir, tasks, split, n, seed, examples_file, mu, backbone, thre
     summary: dict = {"tasks": rows, "n": n, "split": split}
     if rows:
         summary["mean_exact_match"] = sum(r["exact_match"] for r in rows.values()) / len(rows)
-    if routing and info.spec.routing != "hyper":
+    if routing and info.spec.routing != "hyper" and info.spec.n_skills > 1:  # S = 1: nothing is chosen
         summary["z_stats"] = z_stats(torch.stack([store.load_routing(r.id).float() for r in routing]))
     text = json.dumps(summary, indent=2)
     if json_out:
