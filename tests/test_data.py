@@ -8,7 +8,7 @@ import pytest
 
 from adapters_store.ids import RESERVED_TASK_IDS, TASK_ID_RE, validate_new_task_id, validate_task_id
 from training.data import DataError, Example, group_by_task, load_jsonl, split_examples, write_jsonl
-from training.prompt import PROMPT_TEMPLATE, format_prompt, format_target
+from training.prompt import PROMPT_TEMPLATE, format_prompt, format_target, strip_separator
 
 # --- task ids ---------------------------------------------------------------------------------
 
@@ -45,6 +45,8 @@ def test_prompt_format():
     assert format_prompt("cat 3") == "Input: cat 3\nOutput:"
     assert format_target("CAT 3") == " CAT 3"
     assert format_prompt("{x}") == "Input: {x}\nOutput:"
+    assert strip_separator(format_target("CAT 3")) == "CAT 3"
+    assert strip_separator("  two") == " two" and strip_separator("none") == "none"  # exactly one separator
 
 
 # --- JSONL ------------------------------------------------------------------------------------

@@ -250,3 +250,18 @@ def test_api_keys(tmp_path):
         assert ok.status_code == 200
         # empty store: only base is servable
         assert [m["id"] for m in c.get("/v1/models", headers={"Authorization": "Bearer k1"}).json()["data"]] == ["base"]
+
+
+def test_generate_returns_the_answer_without_the_format_separator(client):
+    """/v1/generate = /v1/completions on the formatted prompt, minus the one separator space
+    that training puts between "Output:" and the answer (streamed or not)."""
+    from training.prompt import format_prompt, strip_separator
+
+    for i in range(4):
+        b = body(i)
+        raw = client.post("/v1/completions", json={"model": b["task"], "prompt": format_prompt(b["prompt"]),
+                                                   "max_tokens": 16, "temperature": 0}).json()
+        plain = client.post("/v1/generate", json=b).json()
+        assert plain["text"] == strip_separator(raw["choices"][0]["text"])
+        events = sse_events(client.post("/v1/generate", json=body(i, stream=True)).text)
+        assert "".join(e["text"] for e in events[:-1]) == plain["text"]

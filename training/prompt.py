@@ -13,6 +13,7 @@ formatted identically whichever task it is sent to.
 from __future__ import annotations
 
 PROMPT_TEMPLATE = "Input: {input}\nOutput:"
+TARGET_SEPARATOR = " "  # between "Output:" and the answer; not part of the answer
 
 
 def format_prompt(input: str) -> str:
@@ -29,4 +30,13 @@ def format_target(output: str) -> str:
     >>> format_target("CAT")
     ' CAT'
     """
-    return " " + output
+    return TARGET_SEPARATOR + output
+
+
+def strip_separator(generated: str) -> str:
+    """The answer in a generation that followed ``format_prompt``: drops the separator.
+
+    >>> strip_separator(" CAT")
+    'CAT'
+    """
+    return generated.removeprefix(TARGET_SEPARATOR)
