@@ -114,6 +114,13 @@ def test_completions_feed_the_prompt_verbatim(client):
 def test_disconnect_cancels_the_row(server):
     engine = server.runtime.engine
     eos, engine.eos_ids = engine.eos_ids, frozenset()  # the random model must not stop on its own
+    decode = engine._decode
+
+    def slow_decode() -> None:  # the tiny model decodes 500 tokens in well under a second: the row
+        time.sleep(0.01)  # must still be running when the client goes away (>= 5 s for 500 steps)
+        decode()
+
+    engine._decode = slow_decode
     try:
         with httpx.Client(base_url=server.url, timeout=30) as c, \
                 c.stream("POST", "/v1/generate", json=body(0, max_new_tokens=500, stream=True)) as r:
@@ -133,6 +140,7 @@ def test_disconnect_cancels_the_row(server):
         assert engine.running == 0
     finally:
         engine.eos_ids = eos
+        del engine._decode  # back to the class's method
 
 
 def test_errors_have_the_contract_shape(client):
