@@ -26,3 +26,12 @@ def tiny_model(tiny_base: torch.nn.Module) -> torch.nn.Module:
 @pytest.fixture(scope="session")
 def tokenizer():
     return tiny_tokenizer()
+
+
+@pytest.fixture
+def one_thread():
+    """The tiny model gains nothing from threads, and 2 OpenMP threads on a busy 2-core machine stall."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)

@@ -138,3 +138,12 @@ def redis_up(url: str = REDIS_URL) -> bool:
         return bool(redis.Redis.from_url(url, socket_timeout=0.5).ping())
     except Exception:  # noqa: BLE001
         return False
+
+
+def shipped_inventory_available() -> bool:
+    """Whether training/default_inventory/ holds the shipped inventory (the slow tests need it)."""
+    try:
+        from training.default_inventory import default_inventory_available
+    except ImportError:
+        return False
+    return default_inventory_available()

@@ -18,13 +18,7 @@ from training.adapt import Adaptation, AdaptResult, adapt
 from training.evaluate import evaluate_task, generate
 from training.suite import examples, parse_task
 
-
-@pytest.fixture(autouse=True)
-def one_thread():
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 @pytest.fixture

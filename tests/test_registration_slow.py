@@ -9,17 +9,9 @@ import httpx
 import pytest
 import torch
 
-from tests.server_fixtures import live_server, settings_for
+from tests.server_fixtures import live_server, settings_for, shipped_inventory_available
 
 pytestmark = pytest.mark.slow
-
-
-def _shipped() -> bool:
-    try:
-        from training.default_inventory import default_inventory_available
-    except ImportError:
-        return False
-    return default_inventory_available()
 
 
 def exact_match(client: httpx.Client, task: str, cases) -> float:
@@ -31,7 +23,7 @@ def exact_match(client: httpx.Client, task: str, cases) -> float:
     return hits / len(cases)
 
 
-@pytest.mark.skipif(not _shipped(), reason="no shipped default inventory (training/default_inventory)")
+@pytest.mark.skipif(not shipped_inventory_available(), reason="no shipped default inventory (training/default_inventory)")
 def test_register_a_heldout_task_over_http_on_the_default_backbone(tmp_path):
     from training.suite import build_suite, examples
 

@@ -7,20 +7,12 @@ import asyncio
 import httpx
 import pytest
 
-from tests.server_fixtures import live_server, settings_for
+from tests.server_fixtures import live_server, settings_for, shipped_inventory_available
 
 pytestmark = pytest.mark.slow
 
 
-def _shipped() -> bool:
-    try:
-        from training.default_inventory import default_inventory_available
-    except ImportError:
-        return False
-    return default_inventory_available()
-
-
-@pytest.mark.skipif(not _shipped(), reason="no shipped default inventory yet "
+@pytest.mark.skipif(not shipped_inventory_available(), reason="no shipped default inventory yet "
                     "(training/default_inventory/inventory/inventory.json is missing)")
 def test_shipped_tasks_answer_correctly_through_generate(tmp_path):
     from training.suite import examples, parse_task

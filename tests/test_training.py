@@ -27,13 +27,7 @@ from training.zstats import discreteness, sparsity, usage, z_stats
 TASKS = ("upper", "rev-words", "inc")
 
 
-@pytest.fixture(autouse=True)
-def one_thread():
-    """The tiny model gains nothing from threads, and 2 OpenMP threads on a busy 2-core machine stall."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def toy_tasks(n: int = 16) -> dict[str, list[Example]]:
