@@ -1,85 +1,181 @@
 """Shared request path of every generating endpoint (polyserve's own and OpenAI's):
 
-    prepare:  resolve the task's adapter (cache tiers) + tokenise, off the event loop;
-              limits -> 413 (prompt), 422 (max_new_tokens), 404/409 (task)
-    submit:   into the engine's bounded queue -> 429 with Retry-After when full
-    collect:  await the final event; a client that disconnects cancels its row
+    prepare:  resolve the task's adapter (cache tiers) + render + tokenise, off the event loop;
+              limits -> 413 / context_length_exceeded (prompt), 422 (max tokens, n, stop,
+              logit_bias), 404/409 (task); starts the request's deadline
+    submit:   into the engine's bounded queue -> 429 with Retry-After when full; an engine that
+              refuses a sampling field (ValueError "field: ...") -> 400 naming the request field
+    collect:  await every choice's final event; a client that disconnects cancels the row
     events:   async iterator of engine events for streaming; closing it cancels the row
+    stream:   the SSE response; a failure after the first byte ends it with an error event
+              `data: {"error": {...}}` then `data: [DONE]` (vLLM's convention; never a fake "stop")
+
+Deadline: POLYSERVE_REQUEST_TIMEOUT_SECONDS from arrival, queueing included. On expiry the row
+is cancelled and the answer is 504 `timeout` (not streamed) or the stream's error event.
 """
 
 from __future__ import annotations
 
 import asyncio
+import json
+import logging
+import re
 from collections.abc import AsyncIterator, Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field, fields
 
+from fastapi.responses import StreamingResponse
 from starlette.requests import Request
 
 from adapters_store.errors import TaskNotFound
-from server.engine.engine import EngineStopped, QueueFull
-from server.engine.request import (
+from server.engines.base import EngineStopped, QueueFull
+from server.engines.request import (
     FinalEvent,
     GenRequest,
     RequestHandle,
     SamplingParams,
     TokenEvent,
+    TokenLogprob,
     new_request_id,
 )
-from server.errors import ApiError
+from server.errors import ApiError, error_payload
 from server.runtime import Runtime
+
+log = logging.getLogger("polyserve.api")
+
+SAMPLING_FIELDS = frozenset(f.name for f in fields(SamplingParams))
+_FIELD_PREFIX = re.compile(r"^\s*([a-z_]+)\b")
 
 
 @dataclass
-class Result:
-    text: str
-    finish: FinalEvent
+class Call:
+    """A prepared request: what the engine runs, plus what the route needs to answer."""
+
+    req: GenRequest
+    deadline: float  # event-loop time
+    prompt_text: str
+    names: dict[str, str]  # SamplingParams field -> request field (for error messages)
 
 
-def _encode(rt: Runtime, text: str) -> list[int]:
-    return list(rt.tokenizer(text, add_special_tokens=False).input_ids)
+@dataclass
+class Choice:
+    index: int
+    text: str = ""
+    logprobs: list[TokenLogprob] = field(default_factory=list)
+    final: FinalEvent | None = None
+
+
+def vocab_size(rt: Runtime) -> int:
+    config = getattr(rt.backbone.model, "config", None)
+    return int(getattr(config, "vocab_size", 0) or len(rt.tokenizer))
+
+
+def engine_param(err: ValueError, names: dict[str, str]) -> str | None:
+    """The request field an engine's ValueError is about: its `param` attribute, else a leading
+    SamplingParams field name ("n: not supported ..."), mapped to the route's field name."""
+    name = getattr(err, "param", None)
+    if name is None:
+        match = _FIELD_PREFIX.match(str(err))
+        name = match.group(1) if match and match.group(1) in SAMPLING_FIELDS else None
+    return names.get(name, name) if name else None
+
+
+def sampling(names: dict[str, str], **values) -> SamplingParams:
+    """SamplingParams, its ValueErrors as 422 naming the request field."""
+    try:
+        return SamplingParams(**values)
+    except ValueError as err:
+        param = engine_param(err, names)
+        raise ApiError(422, "validation_error", str(err), param=param) from None
 
 
 async def prepare(
-    rt: Runtime, task: str, render: Callable[[], str], params: SamplingParams, *, id_prefix: str = "gen",
-    tokens_field: str = "max_new_tokens",
-) -> GenRequest:
-    """Validate against the limits, resolve the adapter, tokenise; returns an unsubmitted request."""
+    rt: Runtime, task: str, render: Callable[[str], str | list[int]], params: SamplingParams, *,
+    id_prefix: str = "gen", names: dict[str, str] | None = None, prompt_field: str = "prompt",
+    special_tokens: bool = True,
+) -> Call:
+    """Validate against the limits, resolve the adapter, render (given the task's prompt format)
+    and tokenise; returns an unsubmitted request. special_tokens: add the tokenizer's own specials
+    (BOS...) as its config says, the way training encodes prompts; False for chat templates,
+    which carry their own."""
+    loop = asyncio.get_running_loop()
     s = rt.settings
+    deadline = loop.time() + s.request_timeout_seconds
+    names = names or {}
+    tokens_field = names.get("max_new_tokens", "max_new_tokens")
     if params.max_new_tokens > s.max_new_tokens:
-        raise ApiError(422, "validation_error", f"{tokens_field}: must be <= {s.max_new_tokens}")
+        raise ApiError(422, "validation_error", f"{tokens_field}: must be <= {s.max_new_tokens}", param=tokens_field)
+    if params.n > s.max_n:
+        raise ApiError(422, "validation_error", f"n: must be <= {s.max_n}", param="n")
     if len(params.stop) > s.max_stop_strings:
-        raise ApiError(422, "validation_error", f"stop: at most {s.max_stop_strings} stop strings")
+        raise ApiError(422, "validation_error", f"stop: at most {s.max_stop_strings} stop strings", param="stop")
+    vocab = vocab_size(rt)
+    bad = [t for t, _ in params.logit_bias if t >= vocab]
+    if bad:
+        raise ApiError(422, "validation_error", f"logit_bias: token id {bad[0]} is not in the vocabulary "
+                       f"(ids < {vocab})", param="logit_bias")
+    too_long = ApiError(413, "too_large", "", param=prompt_field, code="context_length_exceeded")
 
-    def work() -> tuple[object, list[int]]:
+    def work() -> tuple[object, list[int], str]:
         try:
             adapter = rt.registry.resolve(task)
+            prompt_format = rt.registry.prompt_format(task)
         except TaskNotFound:
-            raise ApiError(404, "not_found", f"task {task!r} not found") from None
+            raise ApiError(404, "not_found", f"task {task!r} not found", param="model") from None
         except ValueError as err:
-            raise ApiError(422, "validation_error", f"task: {err}") from None
-        text = render()
-        if len(text) > 16 * s.max_prompt_tokens + 1024:  # cheap bound before tokenising
-            raise ApiError(413, "too_large", f"prompt is longer than max_prompt_tokens={s.max_prompt_tokens}")
-        return adapter, _encode(rt, text)
+            raise ApiError(422, "validation_error", f"task: {err}", param="task") from None
+        try:
+            rendered = render(prompt_format)
+        except ValueError as err:  # unknown prompt format, unrenderable messages
+            raise ApiError(400, "invalid_request", str(err), param=prompt_field) from None
+        if isinstance(rendered, list):
+            return adapter, rendered, rt.tokenizer.decode(rendered)
+        if len(rendered) > 16 * s.max_prompt_tokens + 1024:  # cheap bound before tokenising
+            too_long.message = f"{prompt_field} is longer than max_prompt_tokens={s.max_prompt_tokens}"
+            raise too_long
+        ids = list(rt.tokenizer(rendered, add_special_tokens=special_tokens).input_ids)
+        return adapter, ids, rendered
 
-    adapter, ids = await asyncio.to_thread(work)
+    adapter, ids, text = await asyncio.to_thread(work)
     if not ids:
-        raise ApiError(422, "validation_error", "prompt: must not be empty")
+        raise ApiError(422, "validation_error", f"{prompt_field}: must not be empty", param=prompt_field)
+    if any(t >= vocab for t in ids):
+        raise ApiError(422, "validation_error", f"{prompt_field}: token ids must be < {vocab}", param=prompt_field)
     if len(ids) > s.max_prompt_tokens:
-        raise ApiError(413, "too_large", f"prompt has {len(ids)} tokens, the limit is {s.max_prompt_tokens}")
-    return GenRequest(ids, params, adapter, task, id=new_request_id(id_prefix),
-                      handle=RequestHandle(asyncio.get_running_loop()))
+        too_long.message = f"{prompt_field} has {len(ids)} tokens, the limit is {s.max_prompt_tokens}"
+        raise too_long
+    req = GenRequest(ids, params, adapter, task, id=new_request_id(id_prefix), handle=RequestHandle(loop))
+    return Call(req, deadline, text, names)
 
 
-def submit(rt: Runtime, req: GenRequest) -> GenRequest:
+def submit(rt: Runtime, call: Call) -> Call:
     try:
-        return rt.engine.submit(req)
+        rt.engine.submit(call.req)
     except QueueFull as err:
         raise ApiError(429, "overloaded", str(err), {"Retry-After": str(err.retry_after)}) from None
     except EngineStopped:
         raise ApiError(503, "unavailable", "server is shutting down") from None
     except ValueError as err:
-        raise ApiError(413, "too_large", str(err)) from None
+        param = engine_param(err, call.names)
+        if param is not None:  # a sampling field this engine does not honour
+            raise ApiError(400, "unsupported", str(err), param=param, code="unsupported_parameter") from None
+        raise ApiError(413, "too_large", str(err), code="context_length_exceeded") from None
+    return call
+
+
+def check(final: FinalEvent) -> FinalEvent:
+    """A final event that carries an error becomes the ApiError the client sees."""
+    if final.error is None:
+        return final
+    if final.finish_reason == "cancelled" and "shutting down" in final.error:
+        raise ApiError(503, "unavailable", "server is shutting down")
+    log.error("generation failed in the engine: %s", final.error)
+    raise ApiError(500, "internal_error", "generation failed in the engine (details in the server log)")
+
+
+def _timeout(call: Call) -> ApiError:
+    call.req.handle.cancel()
+    return ApiError(504, "timeout", "the generation did not finish within the server's deadline "
+                    "(POLYSERVE_REQUEST_TIMEOUT_SECONDS)")
 
 
 async def _watch_disconnect(request: Request, req: GenRequest) -> None:
@@ -90,36 +186,51 @@ async def _watch_disconnect(request: Request, req: GenRequest) -> None:
             return
 
 
-def _check(final: FinalEvent) -> FinalEvent:
-    if final.error is not None and final.finish_reason == "cancelled" and "shutting down" in final.error:
-        raise ApiError(503, "unavailable", final.error)
-    if final.error is not None:
-        raise RuntimeError(final.error)
-    return final
+def _absorb(choices: list[Choice], event: TokenEvent | FinalEvent) -> Choice:
+    choice = choices[event.index]
+    choice.text += event.text
+    choice.logprobs.extend(event.logprobs or ())
+    if isinstance(event, FinalEvent):
+        choice.final = check(event)
+    return choice
 
 
-async def collect(request: Request, req: GenRequest) -> Result:
-    """Wait for the whole answer; a disconnect cancels the row (finish_reason 'cancelled')."""
+async def collect(request: Request, call: Call) -> list[Choice]:
+    """Wait for every choice's whole answer; a disconnect cancels the row (finish 'cancelled')."""
+    req = call.req
+    choices = [Choice(i) for i in range(req.params.n)]
     watcher = asyncio.create_task(_watch_disconnect(request, req))
-    parts: list[str] = []
     try:
-        async for event in req.handle:
-            parts.append(event.text)
-            if isinstance(event, FinalEvent):
-                return Result("".join(parts), _check(event))
+        async with asyncio.timeout_at(call.deadline):
+            async for event in req.handle:
+                _absorb(choices, event)
+    except TimeoutError:
+        raise _timeout(call) from None
     finally:
         watcher.cancel()
         req.handle.cancel()  # no-op once finished
-    raise AssertionError("engine closed a handle without a final event")
+    if any(c.final is None for c in choices):
+        raise AssertionError("engine closed a handle without a final event per choice")
+    return choices
 
 
-async def events(request: Request, req: GenRequest) -> AsyncIterator[TokenEvent | FinalEvent]:
-    """Engine events of a streaming request; leaving early (disconnect) cancels the row. (Once the
-    stream has started its status is sent: an engine failure ends it with finish_reason
-    'cancelled' rather than an HTTP error.)"""
+async def events(request: Request, call: Call) -> AsyncIterator[TokenEvent | FinalEvent]:
+    """Engine events of a streaming request (a failed final event raises ApiError); leaving
+    early (disconnect) or the deadline cancels the row."""
+    req = call.req
     watcher = asyncio.create_task(_watch_disconnect(request, req))
+    loop = asyncio.get_running_loop()
+    it = aiter(req.handle)
     try:
-        async for event in req.handle:
+        while True:
+            try:
+                event = await asyncio.wait_for(anext(it), timeout=max(0.0, call.deadline - loop.time()))
+            except StopAsyncIteration:
+                return
+            except TimeoutError:
+                raise _timeout(call) from None
+            if isinstance(event, FinalEvent):
+                check(event)
             yield event
     finally:
         watcher.cancel()
@@ -128,3 +239,24 @@ async def events(request: Request, req: GenRequest) -> AsyncIterator[TokenEvent 
 
 def sse(data: str) -> bytes:
     return f"data: {data}\n\n".encode()
+
+
+def stream_response(request: Request, chunks: AsyncIterator[bytes]) -> StreamingResponse:
+    """SSE response; an error after the stream started becomes an error event, then [DONE]."""
+    path = request.url.path
+
+    async def guarded() -> AsyncIterator[bytes]:
+        try:
+            async for chunk in chunks:
+                yield chunk
+        except ApiError as err:
+            _, body = error_payload(path, err.status, err.type, err.message, err.param, err.code)
+        except Exception:  # a bug: logged, answered in general terms
+            log.exception("stream failed")
+            _, body = error_payload(path, 500, "internal_error", "internal server error")
+        else:
+            return
+        yield sse(json.dumps(body))
+        yield sse("[DONE]")
+
+    return StreamingResponse(guarded(), media_type="text/event-stream", headers={"Cache-Control": "no-cache"})

@@ -2,7 +2,8 @@
 
     backbone (load_backbone) -> store (install the default inventory into an empty one)
     -> RoutedModel with the inventory's skills (none: only `base` is servable)
-    -> adapter cache tiers (L1, optional L2 Redis) -> task registry -> engine (thread) -> warm-up
+    -> adapter cache tiers (L1, optional L2 Redis) -> task registry
+    -> engine (settings.engine: server.engines.build_engine) -> warm-up
 """
 
 from __future__ import annotations
@@ -20,8 +21,8 @@ from server.adapters.breaker import CircuitBreaker
 from server.adapters.cache import AdapterCache
 from server.adapters.l1 import L1Cache
 from server.adapters.l2 import RedisTier
-from server.engine.engine import Engine
-from server.engine.request import GenRequest, SamplingParams
+from server.engines import Engine, build_engine
+from server.engines.request import GenRequest, SamplingParams
 from server.metrics import Metrics
 from server.settings import Settings
 from server.tasks import TaskRegistry
@@ -88,13 +89,7 @@ class Runtime:
                     prefix=settings.redis_prefix, metrics=metrics,
                 )
         registry = TaskRegistry(store, cache, metrics)
-        engine = Engine(
-            bb.model, bb.tokenizer, routed, max_batch_rows=settings.max_batch_rows,
-            max_batch_tokens=settings.max_batch_tokens, max_prefill_rows=settings.max_prefill_rows,
-            max_queue=settings.max_queue, skill_space_min_tasks=settings.skill_space_min_tasks,
-            compact_min_padding=settings.compact_min_padding, prefill_padding=settings.prefill_padding,
-            metrics=metrics, background_share=settings.background_share,
-        )
+        engine = build_engine(settings, bb, routed, metrics)
         engine.start()
         rt = cls(settings, bb, store, routed, cache, registry, engine, metrics, l2)
         from server.jobs.service import Registration

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import threading
 import time
 
 import pytest
@@ -10,8 +9,9 @@ import torch
 
 from server.adapters.cache import AdapterCache
 from server.adapters.l1 import L1Cache
-from server.engine.engine import Engine, QueueFull
-from server.engine.request import FinalEvent, GenRequest, SamplingParams, TokenEvent
+from server.engines.base import QueueFull
+from server.engines.native.engine import NativeEngine as Engine
+from server.engines.request import FinalEvent, GenRequest, SamplingParams, TokenEvent
 from tests.server_fixtures import TASKS, build_store, tiny_backbone
 
 PROMPTS = ["hello world", "a", "the quick brown fox jumps", "0123456789", "xyz", "polyserve!", "mixed tasks", "b c"]
@@ -149,9 +149,12 @@ def test_queue_full_raises_with_retry_after(setup):
         engine.submit(GenRequest([1] * 20000, p))
 
 
-def test_row_and_token_budgets_bound_the_batch(setup):
+@pytest.mark.parametrize("rows,tokens,expect_rows", [(3, 10_000, 3), (8, 120, 2)], ids=["rows", "tokens"])
+def test_row_and_token_budgets_bound_the_batch(setup, rows, tokens, expect_rows):
+    """Each of jobs8 costs len(prompt) + 40 = 41..65 KV positions: 3 rows bind in the first case,
+    120 tokens (two rows, never three) in the second; the batch fills up to the binding budget."""
     bb, _, adapters = setup
-    engine = make_engine(setup, max_batch_rows=3, max_batch_tokens=200)
+    engine = make_engine(setup, max_batch_rows=rows, max_batch_tokens=tokens)
     seen = []
     orig = engine.runner.decode
 
@@ -161,11 +164,12 @@ def test_row_and_token_budgets_bound_the_batch(setup):
 
     engine.runner.decode = spy
     try:
-        run(engine, bb.tokenizer, jobs8(), adapters, SamplingParams(max_new_tokens=40, ignore_eos=True))
+        out = run(engine, bb.tokenizer, jobs8(), adapters, SamplingParams(max_new_tokens=40, ignore_eos=True))
     finally:
         engine.stop()
-    assert max(n for n, _ in seen) <= 3
-    assert max(t for _, t in seen) <= 200
+    assert max(n for n, _ in seen) == expect_rows
+    assert max(t for _, t in seen) <= tokens
+    assert all(f.completion_tokens == 40 for _, f in out)
 
 
 def test_background_tasks_interleave_with_decoding(setup):
@@ -192,21 +196,33 @@ def test_background_tasks_interleave_with_decoding(setup):
         engine.stop()
     assert remaining[0] == 0
     busy = [s for s, running in slices if running]
+    assert busy  # slices did run while the request was decoding
     assert len(busy) == len(set(busy))  # at most one slice per decode step while rows are running
 
 
 def test_token_events_concatenate_to_the_final_text(setup):
+    """Streaming: the events' texts concatenate to the decoded answer, each TokenEvent names the
+    newest token, and asking for logprobs changes nothing but adds every token's entry."""
     bb, _, adapters = setup
     engine = make_engine(setup)
+    tok = bb.tokenizer
+    ids = list(tok("stream ✓ é", add_special_tokens=False).input_ids)
+    plain_p = SamplingParams(max_new_tokens=24, ignore_eos=True)
     try:
-        ids = list(bb.tokenizer("stream", add_special_tokens=False).input_ids)
-        req = engine.submit(GenRequest(ids, SamplingParams(max_new_tokens=16, ignore_eos=True), adapters["delta"]))
-        assert req.handle.wait(10)
+        plain = engine.submit(GenRequest(ids, plain_p, adapters["delta"]))
+        traced = engine.submit(GenRequest(ids, SamplingParams(max_new_tokens=24, ignore_eos=True, logprobs=0),
+                                          adapters["delta"]))
+        assert plain.handle.wait(10) and traced.handle.wait(10)
     finally:
         engine.stop()
-    events = req.handle.events
-    assert all(isinstance(e, TokenEvent) for e in events[:-1])
-    text = "".join(e.text for e in events)
-    gen_ids = [e.token_id for e in events[:-1]]
-    assert text.startswith(bb.tokenizer.decode(gen_ids, skip_special_tokens=True)[:1] if gen_ids else "")
-    assert threading.active_count() >= 1
+    events = traced.handle.events
+    assert all(isinstance(e, TokenEvent) for e in events[:-1]) and isinstance(events[-1], FinalEvent)
+    gen_ids = [lp.token_id for e in events for lp in (e.logprobs or [])]
+    assert len(gen_ids) == events[-1].completion_tokens == 24
+    assert "".join(e.text for e in events) == tok.decode(gen_ids, skip_special_tokens=True)
+    for e in events[:-1]:
+        assert e.logprobs and e.token_id == e.logprobs[-1].token_id
+    assert len(events[0].logprobs) == 1  # the first token is sent at once (time to first token)
+    plain_events = plain.handle.events
+    assert [(e.text, e.token_id) for e in plain_events[:-1]] == [(e.text, e.token_id) for e in events[:-1]]
+    assert plain_events[-1].text == events[-1].text and plain_events[-1].logprobs is None

@@ -5,12 +5,12 @@ from __future__ import annotations
 import pytest
 import torch
 
-from server.engine import kv
-from server.engine.detok import IncrementalDetokenizer
-from server.engine.engine import prefill_groups
-from server.engine.lora_plan import NEVER, auto_threshold, choose_path
-from server.engine.request import GenRequest, SamplingParams
-from server.engine.sampling import apply_top_k, apply_top_p, choose_tokens
+from server.engines.native import kv
+from server.engines.native.batch import prefill_groups
+from server.engines.native.detok import IncrementalDetokenizer
+from server.engines.native.lora_plan import NEVER, auto_threshold, choose_path
+from server.engines.native.sampling import RowSampler, apply_top_k, apply_top_p, sample_tokens
+from server.engines.request import GenRequest, SamplingParams
 
 
 def test_top_k_and_top_p():
@@ -24,14 +24,21 @@ def test_top_k_and_top_p():
     assert probs.argmax() == 1
 
 
-def test_choose_tokens_greedy_and_seeded():
+def test_sample_tokens_greedy_and_seeded():
     logits = torch.randn(3, 50, generator=torch.Generator().manual_seed(0))
-    gens = [None, torch.Generator().manual_seed(5), torch.Generator().manual_seed(5)]
-    out = choose_tokens(logits, [True, False, False], [0, 1.0, 1.0], [0, 0, 0], [1, 1, 1], gens)
-    assert out[0] == int(logits[0].argmax())
-    again = choose_tokens(logits, [True, False, False], [0, 1.0, 1.0], [0, 0, 0], [1, 1, 1],
-                          [None, torch.Generator().manual_seed(5), torch.Generator().manual_seed(5)])
-    assert out == again
+
+    def rows():
+        return [RowSampler(), RowSampler(1.0, generator=torch.Generator().manual_seed(5)),
+                RowSampler(1.0, generator=torch.Generator().manual_seed(5))]
+
+    out = sample_tokens(logits, rows())
+    assert out.tokens[0] == int(logits[0].argmax())
+    assert out.errors == [None] * 3 and out.logprobs == [None] * 3
+    assert sample_tokens(logits, rows()).tokens == out.tokens
+    # rows 1 and 2 share a seed but not the logits: each draws from its own row
+    draws = {sample_tokens(logits[1:2], [RowSampler(1.0, generator=torch.Generator().manual_seed(s))]).tokens[0]
+             for s in range(40)}
+    assert len(draws) > 5  # really sampled, not argmax
 
 
 @pytest.mark.parametrize("text", ["héllo wörld ✓ done", "abc STOP def", "a\nb\n\nc"])
@@ -78,6 +85,18 @@ def test_kv_concat_select_trim():
     assert m3.shape == (2, 5)
 
 
+def test_kv_truncate_rolls_back_a_half_written_step():
+    cache = kv.new_cache()
+    cache.update(torch.ones(1, 2, 3, 4), torch.ones(1, 2, 3, 4), 0)
+    cache.update(torch.ones(1, 2, 3, 4), torch.ones(1, 2, 3, 4), 1)
+    cache.update(torch.full((1, 2, 1, 4), 9.0), torch.full((1, 2, 1, 4), 9.0), 0)  # layer 0 only: then a crash
+    kv.truncate(cache, 3)
+    assert [layer.keys.shape[2] for layer in cache.layers] == [3, 3]
+    cache.update(torch.full((1, 2, 1, 4), 5.0), torch.full((1, 2, 1, 4), 5.0), 0)  # the retried step
+    assert cache.layers[0].keys.shape[2] == 4 and cache.layers[0].keys[0, 0, 3, 0] == 5.0
+    assert cache.layers[0].keys[0, 0, :3].eq(1).all()
+
+
 def test_left_padding_positions():
     ids, mask = kv.left_padded([[5, 6, 7], [8]], pad_id=0, device=torch.device("cpu"))
     assert ids.tolist() == [[5, 6, 7], [0, 0, 8]] and mask.tolist() == [[1, 1, 1], [0, 0, 1]]
@@ -114,7 +133,7 @@ def test_derived_row_plans_equal_fresh_ones():
     from types import SimpleNamespace
 
     from server.adapters.types import Adapter
-    from server.engine.lora_plan import Planner, RowPlan, build_row_plan
+    from server.engines.native.lora_plan import Planner, RowPlan, build_row_plan
 
     dims = [(8, 6), (6, 8)]
     gen = torch.Generator().manual_seed(0)
@@ -135,3 +154,32 @@ def test_derived_row_plans_equal_fresh_ones():
         assert isinstance(got, RowPlan)
         for x, y in zip(got.A + got.B, want.A + want.B, strict=True):
             assert torch.equal(x, y)
+
+
+def test_native_engine_implements_the_engine_interface(tiny_base, tokenizer):
+    from server.engines.base import Engine
+    from server.engines.native.engine import NativeEngine
+
+    engine = NativeEngine(tiny_base, tokenizer)
+    assert isinstance(engine, Engine)
+    assert not engine.alive  # not started
+
+
+@pytest.mark.parametrize("field,value", [("n", 0), ("logprobs", -1), ("logprobs", 21), ("prompt_logprobs", 10**6),
+                                         ("presence_penalty", 2.5),
+                                         ("frequency_penalty", -3.0), ("repetition_penalty", 0.0),
+                                         ("temperature", float("inf")), ("logit_bias", ((5, 101.0),))])
+def test_sampling_params_refuse_out_of_range_values_naming_the_field(field, value):
+    with pytest.raises(ValueError, match=field):
+        SamplingParams(**{field: value})
+
+
+def test_handle_is_done_after_one_final_event_per_choice():
+    from server.engines.request import FinalEvent
+
+    req = GenRequest([1, 2], SamplingParams(n=3, temperature=1.0))
+    for i in range(2):
+        req.handle.push(FinalEvent("", "length", 2, 1, index=i))
+        assert not req.handle.done
+    req.handle.push(FinalEvent("", "length", 2, 1, index=2))
+    assert req.handle.done

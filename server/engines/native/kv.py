@@ -5,7 +5,8 @@ The running batch keeps one transformers DynamicCache whose layers hold keys/val
 row's newest token sits in the last column and a decode step appends one column for all rows.
 
     concat:  rows of two batches -> one; the shorter side is left-padded with zeros (mask 0)
-    select:  keep some rows (finished rows leave)
+    select:  keep some rows (finished rows leave; a repeated index forks a row: n choices)
+    truncate: drop positions written by a forward that failed half-way (rollback)
     trim:    drop leading columns that are padding for every remaining row
 """
 
@@ -110,6 +111,17 @@ def select(
         for k, v in _layers(cache)
     ]
     return from_tensors(kv), mask[:, start:]
+
+
+def truncate(cache: DynamicCache, length: int) -> None:
+    """Forget every position at or after `length` in every layer (in place): a forward that raised
+    may have appended to some layers and not others."""
+    for layer in cache.layers:
+        if layer.keys is None or layer.keys.shape[-2] <= length:
+            continue
+        if isinstance(layer, GrowableLayer):
+            layer._len = length
+        layer.keys, layer.values = layer.keys[:, :, :length], layer.values[:, :, :length]
 
 
 def left_padded(prompts: list[list[int]], pad_id: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:

@@ -1,0 +1,87 @@
+"""Time of one engine decode step (forward + sampling + bookkeeping) for a batch of N `base` rows,
+per sampling variant, side by side in one process. Drives NativeEngine.step() directly (no
+thread, no HTTP): N requests are admitted and prefilled, then `--steps` decode steps are timed.
+
+    flock -x /tmp/polyserve-cpu.lock .venv/bin/python bench/decode_step.py --backbone tiny
+    flock -x /tmp/polyserve-cpu.lock .venv/bin/python bench/decode_step.py --backbone default --steps 20
+
+Variants (all rows of a batch use the same one): greedy (the common path: one vectorised argmax),
+and, when the engine supports them, sampled, greedy+penalties, greedy+logprobs(5).
+Reports the median step time over `--repeats` runs of each variant (variants interleaved).
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from adapters_store.backbone import load_backbone
+from server.engines.native.engine import NativeEngine
+from server.engines.request import GenRequest, SamplingParams
+
+
+def variants(max_new: int) -> dict[str, SamplingParams]:
+    base = SamplingParams(max_new_tokens=max_new, ignore_eos=True)
+    out = {"greedy": base, "sampled": dataclasses.replace(base, temperature=0.8, top_p=0.9, seed=1)}
+    extra: dict[str, dict] = {
+        "greedy+penalties": {"presence_penalty": 0.5, "frequency_penalty": 0.5, "repetition_penalty": 1.2},
+        "greedy+logprobs5": {"logprobs": 5},
+    }
+    for name, fields in extra.items():
+        params = dataclasses.replace(base, **fields)
+        unsupported = getattr(sys.modules[NativeEngine.__module__], "unsupported_fields", None)
+        if unsupported is None or not unsupported(params):
+            out[name] = params
+    return out
+
+
+def time_steps(bb, rows: int, params: SamplingParams, steps: int, prompt_len: int) -> float:
+    engine = NativeEngine(bb.model, bb.tokenizer, None, max_batch_rows=rows, max_prefill_rows=rows,
+                          max_batch_tokens=rows * (prompt_len + params.max_new_tokens))
+    prompt = [int(t) % 200 + 10 for t in range(prompt_len)]
+    for _ in range(rows):
+        engine.submit(GenRequest(list(prompt), params))
+    engine.step()  # admission + prefill + first decode
+    engine.step()  # warm
+    started = time.perf_counter()
+    for _ in range(steps):
+        engine.step()
+    elapsed = (time.perf_counter() - started) / steps
+    assert engine.running == rows, "rows finished early: raise max_new_tokens"
+    return elapsed
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--backbone", default="tiny")
+    ap.add_argument("--rows", type=int, nargs="+", default=[1, 16, 32])
+    ap.add_argument("--steps", type=int, default=50)
+    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--prompt-len", type=int, default=32)
+    ap.add_argument("--threads", type=int, default=1)
+    args = ap.parse_args()
+    torch.set_num_threads(args.threads)
+    bb = load_backbone(args.backbone)
+    table = variants(args.steps + 4)
+    with torch.inference_mode():
+        for rows in args.rows:
+            times: dict[str, list[float]] = {name: [] for name in table}
+            for _ in range(args.repeats):
+                for name, params in table.items():
+                    times[name].append(time_steps(bb, rows, params, args.steps, args.prompt_len))
+            ref = statistics.median(times["greedy"])
+            for name, ts in times.items():
+                med = statistics.median(ts)
+                print(f"{args.backbone:8s} rows={rows:3d} {name:18s} {med * 1e3:9.3f} ms/step  x{med / ref:.3f}")
+
+
+if __name__ == "__main__":
+    main()

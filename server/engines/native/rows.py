@@ -1,0 +1,75 @@
+"""The rows of one request (its n choices) and the sampling of a step over rows.
+
+    new_rows(req)       choice i: its own detokenizer, processors state (fork) and generator,
+                        seeded with seed + i when the request has a seed
+    sample_rows(rows)   sampling.sample_tokens over the batch; if that raises, row by row, so
+                        only a row that fails alone fails
+"""
+
+from __future__ import annotations
+
+import logging
+import secrets
+from typing import Any
+
+import torch
+
+from server.engines.native.batch import Row
+from server.engines.native.detok import IncrementalDetokenizer
+from server.engines.native.processors import RowProcessors
+from server.engines.native.sampling import RowSampler, Sampled, sample_tokens
+from server.engines.request import GenRequest, TokenLogprob
+
+log = logging.getLogger("polyserve.engine")
+
+SEED_MASK = (1 << 64) - 1  # torch generators take 64-bit seeds
+
+
+def describe(err: BaseException) -> str:
+    """A short description of an error for a row's FinalEvent.error."""
+    return f"{type(err).__name__}: {err}"[:300]
+
+
+def new_rows(req: GenRequest, tokenizer: Any, vocab: int, device: torch.device,
+             prompt_lp: list[TokenLogprob | None] | None = None) -> list[Row]:
+    """The n choices of a request: choice i of a seeded request samples with seed + i."""
+    p = req.params
+    procs = RowProcessors.build(p, req.prompt_ids, vocab, device)
+    rows = []
+    for index in range(p.n):
+        gen = None
+        if not p.greedy:
+            seed = (p.seed + index) & SEED_MASK if p.seed is not None else secrets.randbits(63)
+            gen = torch.Generator().manual_seed(seed)
+        sampler = RowSampler(p.temperature, p.top_k, p.top_p, gen,
+                             None if procs is None else (procs if index == 0 else procs.fork()), p.logprobs)
+        detok = IncrementalDetokenizer(tokenizer, req.prompt_ids, p.stop)
+        rows.append(Row(req, detok, sampler, length=len(req.prompt_ids), index=index,
+                        pending_logprobs=None if p.logprobs is None else [], prompt_logprobs=prompt_lp))
+    return rows
+
+
+def sample_rows(rows: list[Row], logits: torch.Tensor) -> Sampled:
+    """Batched sampling; if that raises, row by row, so only a row that fails alone fails."""
+    samplers = [r.sampler for r in rows]
+    try:
+        return sample_tokens(logits, samplers)
+    except Exception:
+        log.exception("batched sampling failed; sampling row by row")
+    out = Sampled([], [], [])
+    for i, sampler in enumerate(samplers):
+        try:
+            one = sample_tokens(logits[i : i + 1], [sampler])
+        except Exception as err:  # noqa: BLE001 - fails this row only
+            one = Sampled([-1], [f"sampling failed: {describe(err)}"], [None])
+        out.tokens += one.tokens
+        out.errors += one.errors
+        out.logprobs += one.logprobs
+    return out
+
+
+def vocab_size(model: torch.nn.Module) -> int:
+    """Width of the logits (the LM head's rows; config.vocab_size when there is no head)."""
+    head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+    weight = getattr(head, "weight", None)
+    return int(weight.shape[0]) if weight is not None else int(model.config.vocab_size)

@@ -1,0 +1,257 @@
+"""Pure pieces of the native engine's sampling and fault isolation: processors (bias, penalties),
+logprobs, safe sampling math, culprit bisection, the final-event ledger."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from server.engines.native.isolate import find_culprits
+from server.engines.native.ledger import FinalLedger
+from server.engines.native.logprobs import prompt_logprobs, token_logprobs
+from server.engines.native.processors import RowProcessors, apply_penalties, apply_processors
+from server.engines.native.sampling import (
+    RowSampler,
+    SamplingError,
+    apply_top_p,
+    sample_row,
+    sample_tokens,
+    scale,
+)
+from server.engines.request import FinalEvent, GenRequest, SamplingParams
+
+V = 12
+
+
+def reference_processed(logits: list[float], prompt: list[int], generated: list[int], p: SamplingParams) -> list[float]:
+    """The documented formulas, one token at a time (independent of the vectorised code)."""
+    out = list(logits)
+    for token, bias in p.logit_bias:
+        out[token] += bias
+    seen = set(prompt) | set(generated)
+    for t in range(len(out)):
+        if t in seen:
+            r = p.repetition_penalty
+            out[t] = out[t] / r if out[t] > 0 else out[t] * r
+        count = generated.count(t)
+        out[t] -= p.frequency_penalty * count + p.presence_penalty * (1 if count else 0)
+    return out
+
+
+CASES = [
+    SamplingParams(presence_penalty=1.5),
+    SamplingParams(frequency_penalty=0.7),
+    SamplingParams(frequency_penalty=-1.0, presence_penalty=-0.5),  # negative: encourage repeats
+    SamplingParams(repetition_penalty=1.8),
+    SamplingParams(repetition_penalty=0.5),
+    SamplingParams(logit_bias=((3, 100.0), (7, -100.0))),
+    SamplingParams(presence_penalty=0.3, frequency_penalty=0.4, repetition_penalty=1.3, logit_bias=((2, 5.0),)),
+]
+
+
+@pytest.mark.parametrize("params", CASES, ids=lambda p: "-".join(
+    f"{k}" for k in ("presence_penalty", "frequency_penalty", "repetition_penalty", "logit_bias")
+    if getattr(p, k) != getattr(SamplingParams(), k)))
+def test_processors_equal_the_reference_formulas(params):
+    gen = torch.Generator().manual_seed(1)
+    logits = torch.randn(V, generator=gen) * 3
+    prompt, generated = [1, 2, 2, 9], [4, 4, 4, 5, 1]
+    procs = RowProcessors.build(params, prompt, V)
+    assert procs is not None
+    for t in generated:
+        procs.observe(t)
+    got = apply_processors(logits[None], [procs])[0]
+    want = torch.tensor(reference_processed(logits.tolist(), prompt, generated, params))
+    torch.testing.assert_close(got, want)
+
+
+def test_processors_are_vectorised_per_row_and_leave_the_input_alone():
+    gen = torch.Generator().manual_seed(2)
+    logits = torch.randn(3, V, generator=gen)
+    before = logits.clone()
+    rows = [RowProcessors.build(p, [0, 1], V) for p in CASES[:3]]
+    histories = [[3], [3, 3, 8], []]
+    for procs, history in zip(rows, histories, strict=True):
+        for t in history:
+            procs.observe(t)  # type: ignore[union-attr]
+    together = apply_processors(logits, rows)  # type: ignore[arg-type]
+    for n in range(3):
+        alone = apply_processors(logits[n : n + 1], [rows[n]])[0]  # type: ignore[list-item]
+        torch.testing.assert_close(together[n], alone)
+    assert torch.equal(logits, before)
+
+
+def test_apply_penalties_table():
+    logits = torch.tensor([[2.0, -2.0, 1.0, 0.5], [1.0, 1.0, 1.0, 1.0]])
+    rows, tokens = torch.tensor([0, 0, 0, 1]), torch.tensor([0, 1, 2, 3])
+    counts = torch.tensor([1.0, 2.0, 0.0, 3.0])  # token 2 of row 0: in the prompt only
+    out = apply_penalties(logits.clone(), rows, tokens, counts, torch.tensor([0.5, 0.5, 0.5, 0.0]),
+                          torch.tensor([0.25, 0.25, 0.25, 0.1]), torch.tensor([2.0, 2.0, 2.0, 1.0]))
+    # t0: 2/2 - 0.25 - 0.5; t1: -2*2 - 0.5 - 0.5; t2 (prompt only): 1/2; t3 untouched; row 1: 1 - 0.3
+    torch.testing.assert_close(out, torch.tensor([[0.25, -5.0, 0.5, 0.5], [1.0, 1.0, 1.0, 0.7]]))
+
+
+def test_row_processors_build_fork_and_bounds():
+    assert RowProcessors.build(SamplingParams(), [1], V) is None
+    assert RowProcessors.build(SamplingParams(logit_bias=((3, 0.0),)), [1], V) is None  # a zero bias is no-op
+    procs = RowProcessors.build(SamplingParams(frequency_penalty=1.0, repetition_penalty=1.2), [1, 5, 1], V)
+    assert procs is not None and procs.seen is not None
+    assert procs.seen.tokens[: procs.seen.size].tolist() == [1, 5]  # the prompt, once each
+    other = procs.fork()
+    for _ in range(70):  # past the first buffer: it grows
+        procs.observe(4)
+        procs.observe(len(procs.seen.where) % V)
+    assert procs.seen.counts[procs.seen.where[4]] >= 70
+    assert other.seen is not None and other.seen.size == 2 and other.seen.counts.sum() == 0
+    no_rep = RowProcessors.build(SamplingParams(presence_penalty=1.0), [1, 5], V)
+    assert no_rep is not None and no_rep.seen is not None and no_rep.seen.size == 0  # prompt only matters to r
+    with pytest.raises(ValueError, match="logit_bias"):
+        RowProcessors.build(SamplingParams(logit_bias=((V, 1.0),)), [1], V)
+
+
+def test_many_generated_tokens_grow_the_seen_buffers_and_stay_exact():
+    params = SamplingParams(presence_penalty=0.3, frequency_penalty=0.2, repetition_penalty=1.1)
+    gen = torch.Generator().manual_seed(9)
+    vocab = 500
+    prompt = torch.randint(0, vocab, (100,), generator=gen).tolist()
+    generated = torch.randint(0, vocab, (300,), generator=gen).tolist()
+    procs = RowProcessors.build(params, prompt, vocab)
+    assert procs is not None
+    for t in generated:
+        procs.observe(t)
+    logits = torch.randn(vocab, generator=gen) * 4
+    got = apply_processors(logits[None], [procs])[0]
+    torch.testing.assert_close(got, torch.tensor(reference_processed(logits.tolist(), prompt, generated, params)))
+
+
+def test_token_logprobs_are_raw_log_softmax_with_sorted_top_k():
+    gen = torch.Generator().manual_seed(3)
+    logits = torch.randn(2, V, generator=gen)
+    entries = token_logprobs(logits, [4, 7], [3, 0])
+    ref = torch.log_softmax(logits, -1)
+    assert [e.token_id for e in entries] == [4, 7]
+    assert entries[0].logprob == pytest.approx(float(ref[0, 4]), abs=1e-6)
+    assert entries[1].logprob == pytest.approx(float(ref[1, 7]), abs=1e-6)
+    assert entries[1].top == ()
+    top = entries[0].top
+    assert [t for t, _ in top] == ref[0].topk(3).indices.tolist()
+    assert [lp for _, lp in top] == sorted((lp for _, lp in top), reverse=True)
+    assert math.fsum(math.exp(v) for v in ref[0].tolist()) == pytest.approx(1.0)
+
+
+@pytest.mark.parametrize("chunk", [1, 3, 100])
+def test_prompt_logprobs_equal_full_log_softmax_whatever_the_chunk(chunk):
+    gen = torch.Generator().manual_seed(4)
+    hidden = torch.randn(7, 5, generator=gen)
+    weight = torch.randn(V, 5, generator=gen)
+
+    def head(h):
+        return h @ weight.T
+
+    ids = [3, 1, 4, 1, 5, 9, 2]
+    out = prompt_logprobs(hidden, head, ids, 2, last_logits=head(hidden)[-1], chunk=chunk)
+    ref = torch.log_softmax(head(hidden), -1)
+    assert out[0] is None and len(out) == len(ids)
+    for i in range(1, len(ids)):
+        entry = out[i]
+        assert entry is not None and entry.token_id == ids[i]
+        assert entry.logprob == pytest.approx(float(ref[i - 1, ids[i]]), abs=1e-5)
+        assert [t for t, _ in entry.top] == ref[i - 1].topk(2).indices.tolist()
+    with pytest.raises(ValueError, match="post-processes"):  # e.g. a soft-capped head
+        prompt_logprobs(hidden, head, ids, 0, last_logits=torch.tanh(head(hidden)[-1]))
+
+
+def test_infinite_logits_share_the_mass_and_nan_fails():
+    inf = float("inf")
+    gen = torch.Generator().manual_seed(0)
+    draws = {sample_row(torch.tensor([inf, 1.0, inf]), 0.5, 0, 1.0, gen) for _ in range(40)}
+    assert draws == {0, 2}
+    with pytest.raises(SamplingError):
+        sample_row(torch.tensor([float("nan"), 1.0]), 1.0, 0, 1.0, gen)
+    with pytest.raises(SamplingError):
+        sample_row(torch.tensor([-inf, -inf]), 1.0, 0, 0.5, gen)
+
+
+def test_scale_is_finite_non_positive_with_a_zero_max():
+    inf = float("inf")
+    out = scale(torch.tensor([3e38, -3e38, 1.0]), 1e-5)
+    assert out.tolist()[0] == 0.0 and out.max() == 0 and not torch.isnan(out).any()
+    assert scale(torch.tensor([inf, 1.0, inf, -inf]), 0.5).tolist() == [0.0, -inf, 0.0, -inf]
+    with pytest.raises(SamplingError):
+        scale(torch.tensor([1.0, float("nan"), 2.0]), 1.0)  # a NaN anywhere
+    with pytest.raises(SamplingError):
+        scale(torch.tensor([-inf, -inf]), 1.0)
+
+
+@pytest.mark.parametrize("temperature,top_k,top_p,size", [
+    (1e-5, 0, 1.0, 1.0), (1e-5, 0, 1.0, 1e6), (1.0, 0, 1e-9, 1.0), (1e-5, 1, 1e-9, 1e30), (2.0, 3, 0.5, 1e38),
+    (1e-5, 0, 1.0, 1e38),  # 3e38 / 1e-5 would overflow: scaled as (l - max) / T it cannot
+])
+def test_sample_row_is_safe_on_extreme_inputs(temperature, top_k, top_p, size):
+    logits = torch.tensor([1.0, 3.0, 2.0, -1.0]) * size
+    gen = torch.Generator().manual_seed(0)
+    draws = {sample_row(logits, temperature, top_k, top_p, gen) for _ in range(20)}
+    assert draws == {1}  # tiny temperature / nucleus / huge logits: the best token, never an error
+
+
+def test_top_p_keeps_the_best_token_however_small_p():
+    logits = torch.tensor([0.0, 0.0, 5.0])
+    assert (~torch.isinf(apply_top_p(logits, 1e-12))).tolist() == [False, False, True]
+
+
+def test_sample_tokens_fails_only_the_nan_row_and_greedy_uses_processed_logits():
+    gen = torch.Generator().manual_seed(5)
+    logits = torch.randn(4, V, generator=gen)
+    logits[2, 3] = float("nan")
+    bias = RowProcessors.build(SamplingParams(logit_bias=((6, 100.0),)), [0], V)
+    rows = [RowSampler(), RowSampler(processors=bias, logprobs=2), RowSampler(),
+            RowSampler(1e-5, generator=torch.Generator().manual_seed(0), processors=bias)]
+    out = sample_tokens(logits, rows)
+    assert out.errors[2] is not None and "NaN" in out.errors[2] and out.tokens[2] == -1
+    assert out.errors[:2] == [None, None] and out.errors[3] is None
+    assert out.tokens[0] == int(logits[0].argmax())
+    assert out.tokens[1] == 6 and out.tokens[3] == 6  # bias forces the token, greedy and sampled
+    lp = out.logprobs[1]
+    assert lp is not None and lp.token_id == 6  # the chosen token's RAW logprob (bias not applied)
+    assert lp.logprob == pytest.approx(float(torch.log_softmax(logits[1], -1)[6]), abs=1e-6)
+    assert out.logprobs[0] is None and out.logprobs[3] is None
+
+
+def test_sample_tokens_common_path_is_plain_argmax():
+    logits = torch.randn(5, V, generator=torch.Generator().manual_seed(6))
+    out = sample_tokens(logits, [RowSampler() for _ in range(5)])
+    assert out.tokens == logits.argmax(-1).tolist() and out.errors == [None] * 5
+
+
+@pytest.mark.parametrize("n,culprits", [(1, []), (1, [0]), (8, [3]), (8, [0, 7]), (7, [1, 2, 3, 4, 5, 6]), (16, [])])
+def test_find_culprits_finds_exactly_the_rows_that_fail_alone(n, culprits):
+    probes: list[list[int]] = []
+
+    def probe(rows):
+        probes.append(rows)
+        return not set(rows) & set(culprits)
+
+    assert find_culprits(range(n), probe) == culprits
+    if len(culprits) == 1 and n > 1:
+        assert len(probes) <= 2 * math.ceil(math.log2(n))  # bisection, not one probe per row
+
+
+def test_find_culprits_returns_none_when_only_a_combination_fails():
+    assert find_culprits(range(6), lambda rows: len(rows) < 3) == []
+
+
+def test_ledger_sends_each_choice_exactly_once():
+    ledger = FinalLedger()
+    req = GenRequest([1, 2, 3], SamplingParams(n=3))
+    ledger.open(req)
+    assert len(ledger) == 3 and ledger.owes(req, 1)
+    assert ledger.send(req, FinalEvent("x", "stop", 3, 1, index=1))
+    assert not ledger.send(req, FinalEvent("y", "stop", 3, 1, index=1))  # duplicate dropped
+    assert not ledger.owes(req, 1) and len(ledger) == 2
+    assert ledger.fail_open("boom") == 2
+    finals = req.handle.events
+    assert sorted(e.index for e in finals) == [0, 1, 2] and req.handle.done
+    assert [e.error for e in finals if e.index != 1] == ["boom", "boom"]
+    assert ledger.fail_open("again") == 0 and len(ledger) == 0
