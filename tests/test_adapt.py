@@ -221,7 +221,14 @@ def test_routing_adaptation_on_the_default_backbone_and_inventory(tmp_path):
     before = snapshot(rm)
     started = time.perf_counter()
     res = adapt(rm, info, skills, few(16, task="upper.inc"), bb.tokenizer, method="routing", seed=0)
-    elapsed = time.perf_counter() - started
-    assert res.metrics["eval_loss"] <= res.metrics["initial_eval_loss"]
-    assert elapsed < 120  # ~20-35 s on 2 cores; generous for a busy CI machine
+    print(f"routing adaptation, 16 examples: {time.perf_counter() - started:.1f} s (timed in bench/, not here)")
+    # Judge on 16 inputs adaptation never saw (its own held-out loss is a min over a set that contains
+    # the start, so it cannot fail): the learned row must beat the uniform mu row on them.
+    from training.evaluate import heldout_loss
+
+    unseen = examples(parse_task("upper.inc"), 16, seed=7, split="test")
+    learned = heldout_loss(rm, task_layers(info, skills, res.kind, res.tensors), bb.tokenizer, unseen)
+    uniform = heldout_loss(rm, layers_from_weights(info, skills, mu_weights(info)), bb.tokenizer, unseen)
+    print(f"loss on 16 unseen inputs: learned {learned:.3f}, mu {uniform:.3f}")
+    assert learned < 0.9 * uniform
     assert_same(snapshot(rm), before)
