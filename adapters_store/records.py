@@ -9,6 +9,9 @@ from adapters_store.spec import InventorySpec
 
 TaskStatus = Literal["ready", "training", "failed"]
 AdapterKind = Literal["routing", "lora"]
+# training.prompt.PROMPT_FORMAT: the format every task so far was trained with (and the default
+# for records written before the field existed)
+DEFAULT_PROMPT_FORMAT = "input-output"
 
 
 @dataclass(frozen=True)
@@ -71,6 +74,7 @@ class TaskRecord:
     job_id: str | None = None
     error: str | None = None
     inventory_version: str | None = None
+    prompt_format: str = DEFAULT_PROMPT_FORMAT  # how the task's inputs were rendered in training
 
     def to_json(self) -> dict[str, Any]:
         return asdict(self)

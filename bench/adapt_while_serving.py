@@ -25,7 +25,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from server.engine.request import GenRequest, SamplingParams
+from server.engines.request import GenRequest, SamplingParams
 from server.metrics import Metrics
 from server.runtime import Runtime
 from server.settings import Settings

@@ -39,8 +39,8 @@ from adapters_store.spec import ATTENTION_TARGETS, InventorySpec
 from adapters_store.store import Store
 from server.adapters.cache import AdapterCache
 from server.adapters.l1 import L1Cache
-from server.engine.engine import Engine
-from server.engine.request import FinalEvent, GenRequest, RequestHandle, SamplingParams
+from server.engines.native.engine import NativeEngine as Engine
+from server.engines.request import FinalEvent, GenRequest, RequestHandle, SamplingParams
 from training.prompt import format_prompt
 
 WORDS = ["cat", "dog", "tree", "river", "stone", "cloud", "apple", "seven", "blue", "quick", "lamp", "music", "paper", "garden", "window", "orange", "silver", "market", "engine", "rabbit", "ocean", "winter", "bridge", "candle", "forest"]

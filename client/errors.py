@@ -1,7 +1,9 @@
 """Typed errors raised by the polyserve client.
 
-The server answers every error as ``{"error": {"type": str, "message": str}}`` with a meaningful
-HTTP status (see shared/docs/contract.md).  :func:`error_from_response` turns such a response, or any
+The server answers every error as ``{"error": {"type": str, "message": str, "param": str | None,
+"code": str | None}}`` with a meaningful HTTP status (see shared/docs/contract.md); its OpenAI
+routes use OpenAI's order of the same keys.  ``param`` names the offending request field and
+``code`` is a stable machine-readable reason (``context_length_exceeded``, ``timeout``...).  :func:`error_from_response` turns such a response, or any
 non-JSON error body a proxy may have produced, into the matching :class:`PolyserveError` subclass.
 """
 
@@ -20,6 +22,8 @@ __all__ = [
     "BadRequest",
     "Conflict",
     "ConnectionFailed",
+    "DeadlineExceeded",
+    "Forbidden",
     "InvalidInput",
     "NotFound",
     "Overloaded",
@@ -41,8 +45,12 @@ class PolyserveError(Exception):
     """An error answered by the server (or by a proxy in front of it).
 
     ``status`` is the HTTP status (``None`` for an error event inside a stream), ``type`` the
-    server's machine-readable error type and ``message`` its human-readable message.
+    server's machine-readable error type and ``message`` its human-readable message; ``param``
+    the request field it is about and ``code`` a finer reason, when the server names them.
     """
+
+    param: str | None = None
+    code: str | None = None
 
     def __init__(self, status: int | None, type: str, message: str, body: Any = None) -> None:
         super().__init__(message)
@@ -65,6 +73,10 @@ class BadRequest(PolyserveError):
 
 class Unauthorized(PolyserveError):
     """401: missing or wrong API key."""
+
+
+class Forbidden(PolyserveError):
+    """403: the API key may not do this (task and job changes need an admin key)."""
 
 
 class NotFound(PolyserveError):
@@ -127,15 +139,21 @@ class ServerError(PolyserveError):
     """Any other 5xx.  A 500 from polyserve is always a bug worth reporting."""
 
 
+class DeadlineExceeded(ServerError):
+    """504: the generation did not finish within the server's deadline (the row was cancelled)."""
+
+
 _BY_STATUS: dict[int, type[PolyserveError]] = {
     400: BadRequest,
     401: Unauthorized,
+    403: Forbidden,
     404: NotFound,
     409: Conflict,
     413: PayloadTooLarge,
     422: ValidationError,
     429: Overloaded,
     503: Unavailable,
+    504: DeadlineExceeded,
 }
 
 _JOB_ID_PATTERNS = (
@@ -187,11 +205,15 @@ def error_from_payload(
 ) -> PolyserveError:
     """Build the typed error for ``status`` from a decoded body (any JSON value, or ``None``)."""
     err_type, message = "", ""
+    param: str | None = None
+    code: str | None = None
     if isinstance(payload, dict):
         err = payload.get("error")
         if isinstance(err, dict):
             err_type = str(err.get("type") or "")
             message = str(err.get("message") or "")
+            param = str(err["param"]) if isinstance(err.get("param"), str | int) else None
+            code = str(err["code"]) if isinstance(err.get("code"), str | int) else None
         elif isinstance(err, str):
             message = err
         elif isinstance(payload.get("detail"), str):  # a bare FastAPI/Starlette error
@@ -207,8 +229,11 @@ def error_from_payload(
         cls = PolyserveError
     err_type = err_type or (f"http_{status}" if status is not None else "stream_error")
     if issubclass(cls, _RetryAfterError):
-        return cls(status, err_type, message, payload, retry_after=retry_after)
-    return cls(status, err_type, message, payload)
+        error: PolyserveError = cls(status, err_type, message, payload, retry_after=retry_after)
+    else:
+        error = cls(status, err_type, message, payload)
+    error.param, error.code = param, code
+    return error
 
 
 def error_from_response(response: httpx.Response) -> PolyserveError:

@@ -11,6 +11,7 @@ from typing import Any
 
 from fastapi import FastAPI
 
+from server import api_docs
 from server.errors import install_handlers
 from server.metrics import Metrics
 from server.middleware import BodyLimit, RequestMetrics
@@ -32,9 +33,9 @@ def create_app(settings: Settings | None = None, *, backbone: Any = None) -> Fas
             try:
                 app.state.runtime = await asyncio.to_thread(Runtime.build, settings, metrics_, backbone)
                 log.info("polyserve ready")
-            except Exception as err:  # surfaced by /ready
+            except Exception as err:  # surfaced by /ready (the kind only: messages may hold paths)
                 log.exception("start-up failed")
-                app.state.load_error = f"{type(err).__name__}: {err}"
+                app.state.load_error = type(err).__name__
 
         loader = asyncio.create_task(load())
         try:
@@ -51,6 +52,9 @@ def create_app(settings: Settings | None = None, *, backbone: Any = None) -> Fas
     app.state.runtime = None
     app.state.load_error = None
     install_handlers(app)
+    api_docs.install(app, settings)
+    if settings.admin_keys and not settings.api_keys:
+        log.warning("POLYSERVE_ADMIN_KEYS without POLYSERVE_API_KEYS: inference routes are open")
     for module in (health, metrics, generate, openai, tasks, jobs):
         app.include_router(module.router)
     app.add_middleware(BodyLimit, max_bytes=settings.max_body_bytes)

@@ -1,15 +1,32 @@
-"""API errors and their translation to the contract's shape, in one place:
+"""API errors and their translation to HTTP, in one place. Two shapes, chosen by the route:
 
-    {"error": {"type": str, "message": str}}      (422 names the field, never echoes the input)
+    polyserve's own routes (contract):  {"error": {"type", "message", "param", "code"}}
+    OpenAI routes (/v1/completions, /v1/chat/completions, /v1/models...):
+                                        {"error": {"message", "type", "param", "code"}}
+
+`param` names the offending request field (null when none), `code` is a stable machine-readable
+reason (null when none). On the OpenAI routes `type` is OpenAI's class of error
+(`invalid_request_error`, `authentication_error`, `rate_limit_error`, `server_error`), `code`
+carries polyserve's own type unless a more specific OpenAI code applies (`model_not_found`,
+`context_length_exceeded`, `invalid_api_key`), and bad input is 400 (OpenAI's status) where
+polyserve's routes answer 422. A too long prompt is 413 `too_large` on polyserve's routes and 400
+`context_length_exceeded` on the OpenAI routes.
+
+Messages name the field and never echo the input; they never carry filesystem paths (anything
+that looks like one is replaced by `<path>`: store and start-up failures are logged in full and
+answered in general terms).
 """
 
 from __future__ import annotations
 
 import logging
+import re
+from typing import Any
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
+from fastapi.routing import iter_route_contexts
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from adapters_store.errors import JobNotFound, StoreError, TaskExists, TaskNotFound
@@ -17,70 +34,151 @@ from adapters_store.errors import JobNotFound, StoreError, TaskExists, TaskNotFo
 log = logging.getLogger("polyserve.api")
 
 TYPES = {400: "invalid_request", 401: "unauthorized", 403: "forbidden", 404: "not_found", 405: "method_not_allowed",
-         409: "conflict", 413: "too_large", 422: "validation_error", 429: "overloaded", 503: "unavailable"}
+         409: "conflict", 413: "too_large", 422: "validation_error", 429: "overloaded", 500: "internal_error",
+         503: "unavailable", 504: "timeout"}
+
+OPENAI_PATHS = ("/v1/completions", "/v1/chat/completions", "/v1/models")
+OPENAI_TYPES = {401: "authentication_error", 403: "permission_error", 429: "rate_limit_error"}
+# polyserve type -> OpenAI code, where OpenAI has a name for it
+OPENAI_CODES = {"not_found": "model_not_found", "unauthorized": "invalid_api_key"}
+
+_TAGS = frozenset({"str", "int", "float", "bool", "list", "dict", "none"})
+_NAMED = re.compile(r"^([a-z_][a-z0-9_.]*): ")
+_PATH = re.compile(r"(?<![\w.:/])(?:~|\.{1,2})?/(?:[\w.@+-]+/)+[\w.@+-]*")
 
 
 class ApiError(Exception):
-    def __init__(self, status: int, type_: str, message: str, headers: dict[str, str] | None = None) -> None:
+    def __init__(self, status: int, type_: str, message: str, headers: dict[str, str] | None = None, *,
+                 param: str | None = None, code: str | None = None) -> None:
         super().__init__(message)
         self.status, self.type, self.message, self.headers = status, type_, message, headers or {}
+        self.param, self.code = param, code
 
 
-def error_body(type_: str, message: str) -> dict:
-    return {"error": {"type": type_, "message": message}}
+def scrub(message: str) -> str:
+    """The message without anything that looks like a filesystem path."""
+    return _PATH.sub("<path>", message)
 
 
-def error_response(status: int, type_: str, message: str, headers: dict[str, str] | None = None) -> JSONResponse:
-    return JSONResponse(error_body(type_, message), status_code=status, headers=headers)
+def is_openai_path(path: str) -> bool:
+    return any(path == p or path.startswith(p + "/") for p in OPENAI_PATHS)
+
+
+def error_body(type_: str, message: str, param: str | None = None, code: str | None = None) -> dict:
+    """polyserve's shape."""
+    return {"error": {"type": type_, "message": scrub(message), "param": param, "code": code}}
+
+
+def openai_error(status: int, type_: str, message: str, param: str | None = None,
+                 code: str | None = None) -> tuple[int, dict]:
+    """(status, body) in OpenAI's shape for an error polyserve calls `type_`."""
+    if code == "context_length_exceeded" or status == 422:
+        status = 400
+    if status >= 500:
+        kind = "server_error"
+    else:
+        kind = OPENAI_TYPES.get(status, "invalid_request_error")
+    code = code or OPENAI_CODES.get(type_, type_)
+    return status, {"error": {"message": scrub(message), "type": kind, "param": param, "code": code}}
+
+
+def error_payload(path: str, status: int, type_: str, message: str, param: str | None = None,
+                  code: str | None = None) -> tuple[int, dict]:
+    """(status, body) for the route at `path`."""
+    if is_openai_path(path):
+        return openai_error(status, type_, message, param, code)
+    return status, error_body(type_, message, param, code)
+
+
+def error_response(status: int, type_: str, message: str, headers: dict[str, str] | None = None, *,
+                   path: str = "", param: str | None = None, code: str | None = None) -> JSONResponse:
+    status, body = error_payload(path, status, type_, message, param, code)
+    return JSONResponse(body, status_code=status, headers=headers)
+
+
+def _is_tag(part: object) -> bool:
+    """pydantic's union-member tags in an error location ("str", "list[constrained-str]")."""
+    return isinstance(part, str) and (bool(re.search(r"[\[\],-]", part)) or part in _TAGS)
 
 
 def _field(loc: tuple) -> str:
-    parts = [str(p) for p in loc if p not in ("body", "query", "path")]
+    parts: list[str] = []
+    for p in loc:
+        if p == "[key]" and parts:  # a bad dict key: name the dict, not the key
+            parts.pop()
+        elif p not in ("body", "query", "path") and not _is_tag(p):
+            parts.append(str(p))
     return ".".join(parts) or "body"
 
 
-def validation_message(err: RequestValidationError) -> str:
-    msgs = []
+def validation_message(err: RequestValidationError) -> tuple[str, str | None]:
+    """A message naming each bad field (never its value) and the first field's name."""
+    msgs, first = [], None
     for e in err.errors()[:5]:
         if e.get("type") == "json_invalid":
             msgs.append("body: invalid JSON")
+            first = first or "body"
         else:
-            msgs.append(f"{_field(tuple(e.get('loc', ())))}: {e.get('msg', 'invalid')}")
-    return "; ".join(msgs)
+            field = _field(tuple(e.get("loc", ())))
+            msg = str(e.get("msg", "invalid")).removeprefix("Value error, ")
+            named = _NAMED.match(msg)
+            if field == "body" and named:  # a model-level check names its field first
+                field, msg = named.group(1), msg[named.end():]
+            first = first or field
+            msgs.append(f"{field}: {msg}")
+    return "; ".join(msgs), first
+
+
+def allowed_methods(app: Any, scope: dict) -> list[str]:
+    """Every method some route serves at this scope's path (for the Allow header of a 405)."""
+    methods: set[str] = set()
+    path = scope.get("path", "")
+    for route in iter_route_contexts(app.routes):
+        regex = getattr(route, "path_regex", None)
+        if regex is not None and regex.match(path):
+            methods |= set(route.methods or ())
+    return sorted(methods)
 
 
 def install_handlers(app: FastAPI) -> None:
+    def respond(request: Request, status: int, type_: str, message: str, headers: dict | None = None,
+                param: str | None = None, code: str | None = None) -> JSONResponse:
+        return error_response(status, type_, message, headers, path=request.url.path, param=param, code=code)
+
     @app.exception_handler(ApiError)
-    async def _api(_: Request, exc: ApiError) -> JSONResponse:
-        return error_response(exc.status, exc.type, exc.message, exc.headers)
+    async def _api(request: Request, exc: ApiError) -> JSONResponse:
+        return respond(request, exc.status, exc.type, exc.message, exc.headers, exc.param, exc.code)
 
     @app.exception_handler(RequestValidationError)
-    async def _validation(_: Request, exc: RequestValidationError) -> JSONResponse:
-        return error_response(422, "validation_error", validation_message(exc))
+    async def _validation(request: Request, exc: RequestValidationError) -> JSONResponse:
+        message, param = validation_message(exc)
+        return respond(request, 422, "validation_error", message, param=param)
 
     @app.exception_handler(StarletteHTTPException)
-    async def _http(_: Request, exc: StarletteHTTPException) -> JSONResponse:
-        return error_response(exc.status_code, TYPES.get(exc.status_code, "error"), str(exc.detail),
-                              getattr(exc, "headers", None))
+    async def _http(request: Request, exc: StarletteHTTPException) -> JSONResponse:
+        headers = dict(getattr(exc, "headers", None) or {})
+        if exc.status_code == 405:
+            headers["Allow"] = ", ".join(allowed_methods(request.app, request.scope))
+        return respond(request, exc.status_code, TYPES.get(exc.status_code, "error"), str(exc.detail), headers)
 
     @app.exception_handler(TaskNotFound)
-    async def _task_missing(_: Request, exc: TaskNotFound) -> JSONResponse:
-        return error_response(404, "not_found", str(exc))
+    async def _task_missing(request: Request, exc: TaskNotFound) -> JSONResponse:
+        return respond(request, 404, "not_found", str(exc))
 
     @app.exception_handler(JobNotFound)
-    async def _job_missing(_: Request, exc: JobNotFound) -> JSONResponse:
-        return error_response(404, "not_found", str(exc))
+    async def _job_missing(request: Request, exc: JobNotFound) -> JSONResponse:
+        return respond(request, 404, "not_found", str(exc))
 
     @app.exception_handler(TaskExists)
-    async def _exists(_: Request, exc: TaskExists) -> JSONResponse:
-        return error_response(409, "conflict", str(exc))
+    async def _exists(request: Request, exc: TaskExists) -> JSONResponse:
+        return respond(request, 409, "conflict", str(exc))
 
     @app.exception_handler(StoreError)
-    async def _store(_: Request, exc: StoreError) -> JSONResponse:
+    async def _store(request: Request, exc: StoreError) -> JSONResponse:
         log.exception("store error")
-        return error_response(500, "store_error", str(exc))
+        return respond(request, 500, "store_error", "the adapter store failed (details in the server log)")
 
     @app.exception_handler(Exception)
-    async def _bug(_: Request, exc: Exception) -> JSONResponse:
+    async def _bug(request: Request, exc: Exception) -> JSONResponse:
         log.exception("unhandled error")
-        return error_response(500, "internal_error", "internal server error")
+        return respond(request, 500, "internal_error", "internal server error")

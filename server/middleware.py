@@ -6,10 +6,11 @@ import json
 import time
 from typing import Any
 
-from server.errors import error_body
+from server.errors import error_payload
 
 
-async def _send_json(send: Any, status: int, body: dict) -> None:
+async def _send_error(send: Any, scope: dict, status: int, type_: str, message: str) -> None:
+    status, body = error_payload(scope.get("path", ""), status, type_, message)
     data = json.dumps(body).encode()
     await send({"type": "http.response.start", "status": status,
                 "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(data)).encode())]})
@@ -26,14 +27,14 @@ class BodyLimit:
     async def __call__(self, scope: dict, receive: Any, send: Any) -> None:
         if scope["type"] != "http" or scope["method"] in ("GET", "HEAD", "OPTIONS", "DELETE"):
             return await self.app(scope, receive, send)
-        too_large = error_body("too_large", f"request body exceeds {self.max_bytes} bytes")
+        too_large = (413, "too_large", f"request body exceeds {self.max_bytes} bytes")
         for name, value in scope.get("headers", []):
             if name == b"content-length":
                 try:
                     if int(value) > self.max_bytes:
-                        return await _send_json(send, 413, too_large)
+                        return await _send_error(send, scope, *too_large)
                 except ValueError:
-                    return await _send_json(send, 400, error_body("invalid_request", "bad Content-Length"))
+                    return await _send_error(send, scope, 400, "invalid_request", "bad Content-Length")
         chunks, size = [], 0
         while True:
             message = await receive()
@@ -42,7 +43,7 @@ class BodyLimit:
             chunk = message.get("body", b"")
             size += len(chunk)
             if size > self.max_bytes:
-                return await _send_json(send, 413, too_large)
+                return await _send_error(send, scope, *too_large)
             chunks.append(chunk)
             if not message.get("more_body", False):
                 break

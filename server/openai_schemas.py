@@ -1,90 +1,186 @@
-"""Wire schemas of the OpenAI-compatible endpoints (the subset polyserve implements).
+"""Wire schemas of the OpenAI-compatible endpoints (/v1/completions, /v1/chat/completions).
 
-Unknown OpenAI fields are ignored (clients send many); unsupported values that would change
-the answer (n > 1, logprobs, tools) are refused with 422 naming the field.
+Every request field falls in one of three groups (README "OpenAI compatibility" says the same):
+
+  supported   model, prompt (one string or one token-id list), messages (text content), max_tokens,
+              max_completion_tokens, temperature, top_p, n, stop, seed, stream, stream_options,
+              logprobs, top_logprobs (chat), logprobs: int (completions), echo, presence_penalty,
+              frequency_penalty, logit_bias, best_of 1; vLLM's extensions top_k and
+              repetition_penalty
+  ignored     user, metadata, store, service_tier, prompt_cache_key, safety_identifier,
+              parallel_tool_calls: they do not change the answer
+  refused     (400 naming the field) suffix, best_of > 1, tools / functions, tool_choice and
+              function_call other than "none", response_format other than {"type": "text"}, a
+              `tool` message, several prompts in one request, and any field not listed here
+              (OpenAI answers an unrecognised argument with 400 too)
+
+Numeric rules (vLLM's): a temperature below 1e-5 is greedy; one in [1e-5, 0.01) is raised to 0.01; a top_p below 1e-6 is raised to 1e-6 (the
+same answer: the most likely token alone); repetition_penalty is at least 0.01; top_k -1 (vLLM's "off") is 0; logit_bias keys
+are token ids of the backbone's vocabulary (checked against it in the route), values in [-100, 100].
 """
 
 from __future__ import annotations
 
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+from adapters_store.ids import TASK_ID_PATTERN
+from server.engines.request import GREEDY_TEMPERATURE
+from server.wire import Bool, Float, Int
+
+MIN_TEMPERATURE = 0.01
+GREEDY_BELOW = GREEDY_TEMPERATURE  # the engines' threshold (vLLM's _SAMPLING_EPS)
+MIN_TOP_P = 1e-6
+MAX_LOGPROBS = 20
+MAX_STOP_CHARS = 256
+MAX_LOGIT_BIAS = 300
+
+NonEmpty = Annotated[str, Field(min_length=1)]
+StopString = Annotated[str, Field(min_length=1, max_length=MAX_STOP_CHARS)]
+TokenId = Int(ge=0)
+TokenIds = Annotated[list[TokenId], Field(min_length=1)]
+OnePrompt = Annotated[list[NonEmpty], Field(min_length=1, max_length=1)]
+OneTokenIds = Annotated[list[TokenIds], Field(min_length=1, max_length=1)]
+BIAS_KEY = r"^(0|[1-9][0-9]{0,8})$"
+BiasKey = Annotated[str, Field(pattern=BIAS_KEY)]
+
+
+def effective_seed(value: int | None) -> int | None:
+    return None if value is None else value % 2**63
+
+
+def effective_top_p(value: float) -> float:
+    """(0, MIN_TOP_P) is raised to MIN_TOP_P: the same answer (the most likely token alone; its
+    probability is at least 1 / vocabulary size > MIN_TOP_P), but no float32 underflow to 0."""
+    return max(value, MIN_TOP_P)
+
+
+def effective_temperature(value: float) -> float:
+    """vLLM's rule: below GREEDY_BELOW is greedy (0, as the engine treats it too); the rest of
+    (0, MIN_TEMPERATURE) is raised to MIN_TEMPERATURE."""
+    if value < GREEDY_BELOW:
+        return 0.0
+    return max(value, MIN_TEMPERATURE)
 
 
 class StreamOptions(BaseModel):
-    include_usage: bool = False
+    model_config = ConfigDict(extra="forbid")
+
+    include_usage: Bool = False
+
+
+class ResponseFormat(BaseModel):
+    model_config = ConfigDict(extra="allow")
+
+    type: Literal["text"] = Field(description="only plain text is produced; json_object / json_schema are refused")
 
 
 class _Common(BaseModel):
-    model_config = ConfigDict(extra="ignore")
+    # numbers and booleans as JSON Schema says (server.wire): "5" is not an integer
+    model_config = ConfigDict(extra="forbid")
 
-    model: str = Field(max_length=64)
-    temperature: float = Field(default=1.0, ge=0.0, le=2.0)
-    top_p: float = Field(default=1.0, gt=0.0, le=1.0)
-    top_k: int = Field(default=0, ge=0)  # extension (vLLM-style)
-    n: int = Field(default=1, ge=1, le=1)
-    stop: str | list[str] | None = None
-    seed: int | None = Field(default=None, ge=0, lt=2**63)
-    stream: bool = False
+    model: str = Field(pattern=TASK_ID_PATTERN, max_length=64, description="a task id, or `base`",
+                       examples=["base"])
+    temperature: Float(ge=0.0, le=2.0) = 1.0
+    top_p: Float(gt=0.0, le=1.0) = 1.0
+    top_k: Int(ge=-1) = Field(default=0, description="extension (vLLM): 0 or -1 = off")
+    n: Int(ge=1) = Field(default=1, description="choices; the maximum is POLYSERVE_MAX_N")
+    stop: StopString | list[StopString] | None = None
+    seed: Int() | None = Field(default=None, description="any integer (used modulo 2**63); choice i samples "
+                             "with seed + i")
+    stream: Bool = False
     stream_options: StreamOptions | None = None
+    presence_penalty: Float(ge=-2.0, le=2.0) = 0.0
+    frequency_penalty: Float(ge=-2.0, le=2.0) = 0.0
+    repetition_penalty: Float(ge=0.01, le=2.0) = Field(default=1.0, description="extension (vLLM)")
+    logit_bias: dict[BiasKey, Float(ge=-100.0, le=100.0)] | None = Field(
+        default=None, max_length=MAX_LOGIT_BIAS, json_schema_extra={"propertyNames": {"pattern": BIAS_KEY}},
+        description="token id (as a string, below the vocabulary size) -> bias")
+    # ignored: they do not change the answer
+    user: str | None = Field(default=None, max_length=256, description="ignored")
+    metadata: dict[str, str] | None = Field(default=None, description="ignored")
+    store: Bool | None = Field(default=None, description="ignored")
+    service_tier: str | None = Field(default=None, max_length=64, description="ignored")
+    prompt_cache_key: str | None = Field(default=None, max_length=256, description="ignored")
+    safety_identifier: str | None = Field(default=None, max_length=256, description="ignored")
 
     def stop_list(self) -> list[str]:
         if self.stop is None:
             return []
         return [self.stop] if isinstance(self.stop, str) else list(self.stop)
 
+    def bias_pairs(self) -> tuple[tuple[int, float], ...]:
+        return tuple(sorted((int(k), float(v)) for k, v in (self.logit_bias or {}).items()))
+
 
 class CompletionRequest(_Common):
-    prompt: str | list[str]
-    max_tokens: int | None = Field(default=16, ge=1)
-    echo: bool = False
-    logprobs: int | None = Field(default=None, le=0)
+    prompt: NonEmpty | OnePrompt | TokenIds | OneTokenIds = Field(
+        description="one prompt: a string or a list of token ids (a one-element list of either is accepted)")
+    max_tokens: Int(ge=1) | None = 16
+    echo: Bool = False
+    logprobs: Int(ge=0, le=MAX_LOGPROBS) | None = None
+    best_of: Int(ge=1, le=1) | None = Field(default=None, description="only 1 (or null): no server-side ranking")
+    suffix: str | None = Field(default=None, max_length=0, description="refused unless null or empty")
 
-    @field_validator("prompt")
-    @classmethod
-    def _one_prompt(cls, value: str | list[str]) -> str | list[str]:
-        if isinstance(value, list) and len(value) != 1:
-            raise ValueError("exactly one prompt per request is supported")
-        return value
+    def prompt_value(self) -> str | list[int]:
+        """The one prompt, as text or as token ids."""
+        value = self.prompt
+        if isinstance(value, str):
+            return value
+        first = value[0]
+        if isinstance(first, str):
+            return first
+        if isinstance(first, list):
+            return list(first)
+        return list(value)  # type: ignore[arg-type]
 
-    @field_validator("echo")
-    @classmethod
-    def _no_echo(cls, value: bool) -> bool:
-        if value:
-            raise ValueError("echo is not supported")
-        return value
 
-    def prompt_text(self) -> str:
-        return self.prompt if isinstance(self.prompt, str) else self.prompt[0]
+class TextPart(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    type: Literal["text"] = Field(description="only text parts (images, audio, files are refused)")
+    text: str
 
 
 class ChatMessage(BaseModel):
-    model_config = ConfigDict(extra="ignore")
+    model_config = ConfigDict(extra="forbid")
 
     role: Literal["system", "user", "assistant", "developer"]
-    content: str | list[dict[str, Any]]
+    content: str | list[TextPart]
+    name: str | None = Field(default=None, max_length=64, description="ignored")
 
     def text(self) -> str:
         if isinstance(self.content, str):
             return self.content
-        parts = []
-        for part in self.content:
-            if part.get("type") != "text" or not isinstance(part.get("text"), str):
-                raise ValueError("only text content parts are supported")
-            parts.append(part["text"])
-        return "".join(parts)
+        return "".join(part.text for part in self.content)
 
 
 class ChatRequest(_Common):
     messages: list[ChatMessage] = Field(min_length=1)
-    max_tokens: int | None = Field(default=None, ge=1)
-    max_completion_tokens: int | None = Field(default=None, ge=1)
-    logprobs: bool | None = Field(default=None)
-    tools: list[Any] | None = Field(default=None, max_length=0)
+    max_tokens: Int(ge=1) | None = None
+    max_completion_tokens: Int(ge=1) | None = None
+    logprobs: Bool = False
+    top_logprobs: Int(ge=0, le=MAX_LOGPROBS) | None = None
+    response_format: ResponseFormat | None = None
+    tools: list[Any] | None = Field(default=None, max_length=0, description="refused unless empty")
+    functions: list[Any] | None = Field(default=None, max_length=0, description="refused unless empty")
+    tool_choice: Literal["none"] | None = Field(default=None, description="only \"none\"")
+    function_call: Literal["none"] | None = Field(default=None, description="only \"none\"")
+    parallel_tool_calls: Bool | None = Field(default=None, description="ignored")
 
-    @field_validator("logprobs")
-    @classmethod
-    def _no_logprobs(cls, value: bool | None) -> bool | None:
-        if value:
-            raise ValueError("logprobs are not supported")
-        return value
+    model_config = ConfigDict(json_schema_extra={"allOf": [
+        {  # top_logprobs needs logprobs: true
+            "if": {"properties": {"top_logprobs": {"type": "integer"}}, "required": ["top_logprobs"]},
+            "then": {"properties": {"logprobs": {"const": True}}, "required": ["logprobs"]}},
+        {  # a task answers the last user message (server.chat): there must be one
+            "if": {"properties": {"model": {"not": {"const": "base"}}}},
+            "then": {"properties": {"messages": {"contains": {
+                "type": "object", "properties": {"role": {"const": "user"}}, "required": ["role"]}}}}},
+    ]})
+
+    @model_validator(mode="after")
+    def _top_logprobs(self) -> ChatRequest:
+        if self.top_logprobs is not None and not self.logprobs:
+            raise ValueError("top_logprobs: needs logprobs: true")
+        return self

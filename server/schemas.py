@@ -7,6 +7,7 @@ from typing import Annotated, Any, Literal
 from pydantic import BaseModel, ConfigDict, Field
 
 from adapters_store.ids import TASK_ID_PATTERN
+from server.wire import Bool, Float, Int
 
 
 class Usage(BaseModel):
@@ -17,15 +18,15 @@ class Usage(BaseModel):
 class GenerateRequest(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
-    task: str = Field(pattern=TASK_ID_PATTERN, max_length=64)
+    task: str = Field(pattern=TASK_ID_PATTERN, max_length=64, examples=["base"])
     prompt: str
-    max_new_tokens: int = Field(default=64, ge=1)
-    temperature: float = Field(default=0.0, ge=0.0, le=100.0)
-    top_p: float = Field(default=1.0, gt=0.0, le=1.0)
-    top_k: int = Field(default=0, ge=0)
+    max_new_tokens: Int(ge=1) = Field(default=64, description="default: 64, or the server's limit if lower")
+    temperature: Float(ge=0.0, le=100.0) = 0.0
+    top_p: Float(gt=0.0, le=1.0) = 1.0
+    top_k: Int(ge=0) = 0
     stop: list[Annotated[str, Field(min_length=1, max_length=256)]] = Field(default_factory=list)
-    seed: int | None = Field(default=None, ge=0, lt=2**63)
-    stream: bool = False
+    seed: Int() | None = Field(default=None, description="any integer (used modulo 2**63)")
+    stream: Bool = False
 
 
 class GenerateResponse(BaseModel):
@@ -53,3 +54,41 @@ class TaskOut(BaseModel):
 
 class TaskList(BaseModel):
     data: list[TaskOut]
+
+
+class ErrorDetail(BaseModel):
+    """polyserve's error: `param` names the offending field, `code` a stable reason (or null)."""
+
+    type: str
+    message: str
+    param: str | None = None
+    code: str | None = None
+
+
+class ErrorResponse(BaseModel):
+    error: ErrorDetail
+
+
+class OpenAIErrorDetail(BaseModel):
+    message: str
+    type: str = Field(description="invalid_request_error | authentication_error | rate_limit_error | server_error")
+    param: str | None = None
+    code: str | None = None
+
+
+class OpenAIErrorResponse(BaseModel):
+    error: OpenAIErrorDetail
+
+
+class ModelOut(BaseModel):
+    id: str
+    object: Literal["model"] = "model"
+    created: int
+    owned_by: str
+    root: str | None = Field(default=None, description="the backbone")
+    parent: str | None = Field(default=None, description="`base` for a task")
+
+
+class ModelList(BaseModel):
+    object: Literal["list"] = "list"
+    data: list[ModelOut]

@@ -7,7 +7,7 @@ server.schemas. Nothing here is CPU-specific: device and dtype come from the env
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Annotated, Any
+from typing import Annotated, Any, Literal
 
 from pydantic import Field, field_validator, model_validator
 from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
@@ -23,6 +23,7 @@ class Settings(BaseSettings):
     home: Path = Field(default_factory=_default_home)
     store: Path | None = None  # default: $POLYSERVE_HOME/store
     backbone: str = "default"  # "default" | "tiny" | a local HF directory
+    engine: Literal["native", "vllm"] = "native"  # the data plane (server.engines)
     device: str = "cpu"
     threads: int | None = Field(default=None, ge=1)  # torch intra-op threads (None = torch's default)
     dtype: str | None = None  # default: float32 on CPU, bfloat16 on CUDA
@@ -34,6 +35,10 @@ class Settings(BaseSettings):
     redis_breaker_failures: int = Field(default=3, ge=1)
     redis_breaker_cooldown: float = Field(default=10.0, gt=0)
     api_keys: Annotated[list[str], NoDecode] = Field(default_factory=list)
+    # task/job mutation keys (server.deps: the rule when only one of the two lists is set)
+    admin_keys: Annotated[list[str], NoDecode] = Field(default_factory=list)
+    # server-side deadline of one generation, queueing included: 504 / a stream's error event
+    request_timeout_seconds: float = Field(default=600.0, gt=0)
 
     # limits
     max_batch_rows: int = Field(default=32, ge=1)
@@ -45,6 +50,7 @@ class Settings(BaseSettings):
     max_body_bytes: int = Field(default=4 * 1024 * 1024, ge=1024)
     max_examples_per_task: int = Field(default=1000, ge=1)
     max_stop_strings: int = Field(default=8, ge=0)
+    max_n: int = Field(default=8, ge=1)  # choices per request (OpenAI `n`)
     l1_cache_bytes: int = Field(default=1 << 30, ge=0)
     # cost rule: skill-space path when distinct adapted tasks in a batch >= this; 0 = auto (see planner)
     skill_space_min_tasks: int = Field(default=0, ge=0)
@@ -55,7 +61,7 @@ class Settings(BaseSettings):
     background_share: float = Field(default=0.2, gt=0, le=1)
     rescan_seconds: float = Field(default=1.0, gt=0)  # store re-scan for changes made by other replicas
 
-    @field_validator("api_keys", mode="before")
+    @field_validator("api_keys", "admin_keys", mode="before")
     @classmethod
     def _split_keys(cls, value: Any) -> Any:
         if isinstance(value, str):

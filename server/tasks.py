@@ -13,7 +13,7 @@ from typing import Any
 
 from adapters_store.errors import TaskNotFound
 from adapters_store.ids import RESERVED_TASK_IDS, validate_task_id
-from adapters_store.records import TaskRecord
+from adapters_store.records import DEFAULT_PROMPT_FORMAT, TaskRecord
 from adapters_store.store import Store
 from server.adapters.cache import AdapterCache
 from server.adapters.types import Adapter
@@ -79,6 +79,12 @@ class TaskRegistry:
         if record.inventory_version not in (None, self.inventory_version):
             raise TaskNotReady(task, f"trained on inventory {record.inventory_version}")
         return self.cache.get(record)
+
+    def prompt_format(self, task: str) -> str:
+        """The prompt format `task` was trained with (`base`: the default one). Blocking."""
+        if task == BASE:
+            return DEFAULT_PROMPT_FORMAT
+        return self.store.get_task(task).prompt_format
 
     def forget(self, task: str) -> int:
         """A task changed or went away: drop its cached adapters and refresh the gauge."""

@@ -9,6 +9,8 @@ from client import (
     BadRequest,
     Conflict,
     ConnectionFailed,
+    DeadlineExceeded,
+    Forbidden,
     InvalidInput,
     NotFound,
     Overloaded,
@@ -34,6 +36,7 @@ def fake() -> FakeServer:
     [
         (400, BadRequest),
         (401, Unauthorized),
+        (403, Forbidden),
         (404, NotFound),
         (409, Conflict),
         (413, PayloadTooLarge),
@@ -41,6 +44,7 @@ def fake() -> FakeServer:
         (429, Overloaded),
         (503, Unavailable),
         (500, ServerError),
+        (504, DeadlineExceeded),
         (502, ServerError),
         (418, PolyserveError),
     ],
@@ -152,3 +156,22 @@ def test_timeout_setting_reaches_httpx(fake: FakeServer) -> None:
         assert c._http.timeout.read == 3.0
     with pytest.raises(InvalidInput):
         fake.client(base_url="localhost:8000")
+
+
+@pytest.mark.parametrize(
+    "error",
+    [
+        {"type": "validation_error", "message": "n: too many", "param": "n", "code": None},
+        {"message": "n: too many", "type": "invalid_request_error", "param": "n", "code": "bad_n"},
+    ],
+)
+def test_error_param_and_code(error: dict) -> None:
+    """Both of the server's shapes (polyserve's routes, the OpenAI routes) keep param and code."""
+    exc = error_from_response(httpx.Response(400, json={"error": error}))
+    assert isinstance(exc, BadRequest)
+    assert (exc.param, exc.code, exc.message) == ("n", error["code"], "n: too many")
+
+
+def test_error_without_param_or_code() -> None:
+    exc = error_from_response(httpx.Response(404, json={"error": {"type": "not_found", "message": "m"}}))
+    assert exc.param is None and exc.code is None

@@ -4,6 +4,7 @@ nginx and the Dockerfiles agree with each other and with the metric contract."""
 from __future__ import annotations
 
 import json
+import os
 import re
 import shutil
 import subprocess
@@ -221,5 +222,29 @@ def test_docker_compose_config_validates() -> None:
             check=False,
             timeout=60,
             cwd=ROOT,
+            env={**os.environ, "POLYSERVE_API_KEYS": "test-key"},
         )
         assert done.returncode == 0, done.stderr
+
+
+def test_compose_is_secure_by_default(compose: dict[str, Any]) -> None:
+    """Issue 11: the shipped compose ran with auth off on all interfaces."""
+    for name, svc in compose["services"].items():
+        for port in svc.get("ports", []):
+            assert port.startswith("${POLYSERVE_BIND:-127.0.0.1}:"), (name, port)
+    for name in ("polyserve", "polyserve-2"):
+        env = compose["services"][name]["environment"]
+        assert env["POLYSERVE_API_KEYS"].startswith("${POLYSERVE_API_KEYS:?"), "compose must refuse to run keyless"
+        assert env["POLYSERVE_ADMIN_KEYS"] == "${POLYSERVE_ADMIN_KEYS:-}"
+
+
+def test_compose_env_script_generates_keys(tmp_path: Path) -> None:
+    out = tmp_path / "env"
+    subprocess.run(["bash", str(ROOT / "scripts/compose_env.sh"), str(out)], check=True, capture_output=True)
+    values = dict(line.split("=", 1) for line in out.read_text().splitlines() if line and not line.startswith("#"))
+    assert set(values) == {"POLYSERVE_API_KEYS", "POLYSERVE_ADMIN_KEYS"}
+    assert len(values["POLYSERVE_API_KEYS"]) >= 32 and values["POLYSERVE_API_KEYS"] != values["POLYSERVE_ADMIN_KEYS"]
+    assert out.stat().st_mode & 0o077 == 0
+    before = out.read_text()
+    subprocess.run(["bash", str(ROOT / "scripts/compose_env.sh"), str(out)], check=True, capture_output=True)
+    assert out.read_text() == before  # never overwritten

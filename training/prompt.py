@@ -14,11 +14,25 @@ from __future__ import annotations
 
 PROMPT_TEMPLATE = "Input: {input}\nOutput:"
 TARGET_SEPARATOR = " "  # between "Output:" and the answer; not part of the answer
+# The name of this format, recorded in every task record (adapters_store.records.TaskRecord
+# .prompt_format) so that serving renders a task's inputs the way its adapter was trained.
+PROMPT_FORMAT = "input-output"
 
 
 def format_prompt(input: str) -> str:
     """Format the model input (everything the model is conditioned on)."""
     return PROMPT_TEMPLATE.format(input=input)
+
+
+def format_prompt_as(prompt_format: str, input: str) -> str:
+    """format_prompt for a task whose record names `prompt_format`; ValueError if unknown.
+
+    >>> format_prompt_as("input-output", "x")
+    'Input: x\\nOutput:'
+    """
+    if prompt_format != PROMPT_FORMAT:
+        raise ValueError(f"unknown prompt format {prompt_format!r} (this server knows {PROMPT_FORMAT!r})")
+    return format_prompt(input)
 
 
 def format_target(output: str) -> str:

@@ -7,6 +7,7 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field
 
 from adapters_store.ids import TASK_ID_PATTERN
+from server.wire import Int
 
 MAX_FIELD_CHARS = 4096
 
@@ -23,11 +24,13 @@ class RegisterRequest(BaseModel):
 
     model_config = ConfigDict(extra="forbid")
 
-    task: str = Field(pattern=TASK_ID_PATTERN, max_length=64)
+    task: str = Field(pattern=TASK_ID_PATTERN, max_length=64, json_schema_extra={"not": {"enum": ["base"]}},
+                      description="a new task id (`base` is reserved)")
     examples: list[ExampleIn] = Field(min_length=1)
     method: Literal["routing", "mu", "full"] = "routing"
-    steps: int | None = Field(default=None, ge=1, le=100_000)
-    seed: int | None = Field(default=None, ge=0, lt=2**31)
+    # numbers as JSON Schema says (server.wire): 5 or 5.0, never "5" or true
+    steps: Int(ge=1, le=100_000) | None = None
+    seed: Int(ge=0, lt=2**31) | None = None
 
 
 class JobError(BaseModel):

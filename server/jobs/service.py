@@ -91,19 +91,24 @@ class Registration:
         )
 
     # -- change propagation -----------------------------------------------------------------------
-    def _changed_here(self, task: str) -> None:
+    def _forget(self, task: str) -> None:
+        """Drop everything cached for a changed task: adapters (L1) and the engine's state."""
         self.rt.registry.forget(task)
+        self.rt.engine.forget(task)
+
+    def _changed_here(self, task: str) -> None:
+        self._forget(task)
         self._versions = self._snapshot()
         self.sync.publish(task)
 
     def _changed_elsewhere(self, task: str | None) -> None:
         """A notification from another replica (task) or the periodic re-scan (None)."""
         if task is not None:
-            self.rt.registry.forget(task)
+            self._forget(task)
             return
         now = self._snapshot()
         for changed in {t for t in now.keys() | self._versions.keys() if now.get(t) != self._versions.get(t)}:
-            self.rt.registry.forget(changed)
+            self._forget(changed)
         self._versions = now
 
     def _snapshot(self) -> dict[str, tuple[int, int]]:

@@ -1,121 +1,223 @@
-"""OpenAI-compatible endpoints: /v1/completions (prompt verbatim), /v1/chat/completions (the
-backbone's chat template), /v1/models. `model` is a task id or `base`."""
+"""OpenAI-compatible endpoints. `model` is a task id or `base`.
+
+    POST /v1/completions       the prompt verbatim (OpenAI semantics), the tokenizer's own
+                               specials (BOS...) added as its config says
+    POST /v1/chat/completions  base: the backbone's chat template; a task: the conversation
+                               rendered into the task's training prompt format (server.chat)
+    GET  /v1/models, /v1/models/{model}
+
+Which request fields are supported, ignored or refused: server.openai_schemas. Errors come in
+OpenAI's shape (server.errors).
+"""
 
 from __future__ import annotations
 
 import asyncio
 import json
 import time
+from collections.abc import AsyncIterator
 from typing import Any
 
 from fastapi import APIRouter, Request
-from fastapi.responses import StreamingResponse
 
-from server import generation
+from server import chat, generation
+from server.api_docs import OPENAI_ERRORS, SSE_200
 from server.deps import ApiKey, RuntimeDep
-from server.engine.request import FinalEvent, FinishReason, SamplingParams
+from server.engines.request import FinalEvent, SamplingParams
 from server.errors import ApiError
-from server.openai_schemas import ChatRequest, CompletionRequest
+from server.openai_format import (
+    TokenText,
+    chat_logprobs,
+    completion_logprobs,
+    finish_reason,
+    merge_completion_logprobs,
+    usage,
+)
+from server.openai_schemas import (
+    ChatRequest,
+    CompletionRequest,
+    effective_seed,
+    effective_temperature,
+    effective_top_p,
+)
+from server.schemas import ModelList, ModelOut
 from server.tasks import BASE
+from training.prompt import strip_separator
 
 router = APIRouter(prefix="/v1", tags=["openai"], dependencies=[ApiKey])
 
-
-def _finish(reason: FinishReason) -> str:
-    return "length" if reason == "length" else "stop"
-
-
-def _usage(final: FinalEvent) -> dict[str, int]:
-    return {"prompt_tokens": final.prompt_tokens, "completion_tokens": final.completion_tokens,
-            "total_tokens": final.prompt_tokens + final.completion_tokens}
+COMPLETION_NAMES = {"max_new_tokens": "max_tokens", "prompt_logprobs": "echo"}
+CHAT_NAMES = {"max_new_tokens": "max_tokens", "prompt_logprobs": "messages"}
 
 
-def _params(body: CompletionRequest | ChatRequest, max_tokens: int) -> SamplingParams:
-    return SamplingParams(max_new_tokens=max_tokens, temperature=body.temperature, top_p=body.top_p,
-                          top_k=body.top_k, seed=body.seed, stop=tuple(s for s in body.stop_list() if s))
+def _params(body: CompletionRequest | ChatRequest, max_tokens: int, names: dict[str, str], *,
+            logprobs: int | None, prompt_logprobs: int | None = None) -> SamplingParams:
+    return generation.sampling(
+        names, max_new_tokens=max_tokens, temperature=effective_temperature(body.temperature),
+        top_p=effective_top_p(body.top_p), top_k=max(body.top_k, 0), seed=effective_seed(body.seed), stop=tuple(body.stop_list()), n=body.n,
+        logprobs=logprobs, prompt_logprobs=prompt_logprobs, presence_penalty=body.presence_penalty,
+        frequency_penalty=body.frequency_penalty, repetition_penalty=body.repetition_penalty,
+        logit_bias=body.bias_pairs())
 
 
-@router.post("/completions")
+def _prompt_entries(call: generation.Call, finals: list[FinalEvent]) -> list:
+    for final in finals:
+        if final.prompt_logprobs is not None:
+            return list(final.prompt_logprobs)
+    return [None] * len(call.req.prompt_ids)
+
+
+@router.post("/completions", responses={**SSE_200, **OPENAI_ERRORS["generate"]})
 async def completions(body: CompletionRequest, request: Request, rt: RuntimeDep):
-    params = _params(body, body.max_tokens or 16)
-    req = await generation.prepare(rt, body.model, body.prompt_text, params, id_prefix="cmpl",
-                                   tokens_field="max_tokens")
-    generation.submit(rt, req)
-    created = int(time.time())
-    base = {"id": req.id, "object": "text_completion", "created": created, "model": body.model}
+    names = COMPLETION_NAMES
+    if body.stream and body.echo and body.logprobs is not None:
+        raise ApiError(400, "invalid_request", "echo: echo with logprobs is not supported when streaming",
+                       param="echo")
+    echo_logprobs = body.logprobs if body.echo and body.logprobs is not None else None
+    max_tokens = body.max_tokens or min(16, rt.settings.max_new_tokens)
+    if "max_tokens" not in body.model_fields_set:  # the default never exceeds the server's limit
+        max_tokens = min(max_tokens, rt.settings.max_new_tokens)
+    params = _params(body, max_tokens, names, logprobs=body.logprobs, prompt_logprobs=echo_logprobs)
+    call = await generation.prepare(rt, body.model, lambda _fmt: body.prompt_value(), params,
+                                    id_prefix="cmpl", names=names)
+    generation.submit(rt, call)
+    text_of = TokenText(rt.tokenizer)
+    base = {"id": call.req.id, "object": "text_completion", "created": int(time.time()), "model": body.model}
+    prefix = call.prompt_text if body.echo else ""
     if not body.stream:
-        result = await generation.collect(request, req)
-        choice = {"index": 0, "text": result.text, "logprobs": None,
-                  "finish_reason": _finish(result.finish.finish_reason)}
-        return {**base, "choices": [choice], "usage": _usage(result.finish)}
+        choices = await generation.collect(request, call)
+        finals = [c.final for c in choices if c.final is not None]
+        out = []
+        for c in choices:
+            logprobs = None
+            if body.logprobs is not None:
+                logprobs, offset = {}, 0
+                if body.echo:
+                    logprobs, offset = completion_logprobs(text_of, _prompt_entries(call, finals), call.req.prompt_ids)
+                generated, _ = completion_logprobs(text_of, c.logprobs, [e.token_id for e in c.logprobs], offset)
+                logprobs = merge_completion_logprobs(logprobs, generated) if logprobs else generated
+            assert c.final is not None
+            out.append({"index": c.index, "text": prefix + c.text, "logprobs": logprobs,
+                        "finish_reason": finish_reason(c.final.finish_reason)})
+        return {**base, "choices": out, "usage": usage(finals)}
     include_usage = bool(body.stream_options and body.stream_options.include_usage)
 
-    async def stream():
-        async for event in generation.events(request, req):
+    async def stream() -> AsyncIterator[bytes]:
+        offsets = [0] * body.n
+        if body.echo:  # the prompt first, as its own chunk per choice (vLLM's convention)
+            for i in range(body.n):
+                yield generation.sse(json.dumps({**base, "choices": [
+                    {"index": i, "text": prefix, "logprobs": None, "finish_reason": None}]}))
+        finals: list[FinalEvent] = []
+        async for event in generation.events(request, call):
             final = isinstance(event, FinalEvent)
-            if event.text or final:
-                choice = {"index": 0, "text": event.text, "logprobs": None,
-                          "finish_reason": _finish(event.finish_reason) if final else None}
-                yield generation.sse(json.dumps({**base, "choices": [choice]}))
-            if final:
-                if include_usage:
-                    yield generation.sse(json.dumps({**base, "choices": [], "usage": _usage(event)}))
-                yield generation.sse("[DONE]")
+            if not (event.text or event.logprobs or final):
+                continue
+            logprobs = None
+            if body.logprobs is not None:
+                entries = event.logprobs or []
+                logprobs, offsets[event.index] = completion_logprobs(
+                    text_of, entries, [e.token_id for e in entries], offsets[event.index])
+            reason = finish_reason(event.finish_reason) if isinstance(event, FinalEvent) else None
+            yield generation.sse(json.dumps({**base, "choices": [
+                {"index": event.index, "text": event.text, "logprobs": logprobs, "finish_reason": reason}]}))
+            if isinstance(event, FinalEvent):
+                finals.append(event)
+        if include_usage:
+            yield generation.sse(json.dumps({**base, "choices": [], "usage": usage(finals)}))
+        yield generation.sse("[DONE]")
 
-    return StreamingResponse(stream(), media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
-
-
-def _render_chat(rt, body: ChatRequest) -> str:
-    try:
-        messages = [{"role": "system" if m.role == "developer" else m.role, "content": m.text()}
-                    for m in body.messages]
-    except ValueError as err:
-        raise ApiError(422, "validation_error", f"messages: {err}") from None
-    if getattr(rt.tokenizer, "chat_template", None) is None:
-        raise ApiError(400, "invalid_request", "the backbone has no chat template; use /v1/completions")
-    return rt.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    return generation.stream_response(request, stream())
 
 
-@router.post("/chat/completions")
+def _render_chat(rt: Any, body: ChatRequest):
+    def render(prompt_format: str) -> str:
+        if body.model == BASE:
+            return chat.render_with_template(rt.tokenizer, body.messages)
+        return chat.render_for_task(body.messages, prompt_format)
+
+    return render
+
+
+@router.post("/chat/completions", responses={**SSE_200, **OPENAI_ERRORS["generate"]})
 async def chat_completions(body: ChatRequest, request: Request, rt: RuntimeDep):
+    for name in ("max_tokens", "max_completion_tokens"):  # both are checked, whichever is used
+        value = getattr(body, name)
+        if value is not None and value > rt.settings.max_new_tokens:
+            raise ApiError(422, "validation_error", f"{name}: must be <= {rt.settings.max_new_tokens}", param=name)
     max_tokens = body.max_completion_tokens or body.max_tokens or min(rt.settings.max_new_tokens, 512)
-    field = "max_completion_tokens" if body.max_completion_tokens else "max_tokens"
-    req = await generation.prepare(rt, body.model, lambda: _render_chat(rt, body), _params(body, max_tokens),
-                                   id_prefix="chatcmpl", tokens_field=field)
-    generation.submit(rt, req)
+    names = {**CHAT_NAMES, "max_new_tokens": "max_completion_tokens" if body.max_completion_tokens else "max_tokens",
+             "logprobs": "top_logprobs" if body.top_logprobs else "logprobs"}
+    k = body.top_logprobs or 0
+    params = _params(body, max_tokens, names, logprobs=k if body.logprobs else None)
+    task_chat = body.model != BASE
+    call = await generation.prepare(rt, body.model, _render_chat(rt, body), params, id_prefix="chatcmpl",
+                                    names=names, prompt_field="messages", special_tokens=task_chat)
+    generation.submit(rt, call)
+    text_of = TokenText(rt.tokenizer)
     created = int(time.time())
     if not body.stream:
-        result = await generation.collect(request, req)
-        choice = {"index": 0, "message": {"role": "assistant", "content": result.text}, "logprobs": None,
-                  "finish_reason": _finish(result.finish.finish_reason)}
-        return {"id": req.id, "object": "chat.completion", "created": created, "model": body.model,
-                "choices": [choice], "usage": _usage(result.finish)}
-    base = {"id": req.id, "object": "chat.completion.chunk", "created": created, "model": body.model}
+        choices = await generation.collect(request, call)
+        out = []
+        for c in choices:
+            assert c.final is not None
+            text = strip_separator(c.text) if task_chat else c.text
+            out.append({"index": c.index, "message": {"role": "assistant", "content": text, "refusal": None},
+                        "logprobs": chat_logprobs(text_of, c.logprobs, k) if body.logprobs else None,
+                        "finish_reason": finish_reason(c.final.finish_reason)})
+        return {"id": call.req.id, "object": "chat.completion", "created": created, "model": body.model,
+                "choices": out, "usage": usage([c.final for c in choices if c.final is not None])}
+    base = {"id": call.req.id, "object": "chat.completion.chunk", "created": created, "model": body.model}
     include_usage = bool(body.stream_options and body.stream_options.include_usage)
 
-    def chunk(delta: dict[str, Any], finish: str | None) -> bytes:
-        choice = {"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish}
+    def chunk(index: int, delta: dict[str, Any], finish: str | None, logprobs: Any = None) -> bytes:
+        choice = {"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish}
         return generation.sse(json.dumps({**base, "choices": [choice]}))
 
-    async def stream():
-        yield chunk({"role": "assistant", "content": ""}, None)
-        async for event in generation.events(request, req):
-            if event.text:
-                yield chunk({"content": event.text}, None)
+    async def stream() -> AsyncIterator[bytes]:
+        for i in range(body.n):
+            yield chunk(i, {"role": "assistant", "content": ""}, None)
+        leading = [task_chat] * body.n  # the separator can only lead a choice's first text
+        finals: list[FinalEvent] = []
+        async for event in generation.events(request, call):
+            text = event.text
+            if leading[event.index] and text:
+                text, leading[event.index] = strip_separator(text), False
+            logprobs = chat_logprobs(text_of, event.logprobs, k) if body.logprobs and event.logprobs else None
+            if text or logprobs:
+                yield chunk(event.index, {"content": text}, None, logprobs)
             if isinstance(event, FinalEvent):
-                yield chunk({}, _finish(event.finish_reason))
-                if include_usage:
-                    yield generation.sse(json.dumps({**base, "choices": [], "usage": _usage(event)}))
-                yield generation.sse("[DONE]")
+                finals.append(event)
+                yield chunk(event.index, {}, finish_reason(event.finish_reason))
+        if include_usage:
+            yield generation.sse(json.dumps({**base, "choices": [], "usage": usage(finals)}))
+        yield generation.sse("[DONE]")
 
-    return StreamingResponse(stream(), media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
+    return generation.stream_response(request, stream())
 
 
-@router.get("/models")
-async def models(rt: RuntimeDep) -> dict:
+def _model(rt: Any, record: Any = None) -> ModelOut:
+    if record is None:
+        return ModelOut(id=BASE, created=int(rt.started_at), owned_by="polyserve", root=rt.backbone.name)
+    return ModelOut(id=record.id, created=int(record.created_at), owned_by="polyserve", root=rt.backbone.name,
+                    parent=BASE)
+
+
+@router.get("/models", response_model=ModelList, responses=OPENAI_ERRORS["read"])
+async def models(rt: RuntimeDep) -> ModelList:
     records = await asyncio.to_thread(rt.registry.list)
-    created = int(rt.started_at)
-    data = [{"id": BASE, "object": "model", "created": created, "owned_by": "polyserve"}]
-    data += [{"id": r.id, "object": "model", "created": int(r.created_at), "owned_by": "polyserve"}
-             for r in records if rt.registry.servable(r)]
-    return {"object": "list", "data": data}
+    return ModelList(data=[_model(rt), *(_model(rt, r) for r in records if rt.registry.servable(r))])
+
+
+@router.get("/models/{model}", response_model=ModelOut, responses=OPENAI_ERRORS["lookup"])
+async def model(model: str, rt: RuntimeDep) -> ModelOut:
+    """A servable task (or `base`); a task that is unknown or not ready is 404, as in the list."""
+    if model == BASE:
+        return _model(rt)
+    try:
+        record = await asyncio.to_thread(rt.registry.get, model)
+    except (ValueError, KeyError):
+        record = None
+    if record is None or not rt.registry.servable(record):
+        raise ApiError(404, "not_found", f"model {model[:64]!r} not found", param="model")
+    return _model(rt, record)

@@ -8,7 +8,8 @@ from fastapi import APIRouter, Response
 
 from adapters_store.ids import RESERVED_TASK_IDS, validate_task_id
 from adapters_store.records import TaskRecord
-from server.deps import ApiKey, RuntimeDep, SettingsDep
+from server.api_docs import ERRORS
+from server.deps import AdminKey, ApiKey, RuntimeDep, SettingsDep
 from server.errors import ApiError
 from server.jobs.schemas import JobOut, RegisterRequest
 from server.routes.jobs import job_out
@@ -32,13 +33,13 @@ def base_out(rt) -> TaskOut:
                    updated_at=rt.started_at, params=0, kind=None)
 
 
-@router.get("/tasks", response_model=TaskList)
+@router.get("/tasks", response_model=TaskList, responses=ERRORS["read"])
 async def list_tasks(rt: RuntimeDep) -> TaskList:
     records = await asyncio.to_thread(rt.registry.list)
     return TaskList(data=[task_out(r) for r in records])
 
 
-@router.get("/tasks/{task}", response_model=TaskOut)
+@router.get("/tasks/{task}", response_model=TaskOut, responses=ERRORS["lookup"])
 async def get_task(task: str, rt: RuntimeDep) -> TaskOut:
     try:
         validate_task_id(task)
@@ -49,14 +50,16 @@ async def get_task(task: str, rt: RuntimeDep) -> TaskOut:
     return task_out(await asyncio.to_thread(rt.registry.get, task))
 
 
-@router.post("/tasks", status_code=202, response_model=JobOut)
+@router.post("/tasks", status_code=202, response_model=JobOut, dependencies=[AdminKey],
+             responses=ERRORS["register"])
 async def register_task(body: RegisterRequest, rt: RuntimeDep, settings: SettingsDep) -> JobOut:
     """Register a task from few-shot examples: 202 with the job that learns it."""
     if len(body.examples) > settings.max_examples_per_task:
         raise ApiError(422, "validation_error",
-                       f"examples: at most {settings.max_examples_per_task} examples per task, got {len(body.examples)}")
+                       f"examples: at most {settings.max_examples_per_task} examples per task, got {len(body.examples)}",
+                       param="examples")
     if body.task in RESERVED_TASK_IDS:
-        raise ApiError(422, "validation_error", f"task: {body.task!r} is reserved")
+        raise ApiError(422, "validation_error", f"task: {body.task!r} is reserved", param="task")
     examples = [e.model_dump() for e in body.examples]
     try:
         job = await asyncio.to_thread(rt.registration.submit, body.task, examples, body.method, body.steps, body.seed)
@@ -65,7 +68,7 @@ async def register_task(body: RegisterRequest, rt: RuntimeDep, settings: Setting
     return job_out(job)
 
 
-@router.delete("/tasks/{task}", status_code=204)
+@router.delete("/tasks/{task}", status_code=204, dependencies=[AdminKey], responses=ERRORS["delete"])
 async def delete_task(task: str, rt: RuntimeDep) -> Response:
     try:
         validate_task_id(task)

@@ -1,0 +1,32 @@
+"""schemathesis hooks for bench/fuzz_api.py (loaded through SCHEMATHESIS_HOOKS).
+
+`polyserve_positive_data_acceptance` is schemathesis's positive_data_acceptance (a request the
+schema accepts must not be refused) with one exception no JSON Schema can state: a prompt longer
+than POLYSERVE_MAX_PROMPT_TOKENS *tokens* is refused with 413 (polyserve's routes) or 400 with
+code `context_length_exceeded` (the OpenAI routes). Every other 400/422 for valid data fails.
+"""
+
+from __future__ import annotations
+
+import json
+
+import schemathesis
+
+ACCEPTED = {401, 403, 404, 409, 413, 429}
+
+
+@schemathesis.check
+def polyserve_positive_data_acceptance(ctx, response, case):
+    meta = case.meta
+    if meta is None or not meta.generation.mode.is_positive:
+        return
+    status = response.status_code
+    if status < 400 or status >= 500 or status in ACCEPTED:  # 5xx: not_a_server_error reports them
+        return
+    try:
+        error = json.loads(response.content).get("error", {})
+    except (ValueError, AttributeError):
+        error = {}
+    if status == 400 and isinstance(error, dict) and error.get("code") == "context_length_exceeded":
+        return
+    raise AssertionError(f"Schema-valid request rejected with {status}: {response.content[:300]!r}")

@@ -1,0 +1,38 @@
+"""Schema-based fuzzing (schemathesis, every check) against a live server finds nothing: no 500,
+no response outside the OpenAPI document, no schema-valid request refused, no invalid request
+accepted, auth enforced, 405 with Allow (issue 11). bench/fuzz_api.py runs bigger budgets."""
+
+from __future__ import annotations
+
+import importlib.util
+import shutil
+import sys
+from pathlib import Path
+
+import pytest
+
+from tests.test_openai_api import engine_supports
+
+ROOT = Path(__file__).resolve().parents[1]
+
+if importlib.util.find_spec("schemathesis") is None or shutil.which(
+        "schemathesis", path=str(Path(sys.executable).parent)) is None:
+    pytest.skip("schemathesis is in the test extra", allow_module_level=True)
+
+
+def fuzz_module():
+    spec = importlib.util.spec_from_file_location("fuzz_api", ROOT / "bench" / "fuzz_api.py")
+    module = importlib.util.module_from_spec(spec)  # type: ignore[arg-type]
+    spec.loader.exec_module(module)  # type: ignore[union-attr]
+    return module
+
+
+def test_fuzzer_finds_nothing():
+    # Until the engine implements n / logprobs / penalties / logit_bias it answers them with 400
+    # naming the field (documented), which the schema cannot say; only then is that check skipped.
+    features = ("n", "logprobs", "prompt_logprobs", "presence_penalty", "frequency_penalty",
+                "repetition_penalty", "logit_bias")
+    exclude = () if engine_supports(*features) else ("polyserve_positive_data_acceptance",)
+    result = fuzz_module().run_fuzz(max_examples=10, seed=1, exclude_checks=exclude)
+    assert result["returncode"] == 0, result["output"][-6000:]
+    assert result["requests"] >= 500
