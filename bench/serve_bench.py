@@ -4,6 +4,8 @@
     (b) the same engine with adapters off (bare backbone: every row is `base`)
     (c) PEFT's Poly model + transformers `generate`, static batches of mixed task_ids
     (d) the same engine restricted to one task per batch (tasks served one after another)
+    (u) = (a), (v) = (b) with the backbone's packed oneDNN weights bypassed (the dense F.linear
+        path the engine used before server/engines/native/packed.py)
 
 All requests arrive at t=0 (offline). Output lengths are fixed per request (EOS ignored) so every
 variant produces the same useful tokens; for (c) a batch runs until its longest request is done.
@@ -39,6 +41,7 @@ from adapters_store.spec import ATTENTION_TARGETS, InventorySpec
 from adapters_store.store import Store
 from server.adapters.cache import AdapterCache
 from server.adapters.l1 import L1Cache
+from server.engines.native import packed
 from server.engines.native.engine import NativeEngine as Engine
 from server.engines.request import FinalEvent, GenRequest, RequestHandle, SamplingParams
 from training.prompt import format_prompt
@@ -217,6 +220,8 @@ def main() -> None:
                     "run again and averaged (e.g. abcab interleaves to even out a shared machine's drift)")
     ap.add_argument("--skill-space-min-tasks", type=int, default=0)
     ap.add_argument("--json", type=Path, help="also write the results here")
+    ap.add_argument("--packed-weights", choices=["auto", "on", "off"], default="auto",
+                    help="the engine's POLYSERVE_PACKED_WEIGHTS (u and v need it on)")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
 
@@ -228,7 +233,8 @@ def main() -> None:
                          dtype=torch.float32, l1=L1Cache(4 << 30))
     adapters = {t: cache.get(store.get_task(t)) for t in tasks}  # a warm L1 (steady state)
     engine = Engine(bb.model, bb.tokenizer, rm, max_batch_rows=args.batch, max_batch_tokens=1 << 20,
-                    max_prefill_rows=args.batch, max_queue=1 << 16, skill_space_min_tasks=args.skill_space_min_tasks)
+                    max_prefill_rows=args.batch, max_queue=1 << 16, skill_space_min_tasks=args.skill_space_min_tasks,
+                    packed_weights=packed.wanted(args.packed_weights, "cpu", "float32"))
     engine.start()
     jobs = workload(args.requests, tasks, args.out_min, args.out_max, args.seed, args.out_dist)
     run_engine(engine, bb.tokenizer, jobs[:4], adapters, "warm-up")
@@ -241,6 +247,11 @@ def main() -> None:
             results.append(run_engine(engine, bb.tokenizer, jobs, adapters, "(b) engine, adapters off", base=True))
         elif v == "c":
             results.append(run_peft(pm, bb.tokenizer, jobs, tasks, args.batch))
+        elif v in "uv":
+            packed.set_packed(bb.model, False)
+            name = "(u) engine, dense weights" if v == "u" else "(v) engine, adapters off, dense weights"
+            results.append(run_engine(engine, bb.tokenizer, jobs, adapters, name, base=v == "v"))
+            packed.set_packed(bb.model, True)
         elif v == "d":
             results.append(run_engine(engine, bb.tokenizer, jobs, adapters, "(d) engine, one task per batch",
                                       one_task=True))
@@ -254,7 +265,7 @@ def main() -> None:
             print(f"mean of {r['runs']}: {r['variant']:37s} {r['tok_per_s']:8.1f} tok/s  TTFT p50 {r['ttft_p50']:.2f}s "
                   f"p99 {r['ttft_p99']:.2f}s  ITL p50 {1000 * r['itl_p50']:.0f}ms p99 {1000 * r['itl_p99']:.0f}ms")
     by = {r["variant"][1]: r["tok_per_s"] for r in results}
-    for x, y in (("a", "b"), ("a", "c"), ("a", "d")):
+    for x, y in (("a", "b"), ("a", "c"), ("a", "d"), ("a", "u"), ("b", "v")):
         if x in by and y in by:
             print(f"({x})/({y}) output tokens/s ratio: {by[x] / by[y]:.2f}")
     print(f"plan rebuilds {engine.planner.rebuilds}, decode steps {engine.steps}, path {engine.planner.last_path}")

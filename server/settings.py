@@ -27,6 +27,8 @@ class Settings(BaseSettings):
     device: str = "cpu"
     threads: int | None = Field(default=None, ge=1)  # torch intra-op threads (None = torch's default)
     dtype: str | None = None  # default: float32 on CPU, bfloat16 on CUDA
+    # native engine: backbone linears packed once for oneDNN (auto = float32 on CPU; +1 weight copy)
+    packed_weights: Literal["auto", "on", "off"] = "auto"
     redis_url: str | None = None  # unset = no L2 cache
     redis_prefix: str = "polyserve"
     redis_ttl_seconds: int = Field(default=24 * 3600, ge=1)

@@ -17,6 +17,7 @@ def build_engine(settings: Any, backbone: Any, routed: Any, metrics: Any) -> Eng
     """The engine named by settings.engine, not started. backbone: adapters_store Backbone;
     routed: the RoutedModel on backbone.model (None without an inventory)."""
     if settings.engine == "native":
+        from server.engines.native import packed
         from server.engines.native.engine import NativeEngine
 
         return NativeEngine(
@@ -25,5 +26,6 @@ def build_engine(settings: Any, backbone: Any, routed: Any, metrics: Any) -> Eng
             max_queue=settings.max_queue, skill_space_min_tasks=settings.skill_space_min_tasks,
             compact_min_padding=settings.compact_min_padding, prefill_padding=settings.prefill_padding,
             metrics=metrics, background_share=settings.background_share,
+            packed_weights=packed.wanted(settings.packed_weights, settings.device, settings.torch_dtype),
         )
     raise ValueError(f"engine {settings.engine!r} is not available in this build (known: native)")

@@ -47,6 +47,7 @@ from server.engines.native.isolate import find_culprits
 from server.engines.native.ledger import FinalLedger, answer_unadmitted
 from server.engines.native.logprobs import prompt_logprobs
 from server.engines.native.lora_plan import Planner
+from server.engines.native.packed import pack_linears, packed_count
 from server.engines.native.rows import describe, new_rows, sample_rows, vocab_size
 from server.engines.request import FinalEvent, FinishReason, GenRequest, TokenEvent, TokenLogprob
 
@@ -62,6 +63,7 @@ class NativeEngine:
         max_batch_rows: int = 32, max_batch_tokens: int = 16384, max_prefill_rows: int = 16,
         max_queue: int = 256, skill_space_min_tasks: int = 0, compact_min_padding: float = 0.25,
         prefill_padding: float = 0.25, metrics: Any = None, background_share: float = 0.2,
+        packed_weights: bool = False,
     ) -> None:
         if not 0 < background_share <= 1:
             raise ValueError(f"background_share must be in (0, 1], got {background_share}")
@@ -74,6 +76,10 @@ class NativeEngine:
         self.prefill_padding = prefill_padding
         self.metrics = metrics
         self.planner = Planner(routed_model, skill_space_min_tasks)
+        if packed_weights:  # before the runner: it only reads the model's device
+            extra = pack_linears(model)
+            log.info("native engine: %d backbone linears packed for oneDNN (+%.0f MiB)",
+                     packed_count(model), extra / 2**20)
         pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
         self.runner = ModelRunner(model, self.planner, int(pad or 0))
         self.eos_ids = _eos_ids(model, tokenizer)

@@ -1,0 +1,137 @@
+"""Where the native engine's time goes on the serving workload of bench/serve_bench.py.
+
+Drives NativeEngine.step() in this thread (no engine thread, no HTTP) under cProfile and splits
+the wall time of the whole run into buckets (prefill forwards, decode forwards, adapter plans,
+KV-cache surgery, sampling, detokenisation + events, the rest); then profiles `--op-steps`
+decode steps at full batch with torch.profiler and lists the top operators.
+
+    flock -x /tmp/polyserve-cpu.lock .venv/bin/python bench/profile_engine.py --threads 2
+    .venv/bin/python bench/profile_engine.py --backbone tiny --requests 8   # a quick smoke run
+
+Adapters on (routed rows of --tasks tasks) unless --base.
+"""
+
+from __future__ import annotations
+
+import argparse
+import cProfile
+import pstats
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from serve_bench import build_inventory, workload
+
+from adapters_store.backbone import load_backbone
+from server.adapters.cache import AdapterCache
+from server.adapters.l1 import L1Cache
+from server.engines.native.engine import NativeEngine
+from server.engines.request import GenRequest, RequestHandle, SamplingParams
+
+# (bucket, file suffix, function name): cumulative time of these functions
+BUCKETS = [
+    ("prefill forwards", "native/batch.py", "prefill"),
+    ("decode forwards", "native/batch.py", "forward_decode"),
+    ("adapter plan (apply)", "native/lora_plan.py", "apply"),
+    ("KV concat (rows join)", "native/kv.py", "concat"),
+    ("KV select (rows leave)", "native/kv.py", "select"),
+    ("sampling", "native/rows.py", "sample_rows"),
+    ("detokenise", "native/detok.py", "add"),
+]
+
+
+def cumulative(stats: pstats.Stats, suffix: str, name: str) -> float:
+    total = 0.0
+    for (path, _line, func), (_cc, _nc, _tt, ct, _callers) in stats.stats.items():  # type: ignore[attr-defined]
+        if func == name and path.endswith(suffix):
+            total += ct
+    return total
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--backbone", default="default")
+    ap.add_argument("--tasks", type=int, default=48)
+    ap.add_argument("--requests", type=int, default=64)
+    ap.add_argument("--batch", type=int, default=16)
+    ap.add_argument("--out-min", type=int, default=4)
+    ap.add_argument("--out-max", type=int, default=256)
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--base", action="store_true", help="adapters off (every row is base)")
+    ap.add_argument("--op-steps", type=int, default=20)
+    args = ap.parse_args()
+    torch.set_num_threads(args.threads)
+
+    bb = load_backbone(args.backbone)
+    tmp = Path(tempfile.mkdtemp(prefix="polyserve-profile-"))
+    store, rm, _pm, tasks = build_inventory(bb, args.tasks, tmp / "store", args.seed)
+    info, skills = store.load_inventory(bb.fingerprint)
+    cache = AdapterCache(store, info, skills, fingerprint=bb.fingerprint, device=bb.device,
+                         dtype=torch.float32, l1=L1Cache(4 << 30))
+    adapters = {t: cache.get(store.get_task(t)) for t in tasks}
+    engine = NativeEngine(bb.model, bb.tokenizer, rm, max_batch_rows=args.batch, max_batch_tokens=1 << 20,
+                          max_prefill_rows=args.batch, max_queue=1 << 16)
+    tok = bb.tokenizer
+
+    def submit_all(jobs) -> list[GenRequest]:
+        reqs = []
+        for task, prompt, n in jobs:
+            req = GenRequest(tok(prompt, add_special_tokens=False).input_ids,
+                             SamplingParams(max_new_tokens=n, ignore_eos=True),
+                             None if args.base else adapters[task], task, handle=RequestHandle(None))
+            reqs.append(engine.submit(req))
+        return reqs
+
+    jobs = workload(args.requests, tasks, args.out_min, args.out_max, args.seed, "loguniform")
+    submit_all(jobs[:4])
+    while engine.waiting or engine.running:
+        engine.step()  # warm-up
+
+    reqs = submit_all(jobs)
+    prof = cProfile.Profile()
+    started = time.perf_counter()
+    prof.enable()
+    while engine.waiting or engine.running:
+        engine.step()
+    prof.disable()
+    wall = time.perf_counter() - started
+    tokens = sum(r.handle.events[-1].completion_tokens for r in reqs)
+    stats = pstats.Stats(prof)
+    print(f"{args.backbone}, {'base' if args.base else f'{args.tasks} tasks'}, {args.requests} requests, "
+          f"{args.batch} rows, {args.threads} threads: {tokens} tokens in {wall:.1f} s = {tokens / wall:.1f} tok/s "
+          f"(under cProfile), {engine.steps} decode steps")
+    rows = [(label, cumulative(stats, suffix, name)) for label, suffix, name in BUCKETS]
+    plan = rows[2][1]
+    print(f"{'bucket':28s} {'seconds':>8s} {'share':>6s}")
+    for label, t in rows:
+        note = " (inside the forwards above)" if label.startswith("adapter plan") else ""
+        print(f"{label:28s} {t:8.2f} {100 * t / wall:5.1f}%{note}")
+    counted = sum(t for label, t in rows if not label.startswith("adapter plan"))
+    print(f"{'everything else':28s} {wall - counted:8.2f} {100 * (wall - counted) / wall:5.1f}%")
+    del plan
+
+    # operator view of full-batch decode steps
+    submit_all([(t, p, 10_000) for t, p, _ in jobs[: args.batch]])
+    while engine.waiting:
+        engine.step()
+    for _ in range(3):
+        engine.step()
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU]) as p:
+        for _ in range(args.op_steps):
+            engine.step()
+    print(f"\ntop operators over {args.op_steps} decode steps of {len(engine.batch)} rows "
+          f"(self CPU time):")
+    print(p.key_averages().table(sort_by="self_cpu_time_total", row_limit=14))
+
+
+if __name__ == "__main__":
+    main()
