@@ -31,6 +31,7 @@ from serve_bench import build_inventory, workload
 from adapters_store.backbone import load_backbone
 from server.adapters.cache import AdapterCache
 from server.adapters.l1 import L1Cache
+from server.engines.native import packed
 from server.engines.native.engine import NativeEngine
 from server.engines.request import GenRequest, RequestHandle, SamplingParams
 
@@ -66,6 +67,7 @@ def main() -> None:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--base", action="store_true", help="adapters off (every row is base)")
     ap.add_argument("--op-steps", type=int, default=20)
+    ap.add_argument("--packed-weights", choices=["auto", "on", "off"], default="auto")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
 
@@ -77,7 +79,8 @@ def main() -> None:
                          dtype=torch.float32, l1=L1Cache(4 << 30))
     adapters = {t: cache.get(store.get_task(t)) for t in tasks}
     engine = NativeEngine(bb.model, bb.tokenizer, rm, max_batch_rows=args.batch, max_batch_tokens=1 << 20,
-                          max_prefill_rows=args.batch, max_queue=1 << 16)
+                          max_prefill_rows=args.batch, max_queue=1 << 16,
+                          packed_weights=packed.wanted(args.packed_weights, "cpu", "float32"))
     tok = bb.tokenizer
 
     def submit_all(jobs) -> list[GenRequest]:
@@ -105,6 +108,7 @@ def main() -> None:
     tokens = sum(r.handle.events[-1].completion_tokens for r in reqs)
     stats = pstats.Stats(prof)
     print(f"{args.backbone}, {'base' if args.base else f'{args.tasks} tasks'}, {args.requests} requests, "
+          f"packed weights {packed.packed_count(bb.model) > 0}, "
           f"{args.batch} rows, {args.threads} threads: {tokens} tokens in {wall:.1f} s = {tokens / wall:.1f} tok/s "
           f"(under cProfile), {engine.steps} decode steps")
     rows = [(label, cumulative(stats, suffix, name)) for label, suffix, name in BUCKETS]

@@ -109,3 +109,12 @@ def test_engine_answers_are_the_same_packed_or_not(tmp_path):
     fast = _answers(engine, bb, adapters, jobs)
     assert fast == plain
     assert len(set(plain)) > 2  # the tasks really answer differently
+
+
+def test_prefill_sized_inputs_keep_the_dense_path():
+    lin = nn.Linear(16, 16)
+    packed.pack_linears(lin)
+    big = torch.randn(packed.PACKED_MAX_TOKENS + 1, 16)
+    with torch.inference_mode():
+        assert "mkldnn::_linear_pointwise" not in ops_run(lambda: lin(big))
+        assert "mkldnn::_linear_pointwise" in ops_run(lambda: lin(big[: packed.PACKED_MAX_TOKENS]))

@@ -7,8 +7,9 @@ oneDNN's layout (what inductor's weight freezing does) and calling oneDNN's line
 
     pack_linears(model)      every plain nn.Linear becomes a PackedLinear (same parameters,
                              same state_dict, one extra packed copy of the weight)
-    PackedLinear.forward     inference (autograd off), CPU, float32: the packed path;
-                             anything else (adaptation's backward, other dtypes, GPU): F.linear
+    PackedLinear.forward     inference (autograd off), CPU, float32, at most PACKED_MAX_TOKENS
+                             tokens (decode steps): the packed path; anything else (prefills,
+                             adaptation's backward, other dtypes, GPU): F.linear
     set_packed(model, on)    switch the packed path on/off without unpacking (benchmarks)
 
 The packed copy is rebuilt when the weight changes in place (its version counter) or moves.
@@ -20,6 +21,9 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+# Above this many tokens in one call (a prefill) MKL's dense GEMM was as fast or faster here.
+PACKED_MAX_TOKENS = 128
 
 
 def available() -> bool:
@@ -49,7 +53,8 @@ class PackedLinear(nn.Linear):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if (self.use_packed and not torch.is_grad_enabled() and x.device.type == "cpu"
-                and x.dtype == torch.float32 and self.weight.dtype == torch.float32):
+                and x.dtype == torch.float32 and self.weight.dtype == torch.float32
+                and x.numel() <= PACKED_MAX_TOKENS * self.in_features):
             bias = None if self.bias is None else self.bias.detach()
             return torch.ops.mkldnn._linear_pointwise(x, self._packed_weight(), bias, "none", [], "")
         return F.linear(x, self.weight, self.bias)
