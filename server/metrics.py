@@ -32,7 +32,7 @@ class Metrics:
         self.waiting = Gauge(P + "requests_waiting", "Requests in the waiting queue.", registry=r)
         self.prompt_tokens = Counter(P + "prompt_tokens", "Prompt tokens admitted.", registry=r)
         self.generation_tokens = Counter(P + "generation_tokens", "Tokens generated.", registry=r)
-        self.adapter_cache = Counter(P + "adapter_cache_requests", "Adapter lookups by tier and result.",
+        self.adapter_cache = Counter(P + "adapter_cache_requests", "Adapter lookups by tier and result (hit, miss, error = Redis failed, corrupt = undecodable entry, dropped).",
                                      ["tier", "result"], registry=r)
         self.materialize_seconds = Histogram(P + "adapter_materialize_seconds",
                                              "Computing a task's adapter from skills (L3).",

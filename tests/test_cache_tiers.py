@@ -172,3 +172,29 @@ def test_dead_redis_fails_open_and_opens_the_breaker(env):
     assert errors >= 2
     cache.get(store.get_task("alpha"))
     assert metrics.redis_errors._value.get() == errors  # breaker open: no more timeouts paid
+
+
+@pytest.mark.redis
+@pytest.mark.parametrize("garbage", [b"", b"not safetensors at all", b"\xff" * 64, "truncate", "nan"])
+def test_undecodable_l2_entry_is_a_counted_miss_and_is_replaced(env, redis_tier, garbage):
+    """Whatever sits under the key (garbage, a truncated file, NaNs), the task is served from L3,
+    the entry is counted as corrupt, and Redis ends up holding a good copy."""
+    tier, prefix, metrics, client = redis_tier
+    store, _, info, _ = env
+    record = store.get_task("alpha")
+    cache = make_cache(env, l2=tier, metrics=metrics, prefix=prefix)
+    key = cache.key(record)
+    good = codec.encode(cache.materialize(record))
+    if garbage == "truncate":
+        garbage = good[: len(good) // 2]
+    elif garbage == "nan":
+        adapter = cache.materialize(record)
+        adapter.layers[0][0][0, 0] = float("nan")
+        garbage = codec.encode(adapter)
+    client.set(key, garbage)
+    adapter = cache.get(record)
+    assert counter(metrics, "l2", "corrupt") == 1 and counter(metrics, "l2", "hit") == 0
+    fresh = cache.materialize(record)
+    assert all(torch.equal(a, b) for (a, _), (b, _) in zip(adapter.layers, fresh.layers, strict=True))
+    back = codec.decode(client.get(key), key, "alpha", "routing", info, torch.device("cpu"), torch.float32)
+    assert torch.equal(back.layers[0][0], fresh.layers[0][0])  # overwritten with a decodable copy

@@ -4,6 +4,7 @@
         key = polyserve:v1:{fingerprint}:{inventory}:{task}:{record.cache_version}
         L1 hit                                  -> adapter
         L2 hit (bytes decode)                   -> adapter, add to L1
+        L2 entry that does not decode           -> counted (result="corrupt"), deleted, then L3
         L3: load routing row / LoRA, materialise -> adapter, add to L1, write L2
 Concurrent misses of one key compute once (single flight). Blocking: call from a worker thread,
 never from the event loop nor the engine thread.
@@ -11,6 +12,7 @@ never from the event loop nor the engine thread.
 
 from __future__ import annotations
 
+import logging
 import threading
 import time
 from concurrent.futures import Future
@@ -25,6 +27,8 @@ from server.adapters import codec
 from server.adapters.l1 import L1Cache
 from server.adapters.l2 import RedisTier, adapter_key
 from server.adapters.types import Adapter
+
+log = logging.getLogger("polyserve.cache")
 
 EntryState = Literal["absent", "loading", "resident"]
 
@@ -94,8 +98,10 @@ class AdapterCache:
                     adapter = codec.decode(data, key, record.id, kind, self.info, self.device, self.dtype)
                     self._count("l2", "hit")
                     return adapter
-                except ValueError:  # corrupt / foreign entry: recompute and overwrite
-                    self._count("l2", "error")
+                except ValueError as err:  # undecodable: a miss; drop it, recompute, overwrite
+                    log.warning("dropping an undecodable L2 entry: %s", err)
+                    self._count("l2", "corrupt")
+                    self.l2.delete(key)
         adapter = self.materialize(record, key)
         if self.l2 is not None:
             self.l2.set(key, codec.encode(adapter))

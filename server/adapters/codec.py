@@ -21,8 +21,12 @@ def encode(adapter: Adapter) -> bytes:
 
 def decode(data: bytes, key: str, task: str, kind: str, info: InventoryInfo,
            device: torch.device, dtype: torch.dtype) -> Adapter:
-    """Raises ValueError when the bytes do not hold this inventory's adapter shapes."""
-    tensors = load(data)
+    """Raises ValueError when the bytes are not a safetensors file (truncated, garbage: safetensors
+    raises its own SafetensorError there) or do not hold this inventory's adapter shapes."""
+    try:
+        tensors = load(data)
+    except Exception as err:  # SafetensorError, OverflowError...: all mean undecodable
+        raise ValueError(f"cached adapter {key!r}: not a safetensors file ({type(err).__name__})") from err
     r = info.spec.rank
     layers = []
     for i, (d_in, d_out) in enumerate(info.layer_dims):
@@ -32,6 +36,8 @@ def decode(data: bytes, key: str, task: str, kind: str, info: InventoryInfo,
         layers.append((a.to(device=device, dtype=dtype), b.to(device=device, dtype=dtype)))
     if len(tensors) - ("weights" in tensors) != 2 * len(info.layer_dims):
         raise ValueError(f"cached adapter {key!r}: unexpected tensors")
+    if not all(bool(torch.isfinite(t).all()) for t in tensors.values()):
+        raise ValueError(f"cached adapter {key!r}: non-finite values")
     weights = tensors.get("weights")
     want = (len(info.layer_names), info.spec.n_heads, info.spec.n_skills)
     if weights is not None and tuple(weights.shape) != want:
