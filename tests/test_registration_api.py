@@ -13,6 +13,7 @@ import httpx
 import pytest
 import torch
 
+from adapters_store.atomic import SWEEP_GRACE_SECONDS
 from adapters_store.store import Store
 from tests.server_fixtures import build_store, free_port, live_server, redis_up, settings_for, tiny_backbone
 
@@ -161,7 +162,10 @@ def test_crash_mid_job_leaves_nothing_half_written_and_no_running_job(tmp_path):
     store_root = tmp_path / "store"
     committed = [p for p in store_root.rglob("*.safetensors") if "doomed" in str(p)]
     assert committed == [], "a killed job must not leave weights for its task"
-    Store(store_root)  # reopening sweeps temp files of the killed writer
+    stale = time.time() - SWEEP_GRACE_SECONDS - 60  # the killed writer's temp files, once abandoned
+    for p in store_root.rglob(".tmp-*"):
+        os.utime(p, (stale, stale))
+    Store(store_root)  # reopening sweeps abandoned temp files of the killed writer
     assert not [p for p in store_root.rglob("*") if p.name.startswith(".tmp-")]
     with live_server(settings_for(tmp_path), backbone=tiny_backbone()) as srv, \
             httpx.Client(base_url=srv.url, timeout=10) as c:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import time
 
 import pytest
 import torch
@@ -120,9 +121,24 @@ def test_process_killed_mid_write_leaves_old_state_and_temp_is_swept(store, tmp_
     assert os.WEXITSTATUS(status) == 17
     leftovers = [p for p in store.root.rglob("*") if p.name.startswith(atomic.TMP_PREFIX)]
     assert leftovers, "the killed writer should have left its temp file behind"
-    reopened = Store(store.root)
+    reopened = Store(store.root)  # opening a store never touches a temp file that may be a live write
     assert_close(reopened.load_routing("t1"), logits)
-    assert not [p for p in reopened.root.rglob("*") if p.name.startswith(atomic.TMP_PREFIX)]
+    assert sorted(p for p in store.root.rglob("*") if p.name.startswith(atomic.TMP_PREFIX)) == sorted(leftovers)
+    old = time.time() - atomic.SWEEP_GRACE_SECONDS - 60
+    for p in leftovers:
+        os.utime(p, (old, old))
+    Store(store.root)  # past the grace period: abandoned, swept
+    assert not [p for p in store.root.rglob("*") if p.name.startswith(atomic.TMP_PREFIX)]
+
+
+def test_opening_a_store_leaves_another_process_write_in_progress_alone(store):
+    """A CLI command opening the store while a server writes must not delete the server's temp file."""
+    live = store.root / "tasks" / f"{atomic.TMP_PREFIX}task.json.{os.getpid()}.abcd1234"
+    live.parent.mkdir(parents=True, exist_ok=True)
+    live.write_bytes(b"half")
+    Store(store.root)
+    assert live.exists()
+    assert atomic.sweep_temp_files(store.root, now=time.time() + atomic.SWEEP_GRACE_SECONDS + 1) == 1
 
 
 def test_delete_and_not_found(store):
