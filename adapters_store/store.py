@@ -73,6 +73,21 @@ class Store:
             finally:
                 fcntl.flock(f, fcntl.LOCK_UN)
 
+    @contextmanager
+    def task_lock(self, task: str) -> Iterator[None]:
+        """Serialises decisions about one task id across threads and processes sharing this store
+        (replicas): claiming a new id, committing a job's result, deleting. Taken before `_locked`,
+        never inside it. Lock files stay (unlinking a lock file others may hold breaks the lock)."""
+        validate_task_id(task)
+        path = self.root / "locks" / f"task-{task}.lock"
+        path.parent.mkdir(parents=True, exist_ok=True)
+        with open(path, "a+") as f:
+            fcntl.flock(f, fcntl.LOCK_EX)
+            try:
+                yield
+            finally:
+                fcntl.flock(f, fcntl.LOCK_UN)
+
     # -- inventory --------------------------------------------------------------------------
     @property
     def _inv_dir(self) -> Path:
@@ -263,6 +278,14 @@ class Store:
         path = self.root / "jobs" / "locks" / f"{job_id}.lock"
         path.parent.mkdir(parents=True, exist_ok=True)
         return path
+
+    def request_cancel(self, job_id: str) -> None:
+        """Ask whichever replica runs the job to stop it (a marker it checks every slice)."""
+        self._job_path(job_id)
+        atomic_write_bytes(self.root / "jobs" / "cancel" / job_id, b"")
+
+    def cancel_requested(self, job_id: str) -> bool:
+        return (self.root / "jobs" / "cancel" / job_id).exists()
 
     def list_jobs(self) -> list[dict[str, Any]]:
         return [read_json(p) for p in sorted((self.root / "jobs").glob("job-*.json")) if not p.name.startswith(TMP_PREFIX)]

@@ -160,3 +160,48 @@ def test_recover_leaves_jobs_of_a_live_replica_alone(store):
     time.sleep(0.05)
     runner, _ = make_runner(store)
     assert runner.recover() == [job.id]
+
+
+def test_recover_never_overwrites_a_job_that_finished_after_the_listing(store, monkeypatch):
+    """recover() lists jobs, then takes each one's lock: a job that succeeded in between (its owner
+    released the lock) must stay succeeded."""
+    runner, _ = make_runner(store, steps=2)
+    job = runner.submit("t", EXAMPLES, method="routing", steps=2, seed=0)
+    runner.step()
+    stale = [store.get_job(job.id)]  # the listing: still running
+    assert stale[0]["status"] == "running"
+    run_to_end(runner)
+    assert runner.get(job.id).status == "succeeded"
+    monkeypatch.setattr(store, "list_jobs", lambda: stale)
+    fresh, _ = make_runner(store)
+    assert fresh.recover() == []
+    assert Job.from_json(store.get_job(job.id)).status == "succeeded"
+    assert store.get_task("t").status == "ready"
+
+
+def test_a_task_deleted_before_the_commit_stays_deleted(store):
+    """Another replica deletes the task while this one trains it: the commit sees it gone, the
+    result is discarded and the job is cancelled (no resurrected task)."""
+    runner, made = make_runner(store, steps=2)
+    job = runner.submit("t", EXAMPLES, method="routing", steps=2, seed=0)
+    runner.step()
+    made[0].result = lambda: (store.delete_task("t"), FakeResult())[1]  # the delete lands just before the commit
+    run_to_end(runner)
+    after = runner.get(job.id)
+    assert after.status == "cancelled"
+    assert not store.has_task("t")
+    assert not [p for p in (store.root / "tasks").rglob("*.safetensors")]
+
+
+def test_a_cancel_marker_from_another_replica_stops_queued_and_running_jobs(store):
+    runner, made = make_runner(store, steps=50)
+    running = runner.submit("t1", EXAMPLES, method="routing", steps=50, seed=0)
+    queued = runner.submit("t2", EXAMPLES, method="routing", steps=50, seed=0)
+    runner.step()
+    other = Store(store.root)  # another process's view of the same store
+    other.request_cancel(running.id)
+    other.request_cancel(queued.id)
+    run_to_end(runner)
+    assert runner.get(running.id).status == "cancelled" and made[0].cancelled and made[0].done == 1
+    assert runner.get(queued.id).status == "cancelled" and len(made) == 1  # never started
+    assert not store.has_task("t1") and not store.has_task("t2")

@@ -85,6 +85,10 @@ class JobRunner:
         with self._lock:
             return len(self._queue) + (1 if self._current else 0)
 
+    def owns(self, job_id: str) -> bool:
+        with self._lock:
+            return job_id in self._jobs
+
     def get(self, job_id: str) -> Job:
         with self._lock:
             if job_id in self._jobs:
@@ -137,6 +141,10 @@ class JobRunner:
             else:
                 job, adaptation = self._current
                 start = False
+        if start and self.store.cancel_requested(job.id):  # cancelled through another replica
+            with self._lock:
+                self._finish(job, "cancelled")
+            return True
         if start:
             try:
                 examples = self.store.get_job_examples(job.id)
@@ -150,7 +158,7 @@ class JobRunner:
                 job.transition("running")
                 self._persist(job)
                 self._current = (job, adaptation)
-        if job.id in self._cancel_requested:
+        if job.id in self._cancel_requested or self.store.cancel_requested(job.id):
             adaptation.cancel()
             with self._lock:
                 self._current = None
@@ -184,7 +192,28 @@ class JobRunner:
                 self._persist(job)
 
     def _commit(self, job: Job, result: Any) -> None:
-        """Write the learned weights (the task's commit point), then mark the job succeeded."""
+        """Write the learned weights (the task's commit point), then mark the job succeeded; under
+        the store's task lock, and only while the task is still this job's placeholder (a delete
+        through any replica meanwhile wins: the result is discarded, the task stays deleted)."""
+        with self.store.task_lock(job.task):
+            if not self._still_ours(job):
+                log.warning("job %s: task %r was deleted or replaced while training; result discarded",
+                            job.id, job.task)
+                with self._lock:
+                    job.add_event("status", "the task was deleted while the job ran; result discarded")
+                    self._current = None
+                    self._finish(job, "cancelled")
+                return
+            self._write_result(job, result)
+
+    def _still_ours(self, job: Job) -> bool:
+        try:
+            record = self.store.get_task(job.task)
+        except TaskNotFound:
+            return False
+        return record.job_id == job.id and record.status == "training" and not self.store.cancel_requested(job.id)
+
+    def _write_result(self, job: Job, result: Any) -> None:
         try:
             metrics = dict(getattr(result, "metrics", {}) or {})
             source = {"job_id": job.id, "n_examples": job.n_examples, "method": job.method}
@@ -228,6 +257,10 @@ class JobRunner:
             try:
                 with open(self.store.job_lock_path(job.id), "a+") as f:
                     fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)  # a live owner would hold it
+                    job = Job.from_json(self.store.get_job(job.id))  # it may have finished meanwhile
+                    if job.finished:
+                        fcntl.flock(f, fcntl.LOCK_UN)
+                        continue
                     if job.status == "queued":
                         job.transition("failed", error={"type": "interrupted", "message": "interrupted: the server stopped before the job ran"})
                     else:

@@ -52,7 +52,8 @@ class Registration:
         validate_new_task_id(task)
         if self.rt.routed is None:
             raise RuntimeError("this server has no skill inventory: only `base` is servable, nothing to adapt")
-        with self._submit_lock:  # two concurrent POSTs of one id: one wins
+        # two concurrent POSTs of one id, in this process or in another replica: one wins
+        with self._submit_lock, self.rt.store.task_lock(task):
             if self.rt.store.has_task(task):
                 record = self.rt.store.get_task(task)
                 if record.status != "failed":
@@ -63,15 +64,16 @@ class Registration:
         return job
 
     def delete(self, task: str) -> None:
-        record = self.rt.store.get_task(task)
-        if record.status == "training" and record.job_id:
-            self.runner.cancel(record.job_id)
-            if not self.rt.store.has_task(task):
-                self._changed_here(task)
-                return
-        cache = self.rt.cache
-        key = cache.key(record) if cache is not None and record.status == "ready" else None
-        self.rt.store.delete_task(task)
+        """Works from any replica: a job training the task (here or elsewhere) is cancelled and
+        its commit, which checks under the same task lock, finds the task gone."""
+        with self.rt.store.task_lock(task):
+            record = self.rt.store.get_task(task)
+            if record.status == "training" and record.job_id:
+                self.cancel(record.job_id)
+            cache = self.rt.cache
+            key = cache.key(record) if cache is not None and record.status == "ready" else None
+            if self.rt.store.has_task(task):  # a local queued job's cancel already removed it
+                self.rt.store.delete_task(task)
         if key is not None and self.rt.l2 is not None:
             self.rt.l2.delete(key)
         self._changed_here(task)
@@ -126,5 +128,14 @@ class Registration:
         return self.runner.get(job_id)
 
     def cancel(self, job_id: str) -> Job:
-        return self.runner.cancel(job_id)
+        """This replica's job: cancelled at once (queued) or at its next slice (running). Another
+        replica's (or an unknown one's) unfinished job: a cancel marker in the store, which its
+        runner checks every slice."""
+        if self.runner.owns(job_id):
+            return self.runner.cancel(job_id)
+        job = self.runner.get(job_id)  # JobNotFound -> 404
+        if not job.finished:
+            self.rt.store.request_cancel(job_id)
+            job.add_event("status", "cancellation requested")
+        return job
 
