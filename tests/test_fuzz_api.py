@@ -36,3 +36,11 @@ def test_fuzzer_finds_nothing():
     result = fuzz_module().run_fuzz(max_examples=10, seed=1, exclude_checks=exclude)
     assert result["returncode"] == 0, result["output"][-6000:]
     assert result["requests"] >= 500
+
+
+@pytest.mark.heavy
+def test_fuzzer_finds_nothing_over_a_thousand_requests():
+    """Issue 11's target budget (>= 1,000 generated requests, 0 failures); minutes, so `make test-heavy`."""
+    result = fuzz_module().run_fuzz(max_examples=60, seed=2)
+    assert result["returncode"] == 0, result["output"][-6000:]
+    assert result["requests"] >= 1000
