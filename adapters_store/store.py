@@ -287,5 +287,22 @@ class Store:
     def cancel_requested(self, job_id: str) -> bool:
         return (self.root / "jobs" / "cancel" / job_id).exists()
 
+    def prune_jobs(self, older_than: float) -> int:
+        """Remove finished jobs that ended before `older_than` (epoch seconds) with their example
+        file, cancel marker and lock file; unfinished jobs are never touched. Returns how many."""
+        removed = 0
+        for data in self.list_jobs():
+            finished_at = data.get("finished_at")
+            if data.get("status") not in ("succeeded", "failed", "cancelled") or not finished_at:
+                continue
+            if finished_at >= older_than:
+                continue
+            job_id = data["id"]
+            for path in (self.root / "jobs" / "examples" / f"{job_id}.json", self.root / "jobs" / "cancel" / job_id,
+                         self.root / "jobs" / "locks" / f"{job_id}.lock", self._job_path(job_id)):
+                path.unlink(missing_ok=True)  # the job file last: a crash leaves it to prune again
+            removed += 1
+        return removed
+
     def list_jobs(self) -> list[dict[str, Any]]:
         return [read_json(p) for p in sorted((self.root / "jobs").glob("job-*.json")) if not p.name.startswith(TMP_PREFIX)]

@@ -102,7 +102,8 @@ def _bounds(settings: Any) -> dict[str, dict[str, tuple[str, int]]]:
         "GenerateRequest": {"max_new_tokens": tokens, "stop": stop},
         "CompletionRequest": {"max_tokens": tokens, "stop": stop, "n": n},
         "ChatRequest": {"max_tokens": tokens, "max_completion_tokens": tokens, "stop": stop, "n": n},
-        "RegisterRequest": {"examples": ("maxItems", settings.max_examples_per_task)},
+        "RegisterRequest": {"examples": ("maxItems", settings.max_examples_per_task),
+                            "steps": ("maximum", settings.max_job_steps)},
     }
 
 

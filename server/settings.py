@@ -51,6 +51,9 @@ class Settings(BaseSettings):
     max_new_tokens: int = Field(default=1024, ge=1)
     max_body_bytes: int = Field(default=4 * 1024 * 1024, ge=1024)
     max_examples_per_task: int = Field(default=1000, ge=1)
+    max_job_steps: int = Field(default=5000, ge=1)  # POST /v1/tasks `steps` above this: 422
+    max_queued_jobs: int = Field(default=16, ge=1)  # unfinished jobs of this replica; beyond: 429
+    job_retention_seconds: float = Field(default=7 * 24 * 3600, gt=0)  # finished jobs + their files
     max_stop_strings: int = Field(default=8, ge=0)
     max_n: int = Field(default=8, ge=1)  # choices per request (OpenAI `n`)
     l1_cache_bytes: int = Field(default=1 << 30, ge=0)

@@ -64,7 +64,7 @@ def test_error_mapping_against_the_real_server(client):
         client.generate("no-such-task", "x")
     with pytest.raises(ValidationError, match="max_new_tokens"):
         client.generate("alpha", "x", max_new_tokens=0)
-    slow = client.register_task("client-slow", EXAMPLES, steps=100_000)
+    slow = client.register_task("client-slow", EXAMPLES, steps=5000)
     try:
         with pytest.raises(Conflict) as err:
             client.generate("client-slow", "x")

@@ -75,7 +75,7 @@ def test_register_poll_succeed_generate(client):
 
 
 def test_conflicts_and_cancel(client):
-    r = client.post("/v1/tasks", json={"task": "slow", "examples": EXAMPLES, "steps": 100_000})
+    r = client.post("/v1/tasks", json={"task": "slow", "examples": EXAMPLES, "steps": 5000})
     assert r.status_code == 202
     job_id = r.json()["id"]
     busy = generate(client, "slow")
@@ -152,7 +152,7 @@ def test_crash_mid_job_leaves_nothing_half_written_and_no_running_job(tmp_path):
     try:
         wait_process_ready(proc, url)
         with httpx.Client(base_url=url, timeout=10) as c:
-            job = c.post("/v1/tasks", json={"task": "doomed", "examples": EXAMPLES, "steps": 100_000}).json()
+            job = c.post("/v1/tasks", json={"task": "doomed", "examples": EXAMPLES, "steps": 5000}).json()
             deadline = time.time() + 30
             while c.get(f"/v1/jobs/{job['id']}").json()["status"] != "running" and time.time() < deadline:
                 time.sleep(0.05)

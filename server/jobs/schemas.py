@@ -20,7 +20,8 @@ class ExampleIn(BaseModel):
 
 
 class RegisterRequest(BaseModel):
-    """POST /v1/tasks. The example count's upper bound is a setting, checked in the route."""
+    """POST /v1/tasks. The upper bounds of the example count and of `steps` are settings, checked
+    in the route (and stated in the OpenAPI document, server.api_docs)."""
 
     model_config = ConfigDict(extra="forbid")
 

@@ -12,6 +12,7 @@ from __future__ import annotations
 import logging
 import secrets
 import threading
+import time
 from typing import Any
 
 from adapters_store.errors import TaskExists
@@ -35,6 +36,7 @@ class Registration:
         self._versions: dict[str, tuple[int, int]] = {}
 
     def start(self) -> list[str]:
+        self.prune()
         recovered = self.runner.recover()
         for task in recovered:
             log.warning("job of task %r was interrupted by a restart; marked failed", task)
@@ -45,11 +47,19 @@ class Registration:
     def close(self) -> None:
         self.sync.stop()
 
+    def prune(self) -> int:
+        """Forget finished jobs older than the retention (at start and before each new job)."""
+        removed = self.rt.store.prune_jobs(time.time() - self.rt.settings.job_retention_seconds)
+        if removed:
+            log.info("pruned %d finished jobs older than the retention", removed)
+        return removed
+
     # -- HTTP-facing ----------------------------------------------------------------------------
     def submit(self, task: str, examples: list[dict[str, str]], method: str, steps: int | None,
                seed: int | None) -> Job:
         """Raises ValueError (bad / reserved id), TaskExists (409), RuntimeError (no inventory)."""
         validate_new_task_id(task)
+        self.prune()
         if self.rt.routed is None:
             raise RuntimeError("this server has no skill inventory: only `base` is servable, nothing to adapt")
         # two concurrent POSTs of one id, in this process or in another replica: one wins

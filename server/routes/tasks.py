@@ -58,8 +58,14 @@ async def register_task(body: RegisterRequest, rt: RuntimeDep, settings: Setting
         raise ApiError(422, "validation_error",
                        f"examples: at most {settings.max_examples_per_task} examples per task, got {len(body.examples)}",
                        param="examples")
+    if body.steps is not None and body.steps > settings.max_job_steps:
+        raise ApiError(422, "validation_error", f"steps: at most {settings.max_job_steps}, got {body.steps}",
+                       param="steps")
     if body.task in RESERVED_TASK_IDS:
         raise ApiError(422, "validation_error", f"task: {body.task!r} is reserved", param="task")
+    if rt.registration.runner.pending >= settings.max_queued_jobs:
+        raise ApiError(429, "overloaded", f"{settings.max_queued_jobs} registration jobs are already queued or "
+                       "running here; retry later", {"Retry-After": "30"})
     examples = [e.model_dump() for e in body.examples]
     try:
         job = await asyncio.to_thread(rt.registration.submit, body.task, examples, body.method, body.steps, body.seed)
