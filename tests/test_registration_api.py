@@ -135,8 +135,10 @@ def wait_process_ready(proc: subprocess.Popen, url: str, timeout: float = 120) -
     raise TimeoutError(f"{url} not ready")
 
 
-def serve_process(store: str, home: str, port: int, redis_url: str | None) -> subprocess.Popen:
-    env = {**os.environ, "POLYSERVE_HOME": home, "POLYSERVE_STORE": store, "POLYSERVE_BACKBONE": "tiny"}
+def serve_process(store: str, home: str, port: int, redis_url: str | None,
+                  extra_env: dict[str, str] | None = None) -> subprocess.Popen:
+    env = {**os.environ, "POLYSERVE_HOME": home, "POLYSERVE_STORE": store, "POLYSERVE_BACKBONE": "tiny",
+           **(extra_env or {})}
     env.pop("POLYSERVE_REDIS_URL", None)
     if redis_url:
         env["POLYSERVE_REDIS_URL"] = redis_url
@@ -183,9 +185,11 @@ def test_two_server_processes_share_store_and_redis(tmp_path):
     build_store(tmp_path / "store")
     redis_url = REDIS
     port = free_port()
-    other = serve_process(str(tmp_path / "store"), str(tmp_path), port, redis_url)
+    # the 1 s bounds below can only hold through Redis pub/sub: both re-scans are a minute apart
+    other = serve_process(str(tmp_path / "store"), str(tmp_path), port, redis_url, {"POLYSERVE_RESCAN_SECONDS": "60"})
     try:
-        with live_server(settings_for(tmp_path, redis_url=redis_url, redis_prefix=f"pstest{uuid.uuid4().hex[:8]}"),
+        with live_server(settings_for(tmp_path, redis_url=redis_url, redis_prefix=f"pstest{uuid.uuid4().hex[:8]}",
+                                      rescan_seconds=60),
                          backbone=tiny_backbone()) as srv, \
                 httpx.Client(base_url=srv.url, timeout=30) as a, \
                 httpx.Client(base_url=f"http://127.0.0.1:{port}", timeout=30) as b:
@@ -200,10 +204,17 @@ def test_two_server_processes_share_store_and_redis(tmp_path):
                 time.sleep(0.02)
             ra, rb = generate(a, "shared-task"), generate(b, "shared-task")
             assert ra.status_code == rb.status_code == 200 and ra.json()["text"] == rb.json()["text"]
+            l1 = srv.runtime.cache.l1
+            assert any(":shared-task:" in k for k in l1.keys())  # noqa: SIM118 - L1Cache.keys() is a method; A materialised it
             assert b.delete("/v1/tasks/shared-task").status_code == 204
             t0 = time.time()
             while generate(a, "shared-task").status_code != 404:
                 assert time.time() - t0 < 1.0, "replica A still serves a task deleted through B"
+                time.sleep(0.02)
+            # Only B's notification can make A drop the adapter it holds (A's re-scan is a minute away):
+            t0 = time.time()
+            while any(":shared-task:" in k for k in l1.keys()):  # noqa: SIM118
+                assert time.time() - t0 < 1.0, "replica A still holds the deleted task's adapter after 1 s"
                 time.sleep(0.02)
     finally:
         other.terminate()
