@@ -5,13 +5,11 @@ hot path the whole time. Own redis-server / sockets on free ports: the shared Re
 
 from __future__ import annotations
 
+import importlib.util
 import shutil
-import socket
-import subprocess
-import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
-from contextlib import contextmanager
+from pathlib import Path
 
 import httpx
 import pytest
@@ -20,89 +18,15 @@ from prometheus_client.parser import text_string_to_metric_families
 from tests.server_fixtures import TASKS, build_store, free_port, live_server, settings_for, tiny_backbone
 
 
-@contextmanager
-def black_hole():
-    """A TCP port that accepts connections and never says a word."""
-    srv = socket.socket()
-    srv.bind(("127.0.0.1", 0))
-    srv.listen(64)
-    held: list[socket.socket] = []
-    stop = threading.Event()
-
-    def accept() -> None:
-        srv.settimeout(0.1)
-        while not stop.is_set():
-            try:
-                held.append(srv.accept()[0])
-            except TimeoutError:
-                continue
-
-    t = threading.Thread(target=accept, daemon=True)
-    t.start()
-    try:
-        yield srv.getsockname()[1]
-    finally:
-        stop.set()
-        t.join()
-        for s in held:
-            s.close()
-        srv.close()
+def _chaos_module():
+    spec = importlib.util.spec_from_file_location("chaos", Path(__file__).resolve().parents[1] / "bench" / "chaos.py")
+    module = importlib.util.module_from_spec(spec)  # type: ignore[arg-type]
+    spec.loader.exec_module(module)  # type: ignore[union-attr]
+    return module
 
 
-@contextmanager
-def slow_proxy(target_port: int, delay: float):
-    """Forwards to a real Redis, delaying every reply by `delay` seconds."""
-    srv = socket.socket()
-    srv.bind(("127.0.0.1", 0))
-    srv.listen(64)
-    stop = threading.Event()
-
-    def pipe(src: socket.socket, dst: socket.socket, wait: float) -> None:
-        try:
-            while data := src.recv(65536):
-                time.sleep(wait)
-                dst.sendall(data)
-        except OSError:
-            pass
-        finally:
-            for s in (src, dst):
-                try:
-                    s.close()
-                except OSError:
-                    pass
-
-    def accept() -> None:
-        srv.settimeout(0.1)
-        while not stop.is_set():
-            try:
-                client = srv.accept()[0]
-            except TimeoutError:
-                continue
-            upstream = socket.create_connection(("127.0.0.1", target_port))
-            threading.Thread(target=pipe, args=(client, upstream, 0.0), daemon=True).start()
-            threading.Thread(target=pipe, args=(upstream, client, delay), daemon=True).start()
-
-    t = threading.Thread(target=accept, daemon=True)
-    t.start()
-    try:
-        yield srv.getsockname()[1]
-    finally:
-        stop.set()
-        t.join()
-        srv.close()
-
-
-def start_redis(port: int) -> subprocess.Popen:
-    proc = subprocess.Popen(["redis-server", "--port", str(port), "--bind", "127.0.0.1", "--save", "",
-                             "--appendonly", "no"], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    for _ in range(100):
-        try:
-            socket.create_connection(("127.0.0.1", port), timeout=0.1).close()
-            return proc
-        except OSError:
-            time.sleep(0.05)
-    proc.kill()
-    raise RuntimeError("redis-server did not start")
+chaos = _chaos_module()  # the same misbehaving Redis as bench/chaos.py
+black_hole, slow_proxy, start_redis = chaos.black_hole, chaos.slow_proxy, chaos.start_redis
 
 
 needs_redis_server = pytest.mark.skipif(shutil.which("redis-server") is None, reason="no redis-server binary")
