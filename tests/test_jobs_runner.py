@@ -205,3 +205,67 @@ def test_a_cancel_marker_from_another_replica_stops_queued_and_running_jobs(stor
     assert runner.get(running.id).status == "cancelled" and made[0].cancelled and made[0].done == 1
     assert runner.get(queued.id).status == "cancelled" and len(made) == 1  # never started
     assert not store.has_task("t1") and not store.has_task("t2")
+
+
+KILL_CHILD = r"""
+import os, sys, time, torch
+from pathlib import Path
+from adapters_store.store import Store
+from server.jobs.runner import JobRunner
+
+root, point = sys.argv[1], sys.argv[2]
+signal_file = Path(root) / "at-the-point"
+
+class Quick:
+    def __init__(self, progress): self.progress = progress
+    def step(self): return False
+    def cancel(self): pass
+    def result(self):
+        class R: kind, tensors, metrics = "routing", {"logits": torch.ones(1, 1, 2)}, {}
+        return R()
+
+def pause():
+    signal_file.write_text("")
+    time.sleep(60)  # the parent SIGKILLs us here
+
+store = Store(root)
+if point == "weights-written":  # inside the commit: weights file written, record not yet
+    real = store.put_record
+    store.put_record = lambda record: pause() if record.status == "ready" else real(record)
+else:  # "record-written": the commit point passed, the job not yet marked succeeded
+    real_put_job = store.put_job
+    store.put_job = lambda job: pause() if job["status"] == "succeeded" else real_put_job(job)
+runner = JobRunner(store, lambda job, ex, progress: Quick(progress), replica_id="child", persist_every=0.0)
+job = runner.submit("t", [{"input": "a", "output": "b"}], method="routing", steps=1, seed=0)
+print(job.id, flush=True)
+while runner.step():
+    pass
+"""
+
+
+@pytest.mark.parametrize("point", ["weights-written", "record-written"])
+def test_sigkill_during_the_commit_then_recover(store, point):
+    """A real process is SIGKILLed inside the commit; the next start finds a consistent store: before
+    the commit point the job failed (interrupted) and the task is not served; after it the job
+    succeeded (recovered) and the task is ready with the committed row."""
+    proc = subprocess.Popen([sys.executable, "-c", KILL_CHILD, str(store.root), point], stdout=subprocess.PIPE, text=True)
+    job_id = proc.stdout.readline().strip()
+    deadline = time.time() + 30
+    while not (store.root / "at-the-point").exists():
+        assert proc.poll() is None and time.time() < deadline, "the child never reached the kill point"
+        time.sleep(0.01)
+    proc.kill()
+    proc.wait()
+    reopened = Store(store.root)
+    runner, _ = make_runner(reopened)
+    assert runner.recover() == [job_id]
+    job = runner.get(job_id)
+    record = reopened.get_task("t")
+    if point == "weights-written":
+        assert job.status == "failed" and job.error["type"] == "interrupted"
+        assert record.status == "failed"
+    else:
+        assert job.status == "succeeded"
+        assert record.status == "ready" and record.job_id == job_id
+        assert torch.equal(reopened.load_routing("t"), torch.ones(1, 1, 2))
+    assert runner.recover() == []  # settled

@@ -206,6 +206,14 @@ class JobRunner:
                 return
             self._write_result(job, result)
 
+    def _committed(self, job: Job) -> bool:
+        """The task's record says this job's result is in (the commit point is the record write)."""
+        try:
+            record = self.store.get_task(job.task)
+        except TaskNotFound:
+            return False
+        return record.job_id == job.id and record.status == "ready"
+
     def _still_ours(self, job: Job) -> bool:
         try:
             record = self.store.get_task(job.task)
@@ -248,7 +256,8 @@ class JobRunner:
 
     # -- start-up -----------------------------------------------------------------------------
     def recover(self) -> list[str]:
-        """Mark every unfinished job whose owner process is gone as failed ("interrupted")."""
+        """Every unfinished job whose owner process is gone: succeeded if its result was committed
+        (the task record names it), else failed ("interrupted"). Returns their ids."""
         recovered = []
         for data in self.store.list_jobs():
             job = Job.from_json(data)
@@ -260,6 +269,15 @@ class JobRunner:
                     job = Job.from_json(self.store.get_job(job.id))  # it may have finished meanwhile
                     if job.finished:
                         fcntl.flock(f, fcntl.LOCK_UN)
+                        continue
+                    if self._committed(job):  # killed after the commit point, before the job said so
+                        job.transition("succeeded")
+                        job.add_event("status", "recovered: the result was committed before the server stopped")
+                        self._persist(job)
+                        fcntl.flock(f, fcntl.LOCK_UN)
+                        self.store.job_lock_path(job.id).unlink(missing_ok=True)
+                        recovered.append(job.id)
+                        self.on_task_changed(job.task)
                         continue
                     if job.status == "queued":
                         job.transition("failed", error={"type": "interrupted", "message": "interrupted: the server stopped before the job ran"})
