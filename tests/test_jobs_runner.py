@@ -269,3 +269,47 @@ def test_sigkill_during_the_commit_then_recover(store, point):
         assert record.status == "ready" and record.job_id == job_id
         assert torch.equal(reopened.load_routing("t"), torch.ones(1, 1, 2))
     assert runner.recover() == []  # settled
+
+
+def test_no_file_or_redis_io_under_the_runner_lock(store):
+    """While a finishing job's file write (fsync) and its notification (Redis publish) are stuck,
+    reading any job and cancelling another still answer: the runner lock guards memory only."""
+    import threading
+
+    entered, release = threading.Event(), threading.Event()
+    real_put_job = store.put_job
+
+    def stuck_put_job(data):
+        if data["status"] == "succeeded":
+            entered.set()
+            release.wait(30)
+        real_put_job(data)
+
+    store.put_job = stuck_put_job
+    published = []
+    runner, _ = make_runner(store, steps=1, changed=published)
+    job = runner.submit("t", EXAMPLES, method="routing", steps=1, seed=0)
+    other = runner.submit("u", EXAMPLES, method="routing", steps=1, seed=0)
+    worker = threading.Thread(target=runner.step)
+    worker.start()
+    try:
+        assert entered.wait(10)
+        answers = []
+        reader = threading.Thread(target=lambda: answers.append((runner.get(job.id).status, runner.cancel(other.id).status)))
+        reader.start()
+        reader.join(5)
+        assert not reader.is_alive(), "reading a job waited on another job's file write"
+        assert answers == [("succeeded", "cancelled")]
+    finally:
+        release.set()
+        worker.join(10)
+    assert Job.from_json(store.get_job(job.id)).status == "succeeded"
+
+
+def test_finished_jobs_leave_memory_after_the_retention(store):
+    runner, _ = make_runner(store, steps=1)
+    job = runner.submit("t", EXAMPLES, method="routing", steps=1, seed=0)
+    run_to_end(runner)
+    assert runner.forget_finished(older_than=time.time() - 60) == 0 and runner.owns(job.id)
+    assert runner.forget_finished(older_than=time.time() + 1) == 1 and not runner.owns(job.id)
+    assert runner.get(job.id).status == "succeeded"  # still readable from the store until pruned there

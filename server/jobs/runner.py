@@ -56,7 +56,9 @@ class JobRunner:
         self.on_task_changed = on_task_changed
         self.on_job_finished = on_job_finished
         self.persist_every = persist_every
-        self._lock = threading.Lock()
+        self._lock = threading.Lock()  # in-memory state only: no file or Redis I/O under it
+        self._io: dict[str, threading.Lock] = {}  # per job: its file writes in order
+        self._done: list[tuple[Job, str, dict[str, str] | None]] = []  # finished, not yet settled
         self._queue: deque[str] = deque()
         self._jobs: dict[str, Job] = {}
         self._locks: dict[str, IO[str]] = {}
@@ -66,7 +68,15 @@ class JobRunner:
 
     # -- bookkeeping ------------------------------------------------------------------------
     def _persist(self, job: Job) -> None:
-        self.store.put_job(job.to_json())
+        """Write the job's latest state. Never called under `_lock`: the lock only guards memory
+        (a GET of a job must not wait on an fsync); a per-job I/O lock keeps one job's writes in
+        order (the snapshot is taken under it, so a later write always carries a later state)."""
+        with self._lock:
+            io = self._io.setdefault(job.id, threading.Lock())
+        with io:
+            with self._lock:
+                data = job.to_json()
+            self.store.put_job(data)
 
     def _hold_lock(self, job_id: str) -> None:
         f = open(self.store.job_lock_path(job_id), "a+")  # noqa: SIM115 - held until the job ends
@@ -84,6 +94,15 @@ class JobRunner:
     def pending(self) -> int:
         with self._lock:
             return len(self._queue) + (1 if self._current else 0)
+
+    def forget_finished(self, older_than: float) -> int:
+        """Drop finished jobs that ended before `older_than` from memory (retention)."""
+        with self._lock:
+            old = [i for i, j in self._jobs.items() if j.finished and (j.finished_at or 0) < older_than]
+            for job_id in old:
+                del self._jobs[job_id]
+                self._io.pop(job_id, None)
+        return len(old)
 
     def owns(self, job_id: str) -> bool:
         with self._lock:
@@ -126,6 +145,7 @@ class JobRunner:
                 else:
                     self._cancel_requested.add(job_id)  # the running slice stops at its next step
                     job.add_event("status", "cancellation requested")
+        self._settle()
         return self.get(job_id)
 
     # -- the slice the engine runs ------------------------------------------------------------
@@ -144,6 +164,7 @@ class JobRunner:
         if start and self.store.cancel_requested(job.id):  # cancelled through another replica
             with self._lock:
                 self._finish(job, "cancelled")
+            self._settle()
             return True
         if start:
             try:
@@ -153,16 +174,18 @@ class JobRunner:
                 log.exception("job %s failed to start", job.id)
                 with self._lock:
                     self._finish(job, "failed", error={"type": "adaptation_error", "message": str(err)})
+                self._settle()
                 return True
             with self._lock:
                 job.transition("running")
-                self._persist(job)
                 self._current = (job, adaptation)
+            self._persist(job)
         if job.id in self._cancel_requested or self.store.cancel_requested(job.id):
             adaptation.cancel()
             with self._lock:
                 self._current = None
                 self._finish(job, "cancelled")
+            self._settle()
             return True
         try:
             more = adaptation.step()
@@ -173,6 +196,7 @@ class JobRunner:
             with self._lock:
                 self._current = None
                 self._finish(job, "failed", error={"type": "adaptation_error", "message": str(err)})
+            self._settle()
             return True
         if not more:
             self._commit(job, result)
@@ -187,9 +211,11 @@ class JobRunner:
             job.metrics.update(numbers)
             if info.get("phase") == "eval":
                 job.add_event("metrics", f"step {info.get('step')}: eval loss {info.get('eval_loss')}", **numbers)
-            if time.monotonic() - self._last_persist >= self.persist_every:
+            due = time.monotonic() - self._last_persist >= self.persist_every
+            if due:
                 self._last_persist = time.monotonic()
-                self._persist(job)
+        if due:
+            self._persist(job)
 
     def _commit(self, job: Job, result: Any) -> None:
         """Write the learned weights (the task's commit point), then mark the job succeeded; under
@@ -203,8 +229,9 @@ class JobRunner:
                     job.add_event("status", "the task was deleted while the job ran; result discarded")
                     self._current = None
                     self._finish(job, "cancelled")
-                return
-            self._write_result(job, result)
+            else:
+                self._write_result(job, result)
+        self._settle()
 
     def _committed(self, job: Job) -> bool:
         """The task's record says this job's result is in (the commit point is the record write)."""
@@ -244,15 +271,24 @@ class JobRunner:
             self._finish(job, "succeeded")
 
     def _finish(self, job: Job, status: str, error: dict[str, str] | None = None) -> None:
-        """Terminal transition (caller holds self._lock): persist, fix the registry, release."""
+        """Terminal transition, in memory (the caller holds `_lock`); the caller then calls
+        `_settle()` without the lock to persist, fix the registry, release and notify."""
         job.transition(status, error=error)  # type: ignore[arg-type]
-        self._persist(job)
         self._cancel_requested.discard(job.id)
-        if status != "succeeded":
-            _mark_task_not_ready(self.store, job, status, error)
-        self._release_lock(job.id)
-        self.on_task_changed(job.task)
-        self.on_job_finished(job)
+        self._done.append((job, status, error))
+
+    def _settle(self) -> None:
+        """The I/O of finished jobs (call without `_lock`): job file, registry entry, lock file,
+        then the notifications (Redis publish) and metrics."""
+        with self._lock:
+            done, self._done = self._done, []
+        for job, status, error in done:
+            self._persist(job)
+            if status != "succeeded":
+                _mark_task_not_ready(self.store, job, status, error)
+            self._release_lock(job.id)
+            self.on_task_changed(job.task)
+            self.on_job_finished(job)
 
     # -- start-up -----------------------------------------------------------------------------
     def recover(self) -> list[str]:

@@ -49,7 +49,9 @@ class Registration:
 
     def prune(self) -> int:
         """Forget finished jobs older than the retention (at start and before each new job)."""
-        removed = self.rt.store.prune_jobs(time.time() - self.rt.settings.job_retention_seconds)
+        cutoff = time.time() - self.rt.settings.job_retention_seconds
+        self.runner.forget_finished(cutoff)
+        removed = self.rt.store.prune_jobs(cutoff)
         if removed:
             log.info("pruned %d finished jobs older than the retention", removed)
         return removed
