@@ -232,3 +232,29 @@ def test_routing_adaptation_on_the_default_backbone_and_inventory(tmp_path):
     print(f"loss on 16 unseen inputs: learned {learned:.3f}, mu {uniform:.3f}")
     assert learned < 0.9 * uniform
     assert_same(snapshot(rm), before)
+
+
+def test_each_step_runs_at_most_one_bounded_forward(inventory, tokenizer):
+    """A background slice must stay short whatever the example count: evaluating 40 held-out
+    examples takes several step() calls of <= EVAL_CHUNK rows, never one long slice."""
+    from training.adapt import EVAL_CHUNK
+
+    rm, info, skills = inventory
+    rows: list[int] = []
+    hook = rm.model.get_input_embeddings().register_forward_hook(lambda _m, _args, out: rows.append(out.shape[0]))
+    try:
+        job = Adaptation(rm, info, skills, few(80), tokenizer, method="routing", steps=2, lr=0.1,
+                         holdout_fraction=0.5, eval_every=1)
+        per_step = []
+        while True:
+            before = len(rows)
+            more = job.step()
+            per_step.append(rows[before:])
+            if not more:
+                break
+    finally:
+        hook.remove()
+    assert job.n_held == 40
+    assert all(len(f) <= 1 for f in per_step), per_step  # one forward per slice at most
+    assert max(r for f in per_step for r in f) <= max(EVAL_CHUNK, 8)
+    assert job.evals == 3 and len(per_step) == 3 * 3 + 2  # 3 evaluations of 3 chunks (16+16+8), 2 steps

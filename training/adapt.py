@@ -59,6 +59,9 @@ class AdaptResult:
     params: int = 0  # numbers trained for this task
 
 
+EVAL_CHUNK = 16  # held-out examples evaluated per step() (one forward, as long as a training step)
+
+
 class Adaptation:
     """Steppable few-shot adaptation. `step()` until it returns False, then `result()`."""
 
@@ -145,6 +148,7 @@ class Adaptation:
         self.finished = False
         self.started = time.perf_counter()
         self._need_eval = True  # evaluate the initial point first (μ for routing/mu)
+        self._eval_pos, self._eval_total = 0, 0.0  # progress through the held-out set (one chunk a slice)
 
     # -- the task's adapter as the RoutedModel reads it -----------------------------------------
     def _weights(self) -> torch.Tensor:
@@ -220,17 +224,23 @@ class Adaptation:
         self.last_loss = float(loss.detach())
 
     @torch.no_grad()
-    def _eval(self) -> None:
+    def _eval_slice(self) -> bool:
+        """Evaluate the next EVAL_CHUNK held-out examples; True once the whole held-out set is
+        done (then the result is recorded). One slice stays as short as one training step, so a
+        server running this between decode steps keeps its background share even with hundreds
+        of held-out examples."""
         if not self.held:  # nothing held out: the latest parameters are the best
             self.best, self.best_step = self._snapshot(), self.step_count
-            return
-        total = 0.0
-        for i in range(0, len(self.held), 16):
-            chunk = self.held[i : i + 16]
-            self._set_plan(len(chunk))
-            with self._ctx():
-                total += float(per_example_loss(target_logits(self.rm.model, collate(chunk, self.pad))).sum())
-        loss = total / len(self.held)
+            return True
+        chunk = self.held[self._eval_pos : self._eval_pos + EVAL_CHUNK]
+        self._set_plan(len(chunk))
+        with self._ctx():
+            self._eval_total += float(per_example_loss(target_logits(self.rm.model, collate(chunk, self.pad))).sum())
+        self._eval_pos += len(chunk)
+        if self._eval_pos < len(self.held):
+            return False
+        loss = self._eval_total / len(self.held)
+        self._eval_pos, self._eval_total = 0, 0.0
         self.evals += 1
         self.last_eval_loss = loss
         if self.initial_eval_loss is None:
@@ -239,6 +249,7 @@ class Adaptation:
             self.best_loss, self.best, self.best_step, self.since_best = loss, self._snapshot(), self.step_count, 0
         else:
             self.since_best += 1
+        return True
 
     def step(self) -> bool:
         """One optimisation step, or one held-out evaluation every `eval_every` steps.
@@ -254,7 +265,8 @@ class Adaptation:
                 p.requires_grad_(False)
             phase = "eval" if self._need_eval else "train"
             if self._need_eval:
-                self._eval()
+                if not self._eval_slice():
+                    return True  # more of the held-out set next slice
                 self._need_eval = False
                 stop = self.step_count >= self.steps or (self.held and self.since_best >= self.patience)
                 if stop:
