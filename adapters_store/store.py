@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import fcntl
 import hashlib
+import logging
 import os
 import re
 import shutil
@@ -45,6 +46,8 @@ from adapters_store.records import InventoryInfo, TaskRecord
 from adapters_store.spec import InventorySpec
 
 JOB_ID_RE = re.compile(r"^job-[a-z0-9]{6,40}$")
+
+log = logging.getLogger(__name__)
 
 
 def tensors_digest(tensors: dict[str, torch.Tensor]) -> str:
@@ -240,6 +243,22 @@ class Store:
         if record.kind != "routing":
             raise StoreError(f"task {task!r} is a {record.kind} adapter, not a routing row")
         return self.load_weights(record)["logits"]
+
+    def routing_rows(self, *, limit: int, exclude: str | None = None) -> dict[str, torch.Tensor]:
+        """Up to `limit` ready tasks' routing rows {id: (L, h, S)} made for this store's current
+        inventory, most recently updated first: the library a new task is retrieved from."""
+        version = self.inventory_info().version if self.has_inventory() else None
+        records = [r for r in self.list_tasks()
+                   if r.kind == "routing" and r.status == "ready" and r.id != exclude
+                   and r.inventory_version in (None, version)]
+        records.sort(key=lambda r: (-r.updated_at, r.id))
+        rows = {}
+        for record in records[:limit]:
+            try:
+                rows[record.id] = self.load_weights(record)["logits"]
+            except Exception as err:  # noqa: BLE001 - deleted, rewritten or unreadable meanwhile
+                log.warning("task %r left out of retrieval: %s", record.id, err)
+        return rows
 
     def delete_task(self, task: str) -> TaskRecord:
         with self._locked():

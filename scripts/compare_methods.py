@@ -2,8 +2,10 @@
 
 For each held-out task and seed: k training examples (split "train", seeded), adaptation with
 each method, then greedy exact match and loss on a fixed test set (split "test", seed 0) that
-no method ever sees during adaptation. "mu0" is zero-shot μ (no adaptation). Writes results
-incrementally as JSON (one record per task x seed x method).
+no method ever sees during adaptation. "mu0" is zero-shot μ (no adaptation); "retrieve" is the
+routing row retrieved from the store's tasks (training.retrieve, no gradient step); "routing-r"
+trains a routing row from that retrieved row. Writes results incrementally as JSON (one record
+per task x seed x method).
 
     .venv/bin/python scripts/compare_methods.py --store /tmp/default_store --tasks 4 --seeds 0,1,2 \
         --k 16 --n-test 16 --methods mu0,routing,mu,full --out /tmp/compare.json
@@ -31,6 +33,10 @@ def main() -> None:
     ap.add_argument("--n-test", type=int, default=16)
     ap.add_argument("--methods", default="mu0,routing,mu,full")
     ap.add_argument("--steps", type=int, default=None)
+    ap.add_argument("--lr", type=float, default=None)
+    ap.add_argument("--batch-size", type=int, default=8)
+    ap.add_argument("--eval-every", type=int, default=5)
+    ap.add_argument("--patience", type=int, default=3)
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--out", required=True)
     args = ap.parse_args()
@@ -42,6 +48,7 @@ def main() -> None:
     from adapters_store.store import Store
     from training.adapt import adapt
     from training.evaluate import evaluate_task
+    from training.retrieve import retrieve
     from training.suite import build_suite, examples
 
     bb = load_backbone(args.backbone)
@@ -56,6 +63,8 @@ def main() -> None:
     records = json.loads(out.read_text()) if out.exists() else []
     done = {(r["inventory"], r["task"], r["seed"], r["method"]) for r in records}
     label = args.label or info.made_by.get("method", "?")
+    candidates = {r.id: store.load_routing(r.id) for r in store.list_tasks() if r.kind == "routing" and r.status == "ready"}
+    recipe = {"lr": args.lr, "batch_size": args.batch_size, "eval_every": args.eval_every, "patience": args.patience}
     for task in tasks:
         test = examples(task, args.n_test, seed=0, split="test")
         for seed in [int(s) for s in args.seeds.split(",")]:
@@ -68,13 +77,22 @@ def main() -> None:
                 if method == "mu0":
                     layers, params, metrics = mu_weights(info), 0, {}
                 else:
-                    res = adapt(rm, info, skills, few, bb.tokenizer, method=method, steps=args.steps, seed=seed)
+                    if method in ("retrieve", "routing-r"):
+                        res = retrieve(rm, info, {n: r for n, r in candidates.items() if n != task.name}, few,
+                                       bb.tokenizer, seed=seed)
+                    if method == "routing-r":
+                        res = adapt(rm, info, skills, few, bb.tokenizer, method="routing", steps=args.steps,
+                                    seed=seed, init_row=res.tensors["logits"], **recipe)
+                    elif method != "retrieve":
+                        res = adapt(rm, info, skills, few, bb.tokenizer, method=method, steps=args.steps, seed=seed,
+                                    **recipe)
                     layers, params, metrics = task_layers(info, skills, res.kind, res.tensors), res.params, res.metrics
                 adapt_s = time.perf_counter() - started
                 scores = evaluate_task(rm, layers, bb.tokenizer, test)
                 rec = {"inventory": label, "task": task.name, "seed": seed, "method": method, "k": args.k,
                        "n_test": args.n_test, **scores, "params": params, "adapt_seconds": round(adapt_s, 2),
-                       "steps_run": metrics.get("steps_run"), "best_step": metrics.get("best_step")}
+                       "steps_run": metrics.get("steps_run"), "best_step": metrics.get("best_step"),
+                       "steps": args.steps, **recipe}
                 records.append(rec)
                 out.write_text(json.dumps(records, indent=1))
                 print(json.dumps(rec), flush=True)

@@ -74,6 +74,38 @@ def test_register_poll_succeed_generate(client):
     assert "polyserve_adaptation_seconds_count 1.0" in metrics
 
 
+def test_retrieve_registers_a_mixture_of_existing_rows_without_training(client, tmp_path):
+    """`retrieve` stores the mean of the rows it names (or μ), chosen by held-out loss, with no
+    gradient step; the task answers at once. (Which row fits is tested in test_retrieve.py.)"""
+    r = client.post("/v1/tasks", json={"task": "like-alpha", "examples": EXAMPLES, "method": "retrieve"})
+    assert r.status_code == 202, r.text
+    done = wait_job(client, r.json()["id"])
+    assert done["status"] == "succeeded", done
+    assert done["method"] == "retrieve" and done["progress"] == 1.0
+    task = client.get("/v1/tasks/like-alpha").json()
+    assert task["status"] == "ready" and task["method"] == "retrieve" and task["kind"] == "routing"
+    m = task["metrics"]
+    others = [t["id"] for t in client.get("/v1/tasks").json()["data"] if t["id"] not in ("base", "like-alpha")]
+    assert m["candidates"] == len(others) and set(m["ranked"]) <= set(others)
+    assert m["eval_loss"] == pytest.approx(min(m["held_losses"].values()), abs=1e-4)
+    assert m["eval_loss"] <= m["mu_eval_loss"]
+    store = Store(tmp_path / "store")
+    stored = store.load_routing("like-alpha")
+    expected = torch.stack([store.load_routing(t) for t in m["retrieved"]]).mean(0) if m["retrieved"] \
+        else torch.zeros_like(stored)
+    assert torch.allclose(stored, expected), m["retrieved"]
+    assert generate(client, "like-alpha").status_code == 200
+
+
+def test_routing_registration_starts_from_retrieval(client):
+    r = client.post("/v1/tasks", json={"task": "swap-r", "examples": EXAMPLES, "steps": 5, "seed": 1})
+    done = wait_job(client, r.json()["id"])
+    assert done["status"] == "succeeded", done
+    metrics = client.get("/v1/tasks/swap-r").json()["metrics"]
+    assert metrics["init"] == "retrieve" and "retrieve_eval_loss" in metrics
+    assert metrics["initial_eval_loss"] == pytest.approx(metrics["retrieve_eval_loss"], rel=1e-2)
+
+
 def test_conflicts_and_cancel(client):
     r = client.post("/v1/tasks", json={"task": "slow", "examples": EXAMPLES, "steps": 5000})
     assert r.status_code == 202
@@ -100,6 +132,7 @@ def test_conflicts_and_cancel(client):
     ({"task": "T1", "examples": EXAMPLES}, "task"),
     ({"task": "t1", "examples": EXAMPLES, "method": "magic"}, "method"),
     ({"task": "t1", "examples": EXAMPLES, "steps": 0}, "steps"),
+    ({"task": "t1", "examples": EXAMPLES, "method": "retrieve", "steps": 5}, "steps"),
     ({"task": "t1", "examples": [{"input": "a", "output": "b"}] * 51}, "examples"),
     ({"task": "base", "examples": EXAMPLES}, "task"),
 ])

@@ -11,6 +11,7 @@ The shared skills are never written: they are frozen for "routing", and "mu"/"fu
 copies. Methods (what is trained -> what is stored):
 
     routing   a new routing row (L, h, S), init U(-1e-3, 1e-3) (≈ μ)   -> routing row
+              or `init_row` (a retrieved row, training.retrieve) + that noise
     mu        the skills' average LoRA (μ, collapsed): per layer (d_in, r), (r, d_out) -> plain LoRA
     full      a new routing row + a copy of the skills, materialised     -> plain LoRA
               differentiably every step
@@ -84,6 +85,7 @@ class Adaptation:
         patience: int = 3,
         max_length: int = DEFAULT_MAX_LENGTH,
         autocast: bool | str | None = None,
+        init_row: torch.Tensor | None = None,
     ) -> None:
         if method not in ADAPT_METHODS:
             raise ValueError(f"method must be one of {'|'.join(ADAPT_METHODS)}, got {method!r}")
@@ -115,8 +117,12 @@ class Adaptation:
         self.A: list[torch.Tensor] = []
         self.B: list[torch.Tensor] = []
         groups: list[dict[str, Any]] = []
+        if init_row is not None and (method not in ("routing", "full") or tuple(init_row.shape) != (L, h, S)):
+            raise ValueError(f"init_row must be a routing row {(L, h, S)} and the method routing or full")
         if method in ("routing", "full"):
             row = (torch.rand(L, h, S, generator=gen) * 2 - 1) * INIT + (1.0 / S if self.hyper else 0.0)
+            if init_row is not None:  # e.g. a retrieved row (training.retrieve), plus the same small noise
+                row = row - (1.0 / S if self.hyper else 0.0) + init_row.detach().float().cpu()
             self.row = row.to(self.device).requires_grad_(True)
             row_lr = self.lr if method == "routing" else DEFAULTS["routing"]["lr"]
             groups.append({"params": [self.row], "lr": row_lr, "weight_decay": 0.0})

@@ -117,7 +117,10 @@ def _routed(store, backbone: str):  # -> (bb, rm, info, skills)
 @click.command()
 @click.option("--task", required=True, help="id of the new task")
 @click.option("--examples", "examples_file", required=True, type=click.Path(exists=True, dir_okay=False))
-@click.option("--method", default="routing", show_default=True, type=click.Choice(["routing", "mu", "full"]))
+@click.option("--method", default="routing", show_default=True, type=click.Choice(["routing", "retrieve", "mu", "full"]),
+              help="retrieve: the best-fitting mixture of the store's tasks' routing rows, no training")
+@click.option("--init", "init", default="retrieve", show_default=True, type=click.Choice(["retrieve", "mu"]),
+              help="routing: start from the retrieved row or from μ")
 @click.option("--steps", default=None, type=int, help="optimisation steps (default: per method)")
 @click.option("--lr", default=None, type=float)
 @click.option("--batch-size", default=8, show_default=True)
@@ -125,12 +128,13 @@ def _routed(store, backbone: str):  # -> (bb, rm, info, skills)
 @click.option("--store", "store_dir", default=None, help=STORE_HELP)
 @click.option("--backbone", default="default", show_default=True)
 @click.option("--threads", default=None, type=int)
-def adapt(task, examples_file, method, steps, lr, batch_size, seed, store_dir, backbone, threads) -> None:
+def adapt(task, examples_file, method, init, steps, lr, batch_size, seed, store_dir, backbone, threads) -> None:
     """Few-shot adaptation of a new task from a JSONL file of examples; stores it."""
     _threads(threads)
     from adapters_store.ids import validate_new_task_id
     from training.adapt import Adaptation
     from training.data import DataError, load_jsonl
+    from training.retrieve import MAX_CANDIDATES, Retrieval, RetrievedAdaptation
 
     try:
         validate_new_task_id(task)
@@ -150,8 +154,18 @@ def adapt(task, examples_file, method, steps, lr, batch_size, seed, store_dir, b
         bar.set_postfix(loss=fmt["loss"], eval=fmt["eval_loss"], refresh=False)
         bar.refresh()
 
-    job = Adaptation(rm, info, skills, examples, bb.tokenizer, method=method, steps=steps, seed=seed,
-                     batch_size=batch_size, lr=lr, progress=progress)
+    def adaptation(init_row=None):
+        return Adaptation(rm, info, skills, examples, bb.tokenizer, method=method, steps=steps, seed=seed,
+                          batch_size=batch_size, lr=lr, progress=progress, init_row=init_row)
+
+    candidates = store.routing_rows(limit=MAX_CANDIDATES, exclude=task) \
+        if method == "retrieve" or (method == "routing" and init == "retrieve") else {}
+    if method == "retrieve":
+        job = Retrieval(rm, info, candidates, examples, bb.tokenizer, seed=seed)
+    elif candidates:
+        job = RetrievedAdaptation(Retrieval(rm, info, candidates, examples, bb.tokenizer, seed=seed), adaptation)
+    else:
+        job = adaptation()
     while job.step():
         pass
     bar.close()

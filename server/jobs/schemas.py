@@ -23,12 +23,18 @@ class RegisterRequest(BaseModel):
     """POST /v1/tasks. The upper bounds of the example count and of `steps` are settings, checked
     in the route (and stated in the OpenAPI document, server.api_docs)."""
 
-    model_config = ConfigDict(extra="forbid")
+    # `retrieve` trains nothing: with it, `steps` must be absent or null (422 otherwise)
+    model_config = ConfigDict(extra="forbid", json_schema_extra={
+        "if": {"properties": {"method": {"const": "retrieve"}}, "required": ["method"]},
+        "then": {"properties": {"steps": {"type": "null"}}},
+    })
 
     task: str = Field(pattern=TASK_ID_PATTERN, max_length=64, json_schema_extra={"not": {"enum": ["base"]}},
                       description="a new task id (`base` is reserved)")
     examples: list[ExampleIn] = Field(min_length=1)
-    method: Literal["routing", "mu", "full"] = "routing"
+    method: Literal["routing", "retrieve", "mu", "full"] = Field(
+        "routing", description="routing: retrieve a starting row from the existing tasks, then train it; "
+        "retrieve: the retrieved row alone (no training, ready in seconds); mu / full: train a plain LoRA")
     # numbers as JSON Schema says (server.wire): 5 or 5.0, never "5" or true
     steps: Int(ge=1, le=100_000) | None = None
     seed: Int(ge=0, lt=2**31) | None = None

@@ -92,17 +92,30 @@ class Registration:
 
     # -- the adaptation a job runs ------------------------------------------------------------------
     def _make_adaptation(self, job: Job, examples: list[dict[str, str]], progress):
+        """`retrieve`: a Retrieval alone. `routing`: a Retrieval, then training from the retrieved
+        row (from μ when the store holds no other task). `mu` / `full`: an Adaptation."""
         from training.adapt import Adaptation
         from training.data import Example
+        from training.retrieve import MAX_CANDIDATES, Retrieval, RetrievedAdaptation
 
         rt = self.rt
         if rt.routed is None or rt.cache is None:
             raise RuntimeError("no skill inventory loaded")
-        return Adaptation(
-            rt.routed, rt.cache.info, rt.cache.skills,
-            [Example(job.task, e["input"], e["output"]) for e in examples], rt.tokenizer,
-            method=job.method, steps=job.steps, seed=job.seed or 0, progress=progress,
-        )
+        exs = [Example(job.task, e["input"], e["output"]) for e in examples]
+        seed = job.seed or 0
+
+        def adaptation(init_row=None):
+            return Adaptation(rt.routed, rt.cache.info, rt.cache.skills, exs, rt.tokenizer, method=job.method,
+                              steps=job.steps, seed=seed, progress=progress, init_row=init_row)
+
+        if job.method not in ("retrieve", "routing"):
+            return adaptation()
+        candidates = rt.store.routing_rows(limit=MAX_CANDIDATES, exclude=job.task)
+        if job.method == "routing" and not candidates:
+            return adaptation()
+        retrieval = Retrieval(rt.routed, rt.cache.info, candidates, exs, rt.tokenizer, seed=seed,
+                              progress=progress if job.method == "retrieve" else None)
+        return retrieval if job.method == "retrieve" else RetrievedAdaptation(retrieval, adaptation)
 
     # -- change propagation -----------------------------------------------------------------------
     def _forget(self, task: str) -> None:

@@ -58,6 +58,8 @@ async def register_task(body: RegisterRequest, rt: RuntimeDep, settings: Setting
         raise ApiError(422, "validation_error",
                        f"examples: at most {settings.max_examples_per_task} examples per task, got {len(body.examples)}",
                        param="examples")
+    if body.steps is not None and body.method == "retrieve":
+        raise ApiError(422, "validation_error", "steps: retrieve takes no optimisation steps", param="steps")
     if body.steps is not None and body.steps > settings.max_job_steps:
         raise ApiError(422, "validation_error", f"steps: at most {settings.max_job_steps}, got {body.steps}",
                        param="steps")
