@@ -313,3 +313,35 @@ def test_finished_jobs_leave_memory_after_the_retention(store):
     assert runner.forget_finished(older_than=time.time() - 60) == 0 and runner.owns(job.id)
     assert runner.forget_finished(older_than=time.time() + 1) == 1 and not runner.owns(job.id)
     assert runner.get(job.id).status == "succeeded"  # still readable from the store until pruned there
+
+
+def test_serve_early_version_survives_a_crash_but_is_not_the_jobs_result(store):
+    """After a crash mid-training, the early (retrieved) version stays served and the job is
+    failed 'interrupted', not 'succeeded': the early version is not the commit point."""
+    runner, _ = make_runner(store, steps=10)
+    job = runner.submit("t", EXAMPLES, method="routing", steps=10, seed=0, serve_early=True)
+    runner.step()
+    early = FakeResult(tensors={"logits": torch.full((1, 1, 2), 2.0)}, metrics={"method": "retrieve"})
+    runner.commit_early(runner._jobs[job.id], early)
+    record = store.get_task("t")
+    assert record.status == "ready" and record.version == 1 and record.source["stage"] == "early"
+    assert runner.get(job.id).live_version == 1
+    runner.step()
+    runner._release_lock(job.id)  # the "crash"
+    fresh, _ = make_runner(store)
+    assert fresh.recover() == [job.id]
+    assert fresh.get(job.id).status == "failed" and fresh.get(job.id).error["type"] == "interrupted"
+    assert store.get_task("t").status == "ready" and torch.equal(store.load_routing("t"), torch.full((1, 1, 2), 2.0))
+
+
+def test_serve_early_then_the_trained_result_is_the_next_version(store):
+    runner, _ = make_runner(store, steps=3)
+    job = runner.submit("t", EXAMPLES, method="routing", steps=3, seed=0, serve_early=True)
+    runner.step()
+    runner.commit_early(runner._jobs[job.id], FakeResult(tensors={"logits": torch.full((1, 1, 2), 2.0)}))
+    run_to_end(runner)
+    done = runner.get(job.id)
+    assert done.status == "succeeded" and done.live_version == 2
+    record = store.get_task("t")
+    assert record.version == 2 and "stage" not in record.source
+    assert torch.equal(store.load_routing("t"), torch.ones(1, 1, 2))

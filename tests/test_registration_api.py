@@ -106,6 +106,54 @@ def test_routing_registration_starts_from_retrieval(client):
     assert metrics["initial_eval_loss"] == pytest.approx(metrics["retrieve_eval_loss"], rel=1e-2)
 
 
+def wait_live(client: httpx.Client, job_id: str, version: int, timeout: float = 60) -> dict:
+    deadline = time.time() + timeout
+    while time.time() < deadline:
+        job = client.get(f"/v1/jobs/{job_id}").json()
+        if job["live_version"] == version:
+            return job
+        assert job["status"] in ("queued", "running"), job
+        time.sleep(0.05)
+    raise TimeoutError(f"job {job_id} never made version {version} live")
+
+
+def test_serve_early_serves_the_retrieved_row_while_training_then_the_trained_one(client, tmp_path):
+    r = client.post("/v1/tasks", json={"task": "early", "examples": EXAMPLES, "steps": 40, "serve_early": True})
+    assert r.status_code == 202 and r.json()["serve_early"] is True and r.json()["live_version"] is None
+    job = wait_live(client, r.json()["id"], 1)
+    assert job["status"] == "running"  # still training, and already servable:
+    task = client.get("/v1/tasks/early").json()
+    assert task["status"] == "ready" and task["version"] == 1 and task["metrics"]["method"] == "retrieve"
+    assert generate(client, "early").status_code == 200
+    retrieved = Store(tmp_path / "store").load_routing("early")
+    done = wait_job(client, job["id"])
+    assert done["status"] == "succeeded" and done["live_version"] == 2
+    task = client.get("/v1/tasks/early").json()
+    assert task["version"] == 2 and task["method"] == "routing" and task["metrics"]["steps_run"] >= 1
+    trained = Store(tmp_path / "store").load_routing("early")
+    assert not torch.equal(trained, retrieved)
+    events = [e["message"] for e in client.get(f"/v1/jobs/{job['id']}/events").json()["data"]]
+    assert any("version 1 while training" in m for m in events)
+
+
+def test_serve_early_cancel_keeps_the_early_version_and_delete_wins(client):
+    r = client.post("/v1/tasks", json={"task": "early-c", "examples": EXAMPLES, "steps": 5000, "serve_early": True})
+    job = wait_live(client, r.json()["id"], 1)
+    assert client.post(f"/v1/jobs/{job['id']}/cancel").status_code == 200
+    assert wait_job(client, job["id"])["status"] == "cancelled"
+    task = client.get("/v1/tasks/early-c").json()
+    assert task["status"] == "ready" and task["version"] == 1
+    assert generate(client, "early-c").status_code == 200
+
+    r = client.post("/v1/tasks", json={"task": "early-d", "examples": EXAMPLES, "steps": 5000, "serve_early": True})
+    job = wait_live(client, r.json()["id"], 1)
+    assert client.delete("/v1/tasks/early-d").status_code == 204  # deleting a served task cancels its job
+    assert wait_job(client, job["id"])["status"] == "cancelled"
+    time.sleep(0.3)
+    assert client.get("/v1/tasks/early-d").status_code == 404
+    assert generate(client, "early-d").status_code == 404
+
+
 def test_conflicts_and_cancel(client):
     r = client.post("/v1/tasks", json={"task": "slow", "examples": EXAMPLES, "steps": 5000})
     assert r.status_code == 202

@@ -42,6 +42,8 @@ class Job:
     steps: int | None = None
     seed: int | None = None
     n_examples: int = 0
+    serve_early: bool = False
+    live_version: int | None = None  # the task version this job made servable (serve_early: two)
     owner: str = ""
     events: list[dict[str, Any]] = field(default_factory=list)
 

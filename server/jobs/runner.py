@@ -116,12 +116,13 @@ class JobRunner:
 
     # -- API ----------------------------------------------------------------------------------
     def submit(
-        self, task: str, examples: list[dict[str, str]], *, method: str, steps: int | None, seed: int | None
+        self, task: str, examples: list[dict[str, str]], *, method: str, steps: int | None, seed: int | None,
+        serve_early: bool = False,
     ) -> Job:
         """Persist the job and a "training" registry entry, then queue it. The caller has
         validated the examples and checked that the task id is free."""
         job = Job(id=new_job_id(), task=task, method=method, steps=steps, seed=seed,
-                  n_examples=len(examples), owner=self.replica_id)
+                  n_examples=len(examples), owner=self.replica_id, serve_early=serve_early)
         job.add_event("status", f"job queued: {len(examples)} examples, method {method}")
         self._hold_lock(job.id)
         self.store.put_job_examples(job.id, examples)
@@ -233,31 +234,51 @@ class JobRunner:
                 self._write_result(job, result)
         self._settle()
 
+    def commit_early(self, job: Job, result: Any) -> None:
+        """serve_early: the retrieved routing becomes the task's first version, servable at once,
+        while training goes on (called from the job's slice, on the engine thread)."""
+        with self.store.task_lock(job.task):
+            if not self._still_ours(job):
+                return  # deleted or cancelled meanwhile: the final commit discards the rest
+            source = {"job_id": job.id, "n_examples": job.n_examples, "method": job.method, "stage": "early"}
+            record = self.store.put_routing(job.task, result.tensors["logits"], method=job.method, source=source,
+                                            metrics=dict(result.metrics), job_id=job.id)
+        with self._lock:
+            job.live_version = record.version
+            job.add_event("status", f"serving the retrieved routing as version {record.version} while training "
+                          "goes on", version=record.version)
+        self._persist(job)
+        self.on_task_changed(job.task)
+
     def _committed(self, job: Job) -> bool:
-        """The task's record says this job's result is in (the commit point is the record write)."""
+        """The task's record says this job's final result is in (the commit point is the record
+        write; a serve_early job's first, retrieved version is not its result)."""
         try:
             record = self.store.get_task(job.task)
         except TaskNotFound:
             return False
-        return record.job_id == job.id and record.status == "ready"
+        return record.job_id == job.id and record.status == "ready" and record.source.get("stage") != "early"
 
     def _still_ours(self, job: Job) -> bool:
+        """The task is still this job's: its placeholder, or (serve_early) its early version."""
         try:
             record = self.store.get_task(job.task)
         except TaskNotFound:
             return False
-        return record.job_id == job.id and record.status == "training" and not self.store.cancel_requested(job.id)
+        if record.job_id != job.id or self.store.cancel_requested(job.id):
+            return False
+        return record.status == "training" or (record.status == "ready" and record.source.get("stage") == "early")
 
     def _write_result(self, job: Job, result: Any) -> None:
         try:
             metrics = dict(getattr(result, "metrics", {}) or {})
             source = {"job_id": job.id, "n_examples": job.n_examples, "method": job.method}
             if result.kind == "routing":
-                self.store.put_routing(job.task, result.tensors["logits"], method=job.method,
-                                       source=source, metrics=metrics, job_id=job.id)
+                record = self.store.put_routing(job.task, result.tensors["logits"], method=job.method,
+                                                source=source, metrics=metrics, job_id=job.id)
             else:
-                self.store.put_lora(job.task, result.tensors, method=job.method,
-                                    source=source, metrics=metrics, job_id=job.id)
+                record = self.store.put_lora(job.task, result.tensors, method=job.method,
+                                             source=source, metrics=metrics, job_id=job.id)
         except Exception as err:
             log.exception("job %s could not store its result", job.id)
             with self._lock:
@@ -267,6 +288,7 @@ class JobRunner:
         with self._lock:
             job.metrics.update({k: v for k, v in metrics.items()
                                 if isinstance(v, int | float | str) and not isinstance(v, bool)})
+            job.live_version = record.version
             self._current = None
             self._finish(job, "succeeded")
 
@@ -331,7 +353,8 @@ class JobRunner:
 
 
 def _mark_task_not_ready(store: Store, job: Job, status: str, error: dict[str, str] | None) -> None:
-    """A cancelled job removes its placeholder task; a failed one leaves it "failed" with the error."""
+    """A cancelled job removes its placeholder task; a failed one leaves it "failed" with the error.
+    A task that is ready stays (a serve_early job's retrieved version keeps being served)."""
     try:
         record = store.get_task(job.task)
     except TaskNotFound:

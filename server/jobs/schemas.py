@@ -7,7 +7,7 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field
 
 from adapters_store.ids import TASK_ID_PATTERN
-from server.wire import Int
+from server.wire import Bool, Int
 
 MAX_FIELD_CHARS = 4096
 
@@ -38,6 +38,9 @@ class RegisterRequest(BaseModel):
     # numbers as JSON Schema says (server.wire): 5 or 5.0, never "5" or true
     steps: Int(ge=1, le=100_000) | None = None
     seed: Int(ge=0, lt=2**31) | None = None
+    serve_early: Bool = Field(False, description="serve the retrieved starting routing at once (a first version) "
+                              "while training goes on; the trained result becomes the next version. "
+                              "`retrieve` is served as soon as it is done either way")
 
 
 class JobError(BaseModel):
@@ -60,6 +63,9 @@ class JobOut(BaseModel):
     steps: int | None = None
     seed: int | None = None
     n_examples: int = 0
+    serve_early: bool = False
+    live_version: int | None = Field(None, description="the task's version this job made servable so far "
+                                     "(serve_early: the retrieved one, then the trained one)")
 
 
 class JobEventOut(BaseModel):

@@ -58,7 +58,7 @@ class Registration:
 
     # -- HTTP-facing ----------------------------------------------------------------------------
     def submit(self, task: str, examples: list[dict[str, str]], method: str, steps: int | None,
-               seed: int | None) -> Job:
+               seed: int | None, *, serve_early: bool = False) -> Job:
         """Raises ValueError (bad / reserved id), TaskExists (409), RuntimeError (no inventory)."""
         validate_new_task_id(task)
         self.prune()
@@ -71,7 +71,8 @@ class Registration:
                 if record.status != "failed":
                     suffix = f" (job {record.job_id})" if record.status == "training" else ""
                     raise TaskExists(f"task {task!r} already exists with status {record.status!r}{suffix}")
-            job = self.runner.submit(task, examples, method=method, steps=steps, seed=seed)
+            job = self.runner.submit(task, examples, method=method, steps=steps, seed=seed,
+                                     serve_early=serve_early and method != "retrieve")
         self.rt.engine.add_background_task(self.runner.step)
         return job
 
@@ -80,8 +81,8 @@ class Registration:
         its commit, which checks under the same task lock, finds the task gone."""
         with self.rt.store.task_lock(task):
             record = self.rt.store.get_task(task)
-            if record.status == "training" and record.job_id:
-                self.cancel(record.job_id)
+            if record.job_id and (record.status == "training" or self._unfinished(record.job_id)):
+                self.cancel(record.job_id)  # serve_early: the task is ready while its job still trains
             cache = self.rt.cache
             key = cache.key(record) if cache is not None and record.status == "ready" else None
             if self.rt.store.has_task(task):  # a local queued job's cancel already removed it
@@ -93,7 +94,8 @@ class Registration:
     # -- the adaptation a job runs ------------------------------------------------------------------
     def _make_adaptation(self, job: Job, examples: list[dict[str, str]], progress):
         """`retrieve`: a Retrieval alone. `routing`: a Retrieval, then training from the retrieved
-        row (from μ when the store holds no other task). `mu` / `full`: an Adaptation."""
+        row (from μ when the store holds no other task). `mu` / `full`: an Adaptation. With
+        serve_early, every method retrieves first and the retrieved row is served at once."""
         from training.adapt import Adaptation
         from training.data import Example
         from training.retrieve import MAX_CANDIDATES, Retrieval, RetrievedAdaptation
@@ -106,16 +108,26 @@ class Registration:
 
         def adaptation(init_row=None):
             return Adaptation(rt.routed, rt.cache.info, rt.cache.skills, exs, rt.tokenizer, method=job.method,
-                              steps=job.steps, seed=seed, progress=progress, init_row=init_row)
+                              steps=job.steps, seed=seed, progress=progress,
+                              init_row=init_row if job.method in ("routing", "full") else None)
 
-        if job.method not in ("retrieve", "routing"):
+        if job.method not in ("retrieve", "routing") and not job.serve_early:
             return adaptation()
         candidates = rt.store.routing_rows(limit=MAX_CANDIDATES, exclude=job.task)
-        if job.method == "routing" and not candidates:
+        if job.method == "routing" and not candidates and not job.serve_early:
             return adaptation()
         retrieval = Retrieval(rt.routed, rt.cache.info, candidates, exs, rt.tokenizer, seed=seed,
                               progress=progress if job.method == "retrieve" else None)
-        return retrieval if job.method == "retrieve" else RetrievedAdaptation(retrieval, adaptation)
+        if job.method == "retrieve":
+            return retrieval
+        early = (lambda res: self.runner.commit_early(job, res)) if job.serve_early else None
+        return RetrievedAdaptation(retrieval, adaptation, on_retrieved=early)
+
+    def _unfinished(self, job_id: str) -> bool:
+        try:
+            return not self.runner.get(job_id).finished
+        except Exception:  # noqa: BLE001 - pruned or unreadable: nothing left to cancel
+            return False
 
     # -- change propagation -----------------------------------------------------------------------
     def _forget(self, task: str) -> None:

@@ -70,7 +70,8 @@ async def register_task(body: RegisterRequest, rt: RuntimeDep, settings: Setting
                        "running here; retry later", {"Retry-After": "30"})
     examples = [e.model_dump() for e in body.examples]
     try:
-        job = await asyncio.to_thread(rt.registration.submit, body.task, examples, body.method, body.steps, body.seed)
+        job = await asyncio.to_thread(rt.registration.submit, body.task, examples, body.method, body.steps, body.seed,
+                                      serve_early=body.serve_early)
     except RuntimeError as err:
         raise ApiError(409, "conflict", str(err)) from None
     return job_out(job)
