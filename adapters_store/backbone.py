@@ -23,6 +23,7 @@ from torch import nn
 
 DEFAULT_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 DEFAULT_CACHE_NAME = "smollm2-135m-instruct-q4_1"
+DEFAULT_NAME = "SmolLM2-135M-Instruct"  # the backbone_name a store built on the default records
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
@@ -109,6 +110,24 @@ def warm_default_cache(force: bool = False) -> Path:
     return target
 
 
+def default_hf_dir() -> Path:
+    """Where the default backbone's Hugging Face directory is (or will be, once warmed)."""
+    return _cache_dir()
+
+
+def hf_dir(spec: str = "default") -> Path:
+    """A local Hugging Face directory holding the backbone `spec` ("default": dequantised and
+    cached on first use; a path: checked). "tiny" is built in memory and has none."""
+    if spec == "default":
+        return warm_default_cache()
+    if spec == "tiny":
+        raise ValueError("the tiny test backbone is built in memory; it has no directory")
+    path = Path(spec).expanduser().resolve()
+    if not (path / "config.json").is_file():
+        raise FileNotFoundError(f"{path} is not a Hugging Face model directory (no config.json)")
+    return path
+
+
 def load_hf_dir(path: Path, device: str, dtype: torch.dtype) -> tuple[nn.Module, Any]:
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -130,7 +149,7 @@ def load_backbone(spec: str = "default", *, device: str = "cpu", dtype: str = "f
         model, tokenizer, name = tiny_llama().to(device=device, dtype=DTYPES[dtype]), tiny_tokenizer(), "tiny"
     elif spec == "default":
         model, tokenizer = load_hf_dir(warm_default_cache(), device, DTYPES[dtype])
-        name = "SmolLM2-135M-Instruct"
+        name = DEFAULT_NAME
     else:
         path = Path(spec).expanduser()
         model, tokenizer = load_hf_dir(path, device, DTYPES[dtype])

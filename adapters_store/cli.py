@@ -1,4 +1,5 @@
-"""Store-side commands: export a task as a PEFT LoRA, import a PEFT Poly checkpoint, warm caches."""
+"""Store-side commands: export a task as a PEFT LoRA, import a PEFT Poly checkpoint, warm caches,
+print the backbone's directory for other engines (vLLM)."""
 
 from __future__ import annotations
 
@@ -26,16 +27,25 @@ backbone_option = click.option(
 @click.option("--task", required=True, help="Task id to export.")
 @click.option("--format", "fmt", type=click.Choice(["peft-lora"]), default="peft-lora", show_default=True)
 @click.option("--out", required=True, type=click.Path(file_okay=False), help="Output directory.")
+@click.option("--base-model", default=None,
+              help="base_model_name_or_path written into adapter_config.json; vLLM's resolvers load an adapter "
+                   "only when it equals the served model's name. Default: for the default backbone, the "
+                   "directory `polyserve backbone-path` prints (what `--model` is given); else the backbone's name.")
 @store_option
-def export(task: str, fmt: str, out: str, store_dir: str) -> None:
+def export(task: str, fmt: str, out: str, base_model: str | None, store_dir: str) -> None:
     """Write a task as a standard PEFT LoRA (adapter_config.json + adapter_model.safetensors)."""
+    from adapters_store.backbone import DEFAULT_NAME, default_hf_dir
     from adapters_store.errors import StoreError
     from adapters_store.ids import validate_task_id
     from adapters_store.peft_io import export_peft_lora
     from adapters_store.store import Store
 
     try:
-        path = export_peft_lora(Store(store_dir), validate_task_id(task), out)
+        store = Store(store_dir)
+        if base_model is None:
+            name = store.inventory_info().backbone_name
+            base_model = str(default_hf_dir()) if name == DEFAULT_NAME else name
+        path = export_peft_lora(store, validate_task_id(task), out, base_model=base_model)
     except (StoreError, ValueError) as err:
         raise click.ClickException(str(err)) from err
     click.echo(f"wrote {fmt} adapter for {task!r} to {path}")
@@ -77,3 +87,16 @@ def warm_cache() -> None:
     from adapters_store.backbone import warm_default_cache
 
     click.echo(f"default backbone cached at {warm_default_cache()}")
+
+
+@click.command("backbone-path")
+@backbone_option
+def backbone_path(backbone: str) -> None:
+    """Print the backbone's local Hugging Face directory (dequantising the default first if
+    needed), for engines that load it themselves: vllm ... --model "$(polyserve backbone-path)"."""
+    from adapters_store.backbone import hf_dir
+
+    try:
+        click.echo(hf_dir(backbone))
+    except (FileNotFoundError, ValueError) as err:
+        raise click.ClickException(str(err)) from err

@@ -43,3 +43,56 @@ def test_import_then_export_round_trip(tiny_base, tmp_path):
     assert bad.exit_code != 0 and "must match" in bad.output
     missing = runner.invoke(main, ["export", "--task", "nope", "--out", str(tmp_path / "x"), "--store", store])
     assert missing.exit_code != 0 and "not found" in missing.output
+
+
+def test_export_names_the_base_model_vllm_serves(tmp_path, monkeypatch):
+    """vLLM's LoRA resolvers load an adapter only if base_model_name_or_path is the served model's
+    name, which is the --model directory `polyserve backbone-path` prints (default backbone)."""
+    from adapters_store.backbone import DEFAULT_NAME
+    from tests.server_fixtures import build_store
+
+    monkeypatch.setenv("POLYSERVE_HOME", str(tmp_path / "home"))
+    store = build_store(tmp_path / "store")
+    runner = CliRunner()
+    out = tmp_path / "lora"
+    assert runner.invoke(main, ["export", "--task", "alpha", "--out", str(out), "--store", str(store.root)]).exit_code == 0
+    assert json.loads((out / "adapter_config.json").read_text())["base_model_name_or_path"] == "tiny"
+    named = runner.invoke(main, ["export", "--task", "alpha", "--out", str(out), "--store", str(store.root),
+                                 "--base-model", "my-served-name"])
+    assert named.exit_code == 0, named.output
+    assert json.loads((out / "adapter_config.json").read_text())["base_model_name_or_path"] == "my-served-name"
+    # a store built on the default backbone: the directory vLLM is given as --model
+    info = json.loads((store.root / "inventory" / "inventory.json").read_text())
+    info["backbone_name"] = DEFAULT_NAME
+    (store.root / "inventory" / "inventory.json").write_text(json.dumps(info))
+    assert runner.invoke(main, ["export", "--task", "alpha", "--out", str(out), "--store", str(store.root)]).exit_code == 0
+    expected = tmp_path / "home" / "backbones" / "smollm2-135m-instruct-q4_1"
+    assert json.loads((out / "adapter_config.json").read_text())["base_model_name_or_path"] == str(expected)
+
+
+def test_backbone_path_prints_a_loadable_directory_or_refuses(tmp_path):
+    runner = CliRunner()
+    tiny = runner.invoke(main, ["backbone-path", "--backbone", "tiny"])
+    assert tiny.exit_code != 0 and "no directory" in tiny.output
+    empty = runner.invoke(main, ["backbone-path", "--backbone", str(tmp_path)])
+    assert empty.exit_code != 0 and "no config.json" in empty.output
+    (tmp_path / "model").mkdir()
+    (tmp_path / "model" / "config.json").write_text("{}")
+    ok = runner.invoke(main, ["backbone-path", "--backbone", str(tmp_path / "model")])
+    assert ok.exit_code == 0 and ok.output.strip() == str((tmp_path / "model").resolve())
+
+
+def test_backbone_path_of_the_default_is_the_cached_hf_directory():
+    from adapters_store.backbone import default_gguf_path
+
+    try:
+        default_gguf_path()
+    except FileNotFoundError as err:
+        pytest.skip(str(err))
+    result = CliRunner().invoke(main, ["backbone-path"])
+    assert result.exit_code == 0, result.output
+    from pathlib import Path
+
+    path = Path(result.output.strip())
+    assert (path / "config.json").is_file() and (path / "tokenizer.json").is_file()
+    assert list(path.glob("*.safetensors"))
