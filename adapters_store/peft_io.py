@@ -33,6 +33,13 @@ def export_peft_lora(store: Store, task: str, out_dir: str | Path, base_model: s
     info, skills = store.load_inventory()
     record = store.get_task(task)
     layers = task_layers(info, skills, record.kind or "", store.load_weights(record))
+    provenance = {"task": task, "version": record.version, "inventory_version": info.version}
+    return write_peft_lora(info, layers, out_dir, base_model=base_model, provenance=provenance)
+
+
+def write_peft_lora(info: InventoryInfo, layers: list[tuple[torch.Tensor, torch.Tensor]], out_dir: str | Path,
+                    *, base_model: str = "", provenance: dict[str, Any] | None = None) -> Path:
+    """A materialised adapter (per layer A_t (d_in, r), B_t (r, d_out)) as a PEFT LoRA directory."""
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     tensors: dict[str, torch.Tensor] = {}
@@ -54,8 +61,7 @@ def export_peft_lora(store: Store, task: str, out_dir: str | Path, base_model: s
         "inference_mode": True,
     }
     atomic_write_json(out / "adapter_config.json", config)
-    provenance = {"task": task, "version": record.version, "inventory_version": info.version}
-    atomic_write_json(out / "polyserve.json", provenance)
+    atomic_write_json(out / "polyserve.json", provenance or {})
     return out
 
 
