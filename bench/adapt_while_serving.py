@@ -7,7 +7,7 @@ Measures, in one process:
   3. the same registration on an idle server: wall time (target <= 30 s on 2 cores),
   4. the registered task's exact match on its test split vs zero-shot μ (all-zero routing logits).
 
-    .venv/bin/python bench/adapt_while_serving.py --clients 8 --k 16 --json /tmp/adapt.json
+    .venv/bin/python bench/adapt_while_serving.py --clients 8 --k 16 --json /tmp/adapt.json [--method retrieve]
 """
 
 from __future__ import annotations
@@ -82,9 +82,10 @@ def exact_match(rt: Runtime, task: str, test: list) -> float:
     return hits / len(test)
 
 
-def run_job(rt: Runtime, task: str, train: list, steps: int | None, seed: int) -> tuple[dict, float]:
+def run_job(rt: Runtime, task: str, train: list, steps: int | None, seed: int,
+            method: str = "routing") -> tuple[dict, float]:
     started = time.perf_counter()
-    job = rt.registration.submit(task, [{"input": e.input, "output": e.output} for e in train], "routing",
+    job = rt.registration.submit(task, [{"input": e.input, "output": e.output} for e in train], method,
                                  steps, seed)
     while not rt.registration.job(job.id).finished:
         time.sleep(0.05)
@@ -99,6 +100,7 @@ def main() -> None:
     ap.add_argument("--n-test", type=int, default=32)
     ap.add_argument("--baseline-seconds", type=float, default=60)
     ap.add_argument("--steps", type=int, default=None)
+    ap.add_argument("--method", default="routing", choices=["routing", "retrieve", "mu", "full"])
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--heldout", default=None, help="held-out task for the traffic run (default: the first one)")
     ap.add_argument("--accuracy-tasks", type=int, default=4, help="held-out tasks registered for the accuracy table")
@@ -130,7 +132,7 @@ def main() -> None:
     result: dict = {}
 
     def job_thread() -> None:
-        result["job"], result["wall"] = run_job(rt, "bench-busy", train, args.steps, args.seed)
+        result["job"], result["wall"] = run_job(rt, "bench-busy", train, args.steps, args.seed, args.method)
         done.set()
 
     threading.Thread(target=job_thread, daemon=True).start()
@@ -139,15 +141,16 @@ def main() -> None:
     for task in suite.heldout_tasks[: args.accuracy_tasks]:
         task_train = examples(task, args.k, seed=args.seed, split="train")
         task_test = examples(task, args.n_test, seed=args.seed, split="test")
-        job, wall = run_job(rt, f"{task.name}-k{args.k}", task_train, args.steps, args.seed)
+        job, wall = run_job(rt, f"{task.name}-k{args.k}", task_train, args.steps, args.seed, args.method)
         per_task.append({"task": task.name, "status": job["status"], "wall_s_idle": round(wall, 2),
                          "steps_run": job["metrics"].get("steps_run"),
+                         "adapt_s": job["metrics"].get("seconds"),
                          "exact_match_registered": exact_match(rt, f"{task.name}-k{args.k}", task_test),
                          "exact_match_mu": exact_match(rt, "mu-zero", task_test)})
         print(json.dumps(per_task[-1]), flush=True)
     mean = lambda key: round(sum(t[key] for t in per_task) / len(per_task), 3)
     out = {
-        "heldout_task": held.name, "k": args.k, "clients": args.clients, "new_tokens": args.new_tokens,
+        "method": args.method, "heldout_task": held.name, "k": args.k, "clients": args.clients, "new_tokens": args.new_tokens,
         "tokens_per_s_no_job": round(base_tps, 2), "tokens_per_s_during_job": round(busy_tps, 2),
         "throughput_kept": round(busy_tps / base_tps, 3),
         "job_wall_s_under_load": round(result["wall"], 2), "job_status_under_load": result["job"]["status"],

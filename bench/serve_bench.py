@@ -6,6 +6,10 @@
     (d) the same engine restricted to one task per batch (tasks served one after another)
     (u) = (a), (v) = (b) with the backbone's packed oneDNN weights bypassed (the dense F.linear
         path the engine used before server/engines/native/packed.py)
+    (e) vLLM with the workload's tasks exported as PEFT LoRAs (the peer), float32; (E) bfloat16
+    (f) vLLM bare backbone, float32; (F) bfloat16
+        run by bench/vllm_peer.py in a vLLM environment (`make vllm-env`, or --vllm-python) on the
+        same prompt strings and output lengths; vLLM reports throughput only (no TTFT/ITL here)
 
 All requests arrive at t=0 (offline). Output lengths are fixed per request (EOS ignored) so every
 variant produces the same useful tokens; for (c) a batch runs until its longest request is done.
@@ -24,8 +28,10 @@ import copy
 import itertools
 import json
 import math
+import os
 import random
 import statistics
+import subprocess
 import sys
 import tempfile
 import time
@@ -205,6 +211,35 @@ def run_peft(pm, tok, jobs, tasks, batch_size: int) -> dict:
     return summary("(c) PEFT Poly + generate, static batches", time.perf_counter() - t0, tokens, ttft, itl)
 
 
+def run_vllm(args, v: str, store: Store, jobs: list[tuple[str, str, int]], tmp: Path) -> dict:
+    """Variants e/f/E/F: vLLM in its own environment (a subprocess), same jobs."""
+    from adapters_store.backbone import hf_dir
+    from adapters_store.peft_io import export_peft_lora
+
+    if not args.vllm_python.is_file():
+        raise SystemExit(f"variant {v} needs a vLLM environment: `make vllm-env` or --vllm-python ({args.vllm_python})")
+    model = str(hf_dir(args.backbone))
+    loras = tmp / "loras"
+    for task in sorted({t for t, _, _ in jobs}):
+        if not (loras / task).is_dir():
+            export_peft_lora(store, task, loras / task, base_model=model)
+    spec = tmp / "jobs.json"
+    spec.write_text(json.dumps([{"task": t, "prompt": p, "out": n} for t, p, n in jobs]))
+    mode, dtype = ("lora" if v in "eE" else "base"), ("float32" if v in "ef" else "bfloat16")
+    env = {**os.environ, "OMP_NUM_THREADS": str(args.threads), "VLLM_CPU_KVCACHE_SPACE": "2"}
+    cmd = [str(args.vllm_python), str(Path(__file__).with_name("vllm_peer.py")), "--jobs", str(spec),
+           "--model", model, "--loras", str(loras), "--mode", mode, "--dtype", dtype, "--batch", str(args.batch)]
+    out = subprocess.run(cmd, env=env, capture_output=True, text=True, check=False)
+    lines = [ln for ln in out.stdout.splitlines() if ln.startswith("{")]
+    if out.returncode != 0 or not lines:
+        raise SystemExit(f"vLLM variant {v} failed ({out.returncode}):\n{out.stderr[-3000:]}")
+    got = json.loads(lines[-1])
+    name = f"({v}) vLLM {'+ exported LoRAs' if mode == 'lora' else 'bare'}, {dtype}"
+    nan = float("nan")
+    return {"variant": name, "wall_s": got["seconds"], "tokens": got["tokens"], "tok_per_s": got["tok_per_s"],
+            "ttft_p50": nan, "ttft_p99": nan, "itl_p50": nan, "itl_p99": nan}
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--backbone", default="default")
@@ -220,6 +255,9 @@ def main() -> None:
                     "run again and averaged (e.g. abcab interleaves to even out a shared machine's drift)")
     ap.add_argument("--skill-space-min-tasks", type=int, default=0)
     ap.add_argument("--json", type=Path, help="also write the results here")
+    ap.add_argument("--vllm-python", type=Path, default=Path(os.environ.get(
+        "POLYSERVE_VLLM_PYTHON", Path(__file__).resolve().parents[1] / ".venv-vllm" / "bin" / "python")),
+        help="python of a vLLM environment for the variants e/f/E/F")
     ap.add_argument("--packed-weights", choices=["auto", "on", "off"], default="auto",
                     help="the engine's POLYSERVE_PACKED_WEIGHTS (u and v need it on)")
     args = ap.parse_args()
@@ -252,6 +290,8 @@ def main() -> None:
             name = "(u) engine, dense weights" if v == "u" else "(v) engine, adapters off, dense weights"
             results.append(run_engine(engine, bb.tokenizer, jobs, adapters, name, base=v == "v"))
             packed.set_packed(bb.model, True)
+        elif v in "efEF":
+            results.append(run_vllm(args, v, store, jobs, tmp))
         elif v == "d":
             results.append(run_engine(engine, bb.tokenizer, jobs, adapters, "(d) engine, one task per batch",
                                       one_task=True))
@@ -265,7 +305,9 @@ def main() -> None:
             print(f"mean of {r['runs']}: {r['variant']:37s} {r['tok_per_s']:8.1f} tok/s  TTFT p50 {r['ttft_p50']:.2f}s "
                   f"p99 {r['ttft_p99']:.2f}s  ITL p50 {1000 * r['itl_p50']:.0f}ms p99 {1000 * r['itl_p99']:.0f}ms")
     by = {r["variant"][1]: r["tok_per_s"] for r in results}
-    for x, y in (("a", "b"), ("a", "c"), ("a", "d"), ("a", "u"), ("b", "v")):
+    pairs = [("a", "b"), ("a", "c"), ("a", "d"), ("a", "u"), ("b", "v")]
+    pairs += [(x, y) for x in "ab" for y in "efEF"] + [("e", "f"), ("E", "F")]
+    for x, y in pairs:
         if x in by and y in by:
             print(f"({x})/({y}) output tokens/s ratio: {by[x] / by[y]:.2f}")
     print(f"plan rebuilds {engine.planner.rebuilds}, decode steps {engine.steps}, path {engine.planner.last_path}")
