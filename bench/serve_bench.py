@@ -312,7 +312,7 @@ def main() -> None:
             print(f"({x})/({y}) output tokens/s ratio: {by[x] / by[y]:.2f}")
     print(f"plan rebuilds {engine.planner.rebuilds}, decode steps {engine.steps}, path {engine.planner.last_path}")
     if args.json:
-        args.json.write_text(json.dumps({"args": vars(args) | {"json": str(args.json)}, "results": results}, indent=2))
+        args.json.write_text(json.dumps({"args": vars(args), "results": results}, indent=2, default=str))
 
 
 if __name__ == "__main__":

@@ -2,7 +2,9 @@
 
 The engine thread calls `step()` once per loop iteration (and repeatedly while idle): each call
 runs at most one optimisation step of the current job, so a job never holds the shared model
-for longer than one slice and serving continues while a task is being registered.
+for longer than one slice and serving continues while a task is being registered. Building a
+job (reading its examples, tokenising up to thousands of them, loading retrieval candidates)
+runs on a builder thread; the engine's slice only waits for it up to BUILD_WAIT.
 
 Persistence: the job record (store/jobs/<id>.json) is rewritten atomically on every transition
 and at most every `persist_every` seconds while running; the task's registry entry says
@@ -19,6 +21,7 @@ import threading
 import time
 from collections import deque
 from collections.abc import Callable
+from concurrent.futures import Future, ThreadPoolExecutor, wait
 from typing import IO, Any, Protocol
 
 from adapters_store.errors import TaskNotFound
@@ -27,6 +30,9 @@ from adapters_store.store import Store
 from server.jobs.model import Job, new_job_id
 
 log = logging.getLogger(__name__)
+# A slice waits at most this long for a job being built (examples read, tokenised, candidates
+# loaded) on the builder thread; a larger job keeps building while the engine serves.
+BUILD_WAIT = 0.05
 
 
 class AdaptationLike(Protocol):
@@ -63,6 +69,8 @@ class JobRunner:
         self._jobs: dict[str, Job] = {}
         self._locks: dict[str, IO[str]] = {}
         self._current: tuple[Job, AdaptationLike] | None = None
+        self._starting: tuple[Job, Future] | None = None  # being built on the builder thread
+        self._builder = ThreadPoolExecutor(max_workers=1, thread_name_prefix="polyserve-job-build")
         self._cancel_requested: set[str] = set()
         self._last_persist = 0.0
 
@@ -93,7 +101,7 @@ class JobRunner:
     @property
     def pending(self) -> int:
         with self._lock:
-            return len(self._queue) + (1 if self._current else 0)
+            return len(self._queue) + (1 if self._current or self._starting else 0)
 
     def forget_finished(self, older_than: float) -> int:
         """Drop finished jobs that ended before `older_than` from memory (retention)."""
@@ -152,13 +160,16 @@ class JobRunner:
     # -- the slice the engine runs ------------------------------------------------------------
     def step(self) -> bool:
         """Run one slice of the current job (starting the next queued one if needed).
-        Returns True if any work was done."""
+        Returns True if any work was done (or a job is being prepared)."""
         with self._lock:
-            if self._current is None:
+            if self._current is None and self._starting is None:
                 if not self._queue:
                     return False
                 job = self._jobs[self._queue.popleft()]
                 start = True
+            elif self._current is None:
+                job, future = self._starting  # type: ignore[misc]
+                start = False
             else:
                 job, adaptation = self._current
                 start = False
@@ -167,10 +178,18 @@ class JobRunner:
                 self._finish(job, "cancelled")
             self._settle()
             return True
-        if start:
+        if start:  # reading examples, tokenising, loading candidates: off the engine thread
+            future = self._builder.submit(self._build, job)
+            with self._lock:
+                self._starting = (job, future)
+        if self._current is None:
+            wait([future], timeout=BUILD_WAIT)  # a bounded slice: the engine keeps serving meanwhile
+            if not future.done():
+                return True
+            with self._lock:
+                self._starting = None
             try:
-                examples = self.store.get_job_examples(job.id)
-                adaptation = self.make_adaptation(job, examples, lambda p, j=job: self._progress(j, p))
+                adaptation = future.result()
             except Exception as err:
                 log.exception("job %s failed to start", job.id)
                 with self._lock:
@@ -202,6 +221,11 @@ class JobRunner:
         if not more:
             self._commit(job, result)
         return True
+
+    def _build(self, job: Job) -> AdaptationLike:
+        """On the builder thread: the job's examples and its adaptation (tokenised, ready)."""
+        examples = self.store.get_job_examples(job.id)
+        return self.make_adaptation(job, examples, lambda p, j=job: self._progress(j, p))
 
     def _progress(self, job: Job, info: dict[str, Any]) -> None:
         with self._lock:
