@@ -25,7 +25,10 @@ def apply_gathered(
     x: torch.Tensor, A_table: torch.Tensor, B_table: torch.Tensor, index: torch.Tensor, scale: float
 ) -> torch.Tensor:
     """x: (N, T, d_in); A_table: (G, d_in, r); B_table: (G, r, d_out); index: (N,) in [0, G)
-    -> delta (N, T, d_out)."""
+    -> delta (N, T, d_out). With one table every row uses it: two plain GEMMs over all tokens,
+    no per-row copies of the adapter (a training batch of one task)."""
+    if A_table.shape[0] == 1:
+        return (x @ A_table[0].to(x.dtype)) @ B_table[0].to(x.dtype) * scale
     A_rows = A_table.index_select(0, index).to(x.dtype)  # (N, d_in, r)
     B_rows = B_table.index_select(0, index).to(x.dtype)  # (N, r, d_out)
     return torch.bmm(torch.bmm(x, A_rows), B_rows) * scale

@@ -8,6 +8,7 @@ from contextlib import contextmanager
 import torch
 from torch import nn
 
+from adapters_store.combine import materialize_many
 from adapters_store.layer import AdapterBatch, GatheredPlan, RoutedLoRALinear, SkillSpacePlan
 from adapters_store.spec import InventorySpec
 
@@ -93,6 +94,22 @@ class RoutedModel:
         if len(A_tables) != len(self.layers) or len(B_tables) != len(self.layers):
             raise ValueError(f"need one table per adapted layer ({len(self.layers)})")
         self.batch.set(GatheredPlan(A_tables, B_tables, index))
+
+    def set_materialized(self, weights: torch.Tensor, index: torch.Tensor | None = None, rows: int = 1) -> None:
+        """Few tasks, many rows (training, evaluation, retrieval): materialise each task's LoRA
+        once per layer and gather it per row. weights: (G, L, h, S) or one task's (L, h, S);
+        index: (N,) row -> task (default: `rows` rows of task 0). Differentiable in `weights`
+        (and the skills): a routing row trains through the O(S*r*(d_in+d_out)) combine, not
+        through per-token skill-space products (~4x fewer FLOPs in the adapters for one task)."""
+        if weights.dim() == 3:
+            weights = weights.unsqueeze(0)
+        if weights.shape[1] != len(self.layers):
+            raise ValueError(f"weights cover {weights.shape[1]} layers, the model has {len(self.layers)}")
+        if index is None:
+            index = torch.zeros(rows, dtype=torch.long, device=weights.device)
+        tables = [materialize_many(layer.lora_A, layer.lora_B, weights[:, i].to(layer.lora_A.device))
+                  for i, layer in enumerate(self.layers)]
+        self.set_gathered([a for a, _ in tables], [b for _, b in tables], index.to(self.layers[0].lora_A.device))
 
     @contextmanager
     def using_weights(self, weights: torch.Tensor | None) -> Iterator[None]:

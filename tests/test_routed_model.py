@@ -141,3 +141,31 @@ def test_row_count_mismatch_is_an_error(tiny_model):
     rm.set_weights(row_weights(task_logits(rm), [0, 1, 2]))
     with pytest.raises(ValueError, match="3 rows but the forward got 4"):
         rm.model(input_ids=INPUT[:4])
+
+
+@pytest.mark.parametrize("h", [1, 2])
+def test_materialized_plan_equals_skill_space_in_values_and_gradients(tiny_model, h):
+    """set_materialized (one LoRA per task, gathered per row; one task = two plain GEMMs) gives the
+    skill-space forward and the same gradient for the routing logits, for one task and a mix."""
+    rm = routed(tiny_model, h)
+    logits = task_logits(rm)
+    for rows in ([1, 1, 1, 1, 1], [0, 2, 1, 2, 0]):
+        grads = []
+        outs = []
+        for path in ("skill", "materialized"):
+            lg = logits.clone().requires_grad_(True)
+            w = eval_weights(lg)  # (TASKS, L, h, S)
+            if path == "skill":
+                rm.set_weights(w[rows].transpose(0, 1))
+            elif len(set(rows)) == 1:
+                rm.set_materialized(w[rows[0]], rows=len(rows))
+            else:
+                rm.set_materialized(w, torch.tensor(rows))
+            out = rm.model(input_ids=INPUT).logits
+            (out.square().mean()).backward()
+            outs.append(out.detach())
+            grads.append(lg.grad)
+        assert_close(outs[0], outs[1], rtol=1e-5, atol=1e-5)
+        assert_close(grads[0], grads[1], rtol=1e-4, atol=1e-6)
+        assert grads[0][rows[0]].abs().sum() > 0  # the task's logits do receive a gradient
+    rm.set_weights(None)

@@ -165,10 +165,8 @@ class Adaptation:
         return row_weights(self.row, "hyper" if self.hyper else "sigmoid", train=False)  # (L, h, S)
 
     def _set_plan(self, n_rows: int) -> None:
-        if self.method == "routing":
-            w = self._weights()
-            L, h, S = w.shape
-            self.rm.set_weights(w.unsqueeze(1).expand(L, n_rows, h, S))
+        if self.method == "routing":  # one task: its LoRA materialised (differentiably), shared by every row
+            self.rm.set_materialized(self._weights(), rows=n_rows)
             return
         index = torch.zeros(n_rows, dtype=torch.long, device=self.device)
         if self.method == "mu":

@@ -26,8 +26,7 @@ def set_plan(rm: RoutedModel, adapter: Adapter, n_rows: int) -> None:
     if adapter is None:
         rm.set_weights(None)
     elif isinstance(adapter, torch.Tensor):
-        L, h, S = adapter.shape
-        rm.set_weights(adapter.unsqueeze(1).expand(L, n_rows, h, S))
+        rm.set_materialized(adapter, rows=n_rows)
     else:
         rm.set_gathered([a.unsqueeze(0) for a, _ in adapter], [b.unsqueeze(0) for _, b in adapter],
                         torch.zeros(n_rows, dtype=torch.long))

@@ -127,10 +127,9 @@ class Retrieval:
         """Forward + backward at μ on the next chunk of training examples; accumulates the
         token-mean loss gradient over the whole training set."""
         chunk = self.train[self.pos : self.pos + self.rows_per_step]
-        L, h, S = self.shape
         with torch.inference_mode(False), torch.enable_grad():
             w = row_weights(self.mu, self.routing, train=False).to(self.device).detach().clone().requires_grad_(True)
-            self.rm.set_weights(w.unsqueeze(1).expand(L, len(chunk), h, S))
+            self.rm.set_materialized(w, rows=len(chunk))
             with self._ctx():
                 t = target_logits(self.rm.model, collate(chunk, self.pad))
                 loss_sum = torch.nn.functional.cross_entropy(t.logits, t.targets, reduction="sum")
@@ -159,9 +158,8 @@ class Retrieval:
         chunk = self.held[self.pos : self.pos + per_pass]
         names = list(self.choices)
         weights = row_weights(torch.stack([self.choices[n] for n in names]), self.routing, train=False)
-        L, h, S = self.shape
-        plan = weights.unsqueeze(0).expand(len(chunk), -1, L, h, S).reshape(-1, L, h, S)  # example-major
-        self.rm.set_weights(plan.transpose(0, 1).to(self.device))
+        index = torch.arange(len(names)).repeat(len(chunk))  # example-major: row e * len(names) + j -> choice j
+        self.rm.set_materialized(weights.to(self.device), index)
         batch = collate([e for e in chunk for _ in names], self.pad)
         with self._ctx():
             losses = per_example_loss(target_logits(self.rm.model, batch)).view(len(chunk), len(names))
