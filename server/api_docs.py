@@ -13,7 +13,7 @@ from typing import Any
 
 from fastapi import FastAPI
 from fastapi.openapi.utils import get_openapi
-from fastapi.routing import APIRoute, iter_route_contexts
+from fastapi.routing import APIRoute
 
 from server.deps import require_admin_key, require_api_key
 from server.errors import is_openai_path
@@ -66,7 +66,13 @@ PROMETHEUS_200: dict[int | str, dict[str, Any]] = {200: {
 
 
 def api_routes(app: FastAPI) -> list[Any]:
-    """Every API route with its effective state (router prefix and dependencies applied)."""
+    """Every API route with its effective state (router prefix and dependencies applied). FastAPI
+    >= 0.160 keeps included routers' state apart (route contexts); older ones (vLLM's environment
+    pins one) copy it into each APIRoute."""
+    try:
+        from fastapi.routing import iter_route_contexts
+    except ImportError:
+        return [route for route in app.routes if isinstance(route, APIRoute)]
     return [ctx for ctx in iter_route_contexts(app.routes) if isinstance(ctx.original_route, APIRoute)]
 
 

@@ -26,7 +26,6 @@ from typing import Any
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
-from fastapi.routing import iter_route_contexts
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from adapters_store.errors import JobNotFound, StoreError, TaskExists, TaskNotFound
@@ -133,11 +132,21 @@ def allowed_methods(app: Any, scope: dict) -> list[str]:
     """Every method some route serves at this scope's path (for the Allow header of a 405)."""
     methods: set[str] = set()
     path = scope.get("path", "")
-    for route in iter_route_contexts(app.routes):
+    for route in _routes(app.routes):
         regex = getattr(route, "path_regex", None)
         if regex is not None and regex.match(path):
             methods |= set(route.methods or ())
     return sorted(methods)
+
+
+def _routes(routes: list) -> list:
+    """Every route: FastAPI >= 0.160 keeps included routers apart (route contexts); older ones
+    (vLLM's environment pins one) copy their routes into the app."""
+    try:
+        from fastapi.routing import iter_route_contexts
+    except ImportError:
+        return list(routes)
+    return list(iter_route_contexts(routes))
 
 
 def install_handlers(app: FastAPI) -> None:

@@ -89,7 +89,7 @@ class Runtime:
                     prefix=settings.redis_prefix, metrics=metrics,
                 )
         registry = TaskRegistry(store, cache, metrics)
-        engine = build_engine(settings, bb, routed, metrics)
+        engine = build_engine(settings, bb, routed, metrics, cache.info if cache is not None else None)
         engine.start()
         rt = cls(settings, bb, store, routed, cache, registry, engine, metrics, l2)
         from server.jobs.service import Registration

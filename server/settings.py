@@ -27,6 +27,8 @@ class Settings(BaseSettings):
     device: str = "cpu"
     threads: int | None = Field(default=None, ge=1)  # torch intra-op threads (None = torch's default)
     dtype: str | None = None  # default: float32 on CPU, bfloat16 on CUDA
+    # vllm engine: other vLLM engine arguments as a JSON object, e.g. {"tensor_parallel_size": 2}
+    vllm_args: Annotated[dict[str, Any], NoDecode] = Field(default_factory=dict)
     # native engine: backbone linears packed once for oneDNN (auto = float32 on CPU; +1 weight copy)
     packed_weights: Literal["auto", "on", "off"] = "auto"
     redis_url: str | None = None  # unset = no L2 cache
@@ -71,6 +73,20 @@ class Settings(BaseSettings):
     def _split_keys(cls, value: Any) -> Any:
         if isinstance(value, str):
             return [k.strip() for k in value.split(",") if k.strip()]
+        return value
+
+    @field_validator("vllm_args", mode="before")
+    @classmethod
+    def _parse_vllm_args(cls, value: Any) -> Any:
+        if isinstance(value, str):
+            import json
+
+            try:
+                value = json.loads(value) if value.strip() else {}
+            except json.JSONDecodeError as err:
+                raise ValueError(f"vllm_args must be a JSON object: {err}") from None
+        if not isinstance(value, dict):
+            raise ValueError("vllm_args must be a JSON object (vLLM engine argument -> value)")  # noqa: TRY004 - pydantic reports ValueError
         return value
 
     @field_validator("device")

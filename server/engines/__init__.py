@@ -13,9 +13,10 @@ from server.engines.base import Engine, EngineStopped, QueueFull
 __all__ = ["Engine", "EngineStopped", "QueueFull", "build_engine"]
 
 
-def build_engine(settings: Any, backbone: Any, routed: Any, metrics: Any) -> Engine:
+def build_engine(settings: Any, backbone: Any, routed: Any, metrics: Any, inventory: Any = None) -> Engine:
     """The engine named by settings.engine, not started. backbone: adapters_store Backbone;
-    routed: the RoutedModel on backbone.model (None without an inventory)."""
+    routed: the RoutedModel on backbone.model (None without an inventory); inventory: its
+    InventoryInfo (the vLLM engine writes tasks as PEFT LoRAs of that shape)."""
     if settings.engine == "native":
         from server.engines.native import packed
         from server.engines.native.engine import NativeEngine
@@ -28,4 +29,32 @@ def build_engine(settings: Any, backbone: Any, routed: Any, metrics: Any) -> Eng
             metrics=metrics, background_share=settings.background_share,
             packed_weights=packed.wanted(settings.packed_weights, settings.device, settings.torch_dtype),
         )
-    raise ValueError(f"engine {settings.engine!r} is not available in this build (known: native)")
+    if settings.engine == "vllm":
+        return _vllm_engine(settings, backbone, metrics, inventory)
+    raise ValueError(f"unknown engine {settings.engine!r} (known: native, vllm)")
+
+
+def _vllm_engine(settings: Any, backbone: Any, metrics: Any, inventory: Any) -> Engine:
+    try:
+        import vllm  # noqa: F401
+    except ImportError as err:
+        raise RuntimeError("POLYSERVE_ENGINE=vllm needs vLLM in this environment: pip install -e '.[vllm]' "
+                           f"(make vllm-env builds one); import failed: {err}") from None
+    import os
+
+    import torch
+
+    from adapters_store.backbone import hf_dir
+    from server.engines.vllm.engine import VllmEngine
+
+    # adaptation jobs run in this process on the Hugging Face copy, beside vLLM's workers: a bounded
+    # share of the threads (background_share of them, at least one)
+    threads = settings.threads or torch.get_num_threads() or os.cpu_count() or 1
+    return VllmEngine(
+        str(hf_dir(settings.backbone)), backbone.tokenizer, lora_root=str(settings.home / "vllm-loras"),
+        inventory=inventory, max_batch_rows=settings.max_batch_rows, max_batch_tokens=settings.max_batch_tokens,
+        max_queue=settings.max_queue, dtype=settings.torch_dtype, metrics=metrics, extra_args=settings.vllm_args,
+        background_threads=max(1, round(threads * settings.background_share)),
+        max_model_len=min(settings.max_batch_tokens,
+                          int(getattr(backbone.model.config, "max_position_embeddings", 0) or settings.max_batch_tokens)),
+    )
