@@ -35,8 +35,15 @@ $(VLLM_STAMP): pyproject.toml
 
 vllm-env: $(VLLM_STAMP)
 
+# make serve ENGINE=vllm: polyserve's API on vLLM's engine (built in .venv-vllm first)
+ENGINE ?= native
 serve: install
+ifeq ($(ENGINE),vllm)
+	$(MAKE) vllm-env
+	POLYSERVE_ENGINE=vllm $(VLLM_VENV)/bin/polyserve serve --host 127.0.0.1 --port 8000
+else
 	$(VENV)/bin/polyserve serve --host 127.0.0.1 --port 8000
+endif
 
 # The full suite (unit + integration with the real default backbone and the real Redis).
 # pytest exits 5 when it collects nothing, which fails this target.

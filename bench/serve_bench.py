@@ -10,6 +10,8 @@
     (f) vLLM bare backbone, float32; (F) bfloat16
         run by bench/vllm_peer.py in a vLLM environment (`make vllm-env`, or --vllm-python) on the
         same prompt strings and output lengths; vLLM reports throughput only (no TTFT/ITL here)
+    (g) polyserve on its vLLM engine (server/engines/vllm), float32; (G) bfloat16: the same
+        requests and resolved adapters as (a), through VllmEngine (also run by bench/vllm_peer.py)
 
 All requests arrive at t=0 (offline). Output lengths are fixed per request (EOS ignored) so every
 variant produces the same useful tokens; for (c) a batch runs until its longest request is done.
@@ -212,7 +214,7 @@ def run_peft(pm, tok, jobs, tasks, batch_size: int) -> dict:
 
 
 def run_vllm(args, v: str, store: Store, jobs: list[tuple[str, str, int]], tmp: Path) -> dict:
-    """Variants e/f/E/F: vLLM in its own environment (a subprocess), same jobs."""
+    """Variants e/f/E/F/g/G: vLLM in its own environment (a subprocess), same jobs."""
     from adapters_store.backbone import hf_dir
     from adapters_store.peft_io import export_peft_lora
 
@@ -225,19 +227,21 @@ def run_vllm(args, v: str, store: Store, jobs: list[tuple[str, str, int]], tmp: 
             export_peft_lora(store, task, loras / task, base_model=model)
     spec = tmp / "jobs.json"
     spec.write_text(json.dumps([{"task": t, "prompt": p, "out": n} for t, p, n in jobs]))
-    mode, dtype = ("lora" if v in "eE" else "base"), ("float32" if v in "ef" else "bfloat16")
+    mode = "lora" if v in "eE" else "polyserve" if v in "gG" else "base"
+    dtype = "float32" if v in "efg" else "bfloat16"
     env = {**os.environ, "OMP_NUM_THREADS": str(args.threads), "VLLM_CPU_KVCACHE_SPACE": "2"}
     cmd = [str(args.vllm_python), str(Path(__file__).with_name("vllm_peer.py")), "--jobs", str(spec),
-           "--model", model, "--loras", str(loras), "--mode", mode, "--dtype", dtype, "--batch", str(args.batch)]
+           "--model", model, "--loras", str(loras), "--mode", mode, "--dtype", dtype, "--batch", str(args.batch),
+           "--store", str(store.root)]
     out = subprocess.run(cmd, env=env, capture_output=True, text=True, check=False)
     lines = [ln for ln in out.stdout.splitlines() if ln.startswith("{")]
     if out.returncode != 0 or not lines:
         raise SystemExit(f"vLLM variant {v} failed ({out.returncode}):\n{out.stderr[-3000:]}")
     got = json.loads(lines[-1])
-    name = f"({v}) vLLM {'+ exported LoRAs' if mode == 'lora' else 'bare'}, {dtype}"
+    label = {"lora": "vLLM + exported LoRAs", "base": "vLLM bare", "polyserve": "polyserve on its vLLM engine"}[mode]
     nan = float("nan")
-    return {"variant": name, "wall_s": got["seconds"], "tokens": got["tokens"], "tok_per_s": got["tok_per_s"],
-            "ttft_p50": nan, "ttft_p99": nan, "itl_p50": nan, "itl_p99": nan}
+    return {"variant": f"({v}) {label}, {dtype}", "wall_s": got["seconds"], "tokens": got["tokens"],
+            "tok_per_s": got["tok_per_s"], **{k: got.get(k, nan) for k in ("ttft_p50", "ttft_p99", "itl_p50", "itl_p99")}}
 
 
 def main() -> None:
@@ -257,7 +261,7 @@ def main() -> None:
     ap.add_argument("--json", type=Path, help="also write the results here")
     ap.add_argument("--vllm-python", type=Path, default=Path(os.environ.get(
         "POLYSERVE_VLLM_PYTHON", Path(__file__).resolve().parents[1] / ".venv-vllm" / "bin" / "python")),
-        help="python of a vLLM environment for the variants e/f/E/F")
+        help="python of a vLLM environment for the variants e/f/E/F/g/G")
     ap.add_argument("--packed-weights", choices=["auto", "on", "off"], default="auto",
                     help="the engine's POLYSERVE_PACKED_WEIGHTS (u and v need it on)")
     args = ap.parse_args()
@@ -290,7 +294,7 @@ def main() -> None:
             name = "(u) engine, dense weights" if v == "u" else "(v) engine, adapters off, dense weights"
             results.append(run_engine(engine, bb.tokenizer, jobs, adapters, name, base=v == "v"))
             packed.set_packed(bb.model, True)
-        elif v in "efEF":
+        elif v in "efEFgG":
             results.append(run_vllm(args, v, store, jobs, tmp))
         elif v == "d":
             results.append(run_engine(engine, bb.tokenizer, jobs, adapters, "(d) engine, one task per batch",
@@ -306,7 +310,7 @@ def main() -> None:
                   f"p99 {r['ttft_p99']:.2f}s  ITL p50 {1000 * r['itl_p50']:.0f}ms p99 {1000 * r['itl_p99']:.0f}ms")
     by = {r["variant"][1]: r["tok_per_s"] for r in results}
     pairs = [("a", "b"), ("a", "c"), ("a", "d"), ("a", "u"), ("b", "v")]
-    pairs += [(x, y) for x in "ab" for y in "efEF"] + [("e", "f"), ("E", "F")]
+    pairs += [(x, y) for x in "ab" for y in "efEF"] + [("e", "f"), ("E", "F"), ("g", "e"), ("G", "E"), ("g", "a")]
     for x, y in pairs:
         if x in by and y in by:
             print(f"({x})/({y}) output tokens/s ratio: {by[x] / by[y]:.2f}")

@@ -1,6 +1,10 @@
 """The peer, run inside a vLLM environment by bench/serve_bench.py (variants e/f/E/F): vLLM's
 offline engine on exactly serve_bench's workload (the same prompt strings and output lengths),
-with our tasks exported as PEFT LoRAs (`--mode lora`) or the bare backbone (`--mode base`).
+with our tasks exported as PEFT LoRAs (`--mode lora`) or the bare backbone (`--mode base`); and
+variant (g), polyserve's own vLLM engine (`--mode polyserve --store DIR`): the same requests as
+(a), each with its task's adapter resolved through a warm L1 (as the server resolves it), submitted
+to server.engines.vllm.engine.VllmEngine (AsyncLLM) at t=0; the tasks' PEFT directories are
+written before the clock starts (steady state, as (e) exports them beforehand).
 
     .venv-vllm/bin/python bench/vllm_peer.py --jobs jobs.json --model DIR --loras DIR \
         --mode lora --dtype float32 --batch 16
@@ -21,11 +25,15 @@ def main() -> None:
     ap.add_argument("--jobs", type=Path, required=True)
     ap.add_argument("--model", required=True)
     ap.add_argument("--loras", type=Path)
-    ap.add_argument("--mode", choices=["lora", "base"], default="lora")
+    ap.add_argument("--mode", choices=["lora", "base", "polyserve"], default="lora")
     ap.add_argument("--dtype", default="float32")
     ap.add_argument("--batch", type=int, default=16)
     ap.add_argument("--max-lora-rank", type=int, default=8)
+    ap.add_argument("--store", type=Path, help="--mode polyserve: the store the workload's tasks come from")
     args = ap.parse_args()
+    if args.mode == "polyserve":
+        run_polyserve(args, json.loads(args.jobs.read_text()))
+        return
     from vllm import LLM, SamplingParams
     from vllm.lora.request import LoRARequest
 
@@ -45,6 +53,76 @@ def main() -> None:
     tokens = sum(len(o.outputs[0].token_ids) for o in outs)
     print(json.dumps({"mode": args.mode, "dtype": args.dtype, "tokens": tokens, "seconds": seconds,
                       "tok_per_s": tokens / seconds}), flush=True)
+
+
+def run_polyserve(args, jobs: list[dict]) -> None:
+    import itertools
+    import sys
+    import tempfile
+
+    import torch
+    from transformers import AutoTokenizer
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+    from adapters_store.store import Store
+    from server.adapters.cache import AdapterCache
+    from server.adapters.l1 import L1Cache
+    from server.engines.request import FinalEvent, GenRequest, RequestHandle, SamplingParams
+    from server.engines.vllm.engine import VllmEngine
+
+    class TimedHandle(RequestHandle):
+        def __init__(self) -> None:
+            super().__init__(None)
+            self.times: list[float] = []
+
+        def push(self, event) -> None:  # type: ignore[override]
+            self.times.append(time.perf_counter())
+            super().push(event)
+
+    store = Store(args.store)
+    info, skills = store.load_inventory()
+    cache = AdapterCache(store, info, skills, fingerprint=info.backbone_fingerprint, device=torch.device("cpu"),
+                         dtype=torch.float32, l1=L1Cache(4 << 30))
+    tasks = sorted({j["task"] for j in jobs})
+    adapters = {t: cache.get(store.get_task(t)) for t in tasks}
+    tok = AutoTokenizer.from_pretrained(args.model)
+    engine = VllmEngine(args.model, tok, lora_root=tempfile.mkdtemp(prefix="polyserve-g-"), inventory=info,
+                        max_batch_rows=args.batch, max_batch_tokens=1 << 20, max_queue=1 << 16, dtype=args.dtype,
+                        max_model_len=1024)
+    engine.start()
+    for adapter in adapters.values():
+        engine.loras.ensure(adapter)  # type: ignore[union-attr]
+
+    def run(batch: list[dict]) -> tuple[float, list[GenRequest]]:
+        t0 = time.perf_counter()
+        reqs = []
+        for j in batch:
+            ids = tok(j["prompt"], add_special_tokens=False).input_ids
+            req = GenRequest(list(ids), SamplingParams(max_new_tokens=j["out"], ignore_eos=True),
+                             adapters[j["task"]], j["task"], handle=TimedHandle())
+            req.arrival = t0
+            reqs.append(engine.submit(req))
+        for req in reqs:
+            req.handle.wait()
+        return t0, reqs
+
+    run(jobs[:2])  # warm-up, as for (e)
+    t0, reqs = run(jobs)
+    seconds = time.perf_counter() - t0
+    tokens, ttft, itl = 0, [], []
+    for req in reqs:
+        final = req.handle.events[-1]
+        assert isinstance(final, FinalEvent) and final.error is None, final
+        tokens += final.completion_tokens
+        ttft.append(req.handle.times[0] - t0)
+        itl += [b - a for a, b in itertools.pairwise(req.handle.times)]
+    engine.stop()
+    ttft.sort()
+    itl.sort()
+    pick = lambda xs, q: xs[min(len(xs) - 1, round(q * (len(xs) - 1)))] if xs else float("nan")
+    print(json.dumps({"mode": "polyserve", "dtype": args.dtype, "tokens": tokens, "seconds": seconds,
+                      "tok_per_s": tokens / seconds, "ttft_p50": pick(ttft, 0.5), "ttft_p99": pick(ttft, 0.99),
+                      "itl_p50": pick(itl, 0.5), "itl_p99": pick(itl, 0.99)}), flush=True)
 
 
 if __name__ == "__main__":

@@ -34,7 +34,7 @@ def main() -> None:
     ap.add_argument("--methods", default="mu0,routing,mu,full")
     ap.add_argument("--steps", type=int, default=None)
     ap.add_argument("--lr", type=float, default=None)
-    ap.add_argument("--batch-size", type=int, default=8)
+    ap.add_argument("--batch-size", type=int, default=None, help="default: the method's (training.adapt.DEFAULTS)")
     ap.add_argument("--eval-every", type=int, default=5)
     ap.add_argument("--patience", type=int, default=3)
     ap.add_argument("--threads", type=int, default=2)
