@@ -68,19 +68,21 @@ def main() -> None:
     ap.add_argument("--base", action="store_true", help="adapters off (every row is base)")
     ap.add_argument("--op-steps", type=int, default=20)
     ap.add_argument("--packed-weights", choices=["auto", "on", "off"], default="auto")
+    ap.add_argument("--device", default="cpu")
+    ap.add_argument("--dtype", default="float32")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
 
-    bb = load_backbone(args.backbone)
+    bb = load_backbone(args.backbone, device=args.device, dtype=args.dtype)
     tmp = Path(tempfile.mkdtemp(prefix="polyserve-profile-"))
     store, rm, _pm, tasks = build_inventory(bb, args.tasks, tmp / "store", args.seed)
     info, skills = store.load_inventory(bb.fingerprint)
     cache = AdapterCache(store, info, skills, fingerprint=bb.fingerprint, device=bb.device,
-                         dtype=torch.float32, l1=L1Cache(4 << 30))
+                         dtype=next(bb.model.parameters()).dtype, l1=L1Cache(4 << 30))
     adapters = {t: cache.get(store.get_task(t)) for t in tasks}
     engine = NativeEngine(bb.model, bb.tokenizer, rm, max_batch_rows=args.batch, max_batch_tokens=1 << 20,
                           max_prefill_rows=args.batch, max_queue=1 << 16,
-                          packed_weights=packed.wanted(args.packed_weights, "cpu", "float32"))
+                          packed_weights=packed.wanted(args.packed_weights, args.device, args.dtype))
     tok = bb.tokenizer
 
     def submit_all(jobs) -> list[GenRequest]:
@@ -129,12 +131,19 @@ def main() -> None:
         engine.step()
     from torch.profiler import ProfilerActivity, profile
 
-    with profile(activities=[ProfilerActivity.CPU]) as p:
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if args.device.startswith("cuda") else [])
+    with profile(activities=activities) as p:
         for _ in range(args.op_steps):
             engine.step()
     print(f"\ntop operators over {args.op_steps} decode steps of {len(engine.batch)} rows "
           f"(self CPU time):")
     print(p.key_averages().table(sort_by="self_cpu_time_total", row_limit=14))
+    if args.device.startswith("cuda"):
+        events = p.key_averages()
+        gpu = sum(getattr(e, "self_device_time_total", 0) for e in events) / 1e6
+        launches = sum(e.count for e in events if e.key.startswith(("cudaLaunchKernel", "cuLaunchKernel")))
+        print(f"GPU busy {gpu:.3f} s over {args.op_steps} steps; kernel launches per step: "
+              f"{launches / args.op_steps:.0f}")
 
 
 if __name__ == "__main__":

@@ -131,13 +131,13 @@ def build_inventory(bb, k: int, root: Path, seed: int):
             logits.append(src.poly_router["default"].module_logits.view(k, spec.n_heads, spec.n_skills))
         skills = {}
         for name in rm.names:
-            skills[f"{name}.A"] = layers[name].poly_lora_A["default"].detach().clone()
-            skills[f"{name}.B"] = layers[name].poly_lora_B["default"].detach().clone()
+            skills[f"{name}.A"] = layers[name].poly_lora_A["default"].detach().float().cpu().clone()
+            skills[f"{name}.B"] = layers[name].poly_lora_B["default"].detach().float().cpu().clone()
     rm.load_skills(skills)
     store = Store(root)
     store.save_inventory(spec, rm.names, rm.layer_dims(), skills, backbone_fingerprint=bb.fingerprint,
                          backbone_name=bb.name, made_by={"method": "random-bench"})
-    table = torch.stack(logits, dim=1)  # (k, L, h, S)
+    table = torch.stack(logits, dim=1).float().cpu()  # (k, L, h, S)
     tasks = [f"task-{t:03d}" for t in range(k)]
     for t, task in enumerate(tasks):
         store.put_routing(task, table[t].clone(), method="mhr")
@@ -198,12 +198,12 @@ def run_peft(pm, tok, jobs, tasks, batch_size: int) -> dict:
     ttft, itl, tokens = [], [], 0
     for start in range(0, len(jobs), batch_size):
         chunk = jobs[start : start + batch_size]
-        enc = tok([p for _, p, _ in chunk], return_tensors="pt", padding=True, add_special_tokens=False)
+        enc = tok([p for _, p, _ in chunk], return_tensors="pt", padding=True, add_special_tokens=False).to(pm.device)
         longest = max(n for _, _, n in chunk)
         streamer = StepTimes()
         with torch.inference_mode():
             pm.generate(input_ids=enc.input_ids, attention_mask=enc.attention_mask,
-                        task_ids=torch.tensor([task_index[t] for t, _, _ in chunk]), max_new_tokens=longest,
+                        task_ids=torch.tensor([task_index[t] for t, _, _ in chunk], device=pm.device), max_new_tokens=longest,
                         min_new_tokens=longest, do_sample=False, pad_token_id=tok.pad_token_id, streamer=streamer)
         steps = streamer.times[1:]  # first put() is the prompt
         for _, _, n in chunk:
@@ -254,6 +254,8 @@ def main() -> None:
     ap.add_argument("--out-max", type=int, default=128)
     ap.add_argument("--out-dist", choices=["uniform", "loguniform"], default="uniform")
     ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--device", default="cpu", help="cpu | cuda (a, b, c, d run there; see bench/gpu_bench.sh)")
+    ap.add_argument("--dtype", default="float32", help="the backbone's dtype (bfloat16 on CUDA)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--variants", default="abcd", help="letters run in this order; a repeated letter is "
                     "run again and averaged (e.g. abcab interleaves to even out a shared machine's drift)")
@@ -267,16 +269,16 @@ def main() -> None:
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
 
-    bb = load_backbone(args.backbone)
+    bb = load_backbone(args.backbone, device=args.device, dtype=args.dtype)
     tmp = Path(tempfile.mkdtemp(prefix="polyserve-bench-"))
     store, rm, pm, tasks = build_inventory(bb, args.tasks, tmp / "store", args.seed)
     info, skills = store.load_inventory(bb.fingerprint)
     cache = AdapterCache(store, info, skills, fingerprint=bb.fingerprint, device=bb.device,
-                         dtype=torch.float32, l1=L1Cache(4 << 30))
+                         dtype=next(bb.model.parameters()).dtype, l1=L1Cache(4 << 30))
     adapters = {t: cache.get(store.get_task(t)) for t in tasks}  # a warm L1 (steady state)
     engine = Engine(bb.model, bb.tokenizer, rm, max_batch_rows=args.batch, max_batch_tokens=1 << 20,
                     max_prefill_rows=args.batch, max_queue=1 << 16, skill_space_min_tasks=args.skill_space_min_tasks,
-                    packed_weights=packed.wanted(args.packed_weights, "cpu", "float32"))
+                    packed_weights=packed.wanted(args.packed_weights, args.device, args.dtype))
     engine.start()
     jobs = workload(args.requests, tasks, args.out_min, args.out_max, args.seed, args.out_dist)
     run_engine(engine, bb.tokenizer, jobs[:4], adapters, "warm-up")
