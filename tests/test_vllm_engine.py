@@ -64,7 +64,7 @@ def test_each_cache_key_becomes_one_peft_directory_equal_to_the_adapter(tmp_path
     assert dirs.ensure(v1) == (name, lora_id, path)  # same key: same directory, not rewritten
     assert (path / "adapter_model.safetensors").stat().st_mtime_ns == mtime
     name2, id2, path2 = dirs.ensure(Adapter("alpha", "alpha:v2", "routing", layers))  # re-registered
-    assert path2 != path and id2 != lora_id
+    assert name2 != name and path2 != path and id2 != lora_id
     assert dirs.pop_task("alpha") == {lora_id, id2} and dirs.pop_task("alpha") == set()
     assert not list((tmp_path / "loras").glob(".*tmp*"))  # written atomically, nothing left behind
 
@@ -97,8 +97,9 @@ def vllm_python() -> Path | None:
     return path if path.is_file() else None
 
 
-PAIRS = [("caesar", "cat dog 3"), ("rev-words", "one two three"), ("upper", "hello world"), ("base", "cat dog 3"),
-         ("sort", "pear apple fig"), ("double", "a b")]
+# 32 (task, prompt) pairs: 7 tasks of the shipped inventory and base, 4 inputs each
+PAIRS = [(task, text) for task in ("caesar", "rev-words", "upper", "base", "sort", "double", "rotate", "plural.caesar")
+         for text in ("cat dog 3", "one two three", "pear apple fig", "hello world 7")]
 
 
 def wait_ready(proc: subprocess.Popen, url: str, log: Path, timeout: float) -> None:
@@ -165,12 +166,17 @@ def test_a_polyserve_server_on_the_vllm_engine(tmp_path):
                 task, text = pair
                 return c.post("/v1/generate", json={"task": task, "prompt": text, "max_new_tokens": 16})
 
-            with concurrent.futures.ThreadPoolExecutor(len(PAIRS)) as pool:  # tasks + base in one batch
+            with concurrent.futures.ThreadPoolExecutor(16) as pool:  # tasks + base in the same batches
                 answers = list(pool.map(generate, PAIRS))
+            differ = []
             for pair, r in zip(PAIRS, answers, strict=True):
                 assert r.status_code == 200, r.text
                 # /v1/generate drops the space the prompt format puts before the answer
-                assert r.json()["text"] == expected[pair].removeprefix(" "), (pair, r.json()["text"], expected[pair])
+                if r.json()["text"] != expected[pair].removeprefix(" "):
+                    differ.append((pair, r.json()["text"], expected[pair]))
+            print(f"greedy answers equal to the native engine's on {len(PAIRS) - len(differ)}/{len(PAIRS)} pairs;"
+                  f" differing: {differ}")
+            assert len(differ) <= len(PAIRS) // 10, differ  # issue #10: >= 90% equal (fp32 sums differ in order)
             assert answers[0].json()["text"].strip() == "dbu eph 3"
 
             import openai
