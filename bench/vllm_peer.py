@@ -64,20 +64,14 @@ def run_polyserve(args, jobs: list[dict]) -> None:
     from transformers import AutoTokenizer
 
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+    from serve_bench import TimedHandle
+
     from adapters_store.store import Store
     from server.adapters.cache import AdapterCache
     from server.adapters.l1 import L1Cache
-    from server.engines.request import FinalEvent, GenRequest, RequestHandle, SamplingParams
+    from server.engines.request import FinalEvent, GenRequest, SamplingParams
     from server.engines.vllm.engine import VllmEngine
-
-    class TimedHandle(RequestHandle):
-        def __init__(self) -> None:
-            super().__init__(None)
-            self.times: list[float] = []
-
-        def push(self, event) -> None:  # type: ignore[override]
-            self.times.append(time.perf_counter())
-            super().push(event)
 
     store = Store(args.store)
     info, skills = store.load_inventory()

@@ -147,3 +147,12 @@ def shipped_inventory_available() -> bool:
     except ImportError:
         return False
     return default_inventory_available()
+
+
+def vllm_python() -> Path | None:
+    """A vLLM environment's python (`make vllm-env` creates .venv-vllm; POLYSERVE_VLLM_PYTHON names
+    another), or None: the tests that need real vLLM skip."""
+    import os
+
+    path = Path(os.environ.get("POLYSERVE_VLLM_PYTHON", Path(__file__).resolve().parents[1] / ".venv-vllm" / "bin" / "python"))
+    return path if path.is_file() else None

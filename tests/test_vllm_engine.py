@@ -26,7 +26,7 @@ from server.engines.request import SamplingParams
 from server.engines.vllm.loras import LoraDirectories, dir_name
 from server.engines.vllm.params import vllm_kwargs
 from server.engines.vllm_resolver import lora_int_id
-from tests.server_fixtures import build_store, free_port, settings_for
+from tests.server_fixtures import build_store, free_port, settings_for, vllm_python
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -92,11 +92,6 @@ def test_the_vllm_engine_without_vllm_says_how_to_get_it(tmp_path):
 
 
 # -- a real server on the vLLM engine -----------------------------------------------------------
-def vllm_python() -> Path | None:
-    path = Path(os.environ.get("POLYSERVE_VLLM_PYTHON", ROOT / ".venv-vllm" / "bin" / "python"))
-    return path if path.is_file() else None
-
-
 # 32 (task, prompt) pairs: 7 tasks of the shipped inventory and base, 4 inputs each
 PAIRS = [(task, text) for task in ("caesar", "rev-words", "upper", "base", "sort", "double", "rotate", "plural.caesar")
          for text in ("cat dog 3", "one two three", "pear apple fig", "hello world 7")]

@@ -24,7 +24,7 @@ from adapters_store.materialize import task_layers
 from adapters_store.peft_io import PREFIX
 from adapters_store.tiny import tiny_llama
 from server.engines.vllm_resolver import StoreResolver, lora_int_id
-from tests.server_fixtures import build_store, free_port, put_task, redis_up
+from tests.server_fixtures import build_store, free_port, put_task, redis_up, vllm_python
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -116,11 +116,6 @@ def test_adapters_come_through_redis_with_the_servers_keys(served_dir, tmp_path)
 
 
 # -- real vLLM ---------------------------------------------------------------------------------------
-def vllm_python() -> Path | None:
-    path = Path(os.environ.get("POLYSERVE_VLLM_PYTHON", ROOT / ".venv-vllm" / "bin" / "python"))
-    return path if path.is_file() else None
-
-
 @pytest.mark.slow
 @pytest.mark.vllm
 def test_vllms_own_server_answers_a_store_task_through_the_plugin(tmp_path):

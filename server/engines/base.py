@@ -35,6 +35,21 @@ class EngineStopped(Exception):
     pass
 
 
+def check_fits(req: GenRequest, *, max_tokens: int, max_rows: int, vocab_size: int) -> None:
+    """ValueError when a request can never run on an engine with these budgets (-> 4xx): prompt +
+    max_new_tokens over max_batch_tokens, an empty prompt, n over max_batch_rows, a logit_bias
+    token outside the vocabulary. Every engine calls it first in submit()."""
+    if req.budget_tokens > max_tokens:
+        raise ValueError(f"prompt + max_new_tokens = {req.budget_tokens} exceeds max_batch_tokens {max_tokens}")
+    if not req.prompt_ids:
+        raise ValueError("prompt must hold at least one token")
+    if req.params.n > max_rows:
+        raise ValueError(f"n: {req.params.n} choices exceed max_batch_rows {max_rows}")
+    for token, _ in req.params.logit_bias:
+        if token >= vocab_size:
+            raise ValueError(f"logit_bias: token id {token} is outside the vocabulary (size {vocab_size})")
+
+
 @runtime_checkable
 class Engine(Protocol):
     name: str

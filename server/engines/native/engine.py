@@ -40,7 +40,7 @@ from typing import Any
 
 import torch
 
-from server.engines.base import EngineStopped, QueueFull
+from server.engines.base import EngineStopped, QueueFull, check_fits
 from server.engines.native import kv
 from server.engines.native.batch import ModelRunner, Row, RunningBatch, prefill_groups
 from server.engines.native.isolate import find_culprits
@@ -117,16 +117,7 @@ class NativeEngine:
         """Queue a request; raises QueueFull (-> 429), EngineStopped (-> 503) or ValueError (it
         can never run here: over a budget, n over max_batch_rows, a logit_bias token outside
         the vocabulary)."""
-        if req.budget_tokens > self.max_tokens:
-            raise ValueError(f"prompt + max_new_tokens = {req.budget_tokens} exceeds max_batch_tokens "
-                             f"{self.max_tokens}")
-        if not req.prompt_ids:
-            raise ValueError("prompt must hold at least one token")
-        if req.params.n > self.max_rows:
-            raise ValueError(f"n: {req.params.n} choices exceed max_batch_rows {self.max_rows}")
-        for token, _ in req.params.logit_bias:
-            if token >= self.vocab_size:
-                raise ValueError(f"logit_bias: token id {token} is outside the vocabulary (size {self.vocab_size})")
+        check_fits(req, max_tokens=self.max_tokens, max_rows=self.max_rows, vocab_size=self.vocab_size)
         with self._cond:
             if self._stop or self._dead:
                 raise EngineStopped("engine is stopped")

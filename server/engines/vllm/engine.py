@@ -32,7 +32,7 @@ from collections.abc import Callable
 from concurrent.futures import Future
 from typing import Any
 
-from server.engines.base import EngineStopped, QueueFull
+from server.engines.base import EngineStopped, QueueFull, check_fits
 from server.engines.request import FinalEvent, GenRequest, TokenEvent, TokenLogprob
 from server.engines.vllm.loras import LoraDirectories
 from server.engines.vllm.params import vllm_kwargs
@@ -168,15 +168,7 @@ class VllmEngine:
 
     # -- Engine interface --------------------------------------------------------------------------
     def submit(self, req: GenRequest) -> GenRequest:
-        if req.budget_tokens > self.max_tokens:
-            raise ValueError(f"prompt + max_new_tokens = {req.budget_tokens} exceeds max_batch_tokens {self.max_tokens}")
-        if not req.prompt_ids:
-            raise ValueError("prompt must hold at least one token")
-        if req.params.n > self.max_rows:
-            raise ValueError(f"n: {req.params.n} choices exceed max_batch_rows {self.max_rows}")
-        for token, _ in req.params.logit_bias:
-            if token >= self.vocab_size:
-                raise ValueError(f"logit_bias: token id {token} is outside the vocabulary (size {self.vocab_size})")
+        check_fits(req, max_tokens=self.max_tokens, max_rows=self.max_rows, vocab_size=self.vocab_size)
         with self._lock:
             if self._stopping or self._dead or self._loop is None:
                 raise EngineStopped("engine is stopped")
