@@ -21,9 +21,11 @@ import threading
 import time
 from pathlib import Path
 
-import torch
-
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+import server  # noqa: F401  (before torch: OpenMP spin defaults, server/openmp.py)
+
+# isort: split
+import torch
 
 from server.engines.request import GenRequest, SamplingParams
 from server.metrics import Metrics

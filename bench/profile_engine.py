@@ -21,11 +21,12 @@ import tempfile
 import time
 from pathlib import Path
 
-import torch
-
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+import server  # noqa: F401  (before torch: OpenMP spin defaults, server/openmp.py)
 
+# isort: split
+import torch
 from serve_bench import build_inventory, workload
 
 from adapters_store.backbone import load_backbone

@@ -39,9 +39,11 @@ import tempfile
 import time
 from pathlib import Path
 
-import torch
-
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+import server  # noqa: F401  (before torch: OpenMP spin defaults, server/openmp.py)
+
+# isort: split
+import torch
 
 from adapters_store.backbone import load_backbone
 from adapters_store.inject import RoutedModel

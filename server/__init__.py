@@ -9,4 +9,9 @@
     adapters/         adapter cache tiers: L1 LRU (bytes), L2 Redis (safetensors), L3 compute
     tasks.py          the task registry (store-backed; issue #5 adds create/delete/jobs)
     metrics.py        Prometheus metrics (own registry per app)
+    openmp.py         OpenMP spin defaults, set here, before torch loads (see its docstring)
 """
+
+from server import openmp
+
+openmp.apply()

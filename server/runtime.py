@@ -17,6 +17,7 @@ from adapters_store.backbone import Backbone, load_backbone
 from adapters_store.errors import StoreError
 from adapters_store.inject import RoutedModel
 from adapters_store.store import Store
+from server import openmp
 from server.adapters.breaker import CircuitBreaker
 from server.adapters.cache import AdapterCache
 from server.adapters.l1 import L1Cache
@@ -60,10 +61,11 @@ class Runtime:
 
     @classmethod
     def build(cls, settings: Settings, metrics: Metrics, backbone: Backbone | None = None) -> Runtime:
-        if settings.threads:
-            import torch
+        import torch
 
+        if settings.threads:
             torch.set_num_threads(settings.threads)
+        log.info("torch threads: %d; OpenMP spin: %s", torch.get_num_threads(), openmp.state())
         bb = backbone or load_backbone(settings.backbone, device=settings.device, dtype=settings.torch_dtype)
         store = Store(settings.store_dir)
         _maybe_install_default_inventory(store, settings.backbone)

@@ -1,0 +1,54 @@
+"""`import server` sets libgomp's spin defaults before torch loads (server/openmp.py), and only then.
+
+Each case runs in a fresh interpreter: libgomp reads its environment once, when torch loads, so
+the order of imports is the thing under test.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+VARS = ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT")
+
+PROBE = """
+import json, os, sys
+{before}
+import server
+from server import openmp
+print(json.dumps({{"env": {{k: os.environ.get(k) for k in {vars!r}}}, "state": openmp.state(),
+                  "torch_loaded": "torch" in sys.modules}}))
+"""
+
+
+def probe(before: str = "", **env: str) -> dict:
+    clean = {k: v for k, v in os.environ.items() if k not in VARS}
+    out = subprocess.run([sys.executable, "-c", PROBE.format(before=before, vars=VARS)], cwd=ROOT,
+                         env={**clean, **env}, check=True, capture_output=True, text=True, timeout=120).stdout
+    return json.loads(out.strip().splitlines()[-1])
+
+
+def test_import_server_sets_both_before_torch_loads() -> None:
+    got = probe()
+    assert got["env"] == {"OMP_WAIT_POLICY": "ACTIVE", "GOMP_SPINCOUNT": "300000"}
+    assert got["state"] == "OMP_WAIT_POLICY=ACTIVE GOMP_SPINCOUNT=300000"
+    assert got["torch_loaded"] is False  # `import server` itself must not load torch first
+
+
+@pytest.mark.parametrize("user", [{"OMP_WAIT_POLICY": "PASSIVE"}, {"GOMP_SPINCOUNT": "0"}])
+def test_a_users_own_setting_wins_and_nothing_is_added(user: dict) -> None:
+    got = probe(**user)
+    assert got["env"] == {k: user.get(k) for k in VARS}
+    assert got["state"].startswith("left to the environment")
+
+
+def test_torch_loaded_first_sets_nothing_and_says_so() -> None:
+    got = probe(before="import torch")
+    assert got["env"] == {k: None for k in VARS}  # too late for libgomp: setting them would mislead
+    assert "torch was loaded before polyserve" in got["state"]
