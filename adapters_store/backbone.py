@@ -132,7 +132,7 @@ def warm_default_cache(force: bool = False) -> Path:
     model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
     tmp = target.with_name(target.name + f".tmp-{os.getpid()}")
     # The weights are now plain fp32: drop the GGUF quantizer so they save as ordinary safetensors.
-    model.hf_quantizer = None
+    model.hf_quantizer = None  # type: ignore[assignment]
     if hasattr(model.config, "quantization_config"):
         del model.config.quantization_config
     model.save_pretrained(tmp, safe_serialization=True)
@@ -171,7 +171,7 @@ def load_hf_dir(path: Path, device: str, dtype: torch.dtype) -> tuple[nn.Module,
         raise FileNotFoundError(f"{path} is not a Hugging Face model directory (no config.json)")
     tokenizer = AutoTokenizer.from_pretrained(path, local_files_only=True)
     model = AutoModelForCausalLM.from_pretrained(path, local_files_only=True, dtype=dtype)
-    return model.to(device), tokenizer
+    return model.to(device), tokenizer  # type: ignore[arg-type]
 
 
 def load_backbone(spec: str = "default", *, device: str = "cpu", dtype: str = "float32") -> Backbone:

@@ -106,9 +106,9 @@ class RoutedLoRALinear(nn.Module):
         self.base = base
         self.layer = layer
         self.scale = spec.scale
-        kw = {"dtype": base.weight.dtype, "device": base.weight.device}
-        self.lora_A = nn.Parameter(torch.zeros(h, n_skills, d_in // h, r, **kw))
-        self.lora_B = nn.Parameter(torch.zeros(h, n_skills, r, d_out // h, **kw))
+        dtype, device = base.weight.dtype, base.weight.device
+        self.lora_A = nn.Parameter(torch.zeros(h, n_skills, d_in // h, r, dtype=dtype, device=device))
+        self.lora_B = nn.Parameter(torch.zeros(h, n_skills, r, d_out // h, dtype=dtype, device=device))
         self.batch = batch  # plain attribute: shared, not a submodule
 
     @property
