@@ -16,7 +16,7 @@ from fastapi.openapi.utils import get_openapi
 from fastapi.routing import APIRoute
 
 from server.deps import require_admin_key, require_api_key
-from server.errors import is_openai_path
+from server.errors import all_routes, is_openai_path
 from server.schemas import ErrorResponse, OpenAIErrorResponse
 
 WHY = {
@@ -66,14 +66,9 @@ PROMETHEUS_200: dict[int | str, dict[str, Any]] = {200: {
 
 
 def api_routes(app: FastAPI) -> list[Any]:
-    """Every API route with its effective state (router prefix and dependencies applied). FastAPI
-    >= 0.160 keeps included routers' state apart (route contexts); older ones (vLLM's environment
-    pins one) copy it into each APIRoute."""
-    try:
-        from fastapi.routing import iter_route_contexts
-    except ImportError:
-        return [route for route in app.routes if isinstance(route, APIRoute)]
-    return [ctx for ctx in iter_route_contexts(app.routes) if isinstance(ctx.original_route, APIRoute)]
+    """Every API route with its effective state (router prefix and dependencies applied; see
+    server.errors.all_routes for the FastAPI versions)."""
+    return [r for r in all_routes(app.routes) if isinstance(getattr(r, "original_route", r), APIRoute)]
 
 
 def dependency_calls(route: Any) -> set[Callable]:

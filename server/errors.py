@@ -132,14 +132,14 @@ def allowed_methods(app: Any, scope: dict) -> list[str]:
     """Every method some route serves at this scope's path (for the Allow header of a 405)."""
     methods: set[str] = set()
     path = scope.get("path", "")
-    for route in _routes(app.routes):
+    for route in all_routes(app.routes):
         regex = getattr(route, "path_regex", None)
         if regex is not None and regex.match(path):
             methods |= set(route.methods or ())
     return sorted(methods)
 
 
-def _routes(routes: list) -> list:
+def all_routes(routes: list) -> list:
     """Every route: FastAPI >= 0.160 keeps included routers apart (route contexts); older ones
     (vLLM's environment pins one) copy their routes into the app."""
     try:

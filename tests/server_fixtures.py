@@ -156,3 +156,20 @@ def vllm_python() -> Path | None:
 
     path = Path(os.environ.get("POLYSERVE_VLLM_PYTHON", Path(__file__).resolve().parents[1] / ".venv-vllm" / "bin" / "python"))
     return path if path.is_file() else None
+
+
+def require_vllm_and_backbone() -> Path:
+    """The vLLM environment's python for a test that runs real vLLM on the default backbone; skips
+    (saying why) where either is missing."""
+    import pytest
+
+    python = vllm_python()
+    if python is None:
+        pytest.skip("no vLLM environment: `make vllm-env` creates .venv-vllm (or set POLYSERVE_VLLM_PYTHON)")
+    from adapters_store.backbone import default_gguf_path
+
+    try:
+        default_gguf_path()
+    except FileNotFoundError as err:
+        pytest.skip(str(err))
+    return python

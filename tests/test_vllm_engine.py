@@ -26,7 +26,7 @@ from server.engines.request import SamplingParams
 from server.engines.vllm.loras import LoraDirectories, dir_name
 from server.engines.vllm.params import vllm_kwargs
 from server.engines.vllm_resolver import lora_int_id
-from tests.server_fixtures import build_store, free_port, settings_for, vllm_python
+from tests.server_fixtures import build_store, free_port, require_vllm_and_backbone, settings_for
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -134,15 +134,7 @@ def native_answers(tmp_path: Path) -> dict[tuple[str, str], str]:
 @pytest.mark.slow
 @pytest.mark.vllm
 def test_a_polyserve_server_on_the_vllm_engine(tmp_path):
-    python = vllm_python()
-    if python is None:
-        pytest.skip("no vLLM environment: `make vllm-env` creates .venv-vllm (or set POLYSERVE_VLLM_PYTHON)")
-    from adapters_store.backbone import default_gguf_path
-
-    try:
-        default_gguf_path()
-    except FileNotFoundError as err:
-        pytest.skip(str(err))
+    python = require_vllm_and_backbone()
     expected = native_answers(tmp_path)
     port = free_port()
     env = {**os.environ, "POLYSERVE_HOME": str(tmp_path / "home"), "POLYSERVE_ENGINE": "vllm",

@@ -24,7 +24,7 @@ from adapters_store.materialize import task_layers
 from adapters_store.peft_io import PREFIX
 from adapters_store.tiny import tiny_llama
 from server.engines.vllm_resolver import StoreResolver, lora_int_id
-from tests.server_fixtures import build_store, free_port, put_task, redis_up, vllm_python
+from tests.server_fixtures import build_store, free_port, put_task, redis_up, require_vllm_and_backbone
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -119,17 +119,11 @@ def test_adapters_come_through_redis_with_the_servers_keys(served_dir, tmp_path)
 @pytest.mark.slow
 @pytest.mark.vllm
 def test_vllms_own_server_answers_a_store_task_through_the_plugin(tmp_path):
-    python = vllm_python()
-    if python is None:
-        pytest.skip("no vLLM environment: `make vllm-env` creates .venv-vllm (or set POLYSERVE_VLLM_PYTHON)")
-    from adapters_store.backbone import default_gguf_path, hf_dir
+    python = require_vllm_and_backbone()
+    from adapters_store.backbone import hf_dir
     from adapters_store.store import Store
     from training.default_inventory import install_default_inventory
 
-    try:
-        default_gguf_path()
-    except FileNotFoundError as err:
-        pytest.skip(str(err))
     store = Store(tmp_path / "store")
     install_default_inventory(store)
     port = free_port()
