@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import Protocol
 
 import torch
 from torch import nn
@@ -36,11 +37,18 @@ class GatheredPlan:
     index: torch.Tensor
 
 
+class OwnPlan(Protocol):
+    """A plan that computes its rows' LoRA outputs itself (e.g. the serving engine's per-slot
+    tables over a flat batch of tokens): delta(layer, x) -> LoRA output of `layer` for x, or None."""
+
+    def delta(self, layer: int, x: torch.Tensor) -> torch.Tensor | None: ...
+
+
 class AdapterBatch:
     """Row -> adapter assignment of the next forward(s), shared by all layers of one model."""
 
     def __init__(self) -> None:
-        self.plan: SkillSpacePlan | GatheredPlan | None = None
+        self.plan: SkillSpacePlan | GatheredPlan | OwnPlan | None = None
         self._expanded: dict[int, SkillSpacePlan | GatheredPlan] = {}
 
     @property
@@ -51,7 +59,7 @@ class AdapterBatch:
             return self.plan.index.shape[0]
         return 0
 
-    def set(self, plan: SkillSpacePlan | GatheredPlan | None) -> None:
+    def set(self, plan: SkillSpacePlan | GatheredPlan | OwnPlan | None) -> None:
         self.plan = plan
         self._expanded = {}
 
@@ -61,7 +69,7 @@ class AdapterBatch:
     def _plan_for(self, n: int) -> SkillSpacePlan | GatheredPlan:
         """The plan for a forward of n rows; n = k * rows means each row was repeated k times in
         place (HF's repeat_interleave for beams / return sequences)."""
-        assert self.plan is not None
+        assert isinstance(self.plan, (SkillSpacePlan, GatheredPlan))
         rows = self.rows
         if n == rows:
             return self.plan
@@ -82,6 +90,8 @@ class AdapterBatch:
         """LoRA output of `layer` for x (N, T, d_in) or (N, d_in), or None when no plan is set."""
         if self.plan is None:
             return None
+        if not isinstance(self.plan, (SkillSpacePlan, GatheredPlan)):
+            return self.plan.delta(layer, x)
         squeeze = x.dim() == 2
         x3 = x.unsqueeze(1) if squeeze else x
         plan = self._plan_for(x3.shape[0])

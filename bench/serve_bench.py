@@ -4,8 +4,8 @@
     (b) the same engine with adapters off (bare backbone: every row is `base`)
     (c) PEFT's Poly model + transformers `generate`, static batches of mixed task_ids
     (d) the same engine restricted to one task per batch (tasks served one after another)
-    (u) = (a), (v) = (b) with the backbone's packed oneDNN weights bypassed (the dense F.linear
-        path the engine used before server/engines/native/packed.py)
+    (u) = (a), (v) = (b) served in float32 (a second engine; the others serve in --dtype, auto =
+        bfloat16 on CPUs with AMX)
     (e) vLLM with the workload's tasks exported as PEFT LoRAs (the peer), float32; (E) bfloat16
     (f) vLLM bare backbone, float32; (F) bfloat16
         run by bench/vllm_peer.py in a vLLM environment (`make vllm-env`, or --vllm-python) on the
@@ -51,8 +51,8 @@ from adapters_store.spec import ATTENTION_TARGETS, InventorySpec
 from adapters_store.store import Store
 from server.adapters.cache import AdapterCache
 from server.adapters.l1 import L1Cache
-from server.engines.native import packed
 from server.engines.native.engine import NativeEngine as Engine
+from server.engines.native.executor import serving_dtype
 from server.engines.request import FinalEvent, GenRequest, RequestHandle, SamplingParams
 from training.prompt import format_prompt
 
@@ -72,8 +72,10 @@ class TimedHandle(RequestHandle):
 def workload(n: int, tasks: list[str], out_min: int, out_max: int, seed: int,
              dist: str = "uniform") -> list[tuple[str, str, int]]:
     """(task, prompt, output length): prompts of 4-48 words; output lengths uniform or
-    log-uniform (heavy-tailed, like chat traffic: many short answers, a few long ones)."""
+    log-uniform (heavy-tailed, like chat traffic: many short answers, a few long ones). Tasks are
+    drawn from their own generator, so every task count gets the same prompts and lengths."""
     rng = random.Random(seed)
+    task_rng = random.Random(seed + 1)
     jobs = []
     for _ in range(n):
         words = " ".join(rng.choice(WORDS) for _ in range(rng.randint(4, 48)))
@@ -81,7 +83,7 @@ def workload(n: int, tasks: list[str], out_min: int, out_max: int, seed: int,
             out = round(math.exp(rng.uniform(math.log(out_min), math.log(out_max))))
         else:
             out = rng.randint(out_min, out_max)
-        jobs.append((rng.choice(tasks), format_prompt(words), out))
+        jobs.append((task_rng.choice(tasks), format_prompt(words), out))
     return jobs
 
 
@@ -257,31 +259,41 @@ def main() -> None:
     ap.add_argument("--out-dist", choices=["uniform", "loguniform"], default="uniform")
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--device", default="cpu", help="cpu | cuda (a, b, c, d run there; see bench/gpu_bench.sh)")
-    ap.add_argument("--dtype", default="float32", help="the backbone's dtype (bfloat16 on CUDA)")
+    ap.add_argument("--dtype", default="auto", help="the engine's serving dtype: auto (bfloat16 on CUDA and "
+                    "AMX CPUs, else float32), float32, bfloat16")
+    ap.add_argument("--max-step-tokens", type=int, default=256, help="tokens per engine step (chunked prefill)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--variants", default="abcd", help="letters run in this order; a repeated letter is "
                     "run again and averaged (e.g. abcab interleaves to even out a shared machine's drift)")
-    ap.add_argument("--skill-space-min-tasks", type=int, default=0)
     ap.add_argument("--json", type=Path, help="also write the results here")
     ap.add_argument("--vllm-python", type=Path, default=Path(os.environ.get(
         "POLYSERVE_VLLM_PYTHON", Path(__file__).resolve().parents[1] / ".venv-vllm" / "bin" / "python")),
         help="python of a vLLM environment for the variants e/f/E/F/g/G")
     ap.add_argument("--packed-weights", choices=["auto", "on", "off"], default="auto",
-                    help="the engine's POLYSERVE_PACKED_WEIGHTS (u and v need it on)")
+                    help="the engine's POLYSERVE_PACKED_WEIGHTS")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
 
-    bb = load_backbone(args.backbone, device=args.device, dtype=args.dtype)
+    dtype = serving_dtype(args.device, None if args.dtype == "auto" else args.dtype)
+    bb = load_backbone(args.backbone, device=args.device, dtype="float32" if args.device == "cpu" else str(dtype)[6:])
     tmp = Path(tempfile.mkdtemp(prefix="polyserve-bench-"))
     store, rm, pm, tasks = build_inventory(bb, args.tasks, tmp / "store", args.seed)
     info, skills = store.load_inventory(bb.fingerprint)
     cache = AdapterCache(store, info, skills, fingerprint=bb.fingerprint, device=bb.device,
                          dtype=next(bb.model.parameters()).dtype, l1=L1Cache(4 << 30))
     adapters = {t: cache.get(store.get_task(t)) for t in tasks}  # a warm L1 (steady state)
-    engine = Engine(bb.model, bb.tokenizer, rm, max_batch_rows=args.batch, max_batch_tokens=1 << 20,
-                    max_prefill_rows=args.batch, max_queue=1 << 16, skill_space_min_tasks=args.skill_space_min_tasks,
-                    packed_weights=packed.wanted(args.packed_weights, args.device, args.dtype))
-    engine.start()
+    packed = {"auto": None, "on": True, "off": False}[args.packed_weights]
+
+    def new_engine(serving: torch.dtype) -> Engine:
+        eng = Engine(bb.model, bb.tokenizer, rm, max_batch_rows=args.batch, max_batch_tokens=1 << 20,
+                     max_prefill_rows=args.batch, max_queue=1 << 16, max_step_tokens=args.max_step_tokens,
+                     dtype=serving, packed_weights=packed)
+        eng.start()
+        return eng
+
+    engine = new_engine(dtype)
+    fp32_engine: Engine | None = None
+    print(f"engine: {engine.executor.name} executor, {dtype}, {args.max_step_tokens} tokens per step", flush=True)
     jobs = workload(args.requests, tasks, args.out_min, args.out_max, args.seed, args.out_dist)
     run_engine(engine, bb.tokenizer, jobs[:4], adapters, "warm-up")
 
@@ -294,10 +306,11 @@ def main() -> None:
         elif v == "c":
             results.append(run_peft(pm, bb.tokenizer, jobs, tasks, args.batch))
         elif v in "uv":
-            packed.set_packed(bb.model, False)
-            name = "(u) engine, dense weights" if v == "u" else "(v) engine, adapters off, dense weights"
-            results.append(run_engine(engine, bb.tokenizer, jobs, adapters, name, base=v == "v"))
-            packed.set_packed(bb.model, True)
+            if fp32_engine is None:
+                fp32_engine = new_engine(torch.float32)
+                run_engine(fp32_engine, bb.tokenizer, jobs[:4], adapters, "warm-up")
+            name = "(u) engine, float32" if v == "u" else "(v) engine, adapters off, float32"
+            results.append(run_engine(fp32_engine, bb.tokenizer, jobs, adapters, name, base=v == "v"))
         elif v in "efEFgG":
             results.append(run_vllm(args, v, store, jobs, tmp))
         elif v == "d":
@@ -307,6 +320,8 @@ def main() -> None:
         print(f"{r['variant']:45s} {r['tok_per_s']:8.1f} tok/s  TTFT p50 {r['ttft_p50']:.2f}s p99 {r['ttft_p99']:.2f}s"
               f"  ITL p50 {1000 * r['itl_p50']:.0f}ms p99 {1000 * r['itl_p99']:.0f}ms  ({r['wall_s']:.0f}s)", flush=True)
     engine.stop()
+    if fp32_engine is not None:
+        fp32_engine.stop()
     results = merge_repeats(results)
     if len(args.variants) > len(set(args.variants)):
         for r in results:
@@ -318,7 +333,7 @@ def main() -> None:
     for x, y in pairs:
         if x in by and y in by:
             print(f"({x})/({y}) output tokens/s ratio: {by[x] / by[y]:.2f}")
-    print(f"plan rebuilds {engine.planner.rebuilds}, decode steps {engine.steps}, path {engine.planner.last_path}")
+    print(f"engine steps {engine.steps}")
     if args.json:
         args.json.write_text(json.dumps({"args": vars(args), "results": results}, indent=2, default=str))
 

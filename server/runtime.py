@@ -66,7 +66,7 @@ class Runtime:
         if settings.threads:
             torch.set_num_threads(settings.threads)
         log.info("torch threads: %d; OpenMP spin: %s", torch.get_num_threads(), openmp.state())
-        bb = backbone or load_backbone(settings.backbone, device=settings.device, dtype=settings.torch_dtype)
+        bb = backbone or load_backbone(settings.backbone, device=settings.device, dtype=settings.backbone_dtype)
         store = Store(settings.store_dir)
         _maybe_install_default_inventory(store, settings.backbone)
         routed, cache, l2 = None, None, None

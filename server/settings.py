@@ -26,11 +26,14 @@ class Settings(BaseSettings):
     engine: Literal["native", "vllm"] = "native"  # the data plane (server.engines)
     device: str = "cpu"
     threads: int | None = Field(default=None, ge=1)  # torch intra-op threads (None = torch's default)
-    dtype: str | None = None  # default: float32 on CPU, bfloat16 on CUDA
+    # serving dtype: auto = bfloat16 on CUDA and on CPUs with AMX, float32 elsewhere (engines/native/executor.py)
+    dtype: str | None = None
     # vllm engine: other vLLM engine arguments as a JSON object, e.g. {"tensor_parallel_size": 2}
     vllm_args: Annotated[dict[str, Any], NoDecode] = Field(default_factory=dict)
-    # native engine: backbone linears packed once for oneDNN (auto = float32 on CPU; +1 weight copy)
+    # native engine: the executor's linears packed once for oneDNN (auto = on CPU where oneDNN has the ops)
     packed_weights: Literal["auto", "on", "off"] = "auto"
+    # native engine: llama = its own fused forward (Llama-family), hf = the model's forward on flat steps
+    native_executor: Literal["auto", "llama", "hf"] = "auto"
     redis_url: str | None = None  # unset = no L2 cache
     redis_prefix: str = "polyserve"
     redis_ttl_seconds: int = Field(default=24 * 3600, ge=1)
@@ -47,7 +50,9 @@ class Settings(BaseSettings):
     # limits
     max_batch_rows: int = Field(default=32, ge=1)
     max_batch_tokens: int = Field(default=16384, ge=16)  # prompt + max_new tokens of the rows in flight
-    max_prefill_rows: int = Field(default=16, ge=1)  # new rows joining in one prefill forward
+    max_prefill_rows: int = Field(default=16, ge=1)  # requests admitted in one step
+    # tokens in one forward: every decoding row's next token + prompt chunks (chunked prefill)
+    max_step_tokens: int = Field(default=256, ge=2)
     max_queue: int = Field(default=256, ge=0)
     max_prompt_tokens: int = Field(default=2048, ge=1)
     max_new_tokens: int = Field(default=1024, ge=1)
@@ -59,10 +64,6 @@ class Settings(BaseSettings):
     max_stop_strings: int = Field(default=8, ge=0)
     max_n: int = Field(default=8, ge=1)  # choices per request (OpenAI `n`)
     l1_cache_bytes: int = Field(default=1 << 30, ge=0)
-    # cost rule: skill-space path when distinct adapted tasks in a batch >= this; 0 = auto (see planner)
-    skill_space_min_tasks: int = Field(default=0, ge=0)
-    compact_min_padding: float = Field(default=0.25, ge=0.0, le=1.0)  # trim KV when >= this is padding
-    prefill_padding: float = Field(default=0.25, ge=0.0)  # padding slack within one prefill forward
     warmup: bool = True
     # while requests are in flight, adaptation jobs get at most this share of the engine's time
     background_share: float = Field(default=0.2, gt=0, le=1)
@@ -99,16 +100,17 @@ class Settings(BaseSettings):
     @field_validator("dtype")
     @classmethod
     def _check_dtype(cls, value: str | None) -> str | None:
-        if value is not None and value not in ("float32", "bfloat16", "float16"):
-            raise ValueError(f"dtype must be float32, bfloat16 or float16, got {value!r}")
-        return value
+        if value is not None and value not in ("auto", "float32", "bfloat16", "float16"):
+            raise ValueError(f"dtype must be auto, float32, bfloat16 or float16, got {value!r}")
+        return None if value == "auto" else value
 
     @model_validator(mode="after")
     def _defaults(self) -> Settings:
         if self.store is None:
             self.store = self.home / "store"
-        if self.dtype is None:
-            self.dtype = "bfloat16" if self.device.startswith("cuda") else "float32"
+        if self.max_step_tokens <= self.max_batch_rows:
+            raise ValueError(f"max_step_tokens ({self.max_step_tokens}) must exceed max_batch_rows "
+                             f"({self.max_batch_rows}): a step holds every decoding row's token and prompt chunks")
         return self
 
     @property
@@ -117,6 +119,16 @@ class Settings(BaseSettings):
         return self.store.expanduser()
 
     @property
-    def torch_dtype(self) -> str:
-        assert self.dtype is not None
-        return self.dtype
+    def serving_dtype(self) -> str:
+        """What the engine computes in: the setting, or auto (bf16 on CUDA and AMX CPUs, else fp32)."""
+        if self.dtype is not None:
+            return self.dtype
+        from training.precision import bf16_is_fast
+
+        return "bfloat16" if bf16_is_fast(self.device) else "float32"
+
+    @property
+    def backbone_dtype(self) -> str:
+        """The loaded Hugging Face model's dtype (adaptation jobs train on it): float32 on CPU (the
+        native engine keeps its own copy in the serving dtype), the serving dtype elsewhere."""
+        return "float32" if self.device == "cpu" else self.serving_dtype

@@ -29,21 +29,21 @@ def slow_engine(server, delay: float = 0.01, fail_after: int | None = None):
     fail_after, the decode step raises after that many steps (an engine bug)."""
     engine = server.runtime.engine
     eos, engine.eos_ids = engine.eos_ids, frozenset()
-    decode, steps = engine._decode, [0]
+    run_step, steps = engine._run_step, [0]
 
-    def patched() -> None:
+    def patched(items, owners) -> None:
         steps[0] += 1
         if fail_after is not None and steps[0] > fail_after:
             raise RuntimeError("injected engine failure")
         time.sleep(delay)
-        decode()
+        run_step(items, owners)
 
-    engine._decode = patched
+    engine._run_step = patched
     try:
         yield engine
     finally:
         engine.eos_ids = eos
-        del engine._decode
+        del engine._run_step
 
 
 def wait_idle(engine, timeout: float = 10.0) -> None:
@@ -119,9 +119,9 @@ def test_non_streaming_disconnect_cancels_the_row(server):
             sock.sendall(b"POST /v1/generate HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
                          + f"Content-Length: {len(payload)}\r\n\r\n".encode() + payload)
             deadline = time.time() + 5
-            while engine.running == 0 and time.time() < deadline:
+            while not engine.rows and time.time() < deadline:
                 time.sleep(0.005)
-            row = engine.batch.rows[0]
+            row = engine.rows[0]
         deadline = time.time() + 5
         while row.finish is None and time.time() < deadline:
             time.sleep(0.005)

@@ -58,10 +58,13 @@ def jobs8():
     return [(PROMPTS[i], tasks[i % len(tasks)]) for i in range(8)]
 
 
-@pytest.mark.parametrize("threshold", [0, 1], ids=["gathered", "skill-space"])
-def test_mixed_batch_equals_solo_greedy(setup, threshold):
+@pytest.mark.parametrize("kind,step_tokens", [("llama", 256), ("llama", 12), ("hf", 256), ("hf", 12)],
+                         ids=["llama", "llama-chunked", "hf", "hf-chunked"])
+def test_mixed_batch_equals_solo_greedy(setup, kind, step_tokens):
+    """Rows of different tasks (and base) in one forward give each row its solo answer, on both
+    executors; with 12 tokens a step, prompts are prefilled in chunks beside decoding rows."""
     bb, _, adapters = setup
-    engine = make_engine(setup, skill_space_min_tasks=threshold)
+    engine = make_engine(setup, executor_kind=kind, max_step_tokens=step_tokens, max_batch_rows=8)
     try:
         solo = [run(engine, bb.tokenizer, [job], adapters)[0] for job in jobs8()]
         together = run(engine, bb.tokenizer, jobs8(), adapters)
@@ -156,19 +159,21 @@ def test_row_and_token_budgets_bound_the_batch(setup, rows, tokens, expect_rows)
     bb, _, adapters = setup
     engine = make_engine(setup, max_batch_rows=rows, max_batch_tokens=tokens)
     seen = []
-    orig = engine.runner.decode
+    orig = engine.executor.forward
 
     def spy(batch):
-        seen.append((len(batch.rows), sum(r.req.budget_tokens for r in batch.rows)))
+        reqs = [r.req for r in engine.rows] + [p.req for p in engine.prefills]
+        seen.append((engine.running, sum(r.budget_tokens for r in reqs), len(batch.items)))
         return orig(batch)
 
-    engine.runner.decode = spy
+    engine.executor.forward = spy
     try:
         out = run(engine, bb.tokenizer, jobs8(), adapters, SamplingParams(max_new_tokens=40, ignore_eos=True))
     finally:
         engine.stop()
-    assert max(n for n, _ in seen) == expect_rows
-    assert max(t for _, t in seen) <= tokens
+    assert max(n for n, _, _ in seen) == expect_rows
+    assert max(t for _, t, _ in seen) <= tokens
+    assert max(items for _, _, items in seen) == expect_rows
     assert all(f.completion_tokens == 40 for _, f in out)
 
 

@@ -25,29 +25,29 @@ PROMPTS = ["hello world", "a", "the quick brown fox", "0123456789", "xyz", "poly
 
 
 class Poisoned:
-    """The model, except: a forward raises (after running, so the KV cache has already grown:
-    the engine must roll it back) if any row's input holds a token of `raise_on`, and
-    returns NaN logits for the rows holding a token of `nan_on`. `fail(input_ids, decode)` adds
-    other failures (decode: the forward extends a cache rather than prefilling)."""
+    """The executor's forward, except: it raises (after running, so the KV slots have already been
+    written: the engine must not commit them) if any item of the step holds a token of
+    `raise_on`, and returns NaN logits for the items holding a token of `nan_on`.
+    `fail(batch, decode)` adds other failures (decode: the step extends rows rather than only
+    prefilling prompts)."""
 
-    def __init__(self, model, raise_on=(), nan_on=(), fail=None) -> None:
-        self.model, self.raise_on, self.nan_on, self.fail = model, set(raise_on), set(nan_on), fail
+    def __init__(self, engine, raise_on=(), nan_on=(), fail=None) -> None:
+        self.forward = engine.executor.forward
+        self.raise_on, self.nan_on, self.fail = set(raise_on), set(nan_on), fail
         self.decodes = 0
+        engine.executor.forward = self
 
-    def __getattr__(self, name):
-        return getattr(self.model, name)
-
-    def __call__(self, input_ids, **kwargs):
-        decode = kwargs["past_key_values"].get_seq_length() > 0
+    def __call__(self, batch):
+        decode = any(it.start > 0 and len(it.tokens) == 1 for it in batch.items)
         self.decodes += decode
-        out = self.model(input_ids=input_ids, **kwargs)  # first, so a failure leaves a grown KV cache
-        if set(input_ids.flatten().tolist()) & self.raise_on:
+        out = self.forward(batch)  # first, so a failure leaves written KV positions behind
+        if set(batch.tokens.tolist()) & self.raise_on:
             raise RuntimeError("poisoned row in the batch")
-        if self.fail is not None and self.fail(input_ids, decode):
+        if self.fail is not None and self.fail(batch, decode):
             raise RuntimeError("injected failure")
-        for token in self.nan_on:
-            rows = (input_ids == token).any(dim=-1)
-            out.logits[rows] = float("nan")
+        for j, item in enumerate(batch.items):
+            if set(item.tokens) & self.nan_on:
+                out[batch.logit_rows[j]] = float("nan")
         return out
 
 
@@ -97,9 +97,8 @@ def assert_failed(choices, n: int = 1) -> None:
 
 def test_a_prompt_that_breaks_the_prefill_fails_alone(world, tiny_base, tokenizer, one_thread):
     solo, (poison, _, _) = world
-    model = Poisoned(tiny_base, raise_on={poison})
-    eng = engine_with(model, tokenizer)
-    eng.runner.model = model
+    eng = engine_with(tiny_base, tokenizer)
+    Poisoned(eng, raise_on={poison})
     bad = GenRequest(ids(tokenizer, "poisoned") + [poison], dataclasses.replace(GREEDY, n=2))
     good, bad_out = run_together(eng, tokenizer, bad)
     assert good == solo
@@ -109,9 +108,8 @@ def test_a_prompt_that_breaks_the_prefill_fails_alone(world, tiny_base, tokenize
 
 def test_a_row_that_breaks_the_decode_fails_alone(world, tiny_base, tokenizer, one_thread):
     solo, (poison, _, _) = world
-    model = Poisoned(tiny_base, raise_on={poison})
-    eng = engine_with(model, tokenizer)
-    eng.runner.model = model
+    eng = engine_with(tiny_base, tokenizer)
+    Poisoned(eng, raise_on={poison})
     # its prompt is clean; logit_bias makes it generate the poison, which the next decode reads
     bad = GenRequest(ids(tokenizer, "decodes poison"), dataclasses.replace(GREEDY, logit_bias=((poison, 100.0),)))
     good, bad_out = run_together(eng, tokenizer, bad)
@@ -122,9 +120,8 @@ def test_a_row_that_breaks_the_decode_fails_alone(world, tiny_base, tokenizer, o
 
 def test_nan_logits_fail_only_their_row(world, tiny_base, tokenizer, one_thread):
     solo, (_, nan_token, _) = world
-    model = Poisoned(tiny_base, nan_on={nan_token})
-    eng = engine_with(model, tokenizer)
-    eng.runner.model = model
+    eng = engine_with(tiny_base, tokenizer)
+    Poisoned(eng, nan_on={nan_token})
     sampled = SamplingParams(max_new_tokens=12, temperature=1.0, seed=1)
     bad = GenRequest(ids(tokenizer, "nan") + [nan_token], sampled)
     good, bad_out = run_together(eng, tokenizer, bad)
@@ -174,15 +171,14 @@ def test_a_transient_decode_failure_fails_nobody(world, tiny_base, tokenizer, on
     solo, _ = world
     armed = [True]
 
-    def once(input_ids, decode):
+    def once(batch, decode):
         if decode and armed[0]:  # the first decode step only
             armed[0] = False
             return True
         return False
 
-    model = Poisoned(tiny_base, fail=once)
-    eng = engine_with(model, tokenizer)
-    eng.runner.model = model
+    eng = engine_with(tiny_base, tokenizer)
+    Poisoned(eng, fail=once)
     reqs = [submit(eng, tokenizer, p, GREEDY) for p in PROMPTS]
     eng.start()
     try:
@@ -196,9 +192,8 @@ def test_a_transient_decode_failure_fails_nobody(world, tiny_base, tokenizer, on
 def test_a_failure_that_needs_several_rows_fails_those_rows_and_the_engine_goes_on(world, tiny_base, tokenizer,
                                                                                    one_thread):
     solo, _ = world
-    model = Poisoned(tiny_base, fail=lambda input_ids, decode: decode and input_ids.shape[0] > 2)
-    eng = engine_with(model, tokenizer)
-    eng.runner.model = model
+    eng = engine_with(tiny_base, tokenizer)
+    Poisoned(eng, fail=lambda batch, decode: decode and len(batch.items) > 2)
     reqs = [submit(eng, tokenizer, p, GREEDY) for p in PROMPTS[:4]]
     eng.start()
     try:
@@ -212,20 +207,22 @@ def test_a_failure_that_needs_several_rows_fails_those_rows_and_the_engine_goes_
 
 def test_a_crashing_step_fails_the_rows_in_flight_and_serves_the_queue(world, tiny_base, tokenizer, one_thread,
                                                                         monkeypatch):
-    """Last resort: a bug outside the isolated parts (here: merging prefilled rows into the
-    batch). Rows in flight and rows mid-prefill get error finals; the engine serves on."""
+    """Last resort: a bug outside the isolated parts (here: laying out a step's batch). Rows in
+    flight and requests mid-prefill get error finals; the engine serves on."""
     solo, _ = world
     armed = threading.Event()
-    extend = engine_module.RunningBatch.extend
+    build = engine_module.StepBatch.build
 
-    def broken(self, rows, cache, mask):
-        if armed.is_set():
+    def broken(items, device="cpu"):
+        if armed.is_set() and any(it.start > 0 for it in items):  # once rows are decoding
             armed.clear()
-            raise RuntimeError("bug while merging")
-        return extend(self, rows, cache, mask)
+            raise RuntimeError("bug while laying out the step")
+        return build(items, device)
 
-    monkeypatch.setattr(engine_module.RunningBatch, "extend", broken)
-    eng = engine_with(tiny_base, tokenizer)
+    monkeypatch.setattr(engine_module.StepBatch, "build", broken)
+    # 20 tokens a step: the first step prefills two prompts and part of the third, so the crash
+    # (second step) finds rows decoding and a request mid-prefill
+    eng = engine_with(tiny_base, tokenizer, max_step_tokens=20, max_batch_rows=8)
     armed.set()
     first = [submit(eng, tokenizer, p, dataclasses.replace(GREEDY, n=2)) for p in PROMPTS[:3]]
     eng.start()
@@ -236,6 +233,8 @@ def test_a_crashing_step_fails_the_rows_in_flight_and_serves_the_queue(world, ti
         eng.stop()
     for choices in failed:
         assert_failed(choices, n=2)
+    assert [c.final.completion_tokens for c in failed[2]] == [0, 0]  # failed mid-prefill
+    assert all(c.final.completion_tokens == 1 for r in failed[:2] for c in r)  # failed while decoding
     assert {p: o[0].key for p, o in zip(PROMPTS, served, strict=True)} == solo
     assert len(eng.ledger) == 0
 
@@ -291,9 +290,8 @@ def test_stop_answers_running_and_waiting_requests_once_per_choice(tiny_base, to
 def test_poisoned_decode_is_isolated_by_bisection_not_row_by_row(world, tiny_base, tokenizer, one_thread):
     """With 16 rows and one culprit, isolating costs O(log n) extra forwards, not n."""
     _, (poison, _, _) = world
-    model = Poisoned(tiny_base, raise_on={poison})
-    eng = engine_with(model, tokenizer)
-    eng.runner.model = model
+    eng = engine_with(tiny_base, tokenizer)
+    model = Poisoned(eng, raise_on={poison})
     params = dataclasses.replace(GREEDY, max_new_tokens=2)
     reqs = [submit(eng, tokenizer, f"row {i}", params) for i in range(15)]
     reqs.append(submit(eng, tokenizer, "bad", dataclasses.replace(params, logit_bias=((poison, 100.0),))))

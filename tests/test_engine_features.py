@@ -80,17 +80,26 @@ def test_n_seeded_choices_are_reproducible_distinct_and_use_seed_plus_index(engi
         assert alone[0].key == choice.key
 
 
-def test_n_choices_share_one_prefill_row(engine, tokenizer):
+def spy_forwards(engine) -> list:
+    """Record every step batch the engine's executor runs."""
     seen = []
-    prefill = engine.runner.prefill
+    forward = engine.executor.forward
 
-    def spy(reqs, hidden=False):
-        seen.append(len(reqs))
-        return prefill(reqs, hidden)
+    def spy(batch):
+        seen.append(batch)
+        return forward(batch)
 
-    engine.runner.prefill = spy
-    run(engine, tokenizer, "fork me", dataclasses.replace(GREEDY, n=4))
-    assert seen == [1]
+    engine.executor.forward = spy
+    return seen
+
+
+def test_n_choices_share_one_prefill_row(engine, tokenizer):
+    seen = spy_forwards(engine)
+    out = run(engine, tokenizer, "fork me", dataclasses.replace(GREEDY, n=4))
+    prompt = [it for batch in seen for it in batch.items if it.start == 0]
+    assert len(prompt) == 1 and len(prompt[0].tokens) == len(ids_of(tokenizer, "fork me"))
+    assert max(len(batch.items) for batch in seen) == 4  # then four rows decode
+    assert len({c.text for c in out}) == 1
 
 
 def test_cancel_ends_every_choice(engine, tokenizer):
@@ -111,13 +120,13 @@ def test_cancel_ends_every_choice(engine, tokenizer):
 def test_admission_counts_every_choice_as_a_row(tiny_base, tokenizer, one_thread):
     eng = NativeEngine(tiny_base, tokenizer, max_batch_rows=4)
     seen = []
-    decode = eng.runner.decode
+    forward = eng.executor.forward
 
     def spy(batch):
-        seen.append(len(batch.rows))
-        return decode(batch)
+        seen.append(eng.running)
+        return forward(batch)
 
-    eng.runner.decode = spy
+    eng.executor.forward = spy
     with pytest.raises(ValueError, match="n: 5 choices"):
         submit(eng, tokenizer, "x", dataclasses.replace(GREEDY, n=5))
     reqs = [submit(eng, tokenizer, p, dataclasses.replace(GREEDY, n=3)) for p in ("one", "two")]
@@ -157,19 +166,18 @@ def test_eos_token_is_counted_and_reported(engine, tokenizer):
     assert final.logprobs is not None and [lp.token_id for lp in final.logprobs] == [eos]
 
 
-def test_prompt_logprobs_equal_a_plain_forward(engine, tokenizer, tiny_base):
+@pytest.mark.parametrize("step_tokens", [256, 7], ids=["one-chunk", "chunked"])
+def test_prompt_logprobs_equal_a_plain_forward(tiny_base, tokenizer, one_thread, step_tokens):
     ids = ids_of(tokenizer, "the quick brown fox")
-    seen = []
-    prefill = engine.runner.prefill
-
-    def spy(reqs, hidden=False):
-        seen.append((len(reqs), hidden))
-        return prefill(reqs, hidden)
-
-    engine.runner.prefill = spy
+    engine = NativeEngine(tiny_base, tokenizer, max_step_tokens=step_tokens, max_batch_rows=4)
+    seen = spy_forwards(engine)
     asking = dataclasses.replace(GREEDY, max_new_tokens=4, prompt_logprobs=2, n=2)
     reqs = [submit(engine, tokenizer, ids, asking), submit(engine, tokenizer, "other", GREEDY)]
-    out = wait_all(reqs)
+    engine.start()
+    try:
+        out = wait_all(reqs)
+    finally:
+        engine.stop()
     ref = plain_logprobs(tiny_base, ids)
     for choice in out[0]:
         plp = choice.final.prompt_logprobs
@@ -180,7 +188,12 @@ def test_prompt_logprobs_equal_a_plain_forward(engine, tokenizer, tiny_base):
             assert entry.logprob == pytest.approx(float(ref[i - 1, ids[i]]), abs=1e-4)
             assert [t for t, _ in entry.top] == ref[i - 1].topk(2).indices.tolist()
     assert out[1][0].final.prompt_logprobs is None
-    assert sorted(seen) == [(1, False), (1, True)]  # the asking request prefills alone, keeping hidden states
+    # logits of every prompt position of the asking request only (the other: its last position)
+    prompt_items = [(it, batch.logit_rows[j]) for batch in seen for j, it in enumerate(batch.items) if it.logits != "last"
+                    or len(it.tokens) > 1]
+    asked = sum(r.stop - r.start for it, r in prompt_items if it.logits == "all")
+    assert asked == len(ids)
+    assert len([it for it, _ in prompt_items if it.logits == "all"]) == (1 if step_tokens > len(ids) else 3)
 
 
 # -- penalties and bias --------------------------------------------------------------------------

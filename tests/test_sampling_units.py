@@ -10,7 +10,7 @@ import torch
 
 from server.engines.native.isolate import find_culprits
 from server.engines.native.ledger import FinalLedger
-from server.engines.native.logprobs import prompt_logprobs, token_logprobs
+from server.engines.native.logprobs import prompt_chunk_logprobs, token_logprobs
 from server.engines.native.processors import RowProcessors, apply_penalties, apply_processors
 from server.engines.native.sampling import (
     RowSampler,
@@ -143,24 +143,22 @@ def test_token_logprobs_are_raw_log_softmax_with_sorted_top_k():
 
 @pytest.mark.parametrize("chunk", [1, 3, 100])
 def test_prompt_logprobs_equal_full_log_softmax_whatever_the_chunk(chunk):
+    """The engine prefills a prompt in chunks; the chunks' entries concatenate to the entries of
+    one log_softmax over the whole prompt (position i - 1 predicts token i; the last position
+    predicts a generated token, not a prompt token)."""
     gen = torch.Generator().manual_seed(4)
-    hidden = torch.randn(7, 5, generator=gen)
-    weight = torch.randn(V, 5, generator=gen)
-
-    def head(h):
-        return h @ weight.T
-
     ids = [3, 1, 4, 1, 5, 9, 2]
-    out = prompt_logprobs(hidden, head, ids, 2, last_logits=head(hidden)[-1], chunk=chunk)
-    ref = torch.log_softmax(head(hidden), -1)
-    assert out[0] is None and len(out) == len(ids)
+    logits = torch.randn(len(ids), V, generator=gen)
+    out: list = [None]
+    for start in range(0, len(ids), chunk):
+        out += prompt_chunk_logprobs(logits[start : start + chunk], ids, start, 2)
+    ref = torch.log_softmax(logits, -1)
+    assert len(out) == len(ids)
     for i in range(1, len(ids)):
         entry = out[i]
         assert entry is not None and entry.token_id == ids[i]
         assert entry.logprob == pytest.approx(float(ref[i - 1, ids[i]]), abs=1e-5)
         assert [t for t, _ in entry.top] == ref[i - 1].topk(2).indices.tolist()
-    with pytest.raises(ValueError, match="post-processes"):  # e.g. a soft-capped head
-        prompt_logprobs(hidden, head, ids, 0, last_logits=torch.tanh(head(hidden)[-1]))
 
 
 def test_infinite_logits_share_the_mass_and_nan_fails():

@@ -114,13 +114,13 @@ def test_completions_feed_the_prompt_verbatim(client):
 def test_disconnect_cancels_the_row(server):
     engine = server.runtime.engine
     eos, engine.eos_ids = engine.eos_ids, frozenset()  # the random model must not stop on its own
-    decode = engine._decode
+    run_step = engine._run_step
 
-    def slow_decode() -> None:  # the tiny model decodes 500 tokens in well under a second: the row
-        time.sleep(0.01)  # must still be running when the client goes away (>= 5 s for 500 steps)
-        decode()
+    def slow_step(items, owners) -> None:  # the tiny model decodes 500 tokens in well under a second: the
+        time.sleep(0.01)  # row must still be running when the client goes away (>= 5 s for 500 steps)
+        run_step(items, owners)
 
-    engine._decode = slow_decode
+    engine._run_step = slow_step
     try:
         with httpx.Client(base_url=server.url, timeout=30) as c, \
                 c.stream("POST", "/v1/generate", json=body(0, max_new_tokens=500, stream=True)) as r:
@@ -128,9 +128,9 @@ def test_disconnect_cancels_the_row(server):
                 if line.startswith("data: "):
                     break
             deadline = time.time() + 5
-            while engine.running == 0 and time.time() < deadline:
+            while not engine.rows and time.time() < deadline:
                 time.sleep(0.005)
-            row = engine.batch.rows[0]
+            row = engine.rows[0]
         deadline = time.time() + 5
         while row.finish is None and time.time() < deadline:
             time.sleep(0.005)
@@ -140,7 +140,7 @@ def test_disconnect_cancels_the_row(server):
         assert engine.running == 0
     finally:
         engine.eos_ids = eos
-        del engine._decode  # back to the class's method
+        del engine._run_step  # back to the class's method
 
 
 def test_errors_have_the_contract_shape(client):

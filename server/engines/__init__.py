@@ -18,16 +18,16 @@ def build_engine(settings: Any, backbone: Any, routed: Any, metrics: Any, invent
     routed: the RoutedModel on backbone.model (None without an inventory); inventory: its
     InventoryInfo (the vLLM engine writes tasks as PEFT LoRAs of that shape)."""
     if settings.engine == "native":
-        from server.engines.native import packed
         from server.engines.native.engine import NativeEngine
+        from server.engines.native.executor import serving_dtype
 
         return NativeEngine(
             backbone.model, backbone.tokenizer, routed, max_batch_rows=settings.max_batch_rows,
             max_batch_tokens=settings.max_batch_tokens, max_prefill_rows=settings.max_prefill_rows,
-            max_queue=settings.max_queue, skill_space_min_tasks=settings.skill_space_min_tasks,
-            compact_min_padding=settings.compact_min_padding, prefill_padding=settings.prefill_padding,
-            metrics=metrics, background_share=settings.background_share,
-            packed_weights=packed.wanted(settings.packed_weights, settings.device, settings.torch_dtype),
+            max_queue=settings.max_queue, max_step_tokens=settings.max_step_tokens, metrics=metrics,
+            background_share=settings.background_share, dtype=serving_dtype(settings.device, settings.dtype),
+            executor_kind=settings.native_executor,
+            packed_weights={"auto": None, "on": True, "off": False}[settings.packed_weights],
         )
     if settings.engine == "vllm":
         return _vllm_engine(settings, backbone, metrics, inventory)
@@ -53,7 +53,7 @@ def _vllm_engine(settings: Any, backbone: Any, metrics: Any, inventory: Any) -> 
     return VllmEngine(
         str(hf_dir(settings.backbone)), backbone.tokenizer, lora_root=str(settings.home / "vllm-loras"),
         inventory=inventory, max_batch_rows=settings.max_batch_rows, max_batch_tokens=settings.max_batch_tokens,
-        max_queue=settings.max_queue, dtype=settings.torch_dtype, metrics=metrics, extra_args=settings.vllm_args,
+        max_queue=settings.max_queue, dtype=settings.serving_dtype, metrics=metrics, extra_args=settings.vllm_args,
         background_threads=max(1, round(threads * settings.background_share)),
         max_model_len=min(settings.max_batch_tokens,
                           int(getattr(backbone.model.config, "max_position_embeddings", 0) or settings.max_batch_tokens)),

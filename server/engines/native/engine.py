@@ -1,24 +1,29 @@
-"""The engine: one thread running iteration-level continuous batching.
+"""The engine: one thread running iteration-level continuous batching with chunked prefill.
 
     loop:
         one background slice (if any, and if within its time share)   add_background_task(fn)
-        drop cancelled waiting requests
-        admit waiting requests (rows / tokens budgets) -> prefill them together -> first tokens
-        (a request with n choices is prefilled once, then its KV row is forked n times)
-        merge them into the running batch (left-padding the KV caches)
-        decode one token for every running row (one forward, rows of all tasks together)
-        finished / cancelled rows leave the batch at once
+        cancelled rows and prefills leave; their KV slots are freed
+        admit waiting requests (rows, KV-token and step-token budgets): each takes n KV slots and
+            its adapter is written into the first slot's LoRA tables (slot_lora.py)
+        one step = one forward (step.py) over
+            every decoding row (one token each)                           rows of all tasks
+            + prompt chunks of admitted requests, within max_step_tokens  chunked prefill
+        a request whose prompt is complete forks its slot into its n choices, samples their
+            first tokens; decoding rows sample their next token
+        finished / cancelled rows free their slots at once (slots stay dense: slots.py)
         nothing to do -> sleep until a submit (or run background slices back to back)
 
-The forward never runs on the asyncio loop; results reach it through RequestHandle.
+The forward never runs on the asyncio loop; results reach it through RequestHandle. A decoding
+row never waits for a whole prefill: a step holds at most max_step_tokens tokens, so a long prompt
+is spread over several steps while the others keep decoding (vLLM's chunked prefill).
 
 Fault isolation (one bad request fails only itself; every admitted choice gets exactly one
 FinalEvent, see ledger.py):
     a row's sampling / detokenisation / stop check / events raise -> that row fails (error final)
-    a prefill forward raises  -> its group is split in halves and retried; a request that fails
-                                 alone fails
-    a decode forward raises   -> KV rolled back; bisection finds the rows that fail alone
-                                 (isolate.py); they fail, the others decode again (once)
+    a forward raises   -> nothing was committed (a row's length advances only after its step);
+                          bisection over the step's items finds those that fail alone
+                          (isolate.py): a decoding row fails, a prompt chunk fails its request;
+                          the others run again (once)
     anything else in a step   -> last resort: the rows in flight fail, the waiting queue is kept
     the engine thread dies / stops -> everything still owed an answer fails, submit -> EngineStopped
 
@@ -36,22 +41,39 @@ import threading
 import time
 from collections import deque
 from collections.abc import Callable
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 
 from server.engines.base import EngineStopped, QueueFull, check_fits
-from server.engines.native import kv
-from server.engines.native.batch import ModelRunner, Row, RunningBatch, prefill_groups
+from server.engines.native.executor import Executor, build_executor
 from server.engines.native.isolate import find_culprits
 from server.engines.native.ledger import FinalLedger, answer_unadmitted
-from server.engines.native.logprobs import prompt_logprobs
-from server.engines.native.lora_plan import Planner
-from server.engines.native.packed import pack_linears, packed_count
-from server.engines.native.rows import describe, new_rows, sample_rows, vocab_size
+from server.engines.native.logprobs import prompt_chunk_logprobs
+from server.engines.native.rows import Row, describe, new_rows, sample_rows
+from server.engines.native.slots import SlotPool
+from server.engines.native.step import Item, StepBatch
 from server.engines.request import FinalEvent, FinishReason, GenRequest, TokenEvent, TokenLogprob
 
 log = logging.getLogger("polyserve.engine")
+
+
+@dataclass(eq=False)
+class Prefill:
+    """An admitted request whose prompt is not all in its KV slot yet."""
+
+    req: GenRequest
+    slots: list[int]  # n slots: slots[0] receives the prompt, the others wait for the forked choices
+    done: int = 0  # prompt tokens already in slots[0]
+    prompt_lp: list[TokenLogprob | None] | None = None
+    failed: bool = False
+    started_at: float = field(default_factory=time.perf_counter)
+
+    @property
+    def remaining(self) -> int:
+        return len(self.req.prompt_ids) - self.done
+
 
 class NativeEngine:
     """The embedded engine (server.engines.base.Engine)."""
@@ -61,31 +83,33 @@ class NativeEngine:
     def __init__(
         self, model: torch.nn.Module, tokenizer: Any, routed_model: Any = None, *,
         max_batch_rows: int = 32, max_batch_tokens: int = 16384, max_prefill_rows: int = 16,
-        max_queue: int = 256, skill_space_min_tasks: int = 0, compact_min_padding: float = 0.25,
-        prefill_padding: float = 0.25, metrics: Any = None, background_share: float = 0.2,
-        packed_weights: bool = False,
+        max_queue: int = 256, max_step_tokens: int = 256, metrics: Any = None, background_share: float = 0.2,
+        dtype: torch.dtype | None = None, executor: Executor | None = None, executor_kind: str = "auto",
+        packed_weights: bool | None = None,
     ) -> None:
         if not 0 < background_share <= 1:
             raise ValueError(f"background_share must be in (0, 1], got {background_share}")
+        if max_step_tokens <= max_batch_rows:
+            raise ValueError(f"max_step_tokens ({max_step_tokens}) must exceed max_batch_rows ({max_batch_rows}): "
+                             "a step holds every decoding row's token and room for prompt chunks")
         self.background_share = background_share
         self._serve_debt = 0.0  # seconds of serving owed before the next background slice
         self.tokenizer = tokenizer
         self.max_rows, self.max_tokens = max_batch_rows, max_batch_tokens
         self.max_prefill_rows, self.max_queue = max_prefill_rows, max_queue
-        self.compact_min_padding = compact_min_padding
-        self.prefill_padding = prefill_padding
+        self.max_step_tokens = max_step_tokens
         self.metrics = metrics
-        self.planner = Planner(routed_model, skill_space_min_tasks)
-        if packed_weights:  # before the runner: it only reads the model's device
-            extra = pack_linears(model)
-            log.info("native engine: %d backbone linears packed for oneDNN (+%.0f MiB)",
-                     packed_count(model), extra / 2**20)
-        pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
-        self.runner = ModelRunner(model, self.planner, int(pad or 0))
+        self.executor = executor or build_executor(model, routed_model, slots=max_batch_rows, dtype=dtype,
+                                                   kind=executor_kind, packed=packed_weights)
+        self.device = self.executor.device
+        log.info("native engine: %s executor, %s, %d slots, %d tokens per step", self.executor.name,
+                 str(self.executor.dtype).removeprefix("torch."), max_batch_rows, max_step_tokens)
+        self.pool = SlotPool(max_batch_rows)
         self.eos_ids = _eos_ids(model, tokenizer)
-        self.vocab_size = vocab_size(model)
-        self.max_positions = int(getattr(model.config, "max_position_embeddings", 0) or 0) or None
-        self.batch = RunningBatch()
+        self.vocab_size = self.executor.vocab_size
+        self.max_positions = self.executor.max_positions
+        self.rows: list[Row] = []  # decoding
+        self.prefills: list[Prefill] = []  # admitted, prompt not complete (admission order)
         self.ledger = FinalLedger()  # choices admitted and not yet answered
         self._waiting: deque[GenRequest] = deque()
         self._cond = threading.Condition()
@@ -116,8 +140,11 @@ class NativeEngine:
     def submit(self, req: GenRequest) -> GenRequest:
         """Queue a request; raises QueueFull (-> 429), EngineStopped (-> 503) or ValueError (it
         can never run here: over a budget, n over max_batch_rows, a logit_bias token outside
-        the vocabulary)."""
+        the vocabulary, prompt + max_new_tokens beyond the model's positions)."""
         check_fits(req, max_tokens=self.max_tokens, max_rows=self.max_rows, vocab_size=self.vocab_size)
+        if self.max_positions is not None and len(req.prompt_ids) >= self.max_positions:
+            raise ValueError(f"the prompt's {len(req.prompt_ids)} tokens leave no room within the model's "
+                             f"{self.max_positions} positions")
         with self._cond:
             if self._stop or self._dead:
                 raise EngineStopped("engine is stopped")
@@ -130,21 +157,21 @@ class NativeEngine:
 
     def retry_after(self) -> int:
         """Seconds until the queue has likely drained by one batch's worth."""
-        batches = (len(self._waiting) + len(self.batch)) / max(1, self.max_rows)
+        batches = (len(self._waiting) + self.running) / max(1, self.max_rows)
         return max(1, math.ceil(batches * self._avg_request_s))
 
     def add_background_task(self, fn: Callable[[], bool]) -> None:
         """Interleave background work with decoding. `fn()` runs on the engine thread, does one
         short slice of work (say < 100 ms) and returns True while it has more to do. At most one
-        slice runs between two decode steps (round-robin over tasks); with no requests in flight
-        slices run back to back. The engine re-applies its adapter plan after each slice, so a
-        slice may set its own plan on the routed model; it runs outside inference_mode."""
+        slice runs between two steps (round-robin over tasks); with no requests in flight slices
+        run back to back. It runs outside inference_mode, on the Hugging Face model (the
+        executor's weights are its own copy, so nothing it does changes serving)."""
         with self._cond:
             self._background.append(fn)
             self._cond.notify_all()
 
     def forget(self, task: str) -> None:
-        """Nothing to drop: rows in flight hold their Adapter objects; the planner keys plans by them."""
+        """Nothing to drop: a row's adapter lives in its slot's tables until the row leaves."""
 
     @property
     def alive(self) -> bool:
@@ -156,7 +183,7 @@ class NativeEngine:
 
     @property
     def running(self) -> int:
-        return len(self.batch)
+        return len(self.rows) + sum(p.req.params.n for p in self.prefills)
 
     # -- loop ----------------------------------------------------------------------------------
     def _run(self) -> None:
@@ -164,7 +191,7 @@ class NativeEngine:
         try:
             while True:
                 with self._cond:
-                    while not self._stop and not self._waiting and not self.batch.rows and not self._background:
+                    while not self._stop and not self._waiting and not self._in_flight() and not self._background:
                         self._cond.wait()
                     if self._stop:
                         break
@@ -180,21 +207,26 @@ class NativeEngine:
         finally:
             self._shutdown(reason)
 
+    def _in_flight(self) -> bool:
+        return bool(self.rows or self.prefills)
+
     def step(self) -> None:
-        """One iteration: a background slice, admissions + prefill, one decode step."""
+        """One iteration: a background slice, admissions, one forward over decodes + prompt chunks."""
         self._background_slice()
         started = time.perf_counter()
         with torch.inference_mode():
-            admitted = self._admit()
-            if admitted:
-                self._prefill(admitted)
-            if self.batch.rows:
-                self._decode()
+            self._drop_cancelled()
+            self._admit()
+            items, owners = self._schedule()
+            if items:
+                self._run_step(items, owners)
+            if not self._in_flight():
+                self.executor.idle()
         self._serve_debt = max(0.0, self._serve_debt - (time.perf_counter() - started))
         self._gauges()
 
     def _has_traffic(self) -> bool:
-        return bool(self.batch.rows or self._waiting)
+        return bool(self._in_flight() or self._waiting)
 
     def _background_slice(self) -> None:
         traffic = self._has_traffic()
@@ -213,157 +245,177 @@ class NativeEngine:
         if traffic:
             share = self.background_share
             self._serve_debt = (time.perf_counter() - started) * (1 - share) / share
-        # No planner reset needed: a slice that sets its own plan restores the engine's (or the
-        # planner notices `batch.plan` is not its plan and sets it again before the next forward).
         if more:
             with self._cond:
                 self._background.append(fn)
 
-    def _admit(self) -> list[GenRequest]:
-        """Pop what fits; budgets count rows (n per request) and KV positions (budget_tokens)."""
-        tokens = sum(len(r.req.prompt_ids) + r.req.params.max_new_tokens for r in self.batch.rows)
-        rows = len(self.batch)
-        out: list[GenRequest] = []
+    # -- admission -----------------------------------------------------------------------------
+    def _admit(self) -> None:
+        """Pop what fits: rows (n per request), KV positions (budget_tokens), and no more prompt
+        tokens waiting for prefill than one step takes; each request takes its n slots."""
+        tokens = sum(len(r.req.prompt_ids) + r.req.params.max_new_tokens for r in self.rows)
+        tokens += sum(p.req.budget_tokens for p in self.prefills)
+        pending = sum(p.remaining for p in self.prefills)
+        budget = max(1, self.max_step_tokens - len(self.rows))
+        admitted: list[GenRequest] = []
         with self._cond:
-            while self._waiting:
+            while self._waiting and pending < budget:
                 req = self._waiting[0]
                 if req.handle.cancelled.is_set():
                     self._waiting.popleft()
                     answer_unadmitted(req, "cancelled")
                     continue
-                if (rows + req.params.n > self.max_rows or len(out) >= self.max_prefill_rows
+                if (self.running + req.params.n > self.max_rows or len(admitted) >= self.max_prefill_rows
                         or tokens + req.budget_tokens > self.max_tokens):
                     break
                 self._waiting.popleft()
                 self.ledger.open(req)
                 tokens += req.budget_tokens
-                rows += req.params.n
-                out.append(req)
-        return out
-
-    # -- prefill -------------------------------------------------------------------------------
-    def _prefill(self, reqs: list[GenRequest]) -> None:
+                pending += len(req.prompt_ids)
+                admitted.append(req)
+                prefill = Prefill(req, [])
+                prefill.slots = self.pool.take(prefill, req.params.n)
+                self.prefills.append(prefill)
         now = time.perf_counter()
-        if self.metrics is not None:
-            for r in reqs:
-                self.metrics.queue_wait.observe(now - r.arrival)
-                self.metrics.prompt_tokens.inc(len(r.prompt_ids))
-        for group in prefill_groups(reqs, self.prefill_padding):
-            self._prefill_group(group)
-
-    def _prefill_group(self, reqs: list[GenRequest]) -> None:
-        """Prefill once per request, fork n choices, sample their first tokens, join the batch.
-        A forward that raises is retried in halves; a request that fails alone fails."""
-        hidden_wanted = any(r.params.prompt_logprobs is not None for r in reqs)
-        try:
-            cache, mask, logits, hidden = self.runner.prefill(reqs, hidden=hidden_wanted)
-        except Exception as err:  # noqa: BLE001 - isolate the request that makes it fail
-            if len(reqs) == 1:
-                log.warning("prefill of %s failed: %s", reqs[0].id, describe(err))
-                self._fail_request(reqs[0], f"prefill failed: {describe(err)}")
-                return
-            log.warning("prefill of %d requests failed (%s); retrying in halves", len(reqs), describe(err))
-            mid = len(reqs) // 2
-            self._prefill_group(reqs[:mid])
-            self._prefill_group(reqs[mid:])
-            return
-        rows: list[Row] = []
-        fork: list[int] = []
-        for i, req in enumerate(reqs):
+        for prefill in self.prefills[len(self.prefills) - len(admitted):]:
+            req = prefill.req
+            if self.metrics is not None:
+                self.metrics.queue_wait.observe(now - req.arrival)
+                self.metrics.prompt_tokens.inc(len(req.prompt_ids))
+            if req.params.prompt_logprobs is not None:
+                prefill.prompt_lp = [None]
             try:
-                prompt_lp = None
-                if req.params.prompt_logprobs is not None:
-                    assert hidden is not None and len(reqs) == 1, "prompt-logprob requests prefill alone"
-                    prompt_lp = prompt_logprobs(hidden[0, hidden.shape[1] - len(req.prompt_ids):],
-                                                self.runner.lm_head, req.prompt_ids, req.params.prompt_logprobs,
-                                                last_logits=logits[i])
-                choices = new_rows(req, self.tokenizer, self.vocab_size, self.runner.device, prompt_lp)
-            except Exception as err:  # noqa: BLE001 - fails this request only
-                log.warning("request %s failed before its first token: %s", req.id, describe(err))
-                self._fail_request(req, describe(err))
-                continue
-            rows.extend(choices)
-            fork.extend([i] * len(choices))
-        if not rows:
-            return
-        if fork != list(range(len(reqs))):  # n > 1 or a failed request: one KV row per choice
-            index = torch.tensor(fork, device=mask.device)
-            cache, mask = kv.select(cache, mask, index)
-            logits = logits.index_select(0, index)
-        keep = self._advance(rows, logits)
-        if keep:
-            new = RunningBatch()
-            new.extend(rows, cache, mask)
-            new.filter(keep, self.compact_min_padding)
-            self.batch.extend(new.rows, new.cache, new.mask)  # type: ignore[arg-type]
+                self.executor.set_adapter(prefill.slots[0], req.adapter)
+            except Exception as err:  # noqa: BLE001 - a bad adapter fails its request only
+                log.warning("request %s: adapter not usable: %s", req.id, describe(err))
+                self._fail_prefill(prefill, f"adapter not usable: {describe(err)}")
+        self._release_failed()
 
-    # -- decode --------------------------------------------------------------------------------
-    def _decode(self) -> None:
-        # cancelled rows leave before the forward: a disconnect frees its row within one step
-        live = [i for i, r in enumerate(self.batch.rows) if not r.req.handle.cancelled.is_set()]
-        if len(live) < len(self.batch.rows):
-            for r in self.batch.rows:
-                if r.req.handle.cancelled.is_set():
-                    self._finish(r, "cancelled")
-            self.batch.filter(live, self.compact_min_padding)
-            if not self.batch.rows:
-                return
-        if self.metrics is not None:
-            self.metrics.batch_size.observe(len(self.batch.rows))
+    def _schedule(self) -> tuple[list[Item], list[Row | Prefill]]:
+        """Every decoding row's next token, then prompt chunks (admission order) while the step's
+        token budget lasts."""
+        items: list[Item] = []
+        owners: list[Row | Prefill] = []
+        for row in self.rows:
+            items.append(Item(row.slot, row.length, (row.last_token,)))
+            owners.append(row)
+        budget = self.max_step_tokens - len(items)
+        for prefill in self.prefills:
+            if budget <= 0:
+                break
+            prompt = prefill.req.prompt_ids
+            size = min(prefill.remaining, budget)
+            last = prefill.done + size == len(prompt)
+            wanted = "all" if prefill.prompt_lp is not None else "last" if last else "none"
+            items.append(Item(prefill.slots[0], prefill.done, tuple(prompt[prefill.done : prefill.done + size]), wanted))
+            owners.append(prefill)
+            budget -= size
+        return items, owners
+
+    # -- one step ------------------------------------------------------------------------------
+    def _run_step(self, items: list[Item], owners: list[Row | Prefill]) -> None:
+        batch = StepBatch.build(items, self.device)
+        if self.metrics is not None and batch.n_decode:
+            self.metrics.batch_size.observe(batch.n_decode)
+        result = self._forward_isolating(batch, owners)
+        if result is not None:
+            batch, owners, logits = result
+            self.steps += 1
+            self._commit(batch, owners, logits)
+        self._release_failed()
+
+    def _forward_isolating(self, batch: StepBatch, owners: list[Row | Prefill]):
+        """(batch, owners, logits) of the items that ran, after failing those that fail alone."""
         try:
-            logits = self.runner.decode(self.batch)
-        except Exception as err:  # noqa: BLE001 - isolate the rows that make it fail
-            logits = self._decode_isolating(err)
-            if logits is None:
-                return
-        self.steps += 1
-        keep = self._advance(self.batch.rows, logits)
-        self.batch.filter(keep, self.compact_min_padding)
+            return batch, owners, self.executor.forward(batch)
+        except Exception as err:  # noqa: BLE001 - isolate the items that make it fail
+            first = err
+        log.warning("forward of %d items failed (%s); isolating", len(owners), describe(first))
 
-    def _decode_isolating(self, err: Exception) -> torch.Tensor | None:
-        """The batched decode raised (and was rolled back): fail the rows that fail alone, decode
-        the others again. Returns their logits, or None when no row is left."""
-        batch = self.batch
-        rows = batch.rows
-        log.warning("decode of %d rows failed (%s); isolating", len(rows), describe(err))
-
-        def probe(subset: list[int]) -> bool:  # a forward over a copy of these rows' KV
-            assert batch.cache is not None and batch.mask is not None
-            cache, mask = kv.select(batch.cache, batch.mask, torch.tensor(subset, device=batch.mask.device))
+        def probe(subset: list[int]) -> bool:
             try:
-                self.runner.forward_decode([rows[i] for i in subset], cache, mask)
+                self.executor.forward(batch.subset(subset))
                 return True
             except Exception:  # noqa: BLE001 - a probe's failure is its answer
                 return False
 
-        culprits = set(find_culprits(range(len(rows)), probe))
-        for i in sorted(culprits):
-            self._fail_row(rows[i], f"forward failed: {describe(err)}")
-        batch.filter([i for i in range(len(rows)) if i not in culprits], self.compact_min_padding)
-        if not batch.rows:
+        culprits = set(find_culprits(range(len(owners)), probe))
+        for j in sorted(culprits):
+            self._fail_owner(owners[j], first)
+        keep = [j for j in range(len(owners)) if j not in culprits]
+        if not keep:
             return None
+        batch, owners = batch.subset(keep), [owners[j] for j in keep]
         try:
-            return self.runner.decode(batch)
-        except Exception as again:  # noqa: BLE001 - not about single rows: these rows cannot go on together
-            log.error("decode failed again without a single culprit: %s", describe(again))
-            for row in batch.rows:
-                self._fail_row(row, f"forward failed: {describe(again)}")
-            self.batch = RunningBatch()
+            return batch, owners, self.executor.forward(batch)
+        except Exception as again:  # noqa: BLE001 - not about single items: these cannot go on together
+            log.error("forward failed again without a single culprit: %s", describe(again))
+            for owner in owners:
+                self._fail_owner(owner, again)
             return None
 
+    def _fail_owner(self, owner: Row | Prefill, err: BaseException) -> None:
+        if isinstance(owner, Row):
+            self._fail_row(owner, f"forward failed: {describe(err)}")
+        else:
+            self._fail_prefill(owner, f"prefill failed: {describe(err)}")
+
+    def _commit(self, batch: StepBatch, owners: list[Row | Prefill], logits: torch.Tensor) -> None:
+        """The forward succeeded: advance every item, sample the rows that have logits."""
+        sample: list[Row] = []
+        picks: list[int] = []
+        for j, (item, owner) in enumerate(zip(batch.items, owners, strict=True)):
+            span = batch.logit_rows[j]
+            if isinstance(owner, Row):
+                owner.length += 1
+                sample.append(owner)
+                picks.append(span.start)
+                continue
+            prefill = owner
+            try:
+                if prefill.prompt_lp is not None:
+                    prefill.prompt_lp.extend(prompt_chunk_logprobs(
+                        logits[span], prefill.req.prompt_ids, item.start, prefill.req.params.prompt_logprobs or 0))
+                prefill.done = item.end
+                if prefill.remaining == 0:
+                    rows = self._fork(prefill)
+                    sample.extend(rows)
+                    picks.extend([span.stop - 1] * len(rows))
+            except Exception as err:  # noqa: BLE001 - fails this request only
+                log.warning("request %s failed before its first token: %s", prefill.req.id, describe(err))
+                self._fail_prefill(prefill, describe(err))
+        if sample:
+            index = torch.tensor(picks, dtype=torch.long, device=logits.device)
+            self._advance(sample, logits.index_select(0, index))  # rows it does not keep are finished
+
+    def _fork(self, prefill: Prefill) -> list[Row]:
+        """The prompt is in slots[0]: the n choices become rows (slot i <- a copy of slot 0)."""
+        req = prefill.req
+        choices = new_rows(req, self.tokenizer, self.vocab_size, self.device, prefill.prompt_lp)
+        length = len(req.prompt_ids)
+        for slot in prefill.slots[1:]:
+            self.executor.copy_slot(prefill.slots[0], slot, length)
+        # nothing below raises: the prefill's slots now belong to its rows
+        self.prefills.remove(prefill)
+        for row, slot in zip(choices, prefill.slots, strict=True):
+            row.slot = slot
+            self.pool.holders[slot] = row
+        self.rows.extend(choices)
+        return choices
+
     # -- per row -------------------------------------------------------------------------------
-    def _advance(self, rows: list[Row], logits: torch.Tensor) -> list[int]:
-        """Sample one token per row, emit text, finish rows; returns indices of rows that go on.
-        An error in one row fails that row only."""
+    def _advance(self, rows: list[Row], logits: torch.Tensor) -> set[int]:
+        """Sample one token per row, emit text, finish rows; returns indices of rows that go on
+        (the others are finished or failed: `finish` is set). An error in one row fails that row only."""
         sampled = sample_rows(rows, logits)
         now = time.perf_counter()
-        keep = []
+        keep = set()
         for i, row in enumerate(rows):
             try:
                 if sampled.errors[i] is not None:
                     self._fail_row(row, sampled.errors[i])  # type: ignore[arg-type]
                 elif self._take(row, sampled.tokens[i], sampled.logprobs[i], now):
-                    keep.append(i)
+                    keep.add(i)
             except Exception as err:
                 log.exception("row %s choice %d failed", row.req.id, row.index)
                 self._fail_row(row, describe(err))
@@ -418,19 +470,57 @@ class NativeEngine:
             self.ledger.send(row.req, FinalEvent("", reason, len(row.req.prompt_ids), row.generated,
                                                  error=message, index=row.index))
 
-    def _fail_request(self, req: GenRequest, message: str) -> None:
-        """Every choice of `req` still owed an answer fails (its prefill failed)."""
+    def _fail_prefill(self, prefill: Prefill, message: str | None, reason: FinishReason = "cancelled") -> None:
+        """Every choice of a request still in prefill ends (its forward failed, or it was
+        cancelled: message None); its slots are freed by _release_failed."""
+        prefill.failed = True
+        req = prefill.req
         for index in range(req.params.n):
             if self.ledger.owes(req, index):
-                self.ledger.send(req, FinalEvent("", "cancelled", len(req.prompt_ids), 0, error=message, index=index))
+                self.ledger.send(req, FinalEvent("", reason, len(req.prompt_ids), 0, error=message, index=index))
+
+    def _drop_cancelled(self) -> None:
+        """Disconnected clients free their rows before the forward (within one step)."""
+        for row in self.rows:
+            if row.finish is None and row.req.handle.cancelled.is_set():
+                self._finish(row, "cancelled")
+        for prefill in self.prefills:
+            if not prefill.failed and prefill.req.handle.cancelled.is_set():
+                self._fail_prefill(prefill, None)
+        self._release_failed()
+
+    def _release_failed(self) -> None:
+        """Rows that finished and prefills that failed leave; their slots are freed (a higher
+        slot's holder moves down into each, data and adapter tables copied)."""
+        gone = [r.slot for r in self.rows if r.finish is not None]
+        gone += [s for p in self.prefills if p.failed for s in p.slots]
+        if not gone:
+            return
+        self.rows = [r for r in self.rows if r.finish is None]
+        self.prefills = [p for p in self.prefills if not p.failed]
+        for slot in sorted(gone, reverse=True):  # highest first: a freed slot is never a move's source
+            move = self.pool.free(slot)
+            if move is None:
+                continue
+            src, dst, holder = move
+            if isinstance(holder, Row):
+                self.executor.copy_slot(src, dst, holder.length)
+                holder.slot = dst
+            else:
+                assert isinstance(holder, Prefill)
+                k = holder.slots.index(src)
+                if k == 0:
+                    self.executor.copy_slot(src, dst, holder.done)
+                holder.slots[k] = dst
 
     def _fail_all(self, message: str, reason: FinishReason = "cancelled") -> None:
-        """Last resort: every row in flight (and every admitted choice not yet in the batch)
-        fails; the waiting queue is kept and served next."""
-        for row in self.batch.rows:
+        """Last resort: every row in flight (and every admitted choice not yet in a row) fails;
+        the waiting queue is kept and served next."""
+        for row in self.rows:
             self._fail_row(row, message, reason)
-        self.batch = RunningBatch()
-        self.planner.invalidate()
+        self.rows = []
+        self.prefills = []
+        self.pool = SlotPool(self.max_rows)
         self.ledger.fail_open(message, reason)
 
     def _shutdown(self, message: str) -> None:
@@ -448,7 +538,7 @@ class NativeEngine:
 
     def _gauges(self) -> None:
         if self.metrics is not None:
-            self.metrics.running.set(len(self.batch))
+            self.metrics.running.set(self.running)
             self.metrics.waiting.set(len(self._waiting))
 
 

@@ -14,8 +14,6 @@ first token has no context and gets None.
 
 from __future__ import annotations
 
-from collections.abc import Callable
-
 import torch
 
 from server.engines.request import TokenLogprob
@@ -42,28 +40,15 @@ def token_logprobs(logits: torch.Tensor, tokens: list[int], ks: list[int]) -> li
     return _entries(logprobs, torch.tensor(tokens, dtype=torch.long, device=logits.device), ks)
 
 
-def prompt_logprobs(
-    hidden: torch.Tensor, head: Callable[[torch.Tensor], torch.Tensor], ids: list[int], k: int,
-    *, last_logits: torch.Tensor | None = None, chunk: int = 256,
-) -> list[TokenLogprob | None]:
-    """hidden (L, d): the decoder's final hidden states of one prompt of L = len(ids) tokens;
-    head: (c, d) -> (c, V) raw logits (the LM head). Positions are done `chunk` at a time, so
-    memory stays at chunk x V however long the prompt.
-
-    last_logits (V,): the logits the model itself returned for the last position. When given,
-    head(hidden[-1]) must match it, or the backbone post-processes its logits (softcapping,
-    scaling) in a way head() does not reproduce, and a ValueError is raised rather than
-    reporting wrong numbers."""
-    if hidden.shape[0] != len(ids):
-        raise ValueError(f"hidden has {hidden.shape[0]} positions for {len(ids)} prompt tokens")
-    if last_logits is not None:
-        mine = head(hidden[-1:]).float()[0]
-        if not torch.allclose(mine, last_logits.float(), rtol=1e-3, atol=1e-3):
-            raise ValueError("prompt_logprobs: this backbone post-processes its logits; not supported")
-    out: list[TokenLogprob | None] = [None]
-    target = torch.tensor(ids, dtype=torch.long, device=hidden.device)
-    for start in range(0, len(ids) - 1, chunk):
-        stop = min(start + chunk, len(ids) - 1)
-        logprobs = torch.log_softmax(head(hidden[start:stop]).float(), dim=-1)  # predicts ids[start+1:stop+1]
-        out.extend(_entries(logprobs, target[start + 1 : stop + 1], [k] * (stop - start)))
-    return out
+def prompt_chunk_logprobs(logits: torch.Tensor, ids: list[int], start: int, k: int) -> list[TokenLogprob]:
+    """logits (c, V): the raw logits after prompt positions start .. start + c - 1 (one prefill
+    chunk) -> the entries of the prompt tokens they predict, ids[start + 1 .. start + c], those
+    that exist (the prompt's last position predicts the first generated token, not a prompt token).
+    A whole prompt's list is [None] + the chunks' entries in order."""
+    stop = min(start + logits.shape[0], len(ids) - 1)  # positions p in [start, stop) predict ids[p + 1]
+    count = stop - start
+    if count <= 0:
+        return []
+    logprobs = torch.log_softmax(logits[:count].float(), dim=-1)
+    target = torch.tensor(ids[start + 1 : stop + 1], dtype=torch.long, device=logits.device)
+    return _entries(logprobs, target, [k] * count)

@@ -1,5 +1,6 @@
 """The rows of one request (its n choices) and the sampling of a step over rows.
 
+    Row                 one choice in flight: its KV slot, length, sampler, detokenizer
     new_rows(req)       choice i: its own detokenizer, processors state (fork) and generator,
                         seeded with seed + i when the request has a seed
     sample_rows(rows)   sampling.sample_tokens over the batch; if that raises, row by row, so
@@ -10,19 +11,45 @@ from __future__ import annotations
 
 import logging
 import secrets
+import time
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 
-from server.engines.native.batch import Row
 from server.engines.native.detok import IncrementalDetokenizer
 from server.engines.native.processors import RowProcessors
 from server.engines.native.sampling import RowSampler, Sampled, sample_tokens
-from server.engines.request import GenRequest, TokenLogprob
+from server.engines.request import FinishReason, GenRequest, TokenLogprob
 
 log = logging.getLogger("polyserve.engine")
 
 SEED_MASK = (1 << 64) - 1  # torch generators take 64-bit seeds
+
+
+@dataclass(eq=False)
+class Row:
+    """One choice of one request in flight (decoding)."""
+
+    req: GenRequest
+    detok: IncrementalDetokenizer
+    sampler: RowSampler
+    length: int  # positions in the row's KV slot (prompt + generated - the pending token)
+    index: int = 0  # which choice of the request
+    slot: int = -1  # its KV slot (moves when a lower slot is freed)
+    last_token: int = -1  # sampled, not yet fed back
+    generated: int = 0
+    admitted_at: float = field(default_factory=time.perf_counter)
+    last_token_at: float = 0.0
+    finish: FinishReason | None = None
+    pending_logprobs: list[TokenLogprob] | None = None  # not yet sent; None = not asked for
+    prompt_logprobs: list[TokenLogprob | None] | None = None
+
+    def take_logprobs(self) -> list[TokenLogprob] | None:
+        out = self.pending_logprobs
+        if out is not None:
+            self.pending_logprobs = []
+        return out
 
 
 def describe(err: BaseException) -> str:

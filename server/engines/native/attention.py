@@ -1,0 +1,49 @@
+"""Attention of a flat step batch over the slot KV cache (one layer). Pure apart from the writes.
+
+    write k, v of every item at its slot's positions start .. end - 1
+    decode group (n one-token items, step.StepBatch.decode):
+        q (n, kv_heads, rep, hd)  x  K[slots, :, :L]   masked by each row's length
+        (grouped-query attention folded into the query length: the rep query heads that share
+        a kv head are that head's "queries"; no copy of K/V per query head)
+    each chunk: causal SDPA of its c queries over its slot's first start + c positions
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from server.engines.native.step import StepBatch
+
+
+def slot_attention(K: torch.Tensor, V: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                   batch: StepBatch, scale: float | None = None) -> torch.Tensor:
+    """K, V (slots, kv_heads, capacity, hd) of this layer; q (T, heads, hd), k/v (T, kv_heads, hd)
+    of the batch's flat tokens -> attention output (T, heads * hd)."""
+    T, heads, hd = q.shape
+    kvh = k.shape[1]
+    out = q.new_empty((T, heads * hd))
+    n = batch.n_decode
+    if n:
+        slots, mask = batch.decode_slots_t, batch.decode_mask
+        assert slots is not None and mask is not None
+        pos = batch.positions[:n]
+        K[slots, :, pos] = k[:n]
+        V[slots, :, pos] = v[:n]
+        width = mask.shape[-1]
+        if batch.decode_contiguous:
+            keys, values = K[:n, :, :width], V[:n, :, :width]
+        else:
+            keys, values = K[:, :, :width].index_select(0, slots), V[:, :, :width].index_select(0, slots)
+        att = F.scaled_dot_product_attention(q[:n].reshape(n, kvh, heads // kvh, hd), keys, values,
+                                             attn_mask=mask, scale=scale)
+        out[:n] = att.reshape(n, heads * hd)
+    for chunk in batch.chunks:
+        it, a, b = chunk.item, chunk.offset, chunk.offset + len(chunk.item.tokens)
+        K[it.slot, :, it.start : it.end] = k[a:b].transpose(0, 1)
+        V[it.slot, :, it.start : it.end] = v[a:b].transpose(0, 1)
+        keys, values = K[it.slot : it.slot + 1, :, : it.end], V[it.slot : it.slot + 1, :, : it.end]
+        att = F.scaled_dot_product_attention(q[a:b].transpose(0, 1).unsqueeze(0), keys, values, attn_mask=chunk.mask,
+                                             is_causal=chunk.mask is None, enable_gqa=kvh != heads, scale=scale)
+        out[a:b] = att[0].transpose(0, 1).reshape(b - a, heads * hd)
+    return out

@@ -1,0 +1,87 @@
+"""The model side of the native engine: what runs one flat step (step.StepBatch), and which one.
+
+    llama.LlamaExecutor   Llama-family decoders (llama, mistral without a sliding window, qwen2):
+                          the engine's own forward, fused and packed linears, the serving dtype
+    hf_executor.HFExecutor every other Hugging Face decoder: its own forward on the flat batch, its
+                          attention routed to the slot cache; the model's dtype
+
+Both keep a slot KV cache and per-slot LoRA tables (slots.py, slot_lora.py) and run the same
+steps; the engine does not know which one it drives.
+
+Serving dtype ("auto"): bfloat16 on CUDA and on CPUs with AMX (oneDNN runs bf16 GEMMs on its
+tiles: a 16-row decode step's linears 3.3x faster than float32 on this project's AMX machine,
+BENCHMARKS.md), float32 elsewhere (on an AVX512_BF16 CPU without AMX bf16 was 0.8x float32).
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any, Protocol
+
+import torch
+
+from server.engines.native.step import StepBatch
+from training.precision import bf16_is_fast
+
+log = logging.getLogger("polyserve.engine")
+
+KINDS = ("auto", "llama", "hf")
+
+
+class Executor(Protocol):
+    name: str
+    device: torch.device
+    dtype: torch.dtype
+    vocab_size: int
+    max_positions: int | None
+
+    def forward(self, batch: StepBatch) -> torch.Tensor:
+        """Logits (R, V) float32 at batch.logit_index; writes the items' K/V into their slots."""
+        ...
+
+    def set_adapter(self, slot: int, adapter: Any) -> None:
+        """The row in `slot` runs with `adapter` (None = base); raises if it cannot."""
+        ...
+
+    def copy_slot(self, src: int, dst: int, length: int) -> None: ...
+
+    def idle(self) -> None: ...
+
+
+def serving_dtype(device: torch.device | str, setting: str | None = None) -> torch.dtype:
+    """POLYSERVE_DTYPE: float32 | bfloat16 | float16, or None/"auto" (see the module doc)."""
+    if setting in (None, "auto"):
+        return torch.bfloat16 if bf16_is_fast(device) else torch.float32
+    dtypes = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+    if setting not in dtypes:
+        raise ValueError(f"dtype must be auto, {', '.join(dtypes)}; got {setting!r}")
+    return dtypes[setting]
+
+
+def build_executor(model: torch.nn.Module, routed: Any = None, *, slots: int, dtype: torch.dtype | None = None,
+                   kind: str = "auto", packed: bool | None = None) -> Executor:
+    """kind auto: the Llama executor where it can run the model, else the HF one. dtype None: the
+    model's own. routed: the RoutedModel (its adapted linears get per-slot LoRA tables)."""
+    from server.engines.native.hf_executor import HFExecutor
+    from server.engines.native.llama import LlamaExecutor, unsupported
+
+    if kind not in KINDS:
+        raise ValueError(f"executor must be one of {', '.join(KINDS)}, got {kind!r}")
+    model_dtype = next(model.parameters()).dtype
+    dtype = dtype or model_dtype
+    reason = unsupported(model)
+    if kind == "llama" and reason is not None:
+        raise ValueError(f"the Llama executor cannot run this model: {reason}")
+    if kind == "llama" or (kind == "auto" and reason is None):
+        adapted = list(routed.names) if routed is not None else None
+        spec = routed.spec if routed is not None else None
+        return LlamaExecutor(model, dtype=dtype, slots=slots, packed=packed, adapted=adapted,
+                             rank=spec.rank if spec else 0, scale=spec.scale if spec else 1.0)
+    if reason is not None:
+        log.info("native engine: the model's own forward (%s)", reason)
+    if dtype != model_dtype:
+        log.warning("native engine: the model's own forward serves in the dtype it was loaded in (%s), not %s",
+                    model_dtype, dtype)
+    executor = HFExecutor(model, routed, slots=slots)
+    executor.check(list(range(1, min(17, executor.vocab_size))))
+    return executor

@@ -1,0 +1,154 @@
+"""The native engine's executors against the model's own forward (transformers): a prompt in
+chunks, decode steps of several rows in dense and gathered slots, the LoRA of each row."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from server.engines.native.executor import build_executor, serving_dtype
+from server.engines.native.llama import unsupported
+from server.engines.native.step import Item, StepBatch
+
+
+def reference(model, ids: list[int]) -> torch.Tensor:
+    with torch.inference_mode():
+        return model(torch.tensor([ids])).logits[0].float()
+
+
+def drive(executor, prompts: list[list[int]], nxt: list[int]):
+    """Prefill prompt i in slot i (two chunks where it has > 2 tokens), then one decode step of all
+    rows, then one of every other row (gathered slots). Returns [(got, want_positions)] pairs."""
+    out = []
+    halves = [max(1, len(p) // 2) for p in prompts]
+    first = [Item(s, 0, tuple(p[:h]), "all") for s, (p, h) in enumerate(zip(prompts, halves, strict=True))]
+    b = StepBatch.build(first)
+    logits = executor.forward(b)
+    out += [(logits[b.logit_rows[s]], (s, 0, halves[s])) for s in range(len(prompts))]
+    rest = [Item(s, h, tuple(p[h:]), "all") for s, (p, h) in enumerate(zip(prompts, halves, strict=True)) if len(p) > h]
+    b = StepBatch.build(rest)
+    logits = executor.forward(b)
+    out += [(logits[b.logit_rows[j]], (it.slot, it.start, len(prompts[it.slot]))) for j, it in enumerate(rest)]
+    b = StepBatch.build([Item(s, len(p), (t,)) for s, (p, t) in enumerate(zip(prompts, nxt, strict=True))])
+    logits = executor.forward(b)
+    out += [(logits[b.logit_rows[s]], (s, len(p), len(p) + 1)) for s, p in enumerate(prompts)]
+    odd = list(range(1, len(prompts), 2))
+    b = StepBatch.build([Item(s, len(prompts[s]) + 1, (nxt[s] + 1,)) for s in odd])
+    assert not b.decode_contiguous
+    logits = executor.forward(b)
+    out += [(logits[b.logit_rows[j]], (s, len(prompts[s]) + 1, len(prompts[s]) + 2)) for j, s in enumerate(odd)]
+    return out
+
+
+def check_against(model, executor, vocab: int, atol: float, rtol: float = 0.0):
+    gen = torch.Generator().manual_seed(0)
+    prompts = [torch.randint(0, vocab, (n,), generator=gen).tolist() for n in (7, 13, 1, 20)]
+    nxt = [5, 6, 7, 8]
+    full = [p + [t, t + 1] for p, t in zip(prompts, nxt, strict=True)]
+    refs = [reference(model, f) for f in full]
+    for got, (slot, a, b) in drive(executor, prompts, nxt):
+        torch.testing.assert_close(got, refs[slot][a:b], atol=atol, rtol=rtol)
+
+
+@pytest.mark.parametrize("kind", ["llama", "hf"])
+def test_executor_equals_the_models_forward(tiny_base, kind):
+    ex = build_executor(tiny_base, slots=4, kind=kind)
+    assert ex.name == kind
+    check_against(tiny_base, ex, 259, atol=1e-5)
+
+
+def test_llama_executor_handles_qkv_bias_and_gqa():
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    torch.manual_seed(0)
+    model = Qwen2ForCausalLM(Qwen2Config(vocab_size=259, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                                         num_attention_heads=8, num_key_value_heads=2, max_position_embeddings=256)).eval()
+    assert model.model.layers[0].self_attn.q_proj.bias is not None and unsupported(model) is None
+    with torch.no_grad():
+        for layer in model.model.layers:  # non-zero biases, so a dropped bias shows
+            for proj in (layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj):
+                proj.bias.normal_(0, 0.5)
+    check_against(model, build_executor(model, slots=4, kind="llama"), 259, atol=1e-5)
+
+
+def test_llama_executor_in_bfloat16_stays_near_float32(tiny_base):
+    ex = build_executor(tiny_base, slots=4, dtype=torch.bfloat16, kind="llama")
+    assert ex.dtype == torch.bfloat16 and ex.kv.dtype == torch.bfloat16
+    check_against(tiny_base, ex, 259, atol=0.1, rtol=0.05)
+
+
+def test_other_architectures_run_on_the_models_own_forward():
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    torch.manual_seed(0)
+    model = GPT2LMHeadModel(GPT2Config(vocab_size=259, n_embd=32, n_layer=2, n_head=4, n_positions=128,
+                                       bos_token_id=0, eos_token_id=0)).eval()
+    assert "gpt2" in unsupported(model)
+    ex = build_executor(model, slots=4)
+    assert ex.name == "hf"
+    check_against(model, ex, 259, atol=1e-5)
+    with pytest.raises(ValueError, match="cannot run"):
+        build_executor(model, slots=4, kind="llama")
+
+
+def test_attention_the_slot_cache_cannot_express_is_refused():
+    from transformers import MistralConfig, MistralForCausalLM
+
+    model = MistralForCausalLM(MistralConfig(vocab_size=259, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                                             num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
+                                             sliding_window=4)).eval()
+    assert "sliding-window" in unsupported(model)
+    with pytest.raises(ValueError, match="sliding-window"):
+        build_executor(model, slots=2)
+
+
+def test_serving_dtype_setting():
+    assert serving_dtype("cpu", "float32") == torch.float32
+    assert serving_dtype("cpu", "bfloat16") == torch.bfloat16
+    assert serving_dtype("cpu", None) in (torch.float32, torch.bfloat16)
+    with pytest.raises(ValueError, match="dtype"):
+        serving_dtype("cpu", "int8")
+
+
+@pytest.mark.parametrize("kind", ["llama", "hf"])
+def test_each_slots_lora_equals_the_routed_models_forward(tiny_model, kind):
+    """Rows of three tasks and a base row in one step: each row's logits are those of the routed
+    model run alone with that task's materialised LoRA (gathered path, one task)."""
+    from adapters_store.inject import RoutedModel
+    from adapters_store.spec import InventorySpec
+    from server.adapters.types import Adapter
+
+    spec = InventorySpec(n_skills=3, n_heads=2, rank=4, target_modules=("q_proj", "k_proj", "v_proj", "o_proj",
+                                                                          "down_proj"))
+    rm = RoutedModel(tiny_model, spec)
+    gen = torch.Generator().manual_seed(1)
+    with torch.no_grad():
+        for layer in rm.layers:
+            layer.lora_A.copy_(torch.randn(layer.lora_A.shape, generator=gen) * 0.3)
+            layer.lora_B.copy_(torch.randn(layer.lora_B.shape, generator=gen) * 0.3)
+    weights = [torch.softmax(torch.randn(len(rm.layers), 2, 3, generator=gen), -1) for _ in range(3)]
+    adapters = []
+    for w in weights:
+        rm.set_materialized(w)
+        plan = rm.batch.plan
+        adapters.append(Adapter("t", "k", "routing", [(a[0].clone(), b[0].clone())
+                                                      for a, b in zip(plan.A_tables, plan.B_tables, strict=True)], w))
+    ex = build_executor(tiny_model, rm, slots=4, kind=kind)
+    prompts = [torch.randint(0, 259, (n,), generator=gen).tolist() for n in (5, 9, 3, 6)]
+    for slot, adapter in enumerate([*adapters, None]):
+        ex.set_adapter(slot, adapter)
+    b = StepBatch.build([Item(s, 0, tuple(p), "all") for s, p in enumerate(prompts)])
+    got = ex.forward(b)
+    b2 = StepBatch.build([Item(s, len(p), (11,)) for s, p in enumerate(prompts)])
+    got2 = ex.forward(b2)
+    for slot, p in enumerate(prompts):
+        if slot < 3:
+            rm.set_materialized(weights[slot])
+        else:
+            rm.batch.set(None)
+        want = reference(tiny_model, p + [11])
+        torch.testing.assert_close(got[b.logit_rows[slot]], want[: len(p)], atol=1e-5, rtol=0)
+        torch.testing.assert_close(got2[b2.logit_rows[slot]], want[len(p) :], atol=1e-5, rtol=0)
+    rm.batch.set(None)
+    plain = reference(tiny_model, prompts[0])
+    assert (got[b.logit_rows[0]] - plain).abs().max() > 1e-2  # the adapters really change the answer
