@@ -1,9 +1,10 @@
 """Where the native engine's time goes on the serving workload of bench/serve_bench.py.
 
 Drives NativeEngine.step() in this thread (no engine thread, no HTTP) under cProfile and splits
-the wall time of the whole run into buckets (prefill forwards, decode forwards, adapter plans,
-KV-cache surgery, sampling, detokenisation + events, the rest); then profiles `--op-steps`
-decode steps at full batch with torch.profiler and lists the top operators.
+the wall time of the whole run into buckets (the executor's forwards, of which the LoRA work,
+adapter tables written at admission, slot moves, sampling, detokenisation + events, the rest);
+then profiles `--op-steps` decode steps at full batch with torch.profiler and lists the top
+operators.
 
     flock -x /tmp/polyserve-cpu.lock .venv/bin/python bench/profile_engine.py --threads 2
     .venv/bin/python bench/profile_engine.py --backbone tiny --requests 8   # a quick smoke run
@@ -32,19 +33,21 @@ from serve_bench import build_inventory, workload
 from adapters_store.backbone import load_backbone
 from server.adapters.cache import AdapterCache
 from server.adapters.l1 import L1Cache
-from server.engines.native import packed
 from server.engines.native.engine import NativeEngine
+from server.engines.native.executor import serving_dtype
 from server.engines.request import GenRequest, RequestHandle, SamplingParams
 
-# (bucket, file suffix, function name): cumulative time of these functions
+# (bucket, file suffix, function name, nested): cumulative time of these functions; nested ones
+# are inside an earlier bucket and not added to the total
 BUCKETS = [
-    ("prefill forwards", "native/batch.py", "prefill"),
-    ("decode forwards", "native/batch.py", "forward_decode"),
-    ("adapter plan (apply)", "native/lora_plan.py", "apply"),
-    ("KV concat (rows join)", "native/kv.py", "concat"),
-    ("KV select (rows leave)", "native/kv.py", "select"),
-    ("sampling", "native/rows.py", "sample_rows"),
-    ("detokenise", "native/detok.py", "add"),
+    ("forwards (executor)", "native/llama.py", "forward", False),
+    ("  of which LoRA", "native/slot_lora.py", "apply", True),
+    ("  of which attention", "native/attention.py", "slot_attention", True),
+    ("step layout (StepBatch.build)", "native/step.py", "build", False),
+    ("adapter tables (admission)", "native/slot_lora.py", "write", False),
+    ("slot moves (rows leave)", "native/llama.py", "copy_slot", False),
+    ("sampling", "native/rows.py", "sample_rows", False),
+    ("detokenise", "native/detok.py", "add", False),
 ]
 
 
@@ -70,11 +73,13 @@ def main() -> None:
     ap.add_argument("--op-steps", type=int, default=20)
     ap.add_argument("--packed-weights", choices=["auto", "on", "off"], default="auto")
     ap.add_argument("--device", default="cpu")
-    ap.add_argument("--dtype", default="float32")
+    ap.add_argument("--dtype", default="auto", help="serving dtype (auto: bfloat16 on CUDA and AMX CPUs)")
+    ap.add_argument("--max-step-tokens", type=int, default=256)
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
 
-    bb = load_backbone(args.backbone, device=args.device, dtype=args.dtype)
+    dtype = serving_dtype(args.device, None if args.dtype == "auto" else args.dtype)
+    bb = load_backbone(args.backbone, device=args.device, dtype="float32" if args.device == "cpu" else str(dtype)[6:])
     tmp = Path(tempfile.mkdtemp(prefix="polyserve-profile-"))
     store, rm, _pm, tasks = build_inventory(bb, args.tasks, tmp / "store", args.seed)
     info, skills = store.load_inventory(bb.fingerprint)
@@ -82,8 +87,8 @@ def main() -> None:
                          dtype=next(bb.model.parameters()).dtype, l1=L1Cache(4 << 30))
     adapters = {t: cache.get(store.get_task(t)) for t in tasks}
     engine = NativeEngine(bb.model, bb.tokenizer, rm, max_batch_rows=args.batch, max_batch_tokens=1 << 20,
-                          max_prefill_rows=args.batch, max_queue=1 << 16,
-                          packed_weights=packed.wanted(args.packed_weights, args.device, args.dtype))
+                          max_prefill_rows=args.batch, max_queue=1 << 16, max_step_tokens=args.max_step_tokens,
+                          dtype=dtype, packed_weights={"auto": None, "on": True, "off": False}[args.packed_weights])
     tok = bb.tokenizer
 
     def submit_all(jobs) -> list[GenRequest]:
@@ -110,19 +115,17 @@ def main() -> None:
     wall = time.perf_counter() - started
     tokens = sum(r.handle.events[-1].completion_tokens for r in reqs)
     stats = pstats.Stats(prof)
+    ex = engine.executor
     print(f"{args.backbone}, {'base' if args.base else f'{args.tasks} tasks'}, {args.requests} requests, "
-          f"packed weights {packed.packed_count(bb.model) > 0}, "
+          f"{ex.name} executor, {ex.dtype}, packed {getattr(ex, 'packed', False)}, {args.max_step_tokens} tokens a step, "
           f"{args.batch} rows, {args.threads} threads: {tokens} tokens in {wall:.1f} s = {tokens / wall:.1f} tok/s "
-          f"(under cProfile), {engine.steps} decode steps")
-    rows = [(label, cumulative(stats, suffix, name)) for label, suffix, name in BUCKETS]
-    plan = rows[2][1]
-    print(f"{'bucket':28s} {'seconds':>8s} {'share':>6s}")
-    for label, t in rows:
-        note = " (inside the forwards above)" if label.startswith("adapter plan") else ""
-        print(f"{label:28s} {t:8.2f} {100 * t / wall:5.1f}%{note}")
-    counted = sum(t for label, t in rows if not label.startswith("adapter plan"))
-    print(f"{'everything else':28s} {wall - counted:8.2f} {100 * (wall - counted) / wall:5.1f}%")
-    del plan
+          f"(under cProfile), {engine.steps} steps")
+    rows = [(label, cumulative(stats, suffix, name), nested) for label, suffix, name, nested in BUCKETS]
+    print(f"{'bucket':32s} {'seconds':>8s} {'share':>6s}")
+    for label, t, _ in rows:
+        print(f"{label:32s} {t:8.2f} {100 * t / wall:5.1f}%")
+    counted = sum(t for _, t, nested in rows if not nested)
+    print(f"{'everything else':32s} {wall - counted:8.2f} {100 * (wall - counted) / wall:5.1f}%")
 
     # operator view of full-batch decode steps
     submit_all([(t, p, 10_000) for t, p, _ in jobs[: args.batch]])
@@ -136,7 +139,7 @@ def main() -> None:
     with profile(activities=activities) as p:
         for _ in range(args.op_steps):
             engine.step()
-    print(f"\ntop operators over {args.op_steps} decode steps of {len(engine.batch)} rows "
+    print(f"\ntop operators over {args.op_steps} decode steps of {len(engine.rows)} rows "
           f"(self CPU time):")
     print(p.key_averages().table(sort_by="self_cpu_time_total", row_limit=14))
     if args.device.startswith("cuda"):

@@ -41,6 +41,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import server  # noqa: F401  (before torch: OpenMP spin defaults, server/openmp.py)
+from server import openmp
 
 # isort: split
 import torch
@@ -146,6 +147,17 @@ def build_inventory(bb, k: int, root: Path, seed: int):
     for t, task in enumerate(tasks):
         store.put_routing(task, table[t].clone(), method="mhr")
     return store, rm, pm, tasks
+
+
+def setup(args, dtype: torch.dtype, tmp: Path):
+    """Backbone, a random inventory of args.tasks tasks, PEFT's copy, a warm L1 of their adapters."""
+    bb = load_backbone(args.backbone, device=args.device, dtype="float32" if args.device == "cpu" else str(dtype)[6:])
+    store, rm, pm, tasks = build_inventory(bb, args.tasks, tmp / "store", args.seed)
+    info, skills = store.load_inventory(bb.fingerprint)
+    cache = AdapterCache(store, info, skills, fingerprint=bb.fingerprint, device=bb.device,
+                         dtype=next(bb.model.parameters()).dtype, l1=L1Cache(4 << 30))
+    adapters = {t: cache.get(store.get_task(t)) for t in tasks}  # a warm L1 (steady state)
+    return bb, store, rm, pm, tasks, adapters
 
 
 def run_engine(engine: Engine, tok, jobs, adapters, name: str, *, base: bool = False, one_task: bool = False) -> dict:
@@ -272,56 +284,57 @@ def main() -> None:
     ap.add_argument("--packed-weights", choices=["auto", "on", "off"], default="auto",
                     help="the engine's POLYSERVE_PACKED_WEIGHTS")
     args = ap.parse_args()
+    # One OpenMP pool at a time, as in the server (server/openmp.py): set-up runs in a thread that
+    # ends, each engine variant gets an engine whose thread ends before the next, this thread only
+    # submits and waits; PEFT's generate runs in a thread of its own while no engine is alive.
     torch.set_num_threads(args.threads)
-
     dtype = serving_dtype(args.device, None if args.dtype == "auto" else args.dtype)
-    bb = load_backbone(args.backbone, device=args.device, dtype="float32" if args.device == "cpu" else str(dtype)[6:])
     tmp = Path(tempfile.mkdtemp(prefix="polyserve-bench-"))
-    store, rm, pm, tasks = build_inventory(bb, args.tasks, tmp / "store", args.seed)
-    info, skills = store.load_inventory(bb.fingerprint)
-    cache = AdapterCache(store, info, skills, fingerprint=bb.fingerprint, device=bb.device,
-                         dtype=next(bb.model.parameters()).dtype, l1=L1Cache(4 << 30))
-    adapters = {t: cache.get(store.get_task(t)) for t in tasks}  # a warm L1 (steady state)
+    bb, store, rm, pm, tasks, adapters = openmp.in_fresh_thread(setup, args, dtype, tmp)
+    openmp.one_thread()
     packed = {"auto": None, "on": True, "off": False}[args.packed_weights]
-
-    def new_engine(serving: torch.dtype) -> Engine:
-        eng = Engine(bb.model, bb.tokenizer, rm, max_batch_rows=args.batch, max_batch_tokens=1 << 20,
-                     max_prefill_rows=args.batch, max_queue=1 << 16, max_step_tokens=args.max_step_tokens,
-                     dtype=serving, packed_weights=packed)
-        eng.start()
-        return eng
-
-    engine = new_engine(dtype)
-    fp32_engine: Engine | None = None
-    print(f"engine: {engine.executor.name} executor, {dtype}, {args.max_step_tokens} tokens per step", flush=True)
     jobs = workload(args.requests, tasks, args.out_min, args.out_max, args.seed, args.out_dist)
-    run_engine(engine, bb.tokenizer, jobs[:4], adapters, "warm-up")
 
+    def engine_run(serving: torch.dtype, name: str, **kw) -> dict:
+        def start() -> Engine:
+            eng = Engine(bb.model, bb.tokenizer, rm, max_batch_rows=args.batch, max_batch_tokens=1 << 20,
+                         max_prefill_rows=args.batch, max_queue=1 << 16, max_step_tokens=args.max_step_tokens,
+                         dtype=serving, packed_weights=packed, threads=args.threads)
+            eng.start()
+            return eng
+
+        eng = openmp.in_fresh_thread(start)
+        try:
+            run_engine(eng, bb.tokenizer, jobs[:4], adapters, "warm-up")
+            out = run_engine(eng, bb.tokenizer, jobs, adapters, name, **kw)
+            out["steps"] = eng.steps
+            return out
+        finally:
+            eng.stop()
+
+    def peft_run() -> dict:
+        torch.set_num_threads(args.threads)
+        return run_peft(pm, bb.tokenizer, jobs, tasks, args.batch)
+
+    print(f"engine: {dtype}, {args.max_step_tokens} tokens per step, {args.threads} threads", flush=True)
     results = []
     for v in args.variants:
         if v == "a":
-            results.append(run_engine(engine, bb.tokenizer, jobs, adapters, "(a) polyserve engine"))
+            results.append(engine_run(dtype, "(a) polyserve engine"))
         elif v == "b":
-            results.append(run_engine(engine, bb.tokenizer, jobs, adapters, "(b) engine, adapters off", base=True))
+            results.append(engine_run(dtype, "(b) engine, adapters off", base=True))
         elif v == "c":
-            results.append(run_peft(pm, bb.tokenizer, jobs, tasks, args.batch))
+            results.append(openmp.in_fresh_thread(peft_run))
         elif v in "uv":
-            if fp32_engine is None:
-                fp32_engine = new_engine(torch.float32)
-                run_engine(fp32_engine, bb.tokenizer, jobs[:4], adapters, "warm-up")
             name = "(u) engine, float32" if v == "u" else "(v) engine, adapters off, float32"
-            results.append(run_engine(fp32_engine, bb.tokenizer, jobs, adapters, name, base=v == "v"))
+            results.append(engine_run(torch.float32, name, base=v == "v"))
         elif v in "efEFgG":
             results.append(run_vllm(args, v, store, jobs, tmp))
         elif v == "d":
-            results.append(run_engine(engine, bb.tokenizer, jobs, adapters, "(d) engine, one task per batch",
-                                      one_task=True))
+            results.append(engine_run(dtype, "(d) engine, one task per batch", one_task=True))
         r = results[-1]
         print(f"{r['variant']:45s} {r['tok_per_s']:8.1f} tok/s  TTFT p50 {r['ttft_p50']:.2f}s p99 {r['ttft_p99']:.2f}s"
               f"  ITL p50 {1000 * r['itl_p50']:.0f}ms p99 {1000 * r['itl_p99']:.0f}ms  ({r['wall_s']:.0f}s)", flush=True)
-    engine.stop()
-    if fp32_engine is not None:
-        fp32_engine.stop()
     results = merge_repeats(results)
     if len(args.variants) > len(set(args.variants)):
         for r in results:
@@ -333,7 +346,6 @@ def main() -> None:
     for x, y in pairs:
         if x in by and y in by:
             print(f"({x})/({y}) output tokens/s ratio: {by[x] / by[y]:.2f}")
-    print(f"engine steps {engine.steps}")
     if args.json:
         args.json.write_text(json.dumps({"args": vars(args), "results": results}, indent=2, default=str))
 

@@ -6,12 +6,13 @@ from __future__ import annotations
 
 import asyncio
 import logging
+from concurrent.futures import ThreadPoolExecutor
 from contextlib import asynccontextmanager
 from typing import Any
 
 from fastapi import FastAPI
 
-from server import api_docs
+from server import api_docs, openmp
 from server.errors import install_handlers
 from server.metrics import Metrics
 from server.middleware import BodyLimit, RequestMetrics
@@ -29,9 +30,16 @@ def create_app(settings: Settings | None = None, *, backbone: Any = None) -> Fas
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):
+        # threads of the default executor (adapter resolution, store reads) never start an OpenMP
+        # pool: the engine thread's is the only one (server/openmp.py)
+        asyncio.get_running_loop().set_default_executor(
+            ThreadPoolExecutor(thread_name_prefix="polyserve-io", initializer=openmp.one_thread))
+
         async def load() -> None:
             try:
-                app.state.runtime = await asyncio.to_thread(Runtime.build, settings, metrics_, backbone)
+                # start-up runs in a thread that ends (its OpenMP pool with it)
+                app.state.runtime = await asyncio.to_thread(openmp.in_fresh_thread, Runtime.build, settings,
+                                                            metrics_, backbone)
                 log.info("polyserve ready")
             except Exception as err:  # surfaced by /ready (the kind only: messages may hold paths)
                 log.exception("start-up failed")

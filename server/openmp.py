@@ -1,4 +1,4 @@
-"""OpenMP spin-waiting for a process where several threads run torch ops (the server).
+"""OpenMP in a process where several threads run torch ops (the server): one pool, and its spin.
 
 PyTorch's CPU wheels use GNU OpenMP (libgomp). libgomp gives every thread that starts a parallel
 region its own pool of workers, and once the process holds more pool threads than CPUs (the
@@ -14,12 +14,31 @@ step of a registration on the server's model took ~1.3x longer after the engine'
 
 libgomp reads them once, when torch loads, so `apply()` runs on `import server` and does nothing
 where torch is already loaded or either variable is set (a user's own setting wins).
+
+The spin setting is not enough for the native engine, whose steps are hundreds of small ops:
+measured on this project's 2-core AMX machine (bench/openmp_spin.py, "engine loop"), a linear +
+silu pair took 45 us on the only pool's thread and 103-131 us once another thread's pool existed
+(1,000 spins are shorter than the gaps between its ops). So the server keeps ONE pool, the
+engine thread's:
+
+    in_fresh_thread(fn)   start-up (loading, packing weights) runs in a thread that then exits:
+                          libgomp frees a thread's pool when the thread ends (49 us after, 45 alone)
+    one_thread()          every other thread that may run torch ops (HTTP workers resolving
+                          adapters, the job builder, replica sync) runs them on one OpenMP and
+                          one MKL thread, so it never starts a pool (62-66 us with such a thread
+                          busy beside the engine, 96-118 us without); the engine thread sets its
+                          own count (torch.set_num_threads is per thread for OpenMP and MKL)
 """
 
 from __future__ import annotations
 
 import os
 import sys
+import threading
+from collections.abc import Callable
+from typing import Any, TypeVar
+
+T = TypeVar("T")
 
 DEFAULTS = {"OMP_WAIT_POLICY": "ACTIVE", "GOMP_SPINCOUNT": "300000"}
 
@@ -43,3 +62,29 @@ def apply() -> str:
 
 def state() -> str:
     return _state
+
+
+def one_thread() -> None:
+    """Run this thread's torch ops on one OpenMP / MKL thread (no OpenMP pool of its own)."""
+    import torch
+
+    torch.set_num_threads(1)
+
+
+def in_fresh_thread(fn: Callable[..., T], *args: Any, **kwargs: Any) -> T:
+    """fn(*args, **kwargs) in a new thread that ends when it returns (its OpenMP pool with it);
+    returns its result or raises its exception."""
+    out: dict[str, Any] = {}
+
+    def run() -> None:
+        try:
+            out["value"] = fn(*args, **kwargs)
+        except BaseException as err:  # noqa: BLE001 - re-raised in the caller
+            out["error"] = err
+
+    thread = threading.Thread(target=run, name="polyserve-start")
+    thread.start()
+    thread.join()
+    if "error" in out:
+        raise out["error"]
+    return out["value"]

@@ -15,6 +15,8 @@ import logging
 import threading
 from collections.abc import Callable
 
+from server import openmp
+
 log = logging.getLogger(__name__)
 
 
@@ -45,9 +47,10 @@ class ReplicaSync:
             self._client = redis.Redis.from_url(redis_url, socket_timeout=0.5, socket_connect_timeout=0.5)
 
     def start(self) -> None:
-        self._threads = [threading.Thread(target=self._rescan_loop, name="polyserve-rescan", daemon=True)]
+        self._threads = [threading.Thread(target=_one_thread(self._rescan_loop), name="polyserve-rescan", daemon=True)]
         if self._client is not None:
-            self._threads.append(threading.Thread(target=self._listen_loop, name="polyserve-pubsub", daemon=True))
+            self._threads.append(threading.Thread(target=_one_thread(self._listen_loop), name="polyserve-pubsub",
+                                                  daemon=True))
         for t in self._threads:
             t.start()
 
@@ -98,3 +101,13 @@ class ReplicaSync:
                     pubsub.close()
                 except Exception:
                     log.debug("closing a broken pubsub connection failed", exc_info=True)
+
+
+def _one_thread(loop):
+    """A thread body that runs torch on one thread (no OpenMP pool beside the engine's: server/openmp.py)."""
+
+    def run() -> None:
+        openmp.one_thread()
+        loop()
+
+    return run

@@ -110,16 +110,19 @@ def test_serving_dtype_setting():
         serving_dtype("cpu", "int8")
 
 
-@pytest.mark.parametrize("kind", ["llama", "hf"])
-def test_each_slots_lora_equals_the_routed_models_forward(tiny_model, kind):
+@pytest.mark.parametrize("kind,targets", [
+    ("llama", ("q_proj", "k_proj", "v_proj", "o_proj", "down_proj")),
+    ("llama", ("q_proj", "v_proj", "gate_proj", "up_proj")),  # k not adapted; the MLP's gate|up path
+    ("hf", ("q_proj", "k_proj", "v_proj", "o_proj", "down_proj")),
+], ids=["llama", "llama-mlp", "hf"])
+def test_each_slots_lora_equals_the_routed_models_forward(tiny_model, kind, targets):
     """Rows of three tasks and a base row in one step: each row's logits are those of the routed
     model run alone with that task's materialised LoRA (gathered path, one task)."""
     from adapters_store.inject import RoutedModel
     from adapters_store.spec import InventorySpec
     from server.adapters.types import Adapter
 
-    spec = InventorySpec(n_skills=3, n_heads=2, rank=4, target_modules=("q_proj", "k_proj", "v_proj", "o_proj",
-                                                                          "down_proj"))
+    spec = InventorySpec(n_skills=3, n_heads=2, rank=4, target_modules=targets)
     rm = RoutedModel(tiny_model, spec)
     gen = torch.Generator().manual_seed(1)
     with torch.no_grad():

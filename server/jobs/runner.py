@@ -25,6 +25,7 @@ from concurrent.futures import Future, ThreadPoolExecutor, wait
 from typing import IO, Any, Protocol
 
 from adapters_store.errors import TaskNotFound
+from server import openmp
 from adapters_store.records import TaskRecord
 from adapters_store.store import Store
 from server.jobs.model import Job, new_job_id
@@ -70,7 +71,8 @@ class JobRunner:
         self._locks: dict[str, IO[str]] = {}
         self._current: tuple[Job, AdaptationLike] | None = None
         self._starting: tuple[Job, Future] | None = None  # being built on the builder thread
-        self._builder = ThreadPoolExecutor(max_workers=1, thread_name_prefix="polyserve-job-build")
+        self._builder = ThreadPoolExecutor(max_workers=1, thread_name_prefix="polyserve-job-build",
+                                           initializer=openmp.one_thread)  # no OpenMP pool beside the engine's
         self._cancel_requested: set[str] = set()
         self._last_persist = 0.0
 

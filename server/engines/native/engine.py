@@ -85,7 +85,7 @@ class NativeEngine:
         max_batch_rows: int = 32, max_batch_tokens: int = 16384, max_prefill_rows: int = 16,
         max_queue: int = 256, max_step_tokens: int = 256, metrics: Any = None, background_share: float = 0.2,
         dtype: torch.dtype | None = None, executor: Executor | None = None, executor_kind: str = "auto",
-        packed_weights: bool | None = None,
+        packed_weights: bool | None = None, threads: int | None = None,
     ) -> None:
         if not 0 < background_share <= 1:
             raise ValueError(f"background_share must be in (0, 1], got {background_share}")
@@ -119,6 +119,9 @@ class NativeEngine:
         self._thread: threading.Thread | None = None
         self.steps = 0
         self._avg_request_s = 1.0
+        # the engine thread's torch threads (default: the constructing thread's); the process's only
+        # OpenMP pool (server/openmp.py)
+        self.threads = threads or torch.get_num_threads()
 
     # -- public API (any thread) -----------------------------------------------------------------
     def start(self) -> None:
@@ -188,6 +191,7 @@ class NativeEngine:
     # -- loop ----------------------------------------------------------------------------------
     def _run(self) -> None:
         reason = "server shutting down"
+        torch.set_num_threads(self.threads)  # per thread: other threads run torch on one (server/openmp.py)
         try:
             while True:
                 with self._cond:

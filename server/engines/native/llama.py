@@ -36,6 +36,8 @@ from server.engines.native.step import StepBatch
 
 ARCHITECTURES = ("llama", "mistral", "qwen2")
 ROPE_TYPES = ("default", "linear", "llama3", "yarn")  # inv_freq fixed at load (not "dynamic")
+# LoRA groups: linears that read the same input (their adapters are fused the same way as the
+# q|k|v and gate|up GEMMs)
 GROUPS = (("qkv", ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj")), ("o", ("self_attn.o_proj",)),
           ("gate_up", ("mlp.gate_proj", "mlp.up_proj")), ("down", ("mlp.down_proj",)))
 
@@ -83,7 +85,8 @@ def unsupported(model: nn.Module) -> str | None:
 
 
 class Linear:
-    """A frozen y = x @ W.T + b in the serving dtype; packed for oneDNN on CPU."""
+    """A frozen y = x @ W.T + b in the serving dtype; packed for oneDNN on CPU, where an activation
+    or an elementwise op on the output runs inside the GEMM (oneDNN post-ops): one op, not two."""
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, dtype: torch.dtype, packed: bool) -> None:
         w = weight.detach().to(dtype).contiguous()
@@ -92,16 +95,28 @@ class Linear:
         self.packed = packed
         self.weight = torch.ops.mkldnn._reorder_linear_weight(w, None) if packed else w
 
-    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+    def __call__(self, x: torch.Tensor, act: str = "none") -> torch.Tensor:
+        """act: "none" | "swish" (silu) applied to the output."""
         if self.packed:
-            return torch.ops.mkldnn._linear_pointwise(x, self.weight, self.bias, "none", [], "")
-        return F.linear(x, self.weight, self.bias)
+            return torch.ops.mkldnn._linear_pointwise(x, self.weight, self.bias, act, [], "")
+        y = F.linear(x, self.weight, self.bias)
+        return F.silu(y) if act == "swish" else y
+
+    def binary(self, x: torch.Tensor, other: torch.Tensor, op: str) -> torch.Tensor:
+        """(x @ W.T + b) <op> other, op "add" | "mul" (a new tensor)."""
+        if self.packed:
+            return torch.ops.mkldnn._linear_pointwise.binary(x, other, self.weight, self.bias, op)
+        y = F.linear(x, self.weight, self.bias)
+        return y.add_(other) if op == "add" else y.mul_(other)
 
 
-def _fused(modules: list[nn.Module], dtype: torch.dtype, packed: bool) -> Linear:
+def _fused(modules: list[nn.Module], dtype: torch.dtype, packed: bool,
+           rows: list[torch.Tensor | None] | None = None) -> Linear:
+    """One Linear over the modules' outputs side by side; rows[i] reorders module i's outputs."""
     lins = [_base(m) for m in modules]
-    weight = torch.cat([m.weight for m in lins])
-    biases = [m.bias for m in lins]
+    rows = rows or [None] * len(lins)
+    weight = torch.cat([m.weight if r is None else m.weight[r] for m, r in zip(lins, rows, strict=True)])
+    biases = [m.bias if m.bias is None or r is None else m.bias[r] for m, r in zip(lins, rows, strict=True)]
     bias = None
     if any(b is not None for b in biases):
         bias = torch.cat([b if b is not None else m.weight.new_zeros(m.out_features)
@@ -109,14 +124,36 @@ def _fused(modules: list[nn.Module], dtype: torch.dtype, packed: bool) -> Linear
     return Linear(weight, bias, dtype, packed)
 
 
+def interleave_halves(heads: int, head_dim: int) -> torch.Tensor:
+    """Output-row order of a q/k projection that puts each head's rotary pairs side by side:
+    new row 2i <- old row i, new row 2i + 1 <- old row i + head_dim/2 (per head). Rope is then one
+    complex multiplication; q . k is unchanged (q and k of a head get the same order)."""
+    half = head_dim // 2
+    one = torch.stack([torch.arange(half), torch.arange(half) + half], dim=1).reshape(-1)  # (head_dim,)
+    return (torch.arange(heads)[:, None] * head_dim + one[None, :]).reshape(-1)
+
+
 class _Layer:
-    def __init__(self, layer: nn.Module, dtype: torch.dtype, packed: bool) -> None:
+    def __init__(self, layer: nn.Module, dtype: torch.dtype, packed: bool, heads: int, kv_heads: int,
+                 head_dim: int, fuse_mlp: bool) -> None:
         self.norm1 = layer.input_layernorm.weight.detach().to(dtype)
         self.eps1 = float(getattr(layer.input_layernorm, "variance_epsilon", getattr(layer.input_layernorm, "eps", 1e-6)))
         self.norm2 = layer.post_attention_layernorm.weight.detach().to(dtype)
         self.eps2 = float(getattr(layer.post_attention_layernorm, "variance_epsilon",
                                   getattr(layer.post_attention_layernorm, "eps", 1e-6)))
-        self.linears = [_fused([layer.get_submodule(n) for n in names], dtype, packed) for _, names in GROUPS]
+        attn, mlp = layer.self_attn, layer.mlp
+        self.qkv = _fused([attn.q_proj, attn.k_proj, attn.v_proj], dtype, packed,
+                          [interleave_halves(heads, head_dim), interleave_halves(kv_heads, head_dim), None])
+        self.o = _fused([attn.o_proj], dtype, packed)
+        self.down = _fused([mlp.down_proj], dtype, packed)
+        # gate and up as two GEMMs with oneDNN post-ops (silu(gate) fused, then * up fused) unless an
+        # adapter must reach gate/up before the activation: then one gate|up GEMM, LoRA, silu * up
+        self.fuse_mlp = fuse_mlp
+        if fuse_mlp:
+            self.gate = _fused([mlp.gate_proj], dtype, packed)
+            self.up = _fused([mlp.up_proj], dtype, packed)
+        else:
+            self.gate_up = _fused([mlp.gate_proj, mlp.up_proj], dtype, packed)
 
 
 class LlamaExecutor:
@@ -142,8 +179,11 @@ class LlamaExecutor:
         self.hidden = cfg.hidden_size
         self.max_positions = int(getattr(cfg, "max_position_embeddings", 0) or 0) or None
         decoder = model.model
+        groups = self._groups(model, adapted) if adapted else None
+        mlp_adapted = groups is not None and any(row[2] is not None for row in groups)
         with torch.no_grad():
-            self.layers = [_Layer(layer, dtype, packed) for layer in decoder.layers]
+            self.layers = [_Layer(layer, dtype, packed, self.heads, self.kv_heads, self.head_dim, not mlp_adapted)
+                           for layer in decoder.layers]
             self.embed = decoder.embed_tokens.weight.detach().to(dtype).contiguous()
             self.norm = decoder.norm.weight.detach().to(dtype)
             self.norm_eps = float(getattr(decoder.norm, "variance_epsilon", getattr(decoder.norm, "eps", 1e-6)))
@@ -153,14 +193,13 @@ class LlamaExecutor:
         rotary = decoder.rotary_emb
         self._inv_freq = rotary.inv_freq.detach().float().to(self.device)
         self._rope_scale = float(getattr(rotary, "attention_scaling", 1.0))
-        self._cos = self._sin = torch.empty(0)
+        self._rope = torch.empty(0, dtype=torch.complex64)
         self._rope_table(256)
         self.kv = SlotKV(len(self.layers), slots, self.kv_heads, self.head_dim, dtype=dtype, device=self.device)
         self.lora: SlotLoRA | None = None
-        if adapted:
+        if groups is not None:
             lora_dtype = lora_dtype or (torch.float32 if self.device.type == "cpu" else dtype)
-            self.lora = SlotLoRA(self._groups(model, adapted), slots=slots, rank=rank, scale=scale,
-                                 dtype=lora_dtype, device=self.device)
+            self.lora = SlotLoRA(groups, slots=slots, rank=rank, scale=scale, dtype=lora_dtype, device=self.device)
 
     # -- building ------------------------------------------------------------------------------
     def _groups(self, model: nn.Module, adapted: list[str]) -> list[list[Group | None]]:
@@ -168,6 +207,8 @@ class LlamaExecutor:
         fused groups."""
         index = {name: i for i, name in enumerate(adapted)}
         names = {id(m): n for n, m in model.named_modules()}
+        order = {"self_attn.q_proj": interleave_halves(self.heads, self.head_dim),  # as the fused q|k rows
+                 "self_attn.k_proj": interleave_halves(self.kv_heads, self.head_dim)}
         out: list[list[Group | None]] = []
         seen = 0
         for layer in model.model.layers:
@@ -180,7 +221,7 @@ class LlamaExecutor:
                     width = _base(mod).out_features
                     qualified = f"{prefix}.{name}"
                     if qualified in index:
-                        found.append(Member(index[qualified], start, width))
+                        found.append(Member(index[qualified], start, width, order.get(name)))
                     start += width
                 seen += len(found)
                 row.append(Group(_base(mods[0]).in_features, start, tuple(found)) if found else None)
@@ -190,16 +231,14 @@ class LlamaExecutor:
         return out
 
     def _rope_table(self, length: int) -> None:
-        """cos/sin (P, head_dim) of positions 0..P-1, computed in fp32, kept in the serving dtype."""
-        if length <= self._cos.shape[0]:
+        """exp(i * position * inv_freq) * scaling for positions 0..P-1: (P, head_dim/2) complex64."""
+        if length <= self._rope.shape[0]:
             return
         size = 1 << max(8, math.ceil(math.log2(length)))
         if self.max_positions is not None:
             size = max(length, min(size, self.max_positions))
         freqs = torch.outer(torch.arange(size, device=self.device, dtype=torch.float32), self._inv_freq)
-        emb = torch.cat([freqs, freqs], dim=-1)
-        self._cos = (emb.cos() * self._rope_scale).to(self.dtype)
-        self._sin = (emb.sin() * self._rope_scale).to(self.dtype)
+        self._rope = torch.polar(torch.full_like(freqs, self._rope_scale), freqs)
 
     # -- forward -------------------------------------------------------------------------------
     def prepare(self, batch: StepBatch) -> None:
@@ -216,45 +255,44 @@ class LlamaExecutor:
         self.prepare(batch)
         lora = self.lora.step(batch) if self.lora is not None else None
         x = F.embedding(batch.tokens, self.embed)  # (T, d)
-        cos, sin = self._cos[batch.positions][:, None], self._sin[batch.positions][:, None]  # (T, 1, hd)
+        rope = self._rope[batch.positions][:, None]  # (T, 1, hd/2) complex
         for i, layer in enumerate(self.layers):
-            x = self._layer(i, layer, x, cos, sin, batch, lora)
+            x = self._layer(i, layer, x, rope, batch, lora)
         if batch.logit_index.numel() == 0:
             return x.new_zeros((0, self.vocab_size), dtype=torch.float32)
         h = x.index_select(0, batch.logit_index)
         h = F.rms_norm(h, (self.hidden,), self.norm, self.norm_eps)
         return self.lm_head(h).float()
 
-    def _layer(self, i: int, layer: _Layer, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-               batch: StepBatch, lora: SlotLoRAStep | None) -> torch.Tensor:
+    def _layer(self, i: int, layer: _Layer, x: torch.Tensor, rope: torch.Tensor, batch: StepBatch,
+               lora: SlotLoRAStep | None) -> torch.Tensor:
         T = x.shape[0]
         heads, kvh, hd = self.heads, self.kv_heads, self.head_dim
-        qkv_lin, o_lin, gu_lin, down_lin = layer.linears
         h = F.rms_norm(x, (self.hidden,), layer.norm1, layer.eps1)
-        qkv = qkv_lin(h)
+        qkv = layer.qkv(h)
         if lora is not None:
             lora.apply(i, 0, h, qkv)
-        qk = qkv[:, : (heads + kvh) * hd].view(T, heads + kvh, hd)
-        half = hd // 2
-        rotated = torch.cat([-qk[..., half:], qk[..., :half]], dim=-1)
-        qk = qk * cos + rotated * sin
-        q, k = qk[:, :heads], qk[:, heads:]
+        # q|k rows are in rotary-pair order (interleave_halves): rope = one complex multiplication
+        qk = torch.view_as_complex(qkv[:, : (heads + kvh) * hd].float().view(T, heads + kvh, hd // 2, 2))
+        qk = torch.view_as_real(qk * rope).view(T, heads + kvh, hd).to(x.dtype)
         v = qkv[:, (heads + kvh) * hd :].view(T, kvh, hd)
-        attn = slot_attention(self.kv.k[i], self.kv.v[i], q, k, v, batch)  # (T, heads * hd)
-        o = o_lin(attn)
+        attn = slot_attention(self.kv.k[i], self.kv.v[i], qk[:, :heads], qk[:, heads:], v, batch)  # (T, heads*hd)
+        x = layer.o.binary(attn, x, "add")  # the residual add inside the GEMM
         if lora is not None:
-            lora.apply(i, 1, attn, o)
-        x = x + o
+            lora.apply(i, 1, attn, x)
         h = F.rms_norm(x, (self.hidden,), layer.norm2, layer.eps2)
-        gu = gu_lin(h)
+        if layer.fuse_mlp:
+            act = layer.up.binary(h, layer.gate(h, "swish"), "mul")  # silu(h Wg) * (h Wu): two GEMMs, no other op
+        else:
+            gu = layer.gate_up(h)
+            if lora is not None:
+                lora.apply(i, 2, h, gu)
+            gate, up = gu.chunk(2, dim=-1)
+            act = F.silu(gate) * up
+        out = layer.down.binary(act, x, "add")
         if lora is not None:
-            lora.apply(i, 2, h, gu)
-        gate, up = gu.chunk(2, dim=-1)
-        act = F.silu(gate) * up
-        down = down_lin(act)
-        if lora is not None:
-            lora.apply(i, 3, act, down)
-        return x + down
+            lora.apply(i, 3, act, out)
+        return out
 
     # -- slots ---------------------------------------------------------------------------------
     def idle(self) -> None:

@@ -34,6 +34,7 @@ class Member:
     index: int  # its position in the adapter's layers (the inventory's layer order)
     start: int  # first output column in the fused linear
     width: int  # its d_out
+    order: torch.Tensor | None = None  # the fused linear's order of this member's outputs (None: as is)
 
 
 @dataclass(frozen=True)
@@ -88,6 +89,8 @@ class SlotLoRA:
                     if a_t.shape != (g.d_in, r) or b_t.shape != (r, m.width):
                         raise ValueError(f"adapter layer {m.index}: shapes {tuple(a_t.shape)}, {tuple(b_t.shape)} "
                                          f"!= ({g.d_in}, {r}), ({r}, {m.width})")
+                    if m.order is not None:
+                        b_t = b_t[:, m.order]
                     a[slot, :, j * r : (j + 1) * r].copy_(a_t)
                     b[slot, j * r : (j + 1) * r, m.start : m.start + m.width].copy_(b_t).mul_(self.scale)
         self.adapted[slot] = True
@@ -132,11 +135,11 @@ class SlotLoRAStep:
             u = torch.bmm(x[:n].unsqueeze(1).to(dtype), a)  # (n, 1, m*r)
             if out.dtype == dtype:
                 out[:n].unsqueeze(1).baddbmm_(u, b)
-            else:
-                out[:n] += torch.bmm(u, b).squeeze(1).to(out.dtype)
+            else:  # in-place add casts to out's dtype: no separate conversion op
+                out[:n].add_(torch.bmm(u, b).squeeze(1))
         for offset, length, slot in self.chunks:
             xs = x[offset : offset + length].to(dtype)
             if out.dtype == dtype:
                 out[offset : offset + length].addmm_(xs @ A[slot], B[slot])
             else:
-                out[offset : offset + length] += ((xs @ A[slot]) @ B[slot]).to(out.dtype)
+                out[offset : offset + length].add_((xs @ A[slot]) @ B[slot])
