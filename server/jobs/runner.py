@@ -25,9 +25,9 @@ from concurrent.futures import Future, ThreadPoolExecutor, wait
 from typing import IO, Any, Protocol
 
 from adapters_store.errors import TaskNotFound
-from server import openmp
 from adapters_store.records import TaskRecord
 from adapters_store.store import Store
+from server import openmp
 from server.jobs.model import Job, new_job_id
 
 log = logging.getLogger(__name__)
