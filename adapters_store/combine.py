@@ -52,6 +52,20 @@ def materialize_many(
     return A_t, B_t
 
 
+def materialize_stacked(
+    A: torch.Tensor, B: torch.Tensor, w: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """One task, L linears of one shape at once (e.g. every layer's q_proj).
+    A: (L, h, S, d_in/h, r), B: (L, h, S, r, d_out/h), w: (L, h, S) -> A_t (L, d_in, r), B_t (L, r, d_out)."""
+    L, h, n_skills, d_in_h, r = A.shape
+    if B.shape[:4] != (L, h, n_skills, r) or w.shape != (L, h, n_skills):
+        raise ValueError(f"shape mismatch: A {tuple(A.shape)}, B {tuple(B.shape)}, w {tuple(w.shape)}")
+    w = w.to(A.dtype)
+    A_t = torch.einsum("lks,lksdr->lkdr", w, A).reshape(L, h * d_in_h, r)
+    B_t = torch.einsum("lks,lksrd->lrkd", w, B).reshape(L, r, h * B.shape[-1])  # head k -> cols block k
+    return A_t, B_t
+
+
 def lora_delta(x: torch.Tensor, A_t: torch.Tensor, B_t: torch.Tensor, scale: float) -> torch.Tensor:
     """x: (..., d_in) -> (..., d_out):  (x @ A_t @ B_t) * scale."""
     return (x @ A_t.to(x.dtype)) @ B_t.to(x.dtype) * scale

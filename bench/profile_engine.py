@@ -44,7 +44,7 @@ BUCKETS = [
     ("  of which LoRA", "native/slot_lora.py", "apply", True),
     ("  of which attention", "native/attention.py", "slot_attention", True),
     ("step layout (StepBatch.build)", "native/step.py", "build", False),
-    ("adapter tables (admission)", "native/slot_lora.py", "write", False),
+    ("adapter tables (admission)", "native/slot_lora.py", "write_adapter", False),
     ("slot moves (rows leave)", "native/llama.py", "copy_slot", False),
     ("sampling", "native/rows.py", "sample_rows", False),
     ("detokenise", "native/detok.py", "add", False),
@@ -84,7 +84,7 @@ def main() -> None:
     store, rm, _pm, tasks = build_inventory(bb, args.tasks, tmp / "store", args.seed)
     info, skills = store.load_inventory(bb.fingerprint)
     cache = AdapterCache(store, info, skills, fingerprint=bb.fingerprint, device=bb.device,
-                         dtype=next(bb.model.parameters()).dtype, l1=L1Cache(4 << 30))
+                         dtype=next(bb.model.parameters()).dtype, l1=L1Cache(4 << 30), routing_layers=False)
     adapters = {t: cache.get(store.get_task(t)) for t in tasks}
     engine = NativeEngine(bb.model, bb.tokenizer, rm, max_batch_rows=args.batch, max_batch_tokens=1 << 20,
                           max_prefill_rows=args.batch, max_queue=1 << 16, max_step_tokens=args.max_step_tokens,

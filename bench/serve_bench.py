@@ -154,8 +154,9 @@ def setup(args, dtype: torch.dtype, tmp: Path):
     bb = load_backbone(args.backbone, device=args.device, dtype="float32" if args.device == "cpu" else str(dtype)[6:])
     store, rm, pm, tasks = build_inventory(bb, args.tasks, tmp / "store", args.seed)
     info, skills = store.load_inventory(bb.fingerprint)
+    # as the server with the native engine: routed tasks are their routing weights (slot_lora.py)
     cache = AdapterCache(store, info, skills, fingerprint=bb.fingerprint, device=bb.device,
-                         dtype=next(bb.model.parameters()).dtype, l1=L1Cache(4 << 30))
+                         dtype=next(bb.model.parameters()).dtype, l1=L1Cache(4 << 30), routing_layers=False)
     adapters = {t: cache.get(store.get_task(t)) for t in tasks}  # a warm L1 (steady state)
     return bb, store, rm, pm, tasks, adapters
 

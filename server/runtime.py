@@ -89,6 +89,8 @@ class Runtime:
                     store, info, skills, fingerprint=bb.fingerprint, device=bb.device,
                     dtype=next(bb.model.parameters()).dtype, l1=L1Cache(settings.l1_cache_bytes), l2=l2,
                     prefix=settings.redis_prefix, metrics=metrics,
+                    # the native engine writes routed tasks' tables from their routing weights
+                    routing_layers=settings.engine != "native",
                 )
         registry = TaskRegistry(store, cache, metrics)
         engine = build_engine(settings, bb, routed, metrics, cache.info if cache is not None else None)

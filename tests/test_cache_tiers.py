@@ -61,10 +61,11 @@ def env(tmp_path_factory):
     return store, bb, info, skills
 
 
-def make_cache(env, l2=None, metrics=None, capacity=1 << 30, prefix="polyserve") -> AdapterCache:
+def make_cache(env, l2=None, metrics=None, capacity=1 << 30, prefix="polyserve", routing_layers=True) -> AdapterCache:
     store, bb, info, skills = env
     return AdapterCache(store, info, skills, fingerprint=bb.fingerprint, device=torch.device("cpu"),
-                        dtype=torch.float32, l1=L1Cache(capacity), l2=l2, prefix=prefix, metrics=metrics)
+                        dtype=torch.float32, l1=L1Cache(capacity), l2=l2, prefix=prefix, metrics=metrics,
+                        routing_layers=routing_layers)
 
 
 def test_key_scheme_is_versioned(env):
@@ -136,6 +137,30 @@ def test_l2_miss_then_hit_across_processes(env, redis_tier, tmp_path):
     a2 = second.get(record)
     assert counter(metrics, "l2", "hit") == 1 and counter(metrics, "l3", "hit") == 1
     assert all(torch.equal(x[0], y[0]) and torch.equal(x[1], y[1]) for x, y in zip(a1.layers, a2.layers, strict=True))
+
+
+@pytest.mark.redis
+def test_weights_only_adapters_for_the_native_engine(env, redis_tier):
+    """routing_layers=False: a routed task's adapter is its routing weights (the same the
+    materialising cache computes), a few KB; it goes to L2 under its own key, so a materialising
+    replica on the same Redis never reads it as its adapter, nor the other way round."""
+    tier, prefix, metrics, client = redis_tier
+    store, *_ = env
+    record = store.get_task("alpha")
+    full = make_cache(env, l2=tier, metrics=metrics, prefix=prefix)
+    slim = make_cache(env, l2=tier, metrics=metrics, prefix=prefix, routing_layers=False)
+    a_full, a_slim = full.get(record), slim.get(record)
+    assert slim.key(record) == full.key(record) + ":w" and client.exists(slim.key(record))
+    assert a_slim.layers == [] and torch.equal(a_slim.weights, a_full.weights)
+    assert a_slim.nbytes * 50 < a_full.nbytes
+    assert counter(metrics, "l2", "hit") == 0 and counter(metrics, "l3", "hit") == 2  # neither read the other's entry
+    again = make_cache(env, l2=tier, metrics=metrics, prefix=prefix, routing_layers=False).get(record)
+    assert counter(metrics, "l2", "hit") == 1 and again.layers == [] and torch.equal(again.weights, a_full.weights)
+    from safetensors.torch import save
+
+    with pytest.raises(ValueError, match="routing weights missing"):  # a weights-only entry without weights
+        codec.decode(save({}), "k", "alpha", "routing", env[2], torch.device("cpu"),
+                     torch.float32, layers=False)
 
 
 @pytest.mark.redis

@@ -152,6 +152,16 @@ def test_queue_full_raises_with_retry_after(setup):
         engine.submit(GenRequest([1] * 20000, p))
 
 
+@pytest.mark.parametrize("prompt", [[1, "2"], [1, 259], [-1], [1.0]], ids=["str", "beyond-vocab", "negative", "float"])
+def test_a_prompt_of_bad_token_ids_is_refused_at_submit(setup, prompt):
+    """A direct caller's bad token id is a ValueError at submit (-> 4xx), never an item of a shared
+    step (where laying the step out would fail every row in flight)."""
+    bb, rm, _ = setup
+    engine = Engine(bb.model, bb.tokenizer, rm)
+    with pytest.raises(ValueError, match="prompt: token id"):
+        engine.submit(GenRequest(prompt, SamplingParams(max_new_tokens=4)))
+
+
 @pytest.mark.parametrize("rows,tokens,expect_rows", [(3, 10_000, 3), (8, 120, 2)], ids=["rows", "tokens"])
 def test_row_and_token_budgets_bound_the_batch(setup, rows, tokens, expect_rows):
     """Each of jobs8 costs len(prompt) + 40 = 41..65 KV positions: 3 rows bind in the first case,

@@ -110,14 +110,16 @@ def test_serving_dtype_setting():
         serving_dtype("cpu", "int8")
 
 
+@pytest.mark.parametrize("adapter_kind", ["routing", "lora"])
 @pytest.mark.parametrize("kind,targets", [
     ("llama", ("q_proj", "k_proj", "v_proj", "o_proj", "down_proj")),
     ("llama", ("q_proj", "v_proj", "gate_proj", "up_proj")),  # k not adapted; the MLP's gate|up path
     ("hf", ("q_proj", "k_proj", "v_proj", "o_proj", "down_proj")),
 ], ids=["llama", "llama-mlp", "hf"])
-def test_each_slots_lora_equals_the_routed_models_forward(tiny_model, kind, targets):
+def test_each_slots_lora_equals_the_routed_models_forward(tiny_model, kind, targets, adapter_kind):
     """Rows of three tasks and a base row in one step: each row's logits are those of the routed
-    model run alone with that task's materialised LoRA (gathered path, one task)."""
+    model run alone with that task's materialised LoRA (gathered path, one task). A routed task's
+    tables are combined from its routing weights; a plain LoRA's copied from its layers."""
     from adapters_store.inject import RoutedModel
     from adapters_store.spec import InventorySpec
     from server.adapters.types import Adapter
@@ -134,8 +136,9 @@ def test_each_slots_lora_equals_the_routed_models_forward(tiny_model, kind, targ
     for w in weights:
         rm.set_materialized(w)
         plan = rm.batch.plan
-        adapters.append(Adapter("t", "k", "routing", [(a[0].clone(), b[0].clone())
-                                                      for a, b in zip(plan.A_tables, plan.B_tables, strict=True)], w))
+        layers = [(a[0].clone(), b[0].clone()) for a, b in zip(plan.A_tables, plan.B_tables, strict=True)]
+        adapters.append(Adapter("t", "k", "routing", [], w) if adapter_kind == "routing"
+                        else Adapter("t", "k", "lora", layers, None))
     ex = build_executor(tiny_model, rm, slots=4, kind=kind)
     prompts = [torch.randint(0, 259, (n,), generator=gen).tolist() for n in (5, 9, 3, 6)]
     for slot, adapter in enumerate([*adapters, None]):

@@ -13,6 +13,7 @@ from adapters_store.combine import (
     lora_delta,
     materialize,
     materialize_many,
+    materialize_stacked,
     merge,
     to_peft_lora,
 )
@@ -44,6 +45,20 @@ def test_materialize_matches_per_head_loop(h, S, d_in, d_out, r):
     assert A_t.shape == (d_in, r) and B_t.shape == (r, d_out)
     assert_close(A_t, ref_A)
     assert_close(B_t, ref_B)
+
+
+@pytest.mark.parametrize("h,S,d_in,d_out,r", [(1, 4, 16, 8, 2), (4, 3, 16, 8, 2), (8, 8, 64, 32, 4)])
+def test_materialize_stacked_equals_one_linear_at_a_time(h, S, d_in, d_out, r):
+    L = 3
+    A, B = torch.randn(L, h, S, d_in // h, r), torch.randn(L, h, S, r, d_out // h)
+    w = eval_weights(torch.randn(L, h, S))
+    A_t, B_t = materialize_stacked(A, B, w)
+    for layer in range(L):
+        ref_A, ref_B = naive_materialize(A[layer], B[layer], w[layer])
+        assert_close(A_t[layer], ref_A)
+        assert_close(B_t[layer], ref_B)
+    with pytest.raises(ValueError, match="shape mismatch"):
+        materialize_stacked(A, B, w[:, :, :-1])
 
 
 def test_head_k_writes_only_its_output_block():

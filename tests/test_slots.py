@@ -121,3 +121,30 @@ def test_slot_lora_copy_clear_and_no_work_for_base_rows():
         lora.write(1, [(torch.zeros(5, 3), torch.zeros(3, 6))] + _adapter(1)[1:])
     with pytest.raises(ValueError, match="layers"):
         lora.write(1, _adapter(1)[:2])
+
+
+@pytest.mark.parametrize("layers", [3, 1], ids=["stacked", "one-layer"])
+def test_tables_from_routing_weights_equal_the_materialised_adapters(layers):
+    """write_routing (the combine straight into the slot) writes exactly what write() writes from
+    the materialised adapter of the same weights; an MHR skill set (h=2), q/k-style column order."""
+    from adapters_store.combine import materialize
+
+    g = torch.Generator().manual_seed(0)
+    h, S, r = 2, 3, 2
+    order = torch.tensor([1, 0, 3, 2, 5, 4])
+    groups = [[Group(4, 6 + 2, (Member(2 * layer, 0, 6, order), Member(2 * layer + 1, 6, 2)))] for layer in range(layers)]
+    skills = [(torch.randn(h, S, 4 // h, r, generator=g), torch.randn(h, S, r, w // h, generator=g))
+              for _ in range(layers) for w in (6, 2)]
+    weights = torch.softmax(torch.randn(2 * layers, h, S, generator=g), -1)
+    materialised = [materialize(a, b, w) for (a, b), w in zip(skills, weights, strict=True)]
+    routed = SlotLoRA(groups, slots=3, rank=r, scale=0.5, dtype=torch.float32)
+    plain = SlotLoRA(groups, slots=3, rank=r, scale=0.5, dtype=torch.float32)
+    routed.set_skills(skills)
+    routed.write_routing(1, weights)
+    plain.write(1, materialised)
+    for layer in range(layers):
+        torch.testing.assert_close(routed.A[layer][0], plain.A[layer][0])
+        torch.testing.assert_close(routed.B[layer][0], plain.B[layer][0])
+    assert plain.B[0][0][1].abs().sum() > 0 and routed.adapted[1]
+    with pytest.raises(ValueError, match="routing weights"):
+        routed.write_routing(0, weights[:, :, :2])

@@ -8,6 +8,13 @@
         L3: load routing row / LoRA, materialise -> adapter, add to L1, write L2
 Concurrent misses of one key compute once (single flight). Blocking: call from a worker thread,
 never from the event loop nor the engine thread.
+
+routing_layers=False (the native engine, which combines a routed task's tables from its routing
+weights straight into the row's slot: engines/native/slot_lora.py): a routed task's adapter holds
+only its mixing weights (L, h, S), a few KB instead of every layer's materialised LoRA, so L1 holds
+routing rows. They go to L2 under their own key (suffix ":w"), so a replica that needs the
+materialised adapter (the vLLM engine) never finds a weights-only entry under its key. Plain-LoRA
+tasks (kind "lora") are materialised in both modes.
 """
 
 from __future__ import annotations
@@ -36,8 +43,10 @@ EntryState = Literal["absent", "loading", "resident"]
 class AdapterCache:
     def __init__(self, store: Store, info: InventoryInfo, skills: dict[str, torch.Tensor], *,
                  fingerprint: str, device: torch.device, dtype: torch.dtype, l1: L1Cache,
-                 l2: RedisTier | None = None, prefix: str = "polyserve", metrics: Any = None) -> None:
+                 l2: RedisTier | None = None, prefix: str = "polyserve", metrics: Any = None,
+                 routing_layers: bool = True) -> None:
         self.store, self.info, self.fingerprint = store, info, fingerprint
+        self.routing_layers = routing_layers
         self.skills = {k: v.to(device=device, dtype=torch.float32) for k, v in skills.items()}
         self.device, self.dtype = device, dtype
         self.l1, self.l2, self.prefix, self.metrics = l1, l2, prefix, metrics
@@ -45,7 +54,11 @@ class AdapterCache:
         self._lock = threading.Lock()
 
     def key(self, record: TaskRecord) -> str:
-        return adapter_key(self.prefix, self.fingerprint, self.info.version, record.id, record.cache_version)
+        key = adapter_key(self.prefix, self.fingerprint, self.info.version, record.id, record.cache_version)
+        return key + ":w" if self._weights_only(record) else key
+
+    def _weights_only(self, record: TaskRecord) -> bool:
+        return (record.kind or "routing") == "routing" and not self.routing_layers
 
     def state(self, record: TaskRecord) -> EntryState:
         key = self.key(record)
@@ -95,7 +108,8 @@ class AdapterCache:
                 self._count("l2", "miss")
             else:
                 try:
-                    adapter = codec.decode(data, key, record.id, kind, self.info, self.device, self.dtype)
+                    adapter = codec.decode(data, key, record.id, kind, self.info, self.device, self.dtype,
+                                           layers=not self._weights_only(record))
                     self._count("l2", "hit")
                     return adapter
                 except ValueError as err:  # undecodable: a miss; drop it, recompute, overwrite
@@ -114,9 +128,11 @@ class AdapterCache:
         tensors = self.store.load_weights(record)
         with torch.no_grad():
             tensors = {k: v.to(device=self.device, dtype=torch.float32) for k, v in tensors.items()}
-            layers = task_layers(self.info, self.skills, kind, tensors)
             weights = task_weights(self.info, tensors["logits"]) if kind == "routing" else None
-            layers = [(a.to(self.dtype).contiguous(), b.to(self.dtype).contiguous()) for a, b in layers]
+            layers = []
+            if not self._weights_only(record):
+                layers = [(a.to(self.dtype).contiguous(), b.to(self.dtype).contiguous())
+                          for a, b in task_layers(self.info, self.skills, kind, tensors)]
         adapter = Adapter(record.id, key or self.key(record), kind, layers, weights)
         self._count("l3", "hit")
         if self.metrics is not None:

@@ -37,12 +37,16 @@ class EngineStopped(Exception):
 
 def check_fits(req: GenRequest, *, max_tokens: int, max_rows: int, vocab_size: int) -> None:
     """ValueError when a request can never run on an engine with these budgets (-> 4xx): prompt +
-    max_new_tokens over max_batch_tokens, an empty prompt, n over max_batch_rows, a logit_bias
-    token outside the vocabulary. Every engine calls it first in submit()."""
+    max_new_tokens over max_batch_tokens, an empty prompt, a prompt token that is not an id of the
+    vocabulary, n over max_batch_rows, a logit_bias token outside the vocabulary. Every engine
+    calls it first in submit()."""
     if req.budget_tokens > max_tokens:
         raise ValueError(f"prompt + max_new_tokens = {req.budget_tokens} exceeds max_batch_tokens {max_tokens}")
     if not req.prompt_ids:
         raise ValueError("prompt must hold at least one token")
+    bad = next((t for t in req.prompt_ids if not isinstance(t, int) or not 0 <= t < vocab_size), None)
+    if bad is not None:  # the HTTP layer checks too; this keeps a direct caller's bad id out of a shared step
+        raise ValueError(f"prompt: token id {bad!r} is not an integer in [0, {vocab_size})")
     if req.params.n > max_rows:
         raise ValueError(f"n: {req.params.n} choices exceed max_batch_rows {max_rows}")
     for token, _ in req.params.logit_bias:

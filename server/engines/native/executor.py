@@ -75,8 +75,9 @@ def build_executor(model: torch.nn.Module, routed: Any = None, *, slots: int, dt
     if kind == "llama" or (kind == "auto" and reason is None):
         adapted = list(routed.names) if routed is not None else None
         spec = routed.spec if routed is not None else None
+        skills = [(layer.lora_A.detach(), layer.lora_B.detach()) for layer in routed.layers] if routed else None
         return LlamaExecutor(model, dtype=dtype, slots=slots, packed=packed, adapted=adapted,
-                             rank=spec.rank if spec else 0, scale=spec.scale if spec else 1.0)
+                             rank=spec.rank if spec else 0, scale=spec.scale if spec else 1.0, skills=skills)
     if reason is not None:
         log.info("native engine: the model's own forward (%s)", reason)
     if dtype != model_dtype:

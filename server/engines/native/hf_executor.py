@@ -22,7 +22,7 @@ import torch
 from torch import nn
 
 from server.engines.native.attention import slot_attention
-from server.engines.native.slot_lora import Group, Member, SlotLoRA, SlotLoRAStep
+from server.engines.native.slot_lora import Group, Member, SlotLoRA, SlotLoRAStep, write_adapter
 from server.engines.native.slots import SlotKV
 from server.engines.native.step import Item, StepBatch
 
@@ -96,6 +96,7 @@ class HFExecutor:
                 for i, layer in enumerate(routed.layers)]
             self.lora = SlotLoRA(groups, slots=slots, rank=routed.spec.rank, scale=routed.spec.scale,
                                  dtype=self.dtype, device=self.device)
+            self.lora.set_skills([(layer.lora_A.detach(), layer.lora_B.detach()) for layer in routed.layers])
         _register()
         self._mask = torch.ones((1, 1, 1, 1), dtype=torch.bool, device=self.device)  # 4-D: used as given (ignored)
 
@@ -126,13 +127,8 @@ class HFExecutor:
         return logits[: batch.logit_index.numel()]
 
     def set_adapter(self, slot: int, adapter: Any) -> None:
-        if adapter is None:
-            if self.lora is not None:
-                self.lora.clear(slot)
-            return
-        if self.lora is None:
-            raise RuntimeError("adapters requested but the backbone has no skill inventory")
-        self.lora.write(slot, adapter.layers)
+        """The row in `slot` runs with `adapter` (None = base)."""
+        write_adapter(self.lora, slot, adapter)
 
     def copy_slot(self, src: int, dst: int, length: int) -> None:
         self.kv.copy(src, dst, length)

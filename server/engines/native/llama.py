@@ -30,7 +30,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from server.engines.native.attention import slot_attention
-from server.engines.native.slot_lora import Group, Member, SlotLoRA, SlotLoRAStep
+from server.engines.native.slot_lora import Group, Member, SlotLoRA, SlotLoRAStep, write_adapter
 from server.engines.native.slots import SlotKV
 from server.engines.native.step import StepBatch
 
@@ -163,7 +163,10 @@ class LlamaExecutor:
 
     def __init__(self, model: nn.Module, *, dtype: torch.dtype, slots: int, packed: bool | None = None,
                  adapted: list[str] | None = None, rank: int = 0, scale: float = 1.0,
+                 skills: list[tuple[torch.Tensor, torch.Tensor]] | None = None,
                  lora_dtype: torch.dtype | None = None) -> None:
+        """adapted: the qualified names of the routed linears (the inventory's order); skills: their
+        (A, B) skill tensors, so routed tasks are written from their routing weights."""
         reason = unsupported(model)
         if reason is not None:
             raise ValueError(f"the flat Llama executor cannot run this model: {reason}")
@@ -200,6 +203,8 @@ class LlamaExecutor:
         if groups is not None:
             lora_dtype = lora_dtype or (torch.float32 if self.device.type == "cpu" else dtype)
             self.lora = SlotLoRA(groups, slots=slots, rank=rank, scale=scale, dtype=lora_dtype, device=self.device)
+            if skills is not None:
+                self.lora.set_skills(skills)
 
     # -- building ------------------------------------------------------------------------------
     def _groups(self, model: nn.Module, adapted: list[str]) -> list[list[Group | None]]:
@@ -306,11 +311,5 @@ class LlamaExecutor:
             self.lora.copy(src, dst)
 
     def set_adapter(self, slot: int, adapter: Any) -> None:
-        """The row in `slot` runs with `adapter` (server.adapters.types.Adapter; None = base)."""
-        if adapter is None:
-            if self.lora is not None:
-                self.lora.clear(slot)
-            return
-        if self.lora is None:
-            raise RuntimeError("adapters requested but the backbone has no skill inventory")
-        self.lora.write(slot, adapter.layers)
+        """The row in `slot` runs with `adapter` (None = base)."""
+        write_adapter(self.lora, slot, adapter)

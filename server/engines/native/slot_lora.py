@@ -9,13 +9,20 @@ the routed LoRA is fused the same way. For group g of layer l, slot s holds
 
 so for a row in slot s:   out += x @ A[l][g][s] @ B[l][g][s]   =   each member's x @ A_t @ B_t * scale.
 
-A row's tables are written when it takes its slot (`write`: from the adapter's materialised
-layers, or straight from its routing weights and the skills, `write_routing`), copied with the
-slot (`copy`), and read by every forward the row is in: the decode group as one bmm pair over
-slots [:n] (a view while slots are dense), each prompt chunk as two GEMMs against its slot's
-tables. So a step costs the same whatever the number of distinct tasks among its rows, and no
-per-step plan is built. Rows without an adapter (`base`) have zero A; a step where no row has an
-adapter skips the LoRA work entirely.
+A row's tables are written when it takes its slot, and read by every forward the row is in: the
+decode group as one bmm pair over slots [:n] (a view while slots are dense), each prompt chunk as
+two GEMMs against its slot's tables. So a step costs the same whatever the number of distinct
+tasks among its rows, and no per-step plan is built. Rows without an adapter (`base`) have zero
+A; a step where no row has an adapter skips the LoRA work entirely.
+
+Writing a row's tables:
+    write_routing(slot, w)  a routed task from its mixing weights w (L, h, S) and the skills: the
+                            combine (adapters_store.combine.materialize_stacked) of every layer at
+                            once, per group member, straight into the slot (no materialised
+                            adapter anywhere: the adapter cache keeps only routing rows)
+    write(slot, layers)     a plain LoRA (per linear (A_t, B_t)), e.g. a task trained with "mu"
+A group kind laid out the same way in every layer (the Llama executor's) is one buffer
+(L, slots, ...), so a write, copy or clear of a slot is a few ops whatever the number of layers.
 """
 
 from __future__ import annotations
@@ -24,6 +31,7 @@ from dataclasses import dataclass
 
 import torch
 
+from adapters_store.combine import materialize_stacked
 from server.engines.native.step import StepBatch
 
 
@@ -36,12 +44,31 @@ class Member:
     width: int  # its d_out
     order: torch.Tensor | None = None  # the fused linear's order of this member's outputs (None: as is)
 
+    def shape_key(self) -> tuple:
+        return (self.start, self.width, None if self.order is None else tuple(self.order.tolist()))
+
 
 @dataclass(frozen=True)
 class Group:
     d_in: int
     d_out: int  # the fused linear's output width
     members: tuple[Member, ...]
+
+    def shape_key(self) -> tuple:
+        return (self.d_in, self.d_out, tuple(m.shape_key() for m in self.members))
+
+
+@dataclass
+class _Skills:
+    """The skills of member j of a group, stacked over the layers of its buffers A, B (L, slots, ...)."""
+
+    A: torch.Tensor
+    B: torch.Tensor
+    j: int
+    member: Member
+    index: torch.Tensor  # (L,) the member's adapted-linear index in each layer
+    A_sk: torch.Tensor  # (L, h, S, d_in/h, r)
+    B_sk: torch.Tensor  # (L, h, S, r, d_out/h)
 
 
 class SlotLoRA:
@@ -50,30 +77,60 @@ class SlotLoRA:
         """groups[l][g]: group g of decoder layer l (None: nothing adapted there)."""
         self.groups, self.slots, self.rank, self.scale = groups, slots, rank, scale
         self.dtype, self.device = dtype, torch.device(device)
-        self.A: list[list[torch.Tensor | None]] = []
-        self.B: list[list[torch.Tensor | None]] = []
-        for layer in groups:
-            self.A.append([None if g is None else torch.zeros(slots, g.d_in, len(g.members) * rank, dtype=dtype,
-                                                               device=self.device) for g in layer])
-            self.B.append([None if g is None else torch.zeros(slots, len(g.members) * rank, g.d_out, dtype=dtype,
-                                                               device=self.device) for g in layer])
+        n_layers = len(groups)
+        width = max((len(row) for row in groups), default=0)
+        self.A: list[list[torch.Tensor | None]] = [[None] * len(row) for row in groups]
+        self.B: list[list[torch.Tensor | None]] = [[None] * len(row) for row in groups]
+        self._stacks: list[tuple[int, Group, torch.Tensor, torch.Tensor]] = []  # (column g, its group, A, B)
+        for g in range(width):
+            column = [row[g] if g < len(row) else None for row in groups]
+            present = [c for c in column if c is not None]
+            if not present:
+                continue
+            if len(present) == n_layers and len({c.shape_key() for c in present}) == 1:
+                first = present[0]
+                A = self._zeros(n_layers, slots, first.d_in, len(first.members) * rank)
+                B = self._zeros(n_layers, slots, len(first.members) * rank, first.d_out)
+                self._stacks.append((g, first, A, B))
+                for layer in range(n_layers):
+                    self.A[layer][g], self.B[layer][g] = A[layer], B[layer]
+                continue
+            for layer, c in enumerate(column):
+                if c is not None:
+                    self.A[layer][g] = self._zeros(slots, c.d_in, len(c.members) * rank)
+                    self.B[layer][g] = self._zeros(slots, len(c.members) * rank, c.d_out)
         self.adapted = [False] * slots
         self.n_linears = sum(len(g.members) for layer in groups for g in layer if g is not None)
+        self._skills: list[_Skills] | None = None
+
+    def _zeros(self, *shape: int) -> torch.Tensor:
+        return torch.zeros(shape, dtype=self.dtype, device=self.device)
 
     @property
     def nbytes(self) -> int:
         return sum(t.numel() * t.element_size() for rows in (*self.A, *self.B) for t in rows if t is not None)
 
     def _tables(self):
+        """(group, A (slots, ...), B (slots, ...)) of every adapted group of every layer."""
         for layer, a_row, b_row in zip(self.groups, self.A, self.B, strict=True):
             for g, a, b in zip(layer, a_row, b_row, strict=True):
                 if g is not None:
                     yield g, a, b
 
+    def _unstacked(self):
+        stacked = {g for g, _, _, _ in self._stacks}
+        for layer, a_row, b_row in zip(self.groups, self.A, self.B, strict=True):
+            for col, (g, a, b) in enumerate(zip(layer, a_row, b_row, strict=True)):
+                if g is not None and col not in stacked:
+                    yield g, a, b
+
+    # -- writing a slot ------------------------------------------------------------------------
     def clear(self, slot: int) -> None:
         """The slot's row runs without an adapter."""
         if self.adapted[slot]:
-            for _, a, _ in self._tables():
+            for _, _, A, _ in self._stacks:
+                A[:, slot].zero_()
+            for _, a, _ in self._unstacked():
                 a[slot].zero_()
         self.adapted[slot] = False
 
@@ -82,30 +139,91 @@ class SlotLoRA:
         if len(layers) != self.n_linears:
             raise ValueError(f"the adapter has {len(layers)} layers, the inventory {self.n_linears}")
         r = self.rank
+        for g, _, _ in self._tables():
+            for m in g.members:
+                a_t, b_t = layers[m.index]
+                if a_t.shape != (g.d_in, r) or b_t.shape != (r, m.width):
+                    raise ValueError(f"adapter layer {m.index}: shapes {tuple(a_t.shape)}, {tuple(b_t.shape)} "
+                                     f"!= ({g.d_in}, {r}), ({r}, {m.width})")
         with torch.no_grad():
-            for g, a, b in self._tables():
+            for col, first, A, B in self._stacks:
+                for j, m in enumerate(first.members):
+                    index = [row[col].members[j].index for row in self.groups]  # type: ignore[union-attr]
+                    a_t = torch.stack([layers[i][0] for i in index])  # (L, d_in, r)
+                    b_t = torch.stack([layers[i][1] for i in index])  # (L, r, width)
+                    self._put(A, B, slot, j, m, a_t, b_t)
+            for g, a, b in self._unstacked():
                 for j, m in enumerate(g.members):
                     a_t, b_t = layers[m.index]
-                    if a_t.shape != (g.d_in, r) or b_t.shape != (r, m.width):
-                        raise ValueError(f"adapter layer {m.index}: shapes {tuple(a_t.shape)}, {tuple(b_t.shape)} "
-                                         f"!= ({g.d_in}, {r}), ({r}, {m.width})")
-                    if m.order is not None:
-                        b_t = b_t[:, m.order]
-                    a[slot, :, j * r : (j + 1) * r].copy_(a_t)
-                    b[slot, j * r : (j + 1) * r, m.start : m.start + m.width].copy_(b_t).mul_(self.scale)
+                    self._put(a.unsqueeze(0), b.unsqueeze(0), slot, j, m, a_t[None], b_t[None])
+        self.adapted[slot] = True
+
+    def _put(self, A: torch.Tensor, B: torch.Tensor, slot: int, j: int, m: Member,
+             a_t: torch.Tensor, b_t: torch.Tensor) -> None:
+        """Member j's tables (L, d_in, r), (L, r, width) into slot `slot` of (L, slots, ...) buffers."""
+        r = self.rank
+        if m.order is not None:
+            b_t = b_t[:, :, m.order]
+        A[:, slot, :, j * r : (j + 1) * r] = a_t
+        B[:, slot, j * r : (j + 1) * r, m.start : m.start + m.width] = b_t * self.scale
+
+    def set_skills(self, skills: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
+        """The inventory's skills, per adapted linear (A (h, S, d_in/h, r), B (h, S, r, d_out/h)),
+        for write_routing; kept stacked per group member (over the layers of a stacked buffer)
+        in the tables' dtype."""
+        if len(skills) != self.n_linears:
+            raise ValueError(f"{len(skills)} skill pairs for {self.n_linears} adapted linears")
+        # (A, B buffers (L, slots, ...), the group, its column in every layer's row; None: one table)
+        targets: list[tuple[torch.Tensor, torch.Tensor, Group, int | None]] = [
+            (A, B, first, col) for col, first, A, B in self._stacks]
+        targets += [(a.unsqueeze(0), b.unsqueeze(0), g, None) for g, a, b in self._unstacked()]
+        entries = []
+        with torch.no_grad():
+            for A, B, group, col in targets:
+                for j, m in enumerate(group.members):
+                    index = [m.index] if col is None else [row[col].members[j].index for row in self.groups]  # type: ignore[union-attr]
+                    A_sk = torch.stack([skills[i][0] for i in index]).to(self.device, self.dtype)
+                    B_sk = torch.stack([skills[i][1] for i in index]).to(self.device, self.dtype)
+                    entries.append(_Skills(A, B, j, m, torch.tensor(index, device=self.device), A_sk, B_sk))
+        self._skills = entries
+
+    @property
+    def routes(self) -> bool:
+        """write_routing can be used (set_skills was called)."""
+        return self._skills is not None
+
+    def write_routing(self, slot: int, weights: torch.Tensor) -> None:
+        """weights (n_linears, h, S): a routed task's mixing weights; its tables are combined from
+        the skills straight into the slot."""
+        if self._skills is None:
+            raise RuntimeError("write_routing needs the skills (set_skills)")
+        if weights.dim() != 3 or weights.shape[0] != self.n_linears:
+            raise ValueError(f"routing weights of shape {tuple(weights.shape)} for {self.n_linears} linears")
+        w = weights.to(self.device, self.dtype)
+        with torch.no_grad():
+            for e in self._skills:
+                if e.A_sk.shape[1:3] != w.shape[1:]:
+                    raise ValueError(f"routing weights {tuple(w.shape[1:])} do not match the skills' "
+                                     f"{tuple(e.A_sk.shape[1:3])}")
+                a_t, b_t = materialize_stacked(e.A_sk, e.B_sk, w.index_select(0, e.index))
+                self._put(e.A, e.B, slot, e.j, e.member, a_t, b_t)
         self.adapted[slot] = True
 
     def copy(self, src: int, dst: int) -> None:
         if src == dst:
             return
-        if self.adapted[src]:
-            for _, a, b in self._tables():
-                a[dst].copy_(a[src])
-                b[dst].copy_(b[src])
-            self.adapted[dst] = True
-        else:
+        if not self.adapted[src]:
             self.clear(dst)
+            return
+        for _, _, A, B in self._stacks:
+            A[:, dst].copy_(A[:, src])
+            B[:, dst].copy_(B[:, src])
+        for _, a, b in self._unstacked():
+            a[dst].copy_(a[src])
+            b[dst].copy_(b[src])
+        self.adapted[dst] = True
 
+    # -- reading -------------------------------------------------------------------------------
     def step(self, batch: StepBatch) -> SlotLoRAStep | None:
         """The LoRA work of one forward, or None when none of its rows has an adapter."""
         decode_on = any(self.adapted[s] for s in batch.decode_slots)
@@ -114,6 +232,23 @@ class SlotLoRA:
             return None
         return SlotLoRAStep(self, batch.n_decode if decode_on else 0,
                             None if batch.decode_contiguous else batch.decode_slots_t, chunks)
+
+
+def write_adapter(lora: SlotLoRA | None, slot: int, adapter) -> None:
+    """The row in `slot` runs with `adapter` (server.adapters.types.Adapter; None = base): a routed
+    task from its routing weights, a plain LoRA from its layers."""
+    if adapter is None:
+        if lora is not None:
+            lora.clear(slot)
+        return
+    if lora is None:
+        raise RuntimeError("adapters requested but the backbone has no skill inventory")
+    if adapter.weights is not None and adapter.kind == "routing" and lora.routes:
+        lora.write_routing(slot, adapter.weights)
+    elif adapter.layers:
+        lora.write(slot, adapter.layers)
+    else:
+        raise ValueError(f"adapter of task {adapter.task!r} holds neither routing weights nor LoRA layers")
 
 
 class SlotLoRAStep:
