@@ -158,3 +158,37 @@ def test_each_slots_lora_equals_the_routed_models_forward(tiny_model, kind, targ
     rm.batch.set(None)
     plain = reference(tiny_model, prompts[0])
     assert (got[b.logit_rows[0]] - plain).abs().max() > 1e-2  # the adapters really change the answer
+
+
+def test_static_decode_steps_equal_the_dynamic_ones(tiny_model):
+    """The CUDA-graph path's padded, fixed-shape decode (static_decode.py), run eagerly here: rows
+    padded into the spare slot, attention over the whole KV capacity, LoRA always on, give the
+    dynamic path's logits; prompt chunks still take the dynamic path."""
+    from adapters_store.inject import RoutedModel
+    from adapters_store.spec import InventorySpec
+    from server.adapters.types import Adapter
+    from server.engines.native.static_decode import bucket
+
+    rm = RoutedModel(tiny_model, InventorySpec(n_skills=3, n_heads=2, rank=4))
+    gen = torch.Generator().manual_seed(3)
+    with torch.no_grad():
+        for layer in rm.layers:
+            layer.lora_B.copy_(torch.randn(layer.lora_B.shape, generator=gen) * 0.3)
+    skills = [(layer.lora_A.detach(), layer.lora_B.detach()) for layer in rm.layers]
+    weights = torch.softmax(torch.randn(len(rm.layers), 2, 3, generator=gen), -1)
+    executors = [build_executor(tiny_model, rm, slots=6, static_decode=flag) for flag in (False, True)]
+    assert executors[0].static is None and executors[1].static is not None
+    prompts = [torch.randint(0, 259, (n,), generator=gen).tolist() for n in (4, 9, 6)]
+    outs = []
+    for ex in executors:
+        for slot in range(3):
+            ex.set_adapter(slot, Adapter("t", "k", "routing", [], weights) if slot != 1 else None)
+            ex.forward(StepBatch.build([Item(slot, 0, tuple(prompts[slot]))]))
+        step = StepBatch.build([Item(s, len(p), (7 + s,)) for s, p in enumerate(prompts)])  # 3 rows -> bucket 4
+        outs.append((ex.forward(step), ex.forward(StepBatch.build([Item(2, len(prompts[2]) + 1, (5,))]))))
+    assert bucket(3, 6) == 4 and bucket(7, 6) is None
+    for got, want in zip(outs[1], outs[0], strict=True):
+        torch.testing.assert_close(got, want, atol=1e-5, rtol=0)
+    spare = executors[1].spare_slot
+    assert executors[1].kv.k[0][spare].abs().sum() > 0  # the padding row wrote into the spare slot only
+    assert executors[0].kv.k[0][spare].abs().sum() == 0

@@ -59,7 +59,7 @@ def serving_dtype(device: torch.device | str, setting: str | None = None) -> tor
 
 
 def build_executor(model: torch.nn.Module, routed: Any = None, *, slots: int, dtype: torch.dtype | None = None,
-                   kind: str = "auto", packed: bool | None = None) -> Executor:
+                   kind: str = "auto", packed: bool | None = None, static_decode: bool | None = None) -> Executor:
     """kind auto: the Llama executor where it can run the model, else the HF one. dtype None: the
     model's own. routed: the RoutedModel (its adapted linears get per-slot LoRA tables)."""
     from server.engines.native.hf_executor import HFExecutor
@@ -77,7 +77,8 @@ def build_executor(model: torch.nn.Module, routed: Any = None, *, slots: int, dt
         spec = routed.spec if routed is not None else None
         skills = [(layer.lora_A.detach(), layer.lora_B.detach()) for layer in routed.layers] if routed else None
         return LlamaExecutor(model, dtype=dtype, slots=slots, packed=packed, adapted=adapted,
-                             rank=spec.rank if spec else 0, scale=spec.scale if spec else 1.0, skills=skills)
+                             rank=spec.rank if spec else 0, scale=spec.scale if spec else 1.0, skills=skills,
+                             static_decode=static_decode)
     if reason is not None:
         log.info("native engine: the model's own forward (%s)", reason)
     if dtype != model_dtype:

@@ -32,6 +32,7 @@ from torch import nn
 from server.engines.native.attention import slot_attention
 from server.engines.native.slot_lora import Group, Member, SlotLoRA, SlotLoRAStep, write_adapter
 from server.engines.native.slots import SlotKV
+from server.engines.native.static_decode import StaticDecode
 from server.engines.native.step import StepBatch
 
 ARCHITECTURES = ("llama", "mistral", "qwen2")
@@ -164,9 +165,11 @@ class LlamaExecutor:
     def __init__(self, model: nn.Module, *, dtype: torch.dtype, slots: int, packed: bool | None = None,
                  adapted: list[str] | None = None, rank: int = 0, scale: float = 1.0,
                  skills: list[tuple[torch.Tensor, torch.Tensor]] | None = None,
-                 lora_dtype: torch.dtype | None = None) -> None:
+                 lora_dtype: torch.dtype | None = None, static_decode: bool | None = None) -> None:
         """adapted: the qualified names of the routed linears (the inventory's order); skills: their
-        (A, B) skill tensors, so routed tasks are written from their routing weights."""
+        (A, B) skill tensors, so routed tasks are written from their routing weights. static_decode:
+        decode steps padded to fixed shapes and, on CUDA, replayed as graphs (static_decode.py);
+        None = on CUDA only. The KV cache and the adapter tables get one spare slot for padding."""
         reason = unsupported(model)
         if reason is not None:
             raise ValueError(f"the flat Llama executor cannot run this model: {reason}")
@@ -198,13 +201,20 @@ class LlamaExecutor:
         self._rope_scale = float(getattr(rotary, "attention_scaling", 1.0))
         self._rope = torch.empty(0, dtype=torch.complex64)
         self._rope_table(256)
-        self.kv = SlotKV(len(self.layers), slots, self.kv_heads, self.head_dim, dtype=dtype, device=self.device)
+        self.spare_slot = slots  # never given to a row: static decode steps pad into it
+        self.kv = SlotKV(len(self.layers), slots + 1, self.kv_heads, self.head_dim, dtype=dtype, device=self.device)
         self.lora: SlotLoRA | None = None
         if groups is not None:
             lora_dtype = lora_dtype or (torch.float32 if self.device.type == "cpu" else dtype)
-            self.lora = SlotLoRA(groups, slots=slots, rank=rank, scale=scale, dtype=lora_dtype, device=self.device)
+            self.lora = SlotLoRA(groups, slots=slots + 1, rank=rank, scale=scale, dtype=lora_dtype, device=self.device)
             if skills is not None:
                 self.lora.set_skills(skills)
+        if static_decode is None:
+            static_decode = self.device.type == "cuda"
+        self.static: StaticDecode | None = None
+        if static_decode:
+            self.static = StaticDecode(self._static_compute, spare_slot=self.spare_slot, largest=slots,
+                                       device=self.device, capacity=lambda: self.kv.capacity)
 
     # -- building ------------------------------------------------------------------------------
     def _groups(self, model: nn.Module, adapted: list[str]) -> list[list[Group | None]]:
@@ -258,7 +268,18 @@ class LlamaExecutor:
     def forward(self, batch: StepBatch) -> torch.Tensor:
         """Logits (R, V) float32 at batch.logit_index; writes the items' K/V into their slots."""
         self.prepare(batch)
-        lora = self.lora.step(batch) if self.lora is not None else None
+        if self.static is not None and self.static.fits(batch):
+            return self.static.run(batch)
+        return self._compute(batch, self.lora.step(batch) if self.lora is not None else None)
+
+    def _static_compute(self, batch: StepBatch) -> torch.Tensor:
+        """A static decode step: the LoRA work always runs (rows may change adapters between replays)."""
+        lora = None
+        if self.lora is not None:
+            lora = SlotLoRAStep(self.lora, batch.n_decode, batch.decode_slots_t, [])
+        return self._compute(batch, lora)
+
+    def _compute(self, batch: StepBatch, lora: SlotLoRAStep | None) -> torch.Tensor:
         x = F.embedding(batch.tokens, self.embed)  # (T, d)
         rope = self._rope[batch.positions][:, None]  # (T, 1, hd/2) complex
         for i, layer in enumerate(self.layers):
