@@ -174,7 +174,6 @@ def test_static_decode_steps_equal_the_dynamic_ones(tiny_model):
     with torch.no_grad():
         for layer in rm.layers:
             layer.lora_B.copy_(torch.randn(layer.lora_B.shape, generator=gen) * 0.3)
-    skills = [(layer.lora_A.detach(), layer.lora_B.detach()) for layer in rm.layers]
     weights = torch.softmax(torch.randn(len(rm.layers), 2, 3, generator=gen), -1)
     executors = [build_executor(tiny_model, rm, slots=6, static_decode=flag) for flag in (False, True)]
     assert executors[0].static is None and executors[1].static is not None
