@@ -4,6 +4,11 @@
 # there: the `vllm` extra pulls the CPU wheel), also vLLM with the exported LoRAs (E), vLLM bare (F)
 # and polyserve on its vLLM engine (G).
 #
+# The native engine replays CUDA graphs of its decode steps (server/engines/native/static_decode.py);
+# `bench/gpu_bench.sh default --static-decode off` measures it without them, and
+# `.venv/bin/python bench/profile_engine.py --device cuda --dtype bfloat16 --batch 64 --requests 128`
+# prints the kernel launches per step.
+#
 #   bench/gpu_bench.sh [BACKBONE] [more serve_bench arguments]
 #   BACKBONE: default (the embedded SmolLM2-135M-Instruct) or a Hugging Face directory
 set -euo pipefail

@@ -36,6 +36,7 @@ from server.adapters.l1 import L1Cache
 from server.engines.native.engine import NativeEngine
 from server.engines.native.executor import serving_dtype
 from server.engines.request import GenRequest, RequestHandle, SamplingParams
+from server.settings import switch
 
 # (bucket, file suffix, function name, nested): cumulative time of these functions; nested ones
 # are inside an earlier bucket and not added to the total
@@ -71,6 +72,8 @@ def main() -> None:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--base", action="store_true", help="adapters off (every row is base)")
     ap.add_argument("--op-steps", type=int, default=20)
+    ap.add_argument("--static-decode", choices=["auto", "on", "off"], default="auto",
+                    help="the engine's POLYSERVE_STATIC_DECODE (CUDA graphs of decode steps; auto = on CUDA)")
     ap.add_argument("--packed-weights", choices=["auto", "on", "off"], default="auto")
     ap.add_argument("--device", default="cpu")
     ap.add_argument("--dtype", default="auto", help="serving dtype (auto: bfloat16 on CUDA and AMX CPUs)")
@@ -88,7 +91,8 @@ def main() -> None:
     adapters = {t: cache.get(store.get_task(t)) for t in tasks}
     engine = NativeEngine(bb.model, bb.tokenizer, rm, max_batch_rows=args.batch, max_batch_tokens=1 << 20,
                           max_prefill_rows=args.batch, max_queue=1 << 16, max_step_tokens=args.max_step_tokens,
-                          dtype=dtype, packed_weights={"auto": None, "on": True, "off": False}[args.packed_weights])
+                          dtype=dtype, packed_weights=switch(args.packed_weights),
+                          static_decode=switch(args.static_decode))
     tok = bb.tokenizer
 
     def submit_all(jobs) -> list[GenRequest]:

@@ -55,6 +55,7 @@ from server.adapters.l1 import L1Cache
 from server.engines.native.engine import NativeEngine as Engine
 from server.engines.native.executor import serving_dtype
 from server.engines.request import FinalEvent, GenRequest, RequestHandle, SamplingParams
+from server.settings import switch
 from training.prompt import format_prompt
 
 WORDS = ["cat", "dog", "tree", "river", "stone", "cloud", "apple", "seven", "blue", "quick", "lamp", "music", "paper", "garden", "window", "orange", "silver", "market", "engine", "rabbit", "ocean", "winter", "bridge", "candle", "forest"]
@@ -282,6 +283,8 @@ def main() -> None:
     ap.add_argument("--vllm-python", type=Path, default=Path(os.environ.get(
         "POLYSERVE_VLLM_PYTHON", Path(__file__).resolve().parents[1] / ".venv-vllm" / "bin" / "python")),
         help="python of a vLLM environment for the variants e/f/E/F/g/G")
+    ap.add_argument("--static-decode", choices=["auto", "on", "off"], default="auto",
+                    help="the engine's POLYSERVE_STATIC_DECODE (CUDA graphs of decode steps; auto = on CUDA)")
     ap.add_argument("--packed-weights", choices=["auto", "on", "off"], default="auto",
                     help="the engine's POLYSERVE_PACKED_WEIGHTS")
     args = ap.parse_args()
@@ -293,14 +296,15 @@ def main() -> None:
     tmp = Path(tempfile.mkdtemp(prefix="polyserve-bench-"))
     bb, store, rm, pm, tasks, adapters = openmp.in_fresh_thread(setup, args, dtype, tmp)
     openmp.one_thread()
-    packed = {"auto": None, "on": True, "off": False}[args.packed_weights]
+    packed = switch(args.packed_weights)
     jobs = workload(args.requests, tasks, args.out_min, args.out_max, args.seed, args.out_dist)
 
     def engine_run(serving: torch.dtype, name: str, **kw) -> dict:
         def start() -> Engine:
             eng = Engine(bb.model, bb.tokenizer, rm, max_batch_rows=args.batch, max_batch_tokens=1 << 20,
                          max_prefill_rows=args.batch, max_queue=1 << 16, max_step_tokens=args.max_step_tokens,
-                         dtype=serving, packed_weights=packed, threads=args.threads)
+                         dtype=serving, packed_weights=packed, threads=args.threads,
+                         static_decode=switch(args.static_decode))
             eng.start()
             return eng
 

@@ -13,6 +13,11 @@ from pydantic import Field, field_validator, model_validator
 from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
 
 
+def switch(value: str) -> bool | None:
+    """An auto/on/off setting as None (decide by the machine) / True / False."""
+    return {"auto": None, "on": True, "off": False}[value]
+
+
 def _default_home() -> Path:
     return Path.home() / ".cache" / "polyserve"
 
@@ -34,6 +39,8 @@ class Settings(BaseSettings):
     packed_weights: Literal["auto", "on", "off"] = "auto"
     # native engine: llama = its own fused forward (Llama-family), hf = the model's forward on flat steps
     native_executor: Literal["auto", "llama", "hf"] = "auto"
+    # native engine: decode steps padded to fixed shapes and replayed as CUDA graphs (auto = on CUDA)
+    static_decode: Literal["auto", "on", "off"] = "auto"
     redis_url: str | None = None  # unset = no L2 cache
     redis_prefix: str = "polyserve"
     redis_ttl_seconds: int = Field(default=24 * 3600, ge=1)

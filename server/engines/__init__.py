@@ -20,6 +20,7 @@ def build_engine(settings: Any, backbone: Any, routed: Any, metrics: Any, invent
     if settings.engine == "native":
         from server.engines.native.engine import NativeEngine
         from server.engines.native.executor import serving_dtype
+        from server.settings import switch
 
         return NativeEngine(
             backbone.model, backbone.tokenizer, routed, max_batch_rows=settings.max_batch_rows,
@@ -27,7 +28,8 @@ def build_engine(settings: Any, backbone: Any, routed: Any, metrics: Any, invent
             max_queue=settings.max_queue, max_step_tokens=settings.max_step_tokens, metrics=metrics,
             background_share=settings.background_share, dtype=serving_dtype(settings.device, settings.dtype),
             executor_kind=settings.native_executor,
-            packed_weights={"auto": None, "on": True, "off": False}[settings.packed_weights],
+            packed_weights=switch(settings.packed_weights),
+            static_decode=switch(settings.static_decode),
         )
     if settings.engine == "vllm":
         return _vllm_engine(settings, backbone, metrics, inventory)

@@ -85,7 +85,7 @@ class NativeEngine:
         max_batch_rows: int = 32, max_batch_tokens: int = 16384, max_prefill_rows: int = 16,
         max_queue: int = 256, max_step_tokens: int = 256, metrics: Any = None, background_share: float = 0.2,
         dtype: torch.dtype | None = None, executor: Executor | None = None, executor_kind: str = "auto",
-        packed_weights: bool | None = None, threads: int | None = None,
+        packed_weights: bool | None = None, threads: int | None = None, static_decode: bool | None = None,
     ) -> None:
         if not 0 < background_share <= 1:
             raise ValueError(f"background_share must be in (0, 1], got {background_share}")
@@ -100,7 +100,8 @@ class NativeEngine:
         self.max_step_tokens = max_step_tokens
         self.metrics = metrics
         self.executor = executor or build_executor(model, routed_model, slots=max_batch_rows, dtype=dtype,
-                                                   kind=executor_kind, packed=packed_weights)
+                                                   kind=executor_kind, packed=packed_weights,
+                                                   static_decode=static_decode)
         self.device = self.executor.device
         log.info("native engine: %s executor, %s, %d slots, %d tokens per step", self.executor.name,
                  str(self.executor.dtype).removeprefix("torch."), max_batch_rows, max_step_tokens)
