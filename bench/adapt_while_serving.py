@@ -23,6 +23,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import server  # noqa: F401  (before torch: OpenMP spin defaults, server/openmp.py)
+from server import openmp
 
 # isort: split
 import torch
@@ -119,7 +120,8 @@ def main() -> None:
     import os
 
     os.environ.setdefault("POLYSERVE_HOME", str(Path.home() / ".cache" / "polyserve"))  # backbone cache
-    rt = Runtime.build(settings, Metrics())
+    rt = openmp.in_fresh_thread(Runtime.build, settings, Metrics())  # one OpenMP pool: the engine's (openmp.py)
+    openmp.one_thread()
     suite = build_suite()
     held = next(t for t in suite.heldout_tasks if args.heldout in (None, t.name))
     train = examples(held, args.k, seed=args.seed, split="train")
