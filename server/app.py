@@ -30,6 +30,10 @@ def create_app(settings: Settings | None = None, *, backbone: Any = None) -> Fas
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):
+        # the engine's thread count, read before any helper thread sets 1 (server/openmp.py)
+        import torch
+
+        threads = settings.threads or torch.get_num_threads()
         # threads of the default executor (adapter resolution, store reads) never start an OpenMP
         # pool: the engine thread's is the only one (server/openmp.py)
         asyncio.get_running_loop().set_default_executor(
@@ -39,7 +43,7 @@ def create_app(settings: Settings | None = None, *, backbone: Any = None) -> Fas
             try:
                 # start-up runs in a thread that ends (its OpenMP pool with it)
                 app.state.runtime = await asyncio.to_thread(openmp.in_fresh_thread, Runtime.build, settings,
-                                                            metrics_, backbone)
+                                                            metrics_, backbone, threads)
                 log.info("polyserve ready")
             except Exception as err:  # surfaced by /ready (the kind only: messages may hold paths)
                 log.exception("start-up failed")

@@ -26,8 +26,9 @@ engine thread's:
     one_thread()          every other thread that may run torch ops (HTTP workers resolving
                           adapters, the job builder, replica sync) runs them on one OpenMP and
                           one MKL thread, so it never starts a pool (62-66 us with such a thread
-                          busy beside the engine, 96-118 us without); the engine thread sets its
-                          own count (torch.set_num_threads is per thread for OpenMP and MKL)
+                          busy beside the engine, 96-118 us without)
+    use_threads(n)        the engine thread (and start-up) set their own count, forcing torch's
+                          lazy per-thread initialisation first (see its docstring)
 """
 
 from __future__ import annotations
@@ -64,11 +65,24 @@ def state() -> str:
     return _state
 
 
-def one_thread() -> None:
-    """Run this thread's torch ops on one OpenMP / MKL thread (no OpenMP pool of its own)."""
+def use_threads(n: int) -> None:
+    """This thread runs torch ops on n OpenMP / MKL threads, from now on.
+
+    torch.set_num_threads sets the calling thread's count and a process-wide default, but a thread
+    takes its count from that default lazily, at its first parallel op, and set_num_threads does
+    not count as that first op: a thread that set 2 and ran nothing yet took 1 from the next
+    thread that set 1 (measured: its 2000x2000 matmul 85 ms instead of 46). So the thread's lazy
+    initialisation is forced first (get_num_threads), then its own count is set."""
     import torch
 
-    torch.set_num_threads(1)
+    torch.get_num_threads()
+    torch.set_num_threads(n)
+
+
+def one_thread() -> None:
+    """Run this thread's torch ops on one OpenMP / MKL thread (no OpenMP pool of its own). The
+    process-wide default becomes 1 as well: threads that never choose run on one."""
+    use_threads(1)
 
 
 def in_fresh_thread(fn: Callable[..., T], *args: Any, **kwargs: Any) -> T:

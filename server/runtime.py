@@ -60,12 +60,15 @@ class Runtime:
         return self.backbone.tokenizer
 
     @classmethod
-    def build(cls, settings: Settings, metrics: Metrics, backbone: Backbone | None = None) -> Runtime:
+    def build(cls, settings: Settings, metrics: Metrics, backbone: Backbone | None = None,
+              threads: int | None = None) -> Runtime:
+        """threads: the engine's torch threads (default: settings.threads, else this thread's count;
+        the app passes the count it read before any helper thread set one: server/openmp.py)."""
         import torch
 
-        if settings.threads:
-            torch.set_num_threads(settings.threads)
-        log.info("torch threads: %d; OpenMP spin: %s", torch.get_num_threads(), openmp.state())
+        threads = threads or settings.threads or torch.get_num_threads()
+        openmp.use_threads(threads)
+        log.info("torch threads: %d; OpenMP spin: %s", threads, openmp.state())
         bb = backbone or load_backbone(settings.backbone, device=settings.device, dtype=settings.backbone_dtype)
         store = Store(settings.store_dir)
         _maybe_install_default_inventory(store, settings.backbone)
@@ -93,7 +96,7 @@ class Runtime:
                     routing_layers=settings.engine != "native",
                 )
         registry = TaskRegistry(store, cache, metrics)
-        engine = build_engine(settings, bb, routed, metrics, cache.info if cache is not None else None)
+        engine = build_engine(settings, bb, routed, metrics, cache.info if cache is not None else None, threads=threads)
         engine.start()
         rt = cls(settings, bb, store, routed, cache, registry, engine, metrics, l2)
         from server.jobs.service import Registration

@@ -13,7 +13,8 @@ from server.engines.base import Engine, EngineStopped, QueueFull
 __all__ = ["Engine", "EngineStopped", "QueueFull", "build_engine"]
 
 
-def build_engine(settings: Any, backbone: Any, routed: Any, metrics: Any, inventory: Any = None) -> Engine:
+def build_engine(settings: Any, backbone: Any, routed: Any, metrics: Any, inventory: Any = None,
+                 threads: int | None = None) -> Engine:
     """The engine named by settings.engine, not started. backbone: adapters_store Backbone;
     routed: the RoutedModel on backbone.model (None without an inventory); inventory: its
     InventoryInfo (the vLLM engine writes tasks as PEFT LoRAs of that shape)."""
@@ -29,7 +30,7 @@ def build_engine(settings: Any, backbone: Any, routed: Any, metrics: Any, invent
             background_share=settings.background_share, dtype=serving_dtype(settings.device, settings.dtype),
             executor_kind=settings.native_executor,
             packed_weights=switch(settings.packed_weights),
-            static_decode=switch(settings.static_decode),
+            static_decode=switch(settings.static_decode), threads=threads,
         )
     if settings.engine == "vllm":
         return _vllm_engine(settings, backbone, metrics, inventory)

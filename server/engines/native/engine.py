@@ -41,11 +41,12 @@ import threading
 import time
 from collections import deque
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 
+from server import openmp
 from server.engines.base import EngineStopped, QueueFull, check_fits
 from server.engines.native.executor import Executor, build_executor
 from server.engines.native.isolate import find_culprits
@@ -68,7 +69,6 @@ class Prefill:
     done: int = 0  # prompt tokens already in slots[0]
     prompt_lp: list[TokenLogprob | None] | None = None
     failed: bool = False
-    started_at: float = field(default_factory=time.perf_counter)
 
     @property
     def remaining(self) -> int:
@@ -192,7 +192,7 @@ class NativeEngine:
     # -- loop ----------------------------------------------------------------------------------
     def _run(self) -> None:
         reason = "server shutting down"
-        torch.set_num_threads(self.threads)  # per thread: other threads run torch on one (server/openmp.py)
+        openmp.use_threads(self.threads)  # this thread's own count: other threads run torch on one (openmp.py)
         try:
             while True:
                 with self._cond:
