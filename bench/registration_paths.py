@@ -1,0 +1,122 @@
+"""One registration (a held-out task of the suite, k examples, default settings) three ways, on a
+fresh copy of the shipped store each: `polyserve adapt` (the CLI, its own process), and
+`polyserve serve` over HTTP (POST /v1/tasks, GET /v1/jobs/{id} until it finishes) on an idle
+server. Reports, per method, the wall time of each path and the adaptation's own seconds (the
+job's / the CLI's metrics): what the server adds to a registration.
+
+    .venv/bin/python bench/registration_paths.py --methods routing,retrieve --repeats 2 --threads 2
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import httpx
+
+from adapters_store.store import Store
+from training.default_inventory import install_default_inventory
+from training.suite import build_suite, examples
+
+ROOT = Path(__file__).resolve().parents[1]
+POLYSERVE = [sys.executable, "-m", "server.cli"]
+
+
+def fresh_home(cache: Path) -> Path:
+    home = Path(tempfile.mkdtemp(prefix="polyserve-reg-"))
+    (home / "backbones").symlink_to(cache / "backbones")  # the dequantised backbone, not rebuilt
+    install_default_inventory(Store(home / "store"))
+    return home
+
+
+def via_cli(args, home: Path, method: str, jsonl: Path) -> tuple[float, float]:
+    env = {**os.environ, "POLYSERVE_HOME": str(home)}
+    started = time.perf_counter()
+    out = subprocess.run([*POLYSERVE, "adapt", "--task", "new-task", "--examples", str(jsonl), "--method", method,
+                          "--store", str(home / "store"), "--threads", str(args.threads)],
+                         env=env, cwd=ROOT, capture_output=True, text=True, check=True)
+    wall = time.perf_counter() - started
+    line = [ln for ln in out.stdout.splitlines() if ln.startswith("{")][-1]
+    return wall, float(json.loads(line)["metrics"].get("seconds", float("nan")))
+
+
+def via_http(args, home: Path, method: str, train: list) -> tuple[float, float]:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    env = {**os.environ, "POLYSERVE_HOME": str(home), "POLYSERVE_STORE": str(home / "store"),
+           "POLYSERVE_THREADS": str(args.threads)}
+    proc = subprocess.Popen([*POLYSERVE, "serve", "--host", "127.0.0.1", "--port", str(port)], env=env, cwd=ROOT,
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        for _ in range(600):
+            try:
+                if httpx.get(url + "/ready", timeout=1).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.5)
+        else:
+            raise SystemExit("the server did not become ready")
+        with httpx.Client(base_url=url, timeout=30) as c:
+            started = time.perf_counter()
+            job = c.post("/v1/tasks", json={"task": "new-task", "method": method,
+                                            "examples": [{"input": e.input, "output": e.output} for e in train]}).json()
+            while True:
+                job = c.get(f"/v1/jobs/{job['id']}").json()
+                if job["status"] in ("succeeded", "failed", "cancelled"):
+                    break
+                time.sleep(0.05)
+            wall = time.perf_counter() - started
+        if job["status"] != "succeeded":
+            raise SystemExit(f"the job ended {job['status']}: {job.get('error')}")
+        return wall, float(job["metrics"].get("seconds", float("nan")))
+    finally:
+        proc.terminate()
+        proc.wait(30)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--methods", default="routing,retrieve")
+    ap.add_argument("--k", type=int, default=16)
+    ap.add_argument("--repeats", type=int, default=2)
+    ap.add_argument("--threads", type=int, default=2)
+    args = ap.parse_args()
+    cache = Path(os.environ.get("POLYSERVE_HOME", Path.home() / ".cache" / "polyserve"))
+    task = build_suite().heldout_tasks[0]
+    train = examples(task, args.k, seed=0, split="train")
+    jsonl = Path(tempfile.mkdtemp()) / "examples.jsonl"
+    jsonl.write_text("".join(json.dumps({"input": e.input, "output": e.output}) + "\n" for e in train))
+    print(f"{task.name}, k = {args.k}, {args.threads} threads, {args.repeats} repeats (paths alternated)")
+    for method in args.methods.split(","):
+        runs: dict[str, list[tuple[float, float]]] = {"polyserve adapt": [], "polyserve serve + HTTP": []}
+        for _ in range(args.repeats):
+            for name in runs:
+                home = fresh_home(cache)
+                try:
+                    run = via_cli(args, home, method, jsonl) if name == "polyserve adapt" else \
+                        via_http(args, home, method, train)
+                finally:
+                    shutil.rmtree(home, ignore_errors=True)
+                runs[name].append(run)
+        for name, rs in runs.items():
+            walls, own = [w for w, _ in rs], [s for _, s in rs]
+            print(f"  {method:8s} {name:24s} wall {statistics.fmean(walls):6.2f} s  "
+                  f"(runs: {', '.join(f'{w:.2f}' for w in walls)}), its own seconds {statistics.fmean(own):6.2f}")
+
+
+if __name__ == "__main__":
+    main()
