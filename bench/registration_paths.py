@@ -104,14 +104,14 @@ def main() -> None:
     for method in args.methods.split(","):
         runs: dict[str, list[tuple[float, float]]] = {"polyserve adapt": [], "polyserve serve + HTTP": []}
         for _ in range(args.repeats):
-            for name in runs:
+            for name, results in runs.items():
                 home = fresh_home(cache)
                 try:
                     run = via_cli(args, home, method, jsonl) if name == "polyserve adapt" else \
                         via_http(args, home, method, train)
                 finally:
                     shutil.rmtree(home, ignore_errors=True)
-                runs[name].append(run)
+                results.append(run)
         for name, rs in runs.items():
             walls, own = [w for w, _ in rs], [s for _, s in rs]
             print(f"  {method:8s} {name:24s} wall {statistics.fmean(walls):6.2f} s  "
