@@ -52,3 +52,46 @@ def test_torch_loaded_first_sets_nothing_and_says_so() -> None:
     got = probe(before="import torch")
     assert got["env"] == {k: None for k in VARS}  # too late for libgomp: setting them would mislead
     assert "torch was loaded before polyserve" in got["state"]
+
+
+THREADS = """
+import json, threading
+import server
+from server import openmp
+import torch
+mode = {mode!r}
+set_up, lowered, out = threading.Event(), threading.Event(), {{}}
+
+def engine():
+    if mode == "use_threads":
+        openmp.use_threads(2)
+    else:
+        torch.set_num_threads(2)
+    set_up.set()
+    lowered.wait()  # another thread asks for one thread before this one has run any op
+    out["engine"] = torch.get_num_threads()
+
+def helper():
+    set_up.wait()
+    openmp.one_thread()
+    out["helper"] = torch.get_num_threads()
+    lowered.set()
+
+threads = [threading.Thread(target=engine), threading.Thread(target=helper)]
+for t in threads:
+    t.start()
+for t in threads:
+    t.join()
+print(json.dumps(out))
+"""
+
+
+@pytest.mark.parametrize("mode,engine_threads", [("use_threads", 2), ("set_num_threads", 1)])
+def test_a_thread_keeps_its_count_when_another_thread_goes_single(mode: str, engine_threads: int) -> None:
+    """The engine thread sets 2 threads and has not run an op yet when a helper thread calls
+    one_thread(): with use_threads it keeps 2; with a plain torch.set_num_threads it would take
+    torch's lazily initialised process-wide 1 (the server's engine ran single-threaded so)."""
+    out = subprocess.run([sys.executable, "-c", THREADS.format(mode=mode)], cwd=ROOT, check=True,
+                         capture_output=True, text=True, timeout=120).stdout
+    got = json.loads(out.strip().splitlines()[-1])
+    assert got == {"helper": 1, "engine": engine_threads}
