@@ -31,7 +31,8 @@ class Settings(BaseSettings):
     engine: Literal["native", "vllm"] = "native"  # the data plane (server.engines)
     device: str = "cpu"
     threads: int | None = Field(default=None, ge=1)  # torch intra-op threads (None = torch's default)
-    # serving dtype: auto = bfloat16 on CUDA and on CPUs with AMX, float32 elsewhere (engines/native/executor.py)
+    # serving dtype: auto = bfloat16 on CUDA, on CPUs with AMX, and on AVX512_BF16 CPUs where a start-up probe
+    # measures it >= 1.25x float32; float32 elsewhere (engines/native/executor.py)
     dtype: str | None = None
     # vllm engine: other vLLM engine arguments as a JSON object, e.g. {"tensor_parallel_size": 2}
     vllm_args: Annotated[dict[str, Any], NoDecode] = Field(default_factory=dict)
@@ -41,6 +42,9 @@ class Settings(BaseSettings):
     native_executor: Literal["auto", "llama", "hf"] = "auto"
     # native engine: decode steps padded to fixed shapes and replayed as CUDA graphs (auto = on CUDA)
     static_decode: Literal["auto", "on", "off"] = "auto"
+    # native engine: decode rows' LoRA in a C++ kernel built on first use with g++ (auto = where it
+    # builds, on = fail where it does not; engines/native/lora_kernel.py)
+    lora_kernel: Literal["auto", "on", "off"] = "auto"
     redis_url: str | None = None  # unset = no L2 cache
     redis_prefix: str = "polyserve"
     redis_ttl_seconds: int = Field(default=24 * 3600, ge=1)
@@ -127,12 +131,13 @@ class Settings(BaseSettings):
 
     @property
     def serving_dtype(self) -> str:
-        """What the engine computes in: the setting, or auto (bf16 on CUDA and AMX CPUs, else fp32)."""
+        """What the engine computes in: the setting, or auto (engines/native/executor.auto_dtype:
+        bf16 on CUDA and AMX CPUs, on AVX512_BF16 CPUs where a probe measures it faster, else fp32)."""
         if self.dtype is not None:
             return self.dtype
-        from training.precision import bf16_is_fast
+        from server.engines.native.executor import auto_dtype
 
-        return "bfloat16" if bf16_is_fast(self.device) else "float32"
+        return str(auto_dtype(self.device)[0]).removeprefix("torch.")
 
     @property
     def backbone_dtype(self) -> str:

@@ -58,13 +58,17 @@ def jobs8():
     return [(PROMPTS[i], tasks[i % len(tasks)]) for i in range(8)]
 
 
-@pytest.mark.parametrize("kind,step_tokens", [("llama", 256), ("llama", 12), ("hf", 256), ("hf", 12)],
-                         ids=["llama", "llama-chunked", "hf", "hf-chunked"])
-def test_mixed_batch_equals_solo_greedy(setup, kind, step_tokens):
+@pytest.mark.parametrize("kind,step_tokens,lora_kernel",
+                         [("llama", 256, "auto"), ("llama", 12, "auto"), ("llama", 256, "off"), ("hf", 256, "auto"),
+                          ("hf", 12, "auto")],
+                         ids=["llama", "llama-chunked", "llama-torch-lora", "hf", "hf-chunked"])
+def test_mixed_batch_equals_solo_greedy(setup, kind, step_tokens, lora_kernel):
     """Rows of different tasks (and base) in one forward give each row its solo answer, on both
-    executors; with 12 tokens a step, prompts are prefilled in chunks beside decoding rows."""
+    executors, with the decode rows' LoRA in the native kernel (where it builds) and as torch ops;
+    with 12 tokens a step, prompts are prefilled in chunks beside decoding rows."""
     bb, _, adapters = setup
-    engine = make_engine(setup, executor_kind=kind, max_step_tokens=step_tokens, max_batch_rows=8)
+    engine = make_engine(setup, executor_kind=kind, max_step_tokens=step_tokens, max_batch_rows=8,
+                         lora_kernel=lora_kernel)
     try:
         solo = [run(engine, bb.tokenizer, [job], adapters)[0] for job in jobs8()]
         together = run(engine, bb.tokenizer, jobs8(), adapters)

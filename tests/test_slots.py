@@ -62,10 +62,10 @@ def test_slot_kv_grows_keeping_contents_copies_and_resets():
     assert kv.capacity == 8
 
 
-def _lora(slots=4, rank=2):
+def _lora(slots=4, rank=2, kernel="off"):
     # one layer, two groups: "qkv"-like (q 6 wide, k not adapted, v 3 wide after a 4-wide k) and "o"
     groups = [[Group(5, 6 + 4 + 3, (Member(0, 0, 6), Member(1, 10, 3))), Group(7, 5, (Member(2, 0, 5),))]]
-    return SlotLoRA(groups, slots=slots, rank=rank, scale=0.5, dtype=torch.float32)
+    return SlotLoRA(groups, slots=slots, rank=rank, scale=0.5, dtype=torch.float32, kernel=kernel)
 
 
 def _adapter(seed: int, rank=2):
@@ -85,9 +85,11 @@ def _reference(x: torch.Tensor, layers, group: int) -> torch.Tensor:
     return x @ layers[2][0] @ layers[2][1] * 0.5
 
 
+@pytest.mark.parametrize("kernel", ["off", "on"], ids=["torch-ops", "native-kernel"])
 @pytest.mark.parametrize("slots_of_decode", [[0, 1, 2], [0, 2, 3]], ids=["dense", "gathered"])
-def test_slot_lora_equals_each_rows_own_lora(slots_of_decode):
-    lora = _lora()
+def test_slot_lora_equals_each_rows_own_lora(slots_of_decode, kernel):
+    lora = _lora(kernel=kernel)
+    assert (lora.kernel is not None) == (kernel == "on")
     adapters = {0: _adapter(0), 1: None, 2: _adapter(2), 3: _adapter(3)}
     for slot, layers in adapters.items():
         if layers is None:

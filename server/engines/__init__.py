@@ -30,7 +30,7 @@ def build_engine(settings: Any, backbone: Any, routed: Any, metrics: Any, invent
             background_share=settings.background_share, dtype=serving_dtype(settings.device, settings.dtype),
             executor_kind=settings.native_executor,
             packed_weights=switch(settings.packed_weights),
-            static_decode=switch(settings.static_decode), threads=threads,
+            static_decode=switch(settings.static_decode), threads=threads, lora_kernel=settings.lora_kernel,
         )
     if settings.engine == "vllm":
         return _vllm_engine(settings, backbone, metrics, inventory)

@@ -86,6 +86,7 @@ class NativeEngine:
         max_queue: int = 256, max_step_tokens: int = 256, metrics: Any = None, background_share: float = 0.2,
         dtype: torch.dtype | None = None, executor: Executor | None = None, executor_kind: str = "auto",
         packed_weights: bool | None = None, threads: int | None = None, static_decode: bool | None = None,
+        lora_kernel: str = "auto",
     ) -> None:
         if not 0 < background_share <= 1:
             raise ValueError(f"background_share must be in (0, 1], got {background_share}")
@@ -101,10 +102,12 @@ class NativeEngine:
         self.metrics = metrics
         self.executor = executor or build_executor(model, routed_model, slots=max_batch_rows, dtype=dtype,
                                                    kind=executor_kind, packed=packed_weights,
-                                                   static_decode=static_decode)
+                                                   static_decode=static_decode, lora_kernel=lora_kernel)
         self.device = self.executor.device
-        log.info("native engine: %s executor, %s, %d slots, %d tokens per step", self.executor.name,
-                 str(self.executor.dtype).removeprefix("torch."), max_batch_rows, max_step_tokens)
+        lora = getattr(self.executor, "lora", None)
+        log.info("native engine: %s executor, %s, %d slots, %d tokens per step, LoRA %s", self.executor.name,
+                 str(self.executor.dtype).removeprefix("torch."), max_batch_rows, max_step_tokens,
+                 "none" if lora is None else "in the native kernel" if lora.kernel is not None else "as torch ops")
         self.pool = SlotPool(max_batch_rows)
         self.eos_ids = _eos_ids(model, tokenizer)
         self.vocab_size = self.executor.vocab_size

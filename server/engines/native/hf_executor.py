@@ -73,7 +73,7 @@ class _SlotPlan:
 class HFExecutor:
     name = "hf"
 
-    def __init__(self, model: nn.Module, routed: Any = None, *, slots: int) -> None:
+    def __init__(self, model: nn.Module, routed: Any = None, *, slots: int, lora_kernel: str = "auto") -> None:
         cfg = model.config
         window = getattr(cfg, "sliding_window", None)
         if window is not None and getattr(cfg, "use_sliding_window", True) and window < (
@@ -95,7 +95,7 @@ class HFExecutor:
                 [Group(layer.in_features, layer.out_features, (Member(i, 0, layer.out_features),))]
                 for i, layer in enumerate(routed.layers)]
             self.lora = SlotLoRA(groups, slots=slots, rank=routed.spec.rank, scale=routed.spec.scale,
-                                 dtype=self.dtype, device=self.device)
+                                 dtype=self.dtype, device=self.device, kernel=lora_kernel)
             self.lora.set_skills([(layer.lora_A.detach(), layer.lora_B.detach()) for layer in routed.layers])
         _register()
         self._mask = torch.ones((1, 1, 1, 1), dtype=torch.bool, device=self.device)  # 4-D: used as given (ignored)

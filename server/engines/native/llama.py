@@ -29,6 +29,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from server.engines.native import lora_kernel as lora_kernels
 from server.engines.native.attention import slot_attention
 from server.engines.native.slot_lora import Group, Member, SlotLoRA, SlotLoRAStep, write_adapter
 from server.engines.native.slots import SlotKV
@@ -165,11 +166,13 @@ class LlamaExecutor:
     def __init__(self, model: nn.Module, *, dtype: torch.dtype, slots: int, packed: bool | None = None,
                  adapted: list[str] | None = None, rank: int = 0, scale: float = 1.0,
                  skills: list[tuple[torch.Tensor, torch.Tensor]] | None = None,
-                 lora_dtype: torch.dtype | None = None, static_decode: bool | None = None) -> None:
+                 lora_dtype: torch.dtype | None = None, static_decode: bool | None = None,
+                 lora_kernel: str = "auto") -> None:
         """adapted: the qualified names of the routed linears (the inventory's order); skills: their
         (A, B) skill tensors, so routed tasks are written from their routing weights. static_decode:
         decode steps padded to fixed shapes and, on CUDA, replayed as graphs (static_decode.py);
-        None = on CUDA only. The KV cache and the adapter tables get one spare slot for padding."""
+        None = on CUDA only. lora_kernel: the decode rows' LoRA in
+        the native CPU kernel (lora_kernel.py): auto | on | off. The KV cache and the adapter tables get one spare slot for padding."""
         reason = unsupported(model)
         if reason is not None:
             raise ValueError(f"the flat Llama executor cannot run this model: {reason}")
@@ -205,8 +208,13 @@ class LlamaExecutor:
         self.kv = SlotKV(len(self.layers), slots + 1, self.kv_heads, self.head_dim, dtype=dtype, device=self.device)
         self.lora: SlotLoRA | None = None
         if groups is not None:
-            lora_dtype = lora_dtype or (torch.float32 if self.device.type == "cpu" else dtype)
-            self.lora = SlotLoRA(groups, slots=slots + 1, rank=rank, scale=scale, dtype=lora_dtype, device=self.device)
+            # tables in the serving dtype, except float32 on a CPU without the kernel (torch's bf16
+            # bmm of a decode group is slower than float32 there: bench/lora_step.py)
+            kernel = lora_kernels.resolve(lora_kernel, self.device, dtype, rank)
+            if lora_dtype is None:
+                lora_dtype = torch.float32 if self.device.type == "cpu" and not kernel else dtype
+            self.lora = SlotLoRA(groups, slots=slots + 1, rank=rank, scale=scale, dtype=lora_dtype, device=self.device,
+                                 kernel="on" if kernel else "off")
             if skills is not None:
                 self.lora.set_skills(skills)
         if static_decode is None:

@@ -32,6 +32,7 @@ from dataclasses import dataclass
 import torch
 
 from adapters_store.combine import materialize_stacked
+from server.engines.native import lora_kernel
 from server.engines.native.step import StepBatch
 
 
@@ -57,6 +58,10 @@ class Group:
     def shape_key(self) -> tuple:
         return (self.d_in, self.d_out, tuple(m.shape_key() for m in self.members))
 
+    def members_columns(self) -> list[tuple[int, int]]:
+        """(first output column, width) of each member, in the tables' order."""
+        return [(m.start, m.width) for m in self.members]
+
 
 @dataclass
 class _Skills:
@@ -73,8 +78,9 @@ class _Skills:
 
 class SlotLoRA:
     def __init__(self, groups: list[list[Group | None]], *, slots: int, rank: int, scale: float,
-                 dtype: torch.dtype, device: torch.device | str = "cpu") -> None:
-        """groups[l][g]: group g of decoder layer l (None: nothing adapted there)."""
+                 dtype: torch.dtype, device: torch.device | str = "cpu", kernel: str = "auto") -> None:
+        """groups[l][g]: group g of decoder layer l (None: nothing adapted there). kernel: the
+        decode group's LoRA in the native CPU kernel (lora_kernel.py): auto | on | off."""
         self.groups, self.slots, self.rank, self.scale = groups, slots, rank, scale
         self.dtype, self.device = dtype, torch.device(device)
         n_layers = len(groups)
@@ -100,6 +106,12 @@ class SlotLoRA:
                     self.A[layer][g] = self._zeros(slots, c.d_in, len(c.members) * rank)
                     self.B[layer][g] = self._zeros(slots, len(c.members) * rank, c.d_out)
         self.adapted = [False] * slots
+        # the kernel's constant arguments per (layer, group): tables and member columns
+        self.kernel = lora_kernel.load() if lora_kernel.resolve(kernel, self.device, dtype, rank) else None
+        self.kernel_args: list[list[lora_kernel.TableArgs | None]] = [
+            [None if g is None else lora_kernel.TableArgs(a, b, g.members_columns(), rank, g.d_in, g.d_out)
+             for g, a, b in zip(layer, a_row, b_row, strict=True)]
+            for layer, a_row, b_row in zip(groups, self.A, self.B, strict=True)] if self.kernel else []
         self.n_linears = sum(len(g.members) for layer in groups for g in layer if g is not None)
         self._skills: list[_Skills] | None = None
 
@@ -265,7 +277,9 @@ class SlotLoRAStep:
             return
         dtype = self.lora.dtype
         n = self.n
-        if n:
+        if n and self.lora.kernel is not None:
+            self.lora.kernel_args[layer][group].rows(self.lora.kernel, x, out, n, self.gather)  # type: ignore[union-attr]
+        elif n:
             a, b = (A[:n], B[:n]) if self.gather is None else (A.index_select(0, self.gather), B.index_select(0, self.gather))
             u = torch.bmm(x[:n].unsqueeze(1).to(dtype), a)  # (n, 1, m*r)
             if out.dtype == dtype:

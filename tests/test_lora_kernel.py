@@ -1,0 +1,118 @@
+"""The native per-row LoRA kernel (server/engines/native/lora_kernel.py, lora_rows.cpp) against
+torch: every storage dtype, gathered slots, strided rows, members with gaps, ranks with and
+without a compiled-in specialisation; and how the setting resolves where it cannot run."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from server.engines.native import lora_kernel
+
+pytestmark = pytest.mark.skipif(lora_kernel.load() is None, reason=f"no LoRA kernel: {lora_kernel.error()}")
+
+
+def _tables(slots, d_in, members, rank, d_out, dtype, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    k = len(members) * rank
+    A = torch.randn(slots, d_in, k, generator=g) * 0.1
+    B = torch.zeros(slots, k, d_out)
+    for j, (start, width) in enumerate(members):
+        B[:, j * rank : (j + 1) * rank, start : start + width] = torch.randn(slots, rank, width, generator=g) * 0.1
+    return A.to(dtype), B.to(dtype)
+
+
+def _want(x, out, A, B, slots, n):
+    idx = torch.arange(n) if slots is None else slots[:n]
+    u = torch.bmm(x[:n].double().unsqueeze(1), A[idx].double())
+    return out[:n].double() + torch.bmm(u, B[idx].double()).squeeze(1)
+
+
+@pytest.mark.parametrize("rank", [8, 3, 16])
+@pytest.mark.parametrize("tables", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("rows", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("gathered", [False, True])
+def test_kernel_equals_torch(rank, tables, rows, gathered):
+    d_in, d_out, slots, n = 37, 50, 6, 5  # d_in not a multiple of 4: the remainder loop runs
+    members = [(0, 20), (27, 9), (40, 10)]  # columns 20..27 belong to no member: left alone
+    A, B = _tables(slots, d_in, members, rank, d_out, tables)
+    args = lora_kernel.TableArgs(A, B, members, rank, d_in, d_out)
+    g = torch.Generator().manual_seed(1)
+    wide = torch.randn(n + 2, d_in + 11, generator=g).to(rows)
+    x = wide[:, 3 : 3 + d_in]  # row stride != d_in
+    out = torch.randn(n + 2, d_out, generator=g).to(rows)
+    slot_t = torch.tensor([4, 0, 5, 2, 4, 1, 3]) if gathered else None
+    before = out.clone()
+    want = _want(x, out, A, B, slot_t, n)
+    args.rows(lora_kernel.load(), x, out, n, slot_t)
+    tol = 1e-5 if rows == torch.float32 else 2e-2  # a bf16 output is rounded once
+    torch.testing.assert_close(out[:n].double(), want, atol=tol, rtol=tol)
+    assert torch.equal(out[n:], before[n:]), "rows past n are not touched"
+    assert torch.equal(out[:, 20:27], before[:, 20:27]), "columns of no member are not touched"
+
+
+def test_a_row_does_not_depend_on_its_batch():
+    members = [(0, 24)]
+    A, B = _tables(4, 40, members, 8, 24, torch.bfloat16)
+    args = lora_kernel.TableArgs(A, B, members, 8, 40, 24)
+    x = torch.randn(4, 40).bfloat16()
+    alone = torch.zeros(1, 24).bfloat16()
+    args.rows(lora_kernel.load(), x[2:3], alone, 1, torch.tensor([2]))
+    together = torch.zeros(4, 24).bfloat16()
+    args.rows(lora_kernel.load(), x, together, 4, None)
+    assert torch.equal(together[2], alone[0])
+
+
+def test_bad_arguments_are_refused_before_the_kernel_runs():
+    members = [(0, 8)]
+    A, B = _tables(2, 4, members, 2, 8, torch.float32)
+    args = lora_kernel.TableArgs(A, B, members, 2, 4, 8)
+    fn = lora_kernel.load()
+    with pytest.raises(ValueError, match="unit column stride|for 2 rows"):
+        args.rows(fn, torch.zeros(4, 2).t(), torch.zeros(2, 8), 2, None)
+    with pytest.raises(ValueError, match="for 3 rows"):
+        args.rows(fn, torch.zeros(2, 4), torch.zeros(2, 8), 3, None)
+    with pytest.raises(ValueError, match="slot per row"):
+        args.rows(fn, torch.zeros(2, 4), torch.zeros(2, 8), 2, torch.tensor([0, 1], dtype=torch.int32))
+    with pytest.raises(ValueError, match="float32/bfloat16 rows"):
+        args.rows(fn, torch.zeros(2, 4, dtype=torch.float16), torch.zeros(2, 8), 2, None)
+    with pytest.raises(ValueError, match="do not match"):
+        lora_kernel.TableArgs(A, B, members + [(8, 0)], 2, 4, 8)
+    with pytest.raises(ValueError, match="contiguous"):
+        lora_kernel.TableArgs(A.transpose(1, 2), B, members, 2, 4, 8)
+
+
+def test_setting_resolves_where_the_kernel_cannot_run():
+    cpu = torch.device("cpu")
+    assert lora_kernel.resolve("auto", cpu) and not lora_kernel.resolve("off", cpu)
+    assert not lora_kernel.resolve("auto", torch.device("cuda"))
+    assert not lora_kernel.resolve("auto", cpu, torch.float16)
+    assert not lora_kernel.resolve("auto", cpu, rank=65)
+    with pytest.raises(ValueError, match="CPUs only"):
+        lora_kernel.resolve("on", torch.device("cuda"))
+    with pytest.raises(ValueError, match="float16"):
+        lora_kernel.resolve("on", cpu, torch.float16)
+    with pytest.raises(ValueError, match="auto, on or off"):
+        lora_kernel.resolve("yes", cpu)
+
+
+def test_no_compiler_falls_back_under_auto_and_fails_under_on(monkeypatch, tmp_path):
+    monkeypatch.setattr(lora_kernel, "_loaded", {})
+    monkeypatch.setenv("POLYSERVE_HOME", str(tmp_path))
+    monkeypatch.setenv("CXX", str(tmp_path / "no-such-compiler"))
+    cpu = torch.device("cpu")
+    assert lora_kernel.resolve("auto", cpu) is False
+    assert "no-such-compiler" in (lora_kernel.error() or "")
+    with pytest.raises(RuntimeError, match="unavailable"):
+        lora_kernel.resolve("on", cpu)
+
+
+def test_a_broken_source_is_reported_not_loaded(monkeypatch, tmp_path):
+    bad = tmp_path / "lora_rows.cpp"
+    bad.write_text("this is not C++\n")
+    monkeypatch.setattr(lora_kernel, "_loaded", {})
+    monkeypatch.setattr(lora_kernel, "SOURCE", bad)
+    monkeypatch.setenv("POLYSERVE_HOME", str(tmp_path))
+    assert lora_kernel.load() is None
+    assert "failed" in (lora_kernel.error() or "")
+    assert not list((tmp_path / "kernels").glob("*.so")), "no library left behind"
