@@ -8,6 +8,7 @@ in the native kernel, and as torch ops:
     decode   --rows rows, one token each, --context positions in the cache
     mixed    --rows - 1 decode rows and one prompt chunk of --chunk tokens (chunked prefill)
     prefill  one prompt chunk of --chunk tokens
+    prompts  --rows prompts of --short tokens each (a step that admits many short prompts)
 
     .venv/bin/python bench/lora_step.py --threads 2 --dtype bfloat16
 """
@@ -39,6 +40,7 @@ def main() -> None:
     ap.add_argument("--rows", type=int, default=16)
     ap.add_argument("--context", type=int, default=100)
     ap.add_argument("--chunk", type=int, default=240)
+    ap.add_argument("--short", type=int, default=16)
     ap.add_argument("--steps", type=int, default=20)
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--threads", type=int, default=2)
@@ -67,6 +69,7 @@ def main() -> None:
         "mixed": StepBatch.build([Item(s, args.context, (42,)) for s in range(args.rows - 1)]
                                  + [Item(args.rows - 1, 0, chunk)]),
         "prefill": StepBatch.build([Item(0, 0, chunk)]),
+        "prompts": StepBatch.build([Item(s, 0, p[: args.short]) for s, p in enumerate(prompts)]),
     }
     for ex in executors.values():
         ex.forward(StepBatch.build([Item(s, 0, p) for s, p in enumerate(prompts)]))

@@ -1,4 +1,5 @@
-"""The decode group's per-row LoRA on a CPU as one native call (lora_rows.cpp) instead of torch ops.
+"""A step's per-row LoRA on a CPU as one native call (lora_rows.cpp) instead of torch ops: the
+decode rows and the tokens of short prompt chunks (longer chunks stay two GEMMs each).
 
 With torch, a fused group's per-row LoRA is two bmm over the rows' tables plus casts (2-4 ops of
 ~30-40 us each at 16 rows), and the bmm reads the zeros of the block-diagonal B. The kernel reads
@@ -38,7 +39,7 @@ _lock = threading.Lock()
 _loaded: dict[str, object] = {}  # "fn" -> the ctypes function, or "error" -> why not
 
 _I64, _PTR = ctypes.c_int64, ctypes.c_void_p
-_ARGTYPES = [_I64, _PTR, ctypes.c_int, _I64, _PTR, _PTR, ctypes.c_int, _I64, _I64, _PTR, _PTR, ctypes.c_int, _I64,
+_ARGTYPES = [_I64, _PTR, ctypes.c_int, _I64, _PTR, _PTR, ctypes.c_int, _I64, _I64, _PTR, _PTR, _PTR, ctypes.c_int, _I64,
              _I64, _I64, _I64, _I64, _PTR, _PTR]
 
 
@@ -141,22 +142,25 @@ class TableArgs:
         self._shape = (d_in, d_out, rank, len(members), self.start.data_ptr(), self.width.data_ptr())
         self.d_in, self.d_out = d_in, d_out
 
-    def rows(self, fn, x: torch.Tensor, out: torch.Tensor, n: int, slots: torch.Tensor | None) -> None:
-        """out[i] += x[i] @ A[s_i] @ B[s_i] for rows i < n (s_i = slots[i], or i), in place. x and
-        out: rows of unit column stride (checked), float32 or bfloat16; slots contiguous int64."""
+    def rows(self, fn, x: torch.Tensor, out: torch.Tensor, n: int, slots: torch.Tensor | None,
+             rows: torch.Tensor | None = None, row_end: int | None = None) -> None:
+        """out[t] += x[t] @ A[s] @ B[s] for i < n, t = rows[i] (or i), s = slots[i] (or i), in place.
+        x and out: rows of unit column stride (checked), float32 or bfloat16; slots, rows: contiguous
+        int64 (rows all below row_end, which the caller vouches for: it built them)."""
         if n == 0:
             return
-        if x.stride(-1) != 1 or out.stride(-1) != 1 or x.shape[-1] != self.d_in or out.shape[-1] != self.d_out \
-                or x.shape[0] < n or out.shape[0] < n:
-            raise ValueError(f"LoRA kernel: x {tuple(x.shape)} / out {tuple(out.shape)} for {n} rows, "
+        end = n if rows is None else row_end
+        if end is None or x.stride(-1) != 1 or out.stride(-1) != 1 or x.shape[-1] != self.d_in \
+                or out.shape[-1] != self.d_out or x.shape[0] < end or out.shape[0] < end:
+            raise ValueError(f"LoRA kernel: x {tuple(x.shape)} / out {tuple(out.shape)} for rows below {end}, "
                              f"{self.d_in} -> {self.d_out}")
         if x.dtype not in DTYPES or out.dtype not in DTYPES:
             raise ValueError(f"the LoRA kernel takes float32/bfloat16 rows, got {x.dtype} -> {out.dtype}")
-        slot_ptr = 0
-        if slots is not None:
-            if slots.dtype != torch.int64 or not slots.is_contiguous() or slots.shape[0] < n:
-                raise ValueError("slots must be a contiguous int64 tensor with a slot per row")
-            slot_ptr = slots.data_ptr()
+        ptrs = []
+        for t in (slots, rows):
+            if t is not None and (t.dtype != torch.int64 or not t.is_contiguous() or t.shape[0] < n):
+                raise ValueError("slots and rows must be contiguous int64 tensors with an entry per row")
+            ptrs.append(0 if t is None else t.data_ptr())
         a, b, tbf, sa, sb = self._const
-        fn(n, x.data_ptr(), int(x.dtype == torch.bfloat16), x.stride(0), a, b, tbf, sa, sb, slot_ptr,
+        fn(n, x.data_ptr(), int(x.dtype == torch.bfloat16), x.stride(0), a, b, tbf, sa, sb, ptrs[0], ptrs[1],
            out.data_ptr(), int(out.dtype == torch.bfloat16), out.stride(0), *self._shape)

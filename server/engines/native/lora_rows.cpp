@@ -1,8 +1,8 @@
-// Per-row LoRA of a fused linear, one call for all the rows of a decode group (lora_kernel.py).
+// Per-row LoRA of a fused linear, one call for a step's decode rows and short prompt chunks (lora_kernel.py).
 //
-//   for each row i < n, with s = slot[i] (or i when slot is null):
-//       u           = x[i] @ A[s]                         A[s] (d_in, k), k = members * r
-//       out[i, c]  += u[j*r : (j+1)*r] @ B[s][j*r : (j+1)*r, c]   for c in member j's columns
+//   for each i < n, with row t = row[i] (or i when row is null) and s = slot[i] (or i):
+//       u           = x[t] @ A[s]                         A[s] (d_in, k), k = members * r
+//       out[t, c]  += u[j*r : (j+1)*r] @ B[s][j*r : (j+1)*r, c]   for c in member j's columns
 //
 // B[s] is (k, d_out) block diagonal (member j's rows j*r.. hold its B in its own columns, zeros
 // elsewhere); only the members' blocks are read, so a row reads d_in*k + r*d_out table entries.
@@ -76,12 +76,12 @@ void expand(const float* u, const T* B, int64_t r_, int64_t d_out, int64_t w, O*
 
 template <int RC, typename T, typename X, typename O>
 void rows(int64_t n, const X* x, int64_t x_stride, const T* A, const T* B, int64_t slot_stride_a,
-          int64_t slot_stride_b, const int64_t* slot, O* out, int64_t out_stride, int64_t d_in, int64_t d_out,
+          int64_t slot_stride_b, const int64_t* slot, const int64_t* row, O* out, int64_t out_stride, int64_t d_in, int64_t d_out,
           int64_t r, int64_t members, const int64_t* start, const int64_t* width) {
     const int64_t k = members * r;
     std::vector<float> xf(d_in), u(k);
-    for (int64_t i = 0; i < n; ++i) {
-        const int64_t s = slot ? slot[i] : i;
+    for (int64_t q = 0; q < n; ++q) {
+        const int64_t s = slot ? slot[q] : q, i = row ? row[q] : q;
         for (int64_t t = 0; t < d_in; ++t) xf[t] = cvt(x[i * x_stride + t]);
         const T* a = A + s * slot_stride_a;
         for (int64_t j = 0; j < members; ++j) shrink<RC, T>(xf.data(), a, d_in, k, j * r, r, u.data() + j * r);
@@ -95,12 +95,12 @@ void rows(int64_t n, const X* x, int64_t x_stride, const T* A, const T* B, int64
 
 template <int RC, typename T>
 void by_io(int64_t n, const void* x, int x_bf16, int64_t x_stride, const void* A, const void* B,
-           int64_t sa, int64_t sb, const int64_t* slot, void* out, int out_bf16, int64_t out_stride,
+           int64_t sa, int64_t sb, const int64_t* slot, const int64_t* row, void* out, int out_bf16, int64_t out_stride,
            int64_t d_in, int64_t d_out, int64_t r, int64_t members, const int64_t* start, const int64_t* width) {
     const T* a = static_cast<const T*>(A);
     const T* b = static_cast<const T*>(B);
 #define POLYSERVE_ROWS(X, O)                                                                              \
-    rows<RC, T, X, O>(n, static_cast<const X*>(x), x_stride, a, b, sa, sb, slot, static_cast<O*>(out),  \
+    rows<RC, T, X, O>(n, static_cast<const X*>(x), x_stride, a, b, sa, sb, slot, row, static_cast<O*>(out),  \
                       out_stride, d_in, d_out, r, members, start, width)
     if (x_bf16 && out_bf16) POLYSERVE_ROWS(uint16_t, uint16_t);
     else if (x_bf16) POLYSERVE_ROWS(uint16_t, float);
@@ -111,10 +111,10 @@ void by_io(int64_t n, const void* x, int x_bf16, int64_t x_stride, const void* A
 
 template <typename T>
 void by_rank(int64_t n, const void* x, int x_bf16, int64_t x_stride, const void* A, const void* B,
-             int64_t sa, int64_t sb, const int64_t* slot, void* out, int out_bf16, int64_t out_stride,
+             int64_t sa, int64_t sb, const int64_t* slot, const int64_t* row, void* out, int out_bf16, int64_t out_stride,
              int64_t d_in, int64_t d_out, int64_t r, int64_t members, const int64_t* start, const int64_t* width) {
 #define POLYSERVE_RANK(RC) \
-    by_io<RC, T>(n, x, x_bf16, x_stride, A, B, sa, sb, slot, out, out_bf16, out_stride, d_in, d_out, r, members, start, width)
+    by_io<RC, T>(n, x, x_bf16, x_stride, A, B, sa, sb, slot, row, out, out_bf16, out_stride, d_in, d_out, r, members, start, width)
     switch (r) {
         case 4: POLYSERVE_RANK(4); break;
         case 8: POLYSERVE_RANK(8); break;
@@ -132,14 +132,14 @@ extern "C" {
 // tables_bf16: A and B are bfloat16 (else float32); strides in elements; r <= 64 (the caller checks).
 void polyserve_lora_rows(int64_t n, const void* x, int x_bf16, int64_t x_stride, const void* A,
                          const void* B, int tables_bf16, int64_t slot_stride_a, int64_t slot_stride_b,
-                         const int64_t* slot, void* out, int out_bf16, int64_t out_stride, int64_t d_in,
+                         const int64_t* slot, const int64_t* row, void* out, int out_bf16, int64_t out_stride, int64_t d_in,
                          int64_t d_out, int64_t r, int64_t members, const int64_t* start,
                          const int64_t* width) {
     if (tables_bf16)
-        by_rank<uint16_t>(n, x, x_bf16, x_stride, A, B, slot_stride_a, slot_stride_b, slot, out, out_bf16,
+        by_rank<uint16_t>(n, x, x_bf16, x_stride, A, B, slot_stride_a, slot_stride_b, slot, row, out, out_bf16,
                           out_stride, d_in, d_out, r, members, start, width);
     else
-        by_rank<float>(n, x, x_bf16, x_stride, A, B, slot_stride_a, slot_stride_b, slot, out, out_bf16,
+        by_rank<float>(n, x, x_bf16, x_stride, A, B, slot_stride_a, slot_stride_b, slot, row, out, out_bf16,
                        out_stride, d_in, d_out, r, members, start, width);
 }
 

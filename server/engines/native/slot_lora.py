@@ -76,6 +76,9 @@ class _Skills:
     B_sk: torch.Tensor  # (L, h, S, r, d_out/h)
 
 
+KERNEL_CHUNK = 32  # prompt chunks of up to this many tokens go through the kernel with the decode rows
+
+
 class SlotLoRA:
     def __init__(self, groups: list[list[Group | None]], *, slots: int, rank: int, scale: float,
                  dtype: torch.dtype, device: torch.device | str = "cpu", kernel: str = "auto") -> None:
@@ -242,8 +245,20 @@ class SlotLoRA:
         chunks = [(c.offset, len(c.item.tokens), c.item.slot) for c in batch.chunks if self.adapted[c.item.slot]]
         if not decode_on and not chunks:
             return None
-        return SlotLoRAStep(self, batch.n_decode if decode_on else 0,
-                            None if batch.decode_contiguous else batch.decode_slots_t, chunks)
+        n = batch.n_decode if decode_on else 0
+        gather = None if batch.decode_contiguous else batch.decode_slots_t
+        if self.kernel is None:
+            return SlotLoRAStep(self, n, gather, chunks)
+        # the kernel takes the decode rows and the tokens of short chunks in one call per group;
+        # a longer chunk is cheaper as two GEMMs (bench/lora_step.py)
+        short = [c for c in chunks if c[1] <= KERNEL_CHUNK]
+        if not short:
+            return SlotLoRAStep(self, n, gather, chunks)
+        rows = list(range(n)) + [t for offset, length, _ in short for t in range(offset, offset + length)]
+        slots = [s for i, s in enumerate(batch.decode_slots) if i < n] + [s for _, length, s in short for _ in range(length)]
+        step = SlotLoRAStep(self, len(rows), torch.tensor(slots, dtype=torch.int64), [c for c in chunks if c[1] > KERNEL_CHUNK])
+        step.rows, step.row_end = torch.tensor(rows, dtype=torch.int64), max(rows) + 1
+        return step
 
 
 def write_adapter(lora: SlotLoRA | None, slot: int, adapter) -> None:
@@ -268,7 +283,11 @@ class SlotLoRAStep:
 
     def __init__(self, lora: SlotLoRA, n_decode: int, gather: torch.Tensor | None,
                  chunks: list[tuple[int, int, int]]) -> None:
+        """n_decode rows [0, n) in slots gather (None: slot = row); chunks (offset, length, slot).
+        With the kernel, `rows` may list the rows it takes (then n counts them, gather their slots)."""
         self.lora, self.n, self.gather, self.chunks = lora, n_decode, gather, chunks
+        self.rows: torch.Tensor | None = None
+        self.row_end: int | None = None
 
     def apply(self, layer: int, group: int, x: torch.Tensor, out: torch.Tensor) -> None:
         """x (T, d_in), out (T, d_out) of group `group` of `layer`:  out[t] += x[t] @ A[slot(t)] @ B[slot(t)]."""
@@ -278,7 +297,9 @@ class SlotLoRAStep:
         dtype = self.lora.dtype
         n = self.n
         if n and self.lora.kernel is not None:
-            self.lora.kernel_args[layer][group].rows(self.lora.kernel, x, out, n, self.gather)  # type: ignore[union-attr]
+            args = self.lora.kernel_args[layer][group]
+            assert args is not None
+            args.rows(self.lora.kernel, x, out, n, self.gather, self.rows, self.row_end)
         elif n:
             a, b = (A[:n], B[:n]) if self.gather is None else (A.index_select(0, self.gather), B.index_select(0, self.gather))
             u = torch.bmm(x[:n].unsqueeze(1).to(dtype), a)  # (n, 1, m*r)
