@@ -43,8 +43,9 @@ class Settings(BaseSettings):
     # native engine: decode steps padded to fixed shapes and replayed as CUDA graphs (auto = on CUDA)
     static_decode: Literal["auto", "on", "off"] = "auto"
     # native engine: decode rows' LoRA in a C++ kernel built on first use with g++ (auto = where it
-    # builds, on = fail where it does not; engines/native/lora_kernel.py)
-    lora_kernel: Literal["auto", "on", "off"] = "auto"
+    # builds, on = fail where it does not; engines/native/lora_kernel.py). Off by default: faster
+    # per step in bench/lora_step.py, but not end to end in bench/serve_bench.py (BENCHMARKS.md)
+    lora_kernel: Literal["auto", "on", "off"] = "off"
     redis_url: str | None = None  # unset = no L2 cache
     redis_prefix: str = "polyserve"
     redis_ttl_seconds: int = Field(default=24 * 3600, ge=1)

@@ -9,6 +9,11 @@ sums in float32, and adds into `out` in place: one call per group. Measured by b
 with the kernel against 11.7% as torch ops; of a 240-token prefill 3.7% against 14.0% (bf16
 tables there, float32 + casts with torch ops).
 
+Off by default (POLYSERVE_LORA_KERNEL=off): in bench/serve_bench.py the engine with the kernel
+was no faster end to end (decode rows only: (a)/(t) 1.00) or slower (with short chunks: 0.87 over
+two interleaved pairs) - the step-level gain does not survive the serving loop, and why is open
+(BENCHMARKS.md, "The LoRA kernel").
+
 The source is compiled once per machine with the system C++ compiler (g++ -O3 -march=native) into
 $POLYSERVE_HOME/kernels/, keyed by the source, the compiler and the CPU, and loaded with ctypes.
 Where no compiler works, `load()` says why and the torch path runs (POLYSERVE_LORA_KERNEL: auto =

@@ -81,7 +81,7 @@ KERNEL_CHUNK = 32  # prompt chunks of up to this many tokens go through the kern
 
 class SlotLoRA:
     def __init__(self, groups: list[list[Group | None]], *, slots: int, rank: int, scale: float,
-                 dtype: torch.dtype, device: torch.device | str = "cpu", kernel: str = "auto") -> None:
+                 dtype: torch.dtype, device: torch.device | str = "cpu", kernel: str = "off") -> None:
         """groups[l][g]: group g of decoder layer l (None: nothing adapted there). kernel: the
         decode group's LoRA in the native CPU kernel (lora_kernel.py): auto | on | off."""
         self.groups, self.slots, self.rank, self.scale = groups, slots, rank, scale
