@@ -320,7 +320,11 @@ class JobRunner:
 
     def _finish(self, job: Job, status: str, error: dict[str, str] | None = None) -> None:
         """Terminal transition, in memory (the caller holds `_lock`); the caller then calls
-        `_settle()` without the lock to persist, fix the registry, release and notify."""
+        `_settle()` without the lock to persist, release and notify. The registry entry is fixed
+        first, here: once a client can read the terminal status, a cancelled job's placeholder
+        task is already gone (it read "cancelled" and still found the task before)."""
+        if status != "succeeded":
+            _mark_task_not_ready(self.store, job, status, error)
         job.transition(status, error=error)  # type: ignore[arg-type]
         self._cancel_requested.discard(job.id)
         self._done.append((job, status, error))
@@ -332,8 +336,6 @@ class JobRunner:
             done, self._done = self._done, []
         for job, status, error in done:
             self._persist(job)
-            if status != "succeeded":
-                _mark_task_not_ready(self.store, job, status, error)
             self._release_lock(job.id)
             self.on_task_changed(job.task)
             self.on_job_finished(job)
