@@ -16,8 +16,6 @@ import argparse
 import asyncio
 import os
 import random
-import socket
-import subprocess
 import sys
 import tempfile
 import threading
@@ -25,12 +23,14 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
 import server  # noqa: F401  (before torch: OpenMP spin defaults, server/openmp.py)
 from server import openmp
 
 # isort: split
 import httpx
 import torch
+from local_server import polyserve_server
 
 from server.engines.request import GenRequest, SamplingParams
 from server.metrics import Metrics
@@ -112,31 +112,13 @@ async def http_clients(args, url: str, tasks: list[str]) -> tuple[int, float, li
 
 
 def over_http(args, home: Path) -> float:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    env = {**os.environ, "POLYSERVE_HOME": str(home), "POLYSERVE_STORE": str(home / "store"),
-           "POLYSERVE_THREADS": str(args.threads), "POLYSERVE_MAX_BATCH_ROWS": str(args.clients)}
-    proc = subprocess.Popen([sys.executable, "-m", "server.cli", "serve", "--host", "127.0.0.1", "--port", str(port)],
-                            env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    url = f"http://127.0.0.1:{port}"
-    try:
-        for _ in range(600):
-            try:
-                if httpx.get(url + "/ready", timeout=1).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            time.sleep(0.5)
-        else:
-            raise SystemExit("the server did not become ready")
+    env = {"POLYSERVE_HOME": str(home), "POLYSERVE_STORE": str(home / "store"), "POLYSERVE_THREADS": str(args.threads),
+           "POLYSERVE_MAX_BATCH_ROWS": str(args.clients)}
+    with polyserve_server(env) as url:
         tasks = [t["id"] for t in httpx.get(url + "/v1/tasks").json()["data"] if t["status"] == "ready"]
         tasks = [t for t in workload(0)[1] if t in tasks]
         tokens, seconds, latencies = asyncio.run(http_clients(args, url, tasks))
-        return report("polyserve serve over HTTP", tokens, seconds, latencies)
-    finally:
-        proc.terminate()
-        proc.wait(30)
+    return report("polyserve serve over HTTP", tokens, seconds, latencies)
 
 
 def main() -> None:

@@ -14,7 +14,6 @@ import argparse
 import json
 import os
 import shutil
-import socket
 import statistics
 import subprocess
 import sys
@@ -23,9 +22,12 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import httpx
+from local_server import polyserve_server
 
+from adapters_store.backbone import polyserve_home
 from adapters_store.store import Store
 from training.default_inventory import install_default_inventory
 from training.suite import build_suite, examples
@@ -53,24 +55,8 @@ def via_cli(args, home: Path, method: str, jsonl: Path) -> tuple[float, float]:
 
 
 def via_http(args, home: Path, method: str, train: list) -> tuple[float, float]:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    env = {**os.environ, "POLYSERVE_HOME": str(home), "POLYSERVE_STORE": str(home / "store"),
-           "POLYSERVE_THREADS": str(args.threads)}
-    proc = subprocess.Popen([*POLYSERVE, "serve", "--host", "127.0.0.1", "--port", str(port)], env=env, cwd=ROOT,
-                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    url = f"http://127.0.0.1:{port}"
-    try:
-        for _ in range(600):
-            try:
-                if httpx.get(url + "/ready", timeout=1).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            time.sleep(0.5)
-        else:
-            raise SystemExit("the server did not become ready")
+    env = {"POLYSERVE_HOME": str(home), "POLYSERVE_STORE": str(home / "store"), "POLYSERVE_THREADS": str(args.threads)}
+    with polyserve_server(env) as url:
         with httpx.Client(base_url=url, timeout=30) as c:
             job = c.post("/v1/tasks", json={"task": "new-task", "method": method,
                                             "examples": [{"input": e.input, "output": e.output} for e in train]}).json()
@@ -82,10 +68,7 @@ def via_http(args, home: Path, method: str, train: list) -> tuple[float, float]:
             wall = job["finished_at"] - job["created_at"]
         if job["status"] != "succeeded":
             raise SystemExit(f"the job ended {job['status']}: {job.get('error')}")
-        return wall, float(job["metrics"].get("seconds", float("nan")))
-    finally:
-        proc.terminate()
-        proc.wait(30)
+    return wall, float(job["metrics"].get("seconds", float("nan")))
 
 
 def main() -> None:
@@ -95,7 +78,7 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=2)
     ap.add_argument("--threads", type=int, default=2)
     args = ap.parse_args()
-    cache = Path(os.environ.get("POLYSERVE_HOME", Path.home() / ".cache" / "polyserve"))
+    cache = polyserve_home()
     task = build_suite().heldout_tasks[0]
     train = examples(task, args.k, seed=0, split="train")
     jsonl = Path(tempfile.mkdtemp()) / "examples.jsonl"
