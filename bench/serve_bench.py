@@ -4,7 +4,7 @@
     (b) the same engine with adapters off (bare backbone: every row is `base`)
     (c) PEFT's Poly model + transformers `generate`, static batches of mixed task_ids
     (d) the same engine restricted to one task per batch (tasks served one after another)
-    (k) = (a) with the rows' LoRA in the native kernel (POLYSERVE_LORA_KERNEL=auto), not torch ops
+    (t) = (a) with the rows' LoRA as torch ops (POLYSERVE_LORA_KERNEL=off), not the native kernel (the default)
     (u) = (a), (v) = (b) served in float32 (a second engine; the others serve in --dtype, auto =
         bfloat16 on CPUs with AMX)
     (e) vLLM with the workload's tasks exported as PEFT LoRAs (the peer), float32; (E) bfloat16
@@ -300,7 +300,7 @@ def main() -> None:
     packed = switch(args.packed_weights)
     jobs = workload(args.requests, tasks, args.out_min, args.out_max, args.seed, args.out_dist)
 
-    def engine_run(serving: torch.dtype, name: str, lora_kernel: str = "off", **kw) -> dict:
+    def engine_run(serving: torch.dtype, name: str, lora_kernel: str = "auto", **kw) -> dict:
         def start() -> Engine:
             eng = Engine(bb.model, bb.tokenizer, rm, max_batch_rows=args.batch, max_batch_tokens=1 << 20,
                          max_prefill_rows=args.batch, max_queue=1 << 16, max_step_tokens=args.max_step_tokens,
@@ -329,8 +329,8 @@ def main() -> None:
             results.append(engine_run(dtype, "(a) polyserve engine"))
         elif v == "b":
             results.append(engine_run(dtype, "(b) engine, adapters off", base=True))
-        elif v == "k":
-            results.append(engine_run(dtype, "(k) engine, LoRA in the native kernel", lora_kernel="auto"))
+        elif v == "t":
+            results.append(engine_run(dtype, "(t) engine, LoRA as torch ops", lora_kernel="off"))
         elif v == "c":
             results.append(openmp.in_fresh_thread(peft_run))
         elif v in "uv":
@@ -349,7 +349,7 @@ def main() -> None:
             print(f"mean of {r['runs']}: {r['variant']:37s} {r['tok_per_s']:8.1f} tok/s  TTFT p50 {r['ttft_p50']:.2f}s "
                   f"p99 {r['ttft_p99']:.2f}s  ITL p50 {1000 * r['itl_p50']:.0f}ms p99 {1000 * r['itl_p99']:.0f}ms")
     by = {r["variant"][1]: r["tok_per_s"] for r in results}
-    pairs = [("a", "b"), ("k", "b"), ("k", "a"), ("a", "c"), ("a", "d"), ("a", "u"), ("b", "v")]
+    pairs = [("a", "b"), ("t", "b"), ("a", "t"), ("a", "c"), ("a", "d"), ("a", "u"), ("b", "v")]
     pairs += [(x, y) for x in "ab" for y in "efEF"] + [("e", "f"), ("E", "F"), ("g", "e"), ("G", "E"), ("g", "a")]
     for x, y in pairs:
         if x in by and y in by:

@@ -38,6 +38,8 @@ def main() -> None:
     ap.add_argument("--eval-every", type=int, default=5)
     ap.add_argument("--patience", type=int, default=3)
     ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--autocast", choices=["auto", "bf16", "none"], default="auto",
+                    help="bf16 autocast of retrieval and adaptation (training.precision; auto: CUDA and AMX CPUs)")
     ap.add_argument("--out", required=True)
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
@@ -64,7 +66,8 @@ def main() -> None:
     done = {(r["inventory"], r["task"], r["seed"], r["method"]) for r in records}
     label = args.label or info.made_by.get("method", "?")
     candidates = {r.id: store.load_routing(r.id) for r in store.list_tasks() if r.kind == "routing" and r.status == "ready"}
-    recipe = {"lr": args.lr, "batch_size": args.batch_size, "eval_every": args.eval_every, "patience": args.patience}
+    recipe = {"lr": args.lr, "batch_size": args.batch_size, "eval_every": args.eval_every, "patience": args.patience,
+              "autocast": args.autocast}
     for task in tasks:
         test = examples(task, args.n_test, seed=0, split="test")
         for seed in [int(s) for s in args.seeds.split(",")]:
@@ -79,7 +82,7 @@ def main() -> None:
                 else:
                     if method in ("retrieve", "routing-r"):
                         res = retrieve(rm, info, {n: r for n, r in candidates.items() if n != task.name}, few,
-                                       bb.tokenizer, seed=seed)
+                                       bb.tokenizer, seed=seed, autocast=args.autocast)
                     if method == "routing-r":
                         res = adapt(rm, info, skills, few, bb.tokenizer, method="routing", steps=args.steps,
                                     seed=seed, init_row=res.tensors["logits"], **recipe)

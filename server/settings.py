@@ -42,10 +42,10 @@ class Settings(BaseSettings):
     native_executor: Literal["auto", "llama", "hf"] = "auto"
     # native engine: decode steps padded to fixed shapes and replayed as CUDA graphs (auto = on CUDA)
     static_decode: Literal["auto", "on", "off"] = "auto"
-    # native engine: decode rows' LoRA in a C++ kernel built on first use with g++ (auto = where it
-    # builds, on = fail where it does not; engines/native/lora_kernel.py). Off by default: faster
-    # per step in bench/lora_step.py, but not end to end in bench/serve_bench.py (BENCHMARKS.md)
-    lora_kernel: Literal["auto", "on", "off"] = "off"
+    # native engine: the rows' LoRA in a C++ kernel built on first use with g++ (auto = where it
+    # builds, else torch ops; on = fail where it does not; off = torch ops; engines/native/lora_kernel.py).
+    # bench/serve_bench.py: 1.11x the torch ops' throughput end to end (BENCHMARKS.md, stop 21)
+    lora_kernel: Literal["auto", "on", "off"] = "auto"
     redis_url: str | None = None  # unset = no L2 cache
     redis_prefix: str = "polyserve"
     redis_ttl_seconds: int = Field(default=24 * 3600, ge=1)

@@ -79,6 +79,36 @@ def test_a_row_does_not_depend_on_its_batch():
     assert torch.equal(together[2], alone[0])
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("threads", [1, 2])
+def test_prompt_runs_and_threads_change_no_token(dtype, threads):
+    """Decode rows and runs of one slot's tokens (1 to 9), shared out over one or two OpenMP
+    threads: every token equals torch, and equals itself computed alone, bit for bit."""
+    members = [(0, 24), (24, 8), (32, 8)]
+    A, B = _tables(6, 72, members, 8, 40, dtype, seed=3)
+    args = lora_kernel.TableArgs(A, B, members, 8, 72, 40)
+    fn = lora_kernel.load()
+    slots = [0, 1, 2] + [3] * 9 + [4] * 4 + [5] * 3 + [1] * 5 + [2]  # decode rows, then runs
+    n = len(slots)
+    x = torch.randn(n, 72).to(dtype)
+    previous = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        out = torch.randn(n, 40).to(dtype)
+        before = out.clone()
+        slot_t = torch.tensor(slots)
+        args.rows(fn, x, out, n, slot_t)
+        for t, s in enumerate(slots):
+            alone = before[t : t + 1].clone()
+            args.rows(fn, x[t : t + 1], alone, 1, slot_t[t : t + 1])
+            assert torch.equal(out[t], alone[0]), f"token {t} (slot {s}) differs from itself alone"
+    finally:
+        torch.set_num_threads(previous)
+    want = _want(x, before, A, B, slot_t, n)
+    tol = 1e-5 if dtype == torch.float32 else 2e-2
+    torch.testing.assert_close(out.double(), want, atol=tol, rtol=tol)
+
+
 def test_bad_arguments_are_refused_before_the_kernel_runs():
     members = [(0, 8)]
     A, B = _tables(2, 4, members, 2, 8, torch.float32)

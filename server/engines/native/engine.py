@@ -86,7 +86,7 @@ class NativeEngine:
         max_queue: int = 256, max_step_tokens: int = 256, metrics: Any = None, background_share: float = 0.2,
         dtype: torch.dtype | None = None, executor: Executor | None = None, executor_kind: str = "auto",
         packed_weights: bool | None = None, threads: int | None = None, static_decode: bool | None = None,
-        lora_kernel: str = "off",
+        lora_kernel: str = "auto",
     ) -> None:
         if not 0 < background_share <= 1:
             raise ValueError(f"background_share must be in (0, 1], got {background_share}")

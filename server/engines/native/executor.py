@@ -121,7 +121,7 @@ def serving_dtype(device: torch.device | str, setting: str | None = None) -> tor
 
 def build_executor(model: torch.nn.Module, routed: Any = None, *, slots: int, dtype: torch.dtype | None = None,
                    kind: str = "auto", packed: bool | None = None, static_decode: bool | None = None,
-                   lora_kernel: str = "off") -> Executor:
+                   lora_kernel: str = "auto") -> Executor:
     """kind auto: the Llama executor where it can run the model, else the HF one. dtype None: the
     model's own. routed: the RoutedModel (its adapted linears get per-slot LoRA tables).
     lora_kernel: the decode rows' LoRA in the native CPU kernel (lora_kernel.py): auto | on | off."""

@@ -73,7 +73,7 @@ class _SlotPlan:
 class HFExecutor:
     name = "hf"
 
-    def __init__(self, model: nn.Module, routed: Any = None, *, slots: int, lora_kernel: str = "off") -> None:
+    def __init__(self, model: nn.Module, routed: Any = None, *, slots: int, lora_kernel: str = "auto") -> None:
         cfg = model.config
         window = getattr(cfg, "sliding_window", None)
         if window is not None and getattr(cfg, "use_sliding_window", True) and window < (

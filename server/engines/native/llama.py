@@ -167,7 +167,7 @@ class LlamaExecutor:
                  adapted: list[str] | None = None, rank: int = 0, scale: float = 1.0,
                  skills: list[tuple[torch.Tensor, torch.Tensor]] | None = None,
                  lora_dtype: torch.dtype | None = None, static_decode: bool | None = None,
-                 lora_kernel: str = "off") -> None:
+                 lora_kernel: str = "auto") -> None:
         """adapted: the qualified names of the routed linears (the inventory's order); skills: their
         (A, B) skill tensors, so routed tasks are written from their routing weights. static_decode:
         decode steps padded to fixed shapes and, on CUDA, replayed as graphs (static_decode.py);

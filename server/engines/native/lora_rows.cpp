@@ -9,8 +9,9 @@
 // Sums run in float32 whatever the storage (float32 or bfloat16, per tensor); a bfloat16 `out`
 // is rounded to nearest even once, after its LoRA sum is added. Each row is computed on its own,
 // in the same order, whatever the other rows: a row's result does not depend on its batch.
-// Single-threaded (a decode group's tables are a few hundred KB; a second OpenMP runtime in the
-// process would fight torch's, server/openmp.py).
+// The rows are shared out over the calling thread's OpenMP team. Built with -fopenmp, the library
+// needs libgomp.so.1, which the dynamic loader finds already loaded by torch: one runtime, one
+// pool per thread, the threads torch's own ops use (server/openmp.py).
 
 #include <cstdint>
 #include <algorithm>
@@ -18,6 +19,8 @@
 #include <vector>
 
 namespace {
+
+constexpr int64_t PARALLEL_MIN_ROWS = 4;  // fewer rows run on the calling thread alone
 
 inline float cvt(float v) { return v; }
 inline float cvt(uint16_t v) {
@@ -79,16 +82,22 @@ void rows(int64_t n, const X* x, int64_t x_stride, const T* A, const T* B, int64
           int64_t slot_stride_b, const int64_t* slot, const int64_t* row, O* out, int64_t out_stride, int64_t d_in, int64_t d_out,
           int64_t r, int64_t members, const int64_t* start, const int64_t* width) {
     const int64_t k = members * r;
-    std::vector<float> xf(d_in), u(k);
-    for (int64_t q = 0; q < n; ++q) {
-        const int64_t s = slot ? slot[q] : q, i = row ? row[q] : q;
-        for (int64_t t = 0; t < d_in; ++t) xf[t] = cvt(x[i * x_stride + t]);
-        const T* a = A + s * slot_stride_a;
-        for (int64_t j = 0; j < members; ++j) shrink<RC, T>(xf.data(), a, d_in, k, j * r, r, u.data() + j * r);
-        for (int64_t j = 0; j < members; ++j) {
-            const int64_t c0 = start[j];
-            expand<RC, T, O>(u.data() + j * r, B + s * slot_stride_b + j * r * d_out + c0, r, d_out, width[j],
-                             out + i * out_stride + c0);
+    // rows are independent (each writes only its own output row, computed the same way whatever
+    // the split): shared out over the calling thread's OpenMP team
+#pragma omp parallel if (n >= PARALLEL_MIN_ROWS)
+    {
+        std::vector<float> xf(d_in), u(k);
+#pragma omp for schedule(static)
+        for (int64_t q = 0; q < n; ++q) {
+            const int64_t s = slot ? slot[q] : q, i = row ? row[q] : q;
+            for (int64_t t = 0; t < d_in; ++t) xf[t] = cvt(x[i * x_stride + t]);
+            const T* a = A + s * slot_stride_a;
+            for (int64_t j = 0; j < members; ++j) shrink<RC, T>(xf.data(), a, d_in, k, j * r, r, u.data() + j * r);
+            for (int64_t j = 0; j < members; ++j) {
+                const int64_t c0 = start[j];
+                expand<RC, T, O>(u.data() + j * r, B + s * slot_stride_b + j * r * d_out + c0, r, d_out, width[j],
+                                 out + i * out_stride + c0);
+            }
         }
     }
 }

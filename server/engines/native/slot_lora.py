@@ -81,7 +81,7 @@ KERNEL_CHUNK = 32  # prompt chunks of up to this many tokens go through the kern
 
 class SlotLoRA:
     def __init__(self, groups: list[list[Group | None]], *, slots: int, rank: int, scale: float,
-                 dtype: torch.dtype, device: torch.device | str = "cpu", kernel: str = "off") -> None:
+                 dtype: torch.dtype, device: torch.device | str = "cpu", kernel: str = "auto") -> None:
         """groups[l][g]: group g of decoder layer l (None: nothing adapted there). kernel: the
         decode group's LoRA in the native CPU kernel (lora_kernel.py): auto | on | off."""
         self.groups, self.slots, self.rank, self.scale = groups, slots, rank, scale
@@ -185,7 +185,7 @@ class SlotLoRA:
     def set_skills(self, skills: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
         """The inventory's skills, per adapted linear (A (h, S, d_in/h, r), B (h, S, r, d_out/h)),
         for write_routing; kept stacked per group member (over the layers of a stacked buffer)
-        in the tables' dtype."""
+        in the combine's dtype (_combine_dtype)."""
         if len(skills) != self.n_linears:
             raise ValueError(f"{len(skills)} skill pairs for {self.n_linears} adapted linears")
         # (A, B buffers (L, slots, ...), the group, its column in every layer's row; None: one table)
@@ -197,10 +197,17 @@ class SlotLoRA:
             for A, B, group, col in targets:
                 for j, m in enumerate(group.members):
                     index = [m.index] if col is None else [row[col].members[j].index for row in self.groups]  # type: ignore[union-attr]
-                    A_sk = torch.stack([skills[i][0] for i in index]).to(self.device, self.dtype)
-                    B_sk = torch.stack([skills[i][1] for i in index]).to(self.device, self.dtype)
+                    A_sk = torch.stack([skills[i][0] for i in index]).to(self.device, self._combine_dtype)
+                    B_sk = torch.stack([skills[i][1] for i in index]).to(self.device, self._combine_dtype)
                     entries.append(_Skills(A, B, j, m, torch.tensor(index, device=self.device), A_sk, B_sk))
         self._skills = entries
+
+    @property
+    def _combine_dtype(self) -> torch.dtype:
+        """A routed row's tables are combined in float32 on a CPU, then rounded once into the
+        tables' dtype: a CPU's bfloat16 einsum is slower than its float32 one (a row's write took
+        3.4 ms against 1.7 ms, bench notes in BENCHMARKS.md) and rounds every partial sum."""
+        return torch.float32 if self.device.type == "cpu" else self.dtype
 
     @property
     def routes(self) -> bool:
@@ -214,7 +221,7 @@ class SlotLoRA:
             raise RuntimeError("write_routing needs the skills (set_skills)")
         if weights.dim() != 3 or weights.shape[0] != self.n_linears:
             raise ValueError(f"routing weights of shape {tuple(weights.shape)} for {self.n_linears} linears")
-        w = weights.to(self.device, self.dtype)
+        w = weights.to(self.device, self._combine_dtype)
         with torch.no_grad():
             for e in self._skills:
                 if e.A_sk.shape[1:3] != w.shape[1:]:
