@@ -16,20 +16,34 @@ def test_auto_follows_the_cpu_capability():
     assert bf16_is_fast("meta") is False
 
 
-@pytest.mark.parametrize("amx", [True, False])
-def test_auto_on_a_cpu_is_bf16_exactly_where_amx_is(monkeypatch, amx):
-    # AVX512_BF16 without AMX (this project's CPU): a whole step at most ~1.2x faster in bf16 and a
-    # micro-probe's choice flipped between processes; AVX2: bf16 emulated, ~20x slower
-    monkeypatch.setattr(precision.torch.cpu, "_is_amx_tile_supported", lambda: amx)
-    assert bf16_is_fast("cpu") is amx
-    assert resolve_autocast("auto", "cpu") is amx
+@pytest.mark.parametrize("amx,avx512_bf16,speedup,want", [
+    (True, True, None, True),  # AMX: bf16, no probe
+    (False, False, None, False),  # AVX2 only: bf16 is emulated, no probe
+    (False, True, 2.4, True),  # AVX512_BF16, the EPYC's probe (2.22-2.56)
+    (False, True, 1.79, False),  # just under the bar
+    (False, True, 1.2, False),  # the first AVX512_BF16 machine's whole steps
+])
+def test_auto_on_a_cpu(monkeypatch, amx, avx512_bf16, speedup, want):
+    def no_probe():
+        raise AssertionError("the probe ran where the CPU's flags decide")
+
+    monkeypatch.setattr(precision, "cpu_has_amx", lambda: amx)
+    monkeypatch.setattr(precision, "cpu_has_avx512_bf16", lambda: avx512_bf16)
+    monkeypatch.setattr(precision, "cpu_bf16_train_speedup", no_probe if speedup is None else lambda: speedup)
+    assert bf16_is_fast("cpu") is want
+    assert resolve_autocast("auto", "cpu") is want
+    assert resolve_autocast("none", "cpu") is False and resolve_autocast("bf16", "cpu") is True
 
 
 def test_auto_is_the_same_every_time_in_a_process():
-    # the old timing probe could answer differently in two processes of one machine
+    # the probe runs once per process: the answer cannot flip between two adaptations
     first = resolve_autocast("auto", "cpu")
     assert all(resolve_autocast("auto", "cpu") is first for _ in range(20))
-    assert first is bool(torch.cpu._is_amx_tile_supported())
+
+
+def test_the_probe_measures_a_ratio():
+    ratio = precision.cpu_bf16_train_speedup.__wrapped__(d_in=64, d_out=128, rows=4, rounds=3, calls=2)
+    assert 0 < ratio < 100
 
 
 def test_unknown_choice_is_refused():

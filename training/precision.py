@@ -1,25 +1,35 @@
-"""Whether training runs under bf16 autocast ("auto"): on CUDA with bf16, and on CPUs with AMX.
+"""Whether training runs under bf16 autocast ("auto"): on CUDA with bf16, on CPUs with AMX, and on
+CPUs with AVX512_BF16 (no AMX) where a probe measures bf16 far faster.
 
-A CPU's bf16 claims say little about a training step. Measured on this project's 2-core
-AVX512_BF16 machine (no AMX), routing-adaptation steps of the default backbone (4 examples):
+A CPU's bf16 claims say little about a training step, and AVX512_BF16 CPUs disagree:
 
-    float32 0.62-0.85 s, bf16 autocast 0.52-0.85 s per step; paired in one process, bf16 ran
-    0.87x to 1.2x the speed of float32 (4 pairs) - little, and at bf16's precision
+- one of this project's 2-core AVX512_BF16 machines ran routing-adaptation steps (4 examples) at
+  0.87x to 1.2x the speed of float32 (4 pairs), while its one-linear-block probe measured 1.2-2.9x
+  and the choice it made flipped between processes;
+- another (AMD EPYC, 2 cores) registered a task (retrieval + 30 steps of 4, 4 held-out tasks) in
+  11.4 s with bf16 autocast against 17.7 s in float32, the same exact match (0.328 both,
+  `scripts/compare_methods.py --tasks 4 --seeds 0 --methods routing-r --autocast bf16|none`), and
+  an autocast linear's forward + backward on 16 rows ran 2.22-2.56x faster (three processes).
 
-while a probe of one linear block (16-128 rows, forward + backward) measured bf16 1.2-2.9x faster:
-a probe that small does not stand for a step (norms, attention, the casts of every weight), and
-the choice it made flipped between processes of the same machine, so results depended on a coin
-toss. On AVX2-only CPUs bf16 is emulated (a step 82 s against 4 s). Where AMX tiles exist, oneDNN
-runs bf16 GEMMs on them, the case bf16 autocast is for. So "auto" reads the hardware, the same way
-every time: bf16 on CUDA with bf16 support and on CPUs with AMX, float32 elsewhere; "bf16" and
-"none" force it.
+On AVX2-only CPUs bf16 is emulated (a step 82 s against 4 s). Where AMX tiles exist, oneDNN runs
+bf16 GEMMs on them. So "auto": bf16 on CUDA with bf16 support and on CPUs with AMX; on
+AVX512_BF16 CPUs without AMX, bf16 where the probe (`cpu_bf16_train_speedup`, once per process,
+~0.3 s) measures at least TRAIN_PROBE_MIN = 1.8x: a whole step gains less than its linears (1.55x
+for 2.2-2.6x on the EPYC), so the bar is high, well above the 1.2x the first machine's steps
+reached; float32 elsewhere. "bf16" and "none" force it.
 """
 
 from __future__ import annotations
 
+import functools
+import statistics
+import time
+from pathlib import Path
+
 import torch
 
 AUTOCAST_CHOICES = ("auto", "bf16", "none")
+TRAIN_PROBE_MIN = 1.8  # bf16 autocast on AVX512_BF16 CPUs where the probe measures at least this
 
 
 def cpu_has_amx() -> bool:
@@ -31,17 +41,48 @@ def cpu_has_amx() -> bool:
         return False
 
 
+def cpu_has_avx512_bf16() -> bool:
+    try:
+        return any(line.startswith("flags") and " avx512_bf16" in line
+                   for line in Path("/proc/cpuinfo").read_text().splitlines())
+    except OSError:
+        return False
+
+
+@functools.cache
+def cpu_bf16_train_speedup(d_in: int = 1024, d_out: int = 4096, rows: int = 16, rounds: int = 7, calls: int = 5) -> float:
+    """float32 time / bf16-autocast time of a frozen linear's forward + backward (the input's
+    gradient only, as in routing adaptation) on `rows` rows; interleaved rounds, medians; once per
+    process."""
+    gen = torch.Generator().manual_seed(0)
+    w = torch.randn(d_out, d_in, generator=gen) * 0.02
+    x = torch.randn(rows, d_in, generator=gen)
+    times: dict[bool, list[float]] = {False: [], True: []}
+    for _ in range(rounds):
+        for bf16 in (False, True):
+            started = time.perf_counter()
+            for _ in range(calls):
+                xg = x.clone().requires_grad_(True)
+                with torch.autocast("cpu", dtype=torch.bfloat16, enabled=bf16):
+                    y = torch.nn.functional.linear(xg, w)
+                y.float().sum().backward()
+            times[bf16].append(time.perf_counter() - started)
+    return statistics.median(times[False]) / statistics.median(times[True])
+
+
 def bf16_is_fast(device: torch.device | str = "cpu") -> bool:
     device = torch.device(device)
     if device.type == "cuda":
         return torch.cuda.is_available() and torch.cuda.is_bf16_supported()
     if device.type != "cpu":
         return False
-    return cpu_has_amx()
+    if cpu_has_amx():
+        return True
+    return cpu_has_avx512_bf16() and cpu_bf16_train_speedup() >= TRAIN_PROBE_MIN
 
 
 def resolve_autocast(choice: str | bool | None, device: torch.device | str = "cpu") -> bool:
-    """auto/None -> bf16 on CUDA with bf16 and on CPUs with AMX; bf16/True -> on; none/False -> off."""
+    """auto/None -> bf16_is_fast(device); bf16/True -> on; none/False -> off."""
     if choice is None or choice == "auto":
         return bf16_is_fast(device)
     if isinstance(choice, bool):

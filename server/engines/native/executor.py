@@ -24,13 +24,12 @@ import functools
 import logging
 import statistics
 import time
-from pathlib import Path
 from typing import Any, Protocol
 
 import torch
 
 from server.engines.native.step import StepBatch
-from training.precision import bf16_is_fast, cpu_has_amx
+from training.precision import bf16_is_fast, cpu_has_amx, cpu_has_avx512_bf16
 
 log = logging.getLogger("polyserve.engine")
 
@@ -58,14 +57,6 @@ class Executor(Protocol):
 
 
 BF16_PROBE_MIN = 1.25  # bfloat16 where the probe measures it at least this much faster
-
-
-def cpu_has_avx512_bf16() -> bool:
-    try:
-        return any(line.startswith("flags") and " avx512_bf16" in line
-                   for line in Path("/proc/cpuinfo").read_text().splitlines())
-    except OSError:
-        return False
 
 
 @functools.cache
