@@ -9,13 +9,14 @@ A CPU's bf16 claims say little about a training step, and AVX512_BF16 CPUs disag
 - another (AMD EPYC, 2 cores) registered a task (retrieval + 30 steps of 4, 4 held-out tasks) in
   11.4 s with bf16 autocast against 17.7 s in float32, the same exact match (0.328 both,
   `scripts/compare_methods.py --tasks 4 --seeds 0 --methods routing-r --autocast bf16|none`), and
-  an autocast linear's forward + backward on 16 rows ran 2.22-2.56x faster (three processes).
+  this module's probe (a frozen linear's forward + backward on 16 rows) measured 2.31-2.48x in
+  three processes.
 
 On AVX2-only CPUs bf16 is emulated (a step 82 s against 4 s). Where AMX tiles exist, oneDNN runs
 bf16 GEMMs on them. So "auto": bf16 on CUDA with bf16 support and on CPUs with AMX; on
 AVX512_BF16 CPUs without AMX, bf16 where the probe (`cpu_bf16_train_speedup`, once per process,
 ~0.3 s) measures at least TRAIN_PROBE_MIN = 1.8x: a whole step gains less than its linears (1.55x
-for 2.2-2.6x on the EPYC), so the bar is high, well above the 1.2x the first machine's steps
+for 2.3-2.5x on the EPYC), so the bar is high, well above the 1.2x the first machine's steps
 reached; float32 elsewhere. "bf16" and "none" force it.
 """
 

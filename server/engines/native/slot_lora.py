@@ -205,8 +205,9 @@ class SlotLoRA:
     @property
     def _combine_dtype(self) -> torch.dtype:
         """A routed row's tables are combined in float32 on a CPU, then rounded once into the
-        tables' dtype: a CPU's bfloat16 einsum is slower than its float32 one (a row's write took
-        3.4 ms against 1.7 ms, bench notes in BENCHMARKS.md) and rounds every partial sum."""
+        tables' dtype: a CPU's bfloat16 einsum is slower than its float32 one (the 64 rows of
+        serve_bench's workload took 0.22 s to write against 0.12 s, bench/step_split.py) and rounds
+        every partial sum."""
         return torch.float32 if self.device.type == "cpu" else self.dtype
 
     @property
@@ -262,7 +263,7 @@ class SlotLoRA:
         if not short:
             return SlotLoRAStep(self, n, gather, chunks)
         rows = list(range(n)) + [t for offset, length, _ in short for t in range(offset, offset + length)]
-        slots = [s for i, s in enumerate(batch.decode_slots) if i < n] + [s for _, length, s in short for _ in range(length)]
+        slots = batch.decode_slots[:n] + [s for _, length, s in short for _ in range(length)]
         step = SlotLoRAStep(self, len(rows), torch.tensor(slots, dtype=torch.int64), [c for c in chunks if c[1] > KERNEL_CHUNK])
         step.rows, step.row_end = torch.tensor(rows, dtype=torch.int64), max(rows) + 1
         return step
