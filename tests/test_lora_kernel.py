@@ -79,22 +79,28 @@ def test_a_row_does_not_depend_on_its_batch():
     assert torch.equal(together[2], alone[0])
 
 
+# (d_in, members, rank, d_out): the shipped kind of shape (multiples of 8 everywhere), then an odd
+# d_in, a rank without a compiled-in specialisation and widths that are no multiple of 8
+SHAPES = [(72, [(0, 24), (24, 8), (32, 8)], 8, 40), (37, [(0, 20), (27, 9), (40, 43)], 3, 83)]
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("threads", [1, 2])
-def test_prompt_runs_and_threads_change_no_token(dtype, threads):
-    """Decode rows and runs of one slot's tokens (1 to 9), shared out over one or two OpenMP
-    threads: every token equals torch, and equals itself computed alone, bit for bit."""
-    members = [(0, 24), (24, 8), (32, 8)]
-    A, B = _tables(6, 72, members, 8, 40, dtype, seed=3)
-    args = lora_kernel.TableArgs(A, B, members, 8, 72, 40)
+@pytest.mark.parametrize("shape", SHAPES, ids=["whole-vectors", "tails"])
+def test_prompt_runs_and_threads_change_no_token(dtype, threads, shape):
+    """Decode rows and runs of one slot's tokens (1 to 9, as prompt chunks arrive), shared out over
+    one or two OpenMP threads: every token equals torch, and equals itself computed alone, bit for bit."""
+    d_in, members, rank, d_out = shape
+    A, B = _tables(6, d_in, members, rank, d_out, dtype, seed=3)
+    args = lora_kernel.TableArgs(A, B, members, rank, d_in, d_out)
     fn = lora_kernel.load()
-    slots = [0, 1, 2] + [3] * 9 + [4] * 4 + [5] * 3 + [1] * 5 + [2]  # decode rows, then runs
+    slots = [0, 1, 2] + [3] * 9 + [4] * 4 + [5] * 3 + [1] * 5 + [2] + [0] * 6  # decode rows, then runs
     n = len(slots)
-    x = torch.randn(n, 72).to(dtype)
+    x = torch.randn(n, d_in).to(dtype)
     previous = torch.get_num_threads()
     torch.set_num_threads(threads)
     try:
-        out = torch.randn(n, 40).to(dtype)
+        out = torch.randn(n, d_out).to(dtype)
         before = out.clone()
         slot_t = torch.tensor(slots)
         args.rows(fn, x, out, n, slot_t)

@@ -11,7 +11,8 @@ so for a row in slot s:   out += x @ A[l][g][s] @ B[l][g][s]   =   each member's
 
 A row's tables are written when it takes its slot, and read by every forward the row is in: the
 decode group as one bmm pair over slots [:n] (a view while slots are dense), each prompt chunk as
-two GEMMs against its slot's tables. So a step costs the same whatever the number of distinct
+two GEMMs against its slot's tables; with the native kernel (lora_kernel.py), the decode rows and
+every chunk's tokens in one call per group. So a step costs the same whatever the number of distinct
 tasks among its rows, and no per-step plan is built. Rows without an adapter (`base`) have zero
 A; a step where no row has an adapter skips the LoRA work entirely.
 
@@ -74,9 +75,6 @@ class _Skills:
     index: torch.Tensor  # (L,) the member's adapted-linear index in each layer
     A_sk: torch.Tensor  # (L, h, S, d_in/h, r)
     B_sk: torch.Tensor  # (L, h, S, r, d_out/h)
-
-
-KERNEL_CHUNK = 32  # prompt chunks of up to this many tokens go through the kernel with the decode rows
 
 
 class SlotLoRA:
@@ -257,14 +255,14 @@ class SlotLoRA:
         gather = None if batch.decode_contiguous else batch.decode_slots_t
         if self.kernel is None:
             return SlotLoRAStep(self, n, gather, chunks)
-        # the kernel takes the decode rows and the tokens of short chunks in one call per group;
-        # a longer chunk is cheaper as two GEMMs (bench/lora_step.py)
-        short = [c for c in chunks if c[1] <= KERNEL_CHUNK]
-        if not short:
-            return SlotLoRAStep(self, n, gather, chunks)
-        rows = list(range(n)) + [t for offset, length, _ in short for t in range(offset, offset + length)]
-        slots = batch.decode_slots[:n] + [s for _, length, s in short for _ in range(length)]
-        step = SlotLoRAStep(self, len(rows), torch.tensor(slots, dtype=torch.int64), [c for c in chunks if c[1] > KERNEL_CHUNK])
+        # the kernel takes the decode rows and every chunk's tokens in one call per group (a chunk's
+        # tables stay in cache across its tokens): cheaper than two GEMMs a chunk at 45 and 128
+        # tokens too (bench/lora_step.py --chunk 45|128, BENCHMARKS.md "Every prompt chunk in the kernel")
+        if not chunks:
+            return SlotLoRAStep(self, n, gather, [])
+        rows = list(range(n)) + [t for offset, length, _ in chunks for t in range(offset, offset + length)]
+        slots = batch.decode_slots[:n] + [s for _, length, s in chunks for _ in range(length)]
+        step = SlotLoRAStep(self, len(rows), torch.tensor(slots, dtype=torch.int64), [])
         step.rows, step.row_end = torch.tensor(rows, dtype=torch.int64), max(rows) + 1
         return step
 
