@@ -37,6 +37,8 @@ def main() -> None:
     ap.add_argument("--batch-size", type=int, default=None, help="default: the method's (training.adapt.DEFAULTS)")
     ap.add_argument("--eval-every", type=int, default=5)
     ap.add_argument("--patience", type=int, default=3)
+    ap.add_argument("--holdout", type=float, default=0.25,
+                    help="share of the k examples held out of training for early stopping (0: train on all)")
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--autocast", choices=["auto", "bf16", "none"], default="auto",
                     help="bf16 autocast of retrieval and adaptation (training.precision; auto: CUDA and AMX CPUs)")
@@ -67,7 +69,7 @@ def main() -> None:
     label = args.label or info.made_by.get("method", "?")
     candidates = {r.id: store.load_routing(r.id) for r in store.list_tasks() if r.kind == "routing" and r.status == "ready"}
     recipe = {"lr": args.lr, "batch_size": args.batch_size, "eval_every": args.eval_every, "patience": args.patience,
-              "autocast": args.autocast}
+              "autocast": args.autocast, "holdout_fraction": args.holdout}
     for task in tasks:
         test = examples(task, args.n_test, seed=0, split="test")
         for seed in [int(s) for s in args.seeds.split(",")]:

@@ -27,6 +27,7 @@ from server.engines.request import GenRequest, SamplingParams
 from server.metrics import Metrics
 from server.settings import Settings
 from server.tasks import TaskRegistry
+from training.precision import resolve_autocast
 
 log = logging.getLogger("polyserve")
 
@@ -96,6 +97,12 @@ class Runtime:
                     routing_layers=settings.engine != "native",
                 )
         registry = TaskRegistry(store, cache, metrics)
+        if routed is not None:
+            # registrations train under "auto" autocast; on some CPUs that is a timing probe
+            # (training.precision), decided once per process: decide it now, while nothing is
+            # served, not at the first registration, when serving load would skew it
+            bf16 = resolve_autocast("auto", bb.device)
+            log.info("registration training: %s", "bf16 autocast" if bf16 else "float32")
         engine = build_engine(settings, bb, routed, metrics, cache.info if cache is not None else None, threads=threads)
         engine.start()
         rt = cls(settings, bb, store, routed, cache, registry, engine, metrics, l2)
