@@ -77,6 +77,41 @@ def test_adaptation_leaves_shared_skills_and_model_state_untouched(inventory, to
         assert res.tensors[f"{rm.names[0]}.B"].shape == (4, d_out)
 
 
+@pytest.mark.parametrize("method", ["routing", "full"])
+def test_bf16_autocast_trains_on_bf16_copies_of_the_frozen_weights_with_bit_equal_losses(inventory, tokenizer, method):
+    """Under bf16 autocast a job's slices run on bf16 copies of the frozen linears' weights (no cast
+    in every forward): every loss and the result equal autocast's own casts bit for bit, outside a
+    slice the model holds its own float32 weights, and the copies go when the job ends."""
+    rm, info, skills = inventory
+    linears = [m for m in rm.model.modules() if isinstance(m, torch.nn.Linear)]
+    own = [m.weight for m in linears]
+    seen: list[torch.dtype] = []
+    hook = linears[-1].register_forward_pre_hook(lambda m, _: seen.append(m.weight.dtype))
+
+    def run(copies: bool):
+        job = Adaptation(rm, info, skills, few(), tokenizer, method=method, steps=6, lr=0.05, autocast="bf16",
+                         eval_every=2)
+        job._bf16_weights.enabled = copies
+        losses = []
+        while job.step():
+            losses.append((job.last_loss, job.last_eval_loss))
+            assert all(m.weight is w and w.dtype == torch.float32 for m, w in zip(linears, own, strict=True))
+        assert job._bf16_weights._copies is None
+        return losses, job.result().tensors
+
+    try:
+        with_copies = run(True)
+        assert set(seen) == {torch.bfloat16}, "the job's forwards did not run on the bf16 copies"
+        seen.clear()
+        without = run(False)
+        assert set(seen) == {torch.float32}
+    finally:
+        hook.remove()
+    torch.testing.assert_close(torch.tensor(with_copies[0]), torch.tensor(without[0]), rtol=0, atol=0,
+                               equal_nan=True)  # the first slice is the initial evaluation: no train loss yet
+    assert_same(with_copies[1], without[1])
+
+
 def test_routing_adaptation_changes_only_its_own_row(inventory, tokenizer, tmp_path):
     rm, info, skills = inventory
     store = Store(tmp_path)

@@ -38,7 +38,7 @@ from adapters_store.records import InventoryInfo
 from training.batching import DEFAULT_MAX_LENGTH, collate, encode_all
 from training.data import Example, split_examples
 from training.loss import per_example_loss, target_logits, token_loss
-from training.precision import resolve_autocast
+from training.precision import FrozenBf16Weights, resolve_autocast
 from training.routing_table import INIT, row_weights
 
 ADAPT_METHODS = ("routing", "mu", "full")
@@ -115,6 +115,7 @@ class Adaptation:
         gen = torch.Generator().manual_seed(seed)
         self.device = rm.layers[0].lora_A.device
         self.autocast = resolve_autocast(autocast, self.device)  # None = bf16 only where it is fast
+        self._bf16_weights = FrozenBf16Weights(rm.model, self.autocast)  # no per-forward weight casts
         L, h, S = len(info.layer_names), info.spec.n_heads, info.spec.n_skills
         self.hyper = info.spec.routing == "hyper"
 
@@ -267,24 +268,28 @@ class Adaptation:
             return False
         if self.cancelled:
             self.finished = True
+            self._bf16_weights.release()
             return False
         saved = self._borrow()
         try:
             for p in self.rm.skill_parameters():
                 p.requires_grad_(False)
             phase = "eval" if self._need_eval else "train"
-            if self._need_eval:
-                if not self._eval_slice():
-                    return True  # more of the held-out set next slice
-                self._need_eval = False
-                stop = self.step_count >= self.steps or (self.held and self.since_best >= self.patience)
-                if stop:
-                    self.finished = True
-            else:
-                self._train_step()
-                self._need_eval = self.step_count % self.eval_every == 0 or self.step_count >= self.steps
+            with self._bf16_weights.applied():
+                if self._need_eval:
+                    if not self._eval_slice():
+                        return True  # more of the held-out set next slice
+                    self._need_eval = False
+                    stop = self.step_count >= self.steps or (self.held and self.since_best >= self.patience)
+                    if stop:
+                        self.finished = True
+                else:
+                    self._train_step()
+                    self._need_eval = self.step_count % self.eval_every == 0 or self.step_count >= self.steps
         finally:
             self._give_back(saved)
+        if self.finished:
+            self._bf16_weights.release()
         if self.progress is not None:
             self.progress({"step": self.step_count, "steps": self.steps, "phase": phase,
                            "loss": _finite(self.last_loss), "eval_loss": _finite(self.last_eval_loss),

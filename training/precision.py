@@ -22,9 +22,11 @@ reached; float32 elsewhere. "bf16" and "none" force it.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import statistics
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import torch
@@ -91,3 +93,49 @@ def resolve_autocast(choice: str | bool | None, device: torch.device | str = "cp
     if choice not in AUTOCAST_CHOICES:
         raise ValueError(f"autocast must be one of {'|'.join(AUTOCAST_CHOICES)}, got {choice!r}")
     return choice == "bf16"
+
+
+class FrozenBf16Weights:
+    """bf16 copies of a model's frozen float32 linear weights, in place only inside `applied()`.
+
+    Under bf16 autocast every linear casts its float32 weight to bf16 in every forward: autocast
+    caches casts only for weights that require grad, and a backbone's are frozen. On a 2-core EPYC
+    that was ~10% of a routing step (~2,200 casts a step; docs/RESULTS.md 9.7). The copies hold the
+    values autocast computes (round to nearest), so every loss is bit-equal with or without them.
+    They are made at the first `applied()` and kept until `release()`: 2 bytes a parameter of the
+    linears (~270 MB for the default backbone) for the life of one adaptation or retrieval. Swap
+    and restore happen on the calling thread, around work that owns the model (a server runs a
+    job's slices on its engine thread, between its steps); outside the block the model is as it was.
+    """
+
+    def __init__(self, model: torch.nn.Module, enabled: bool) -> None:
+        self.model, self.enabled = model, enabled
+        self._copies: list[tuple[torch.nn.Module, torch.nn.Parameter]] | None = None
+
+    def _make(self) -> list[tuple[torch.nn.Module, torch.nn.Parameter]]:
+        copies = []
+        with torch.no_grad():
+            for module in self.model.modules():
+                w = module._parameters.get("weight") if isinstance(module, torch.nn.Linear) else None
+                if w is not None and w.dtype == torch.float32 and not w.requires_grad:
+                    copies.append((module, torch.nn.Parameter(w.detach().to(torch.bfloat16), requires_grad=False)))
+        return copies
+
+    @contextlib.contextmanager
+    def applied(self) -> Iterator[None]:
+        if not self.enabled:
+            yield
+            return
+        if self._copies is None:
+            self._copies = self._make()
+        originals = [module._parameters["weight"] for module, _ in self._copies]
+        for module, copy in self._copies:
+            module._parameters["weight"] = copy
+        try:
+            yield
+        finally:
+            for (module, _), original in zip(self._copies, originals, strict=True):
+                module._parameters["weight"] = original
+
+    def release(self) -> None:
+        self._copies = None
