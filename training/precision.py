@@ -103,7 +103,7 @@ class FrozenBf16Weights:
     that was ~10% of a routing step (~2,200 casts a step; docs/RESULTS.md 9.7). The copies hold the
     values autocast computes (round to nearest), so every loss is bit-equal with or without them.
     They are made at the first `applied()` and kept until `release()`: 2 bytes a parameter of the
-    linears (~270 MB for the default backbone) for the life of one adaptation or retrieval. Swap
+    linears (~270 MB for the default backbone) for the life of one adaptation. Swap
     and restore happen on the calling thread, around work that owns the model (a server runs a
     job's slices on its engine thread, between its steps); outside the block the model is as it was.
     """
