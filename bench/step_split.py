@@ -50,7 +50,9 @@ def run_mode(engine: NativeEngine, jobs, adapters, tokenizer, base: bool) -> dic
     forward = ex.forward
 
     def split_forward(batch):
-        return timed(stats, "chunk steps" if batch.chunks else "decode steps", forward)(batch)
+        kind = "chunk steps" if batch.chunks else "decode steps"
+        stats["n " + kind] = stats.get("n " + kind, 0) + 1
+        return timed(stats, kind, forward)(batch)
 
     ex.forward = split_forward
     ex.set_adapter = timed(stats, "set_adapter", type(ex).set_adapter.__get__(ex))
@@ -102,7 +104,8 @@ def main() -> None:
         s = run_mode(engines[m], jobs, adapters, bb.tokenizer, m == "b")
         rest = s["wall"] - sum(s.get(k, 0.0) for k in keys)
         print(f"{m:4s} {s['tok/s']:7.1f} {s['wall']:6.2f} " + " ".join(f"{s.get(k, 0.0):12.2f}" for k in keys)
-              + f" {rest:6.2f}", flush=True)
+              + f" {rest:6.2f}  ({s.get('n decode steps', 0)} decode, {s.get('n chunk steps', 0)} chunk steps)",
+              flush=True)
 
 
 if __name__ == "__main__":
