@@ -95,21 +95,28 @@ class RoutedModel:
             raise ValueError(f"need one table per adapted layer ({len(self.layers)})")
         self.batch.set(GatheredPlan(A_tables, B_tables, index))
 
-    def set_materialized(self, weights: torch.Tensor, index: torch.Tensor | None = None, rows: int = 1) -> None:
+    def set_materialized(self, weights: torch.Tensor, index: torch.Tensor | None = None, rows: int = 1,
+                         frozen_layers: int = 0) -> None:
         """Few tasks, many rows (training, evaluation, retrieval): materialise each task's LoRA
         once per layer and gather it per row. weights: (G, L, h, S) or one task's (L, h, S);
         index: (N,) row -> task (default: `rows` rows of task 0). Differentiable in `weights`
         (and the skills): a routing row trains through the O(S*r*(d_in+d_out)) combine, not
-        through per-token skill-space products (~4x fewer FLOPs in the adapters for one task)."""
+        through per-token skill-space products (~4x fewer FLOPs in the adapters for one task).
+        The first `frozen_layers` layers read detached weights: with the skills frozen too, nothing
+        below the first differentiable layer joins the autograd graph, so a backward pass stops there."""
         if weights.dim() == 3:
             weights = weights.unsqueeze(0)
         if weights.shape[1] != len(self.layers):
             raise ValueError(f"weights cover {weights.shape[1]} layers, the model has {len(self.layers)}")
         if index is None:
             index = torch.zeros(rows, dtype=torch.long, device=weights.device)
-        tables = [materialize_many(layer.lora_A, layer.lora_B, weights[:, i].to(layer.lora_A.device))
+        if not 0 <= frozen_layers <= len(self.layers):
+            raise ValueError(f"frozen_layers must be in [0, {len(self.layers)}], got {frozen_layers}")
+        device = self.layers[0].lora_A.device
+        tables = [materialize_many(layer.lora_A, layer.lora_B,
+                                   (weights[:, i].detach() if i < frozen_layers else weights[:, i]).to(layer.lora_A.device))
                   for i, layer in enumerate(self.layers)]
-        self.set_gathered([a for a, _ in tables], [b for _, b in tables], index.to(self.layers[0].lora_A.device))
+        self.set_gathered([a for a, _ in tables], [b for _, b in tables], index.to(device))
 
     @contextmanager
     def using_weights(self, weights: torch.Tensor | None) -> Iterator[None]:

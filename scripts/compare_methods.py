@@ -39,6 +39,8 @@ def main() -> None:
     ap.add_argument("--patience", type=int, default=3)
     ap.add_argument("--holdout", type=float, default=0.25,
                     help="share of the k examples held out of training for early stopping (0: train on all)")
+    ap.add_argument("--trained-share", type=float, default=1.0,
+                    help="routing methods: the top share of the adapted linears whose routing is trained")
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--autocast", choices=["auto", "bf16", "none"], default="auto",
                     help="bf16 autocast of retrieval and adaptation (training.precision; auto: CUDA and AMX CPUs)")
@@ -87,17 +89,19 @@ def main() -> None:
                                        bb.tokenizer, seed=seed, autocast=args.autocast)
                     if method == "routing-r":
                         res = adapt(rm, info, skills, few, bb.tokenizer, method="routing", steps=args.steps,
-                                    seed=seed, init_row=res.tensors["logits"], **recipe)
-                    elif method != "retrieve":
-                        res = adapt(rm, info, skills, few, bb.tokenizer, method=method, steps=args.steps, seed=seed,
+                                    seed=seed, init_row=res.tensors["logits"], trained_share=args.trained_share,
                                     **recipe)
+                    elif method != "retrieve":
+                        share = {"trained_share": args.trained_share} if method == "routing" else {}
+                        res = adapt(rm, info, skills, few, bb.tokenizer, method=method, steps=args.steps, seed=seed,
+                                    **share, **recipe)
                     layers, params, metrics = task_layers(info, skills, res.kind, res.tensors), res.params, res.metrics
                 adapt_s = time.perf_counter() - started
                 scores = evaluate_task(rm, layers, bb.tokenizer, test)
                 rec = {"inventory": label, "task": task.name, "seed": seed, "method": method, "k": args.k,
                        "n_test": args.n_test, **scores, "params": params, "adapt_seconds": round(adapt_s, 2),
                        "steps_run": metrics.get("steps_run"), "best_step": metrics.get("best_step"),
-                       "steps": args.steps, **recipe}
+                       "steps": args.steps, "trained_share": args.trained_share, **recipe}
                 records.append(rec)
                 out.write_text(json.dumps(records, indent=1))
                 print(json.dumps(rec), flush=True)

@@ -293,3 +293,44 @@ def test_each_step_runs_at_most_one_bounded_forward(inventory, tokenizer):
     assert all(len(f) <= 1 for f in per_step), per_step  # one forward per slice at most
     assert max(r for f in per_step for r in f) <= max(EVAL_CHUNK, 8)
     assert job.evals == 3 and len(per_step) == 3 * 3 + 2  # 3 evaluations of 3 chunks (16+16+8), 2 steps
+
+
+def test_trained_share_trains_only_the_top_rows_and_the_backward_stops_below_them(inventory, tokenizer):
+    rm, info, skills = inventory
+    L = len(rm.layers)
+    init = torch.randn(L, 2, 4, generator=torch.Generator().manual_seed(5))
+    job = Adaptation(rm, info, skills, few(), tokenizer, steps=4, lr=0.3, init_row=init, trained_share=0.5)
+    cut = job.frozen_layers
+    assert cut == L // 2 and job.params == (L - cut) * 2 * 4
+    start = job.row.detach().clone()
+    grads: dict[int, bool] = {}
+
+    def watch(i):
+        def hook(_module, _inputs, output):
+            if torch.is_grad_enabled():
+                grads[i] = output.requires_grad
+        return hook
+
+    handles = [rm.layers[i].register_forward_hook(watch(i)) for i in (cut - 1, cut)]
+    try:
+        while job.step():
+            pass
+    finally:
+        for h in handles:
+            h.remove()
+    # the linear just below the first trained one is outside the autograd graph, the first trained one in it
+    assert grads == {cut - 1: False, cut: True}
+    row = job.result().tensors["logits"]
+    assert torch.equal(row[:cut], start[:cut])  # the frozen rows keep their initial values exactly
+    assert not torch.equal(row[cut:], start[cut:])
+
+
+def test_trained_share_is_validated(inventory, tokenizer):
+    rm, info, skills = inventory
+    for share in (0.0, 1.5):
+        with pytest.raises(ValueError, match="trained_share"):
+            Adaptation(rm, info, skills, few(), tokenizer, trained_share=share)
+    with pytest.raises(ValueError, match="routing method only"):
+        Adaptation(rm, info, skills, few(), tokenizer, method="mu", trained_share=0.5)
+    with pytest.raises(ValueError, match="frozen_layers"):
+        rm.set_materialized(torch.zeros(len(rm.layers), 2, 4), rows=1, frozen_layers=len(rm.layers) + 1)

@@ -90,6 +90,7 @@ class Adaptation:
         max_length: int = DEFAULT_MAX_LENGTH,
         autocast: bool | str | None = None,
         init_row: torch.Tensor | None = None,
+        trained_share: float = 1.0,
     ) -> None:
         if method not in ADAPT_METHODS:
             raise ValueError(f"method must be one of {'|'.join(ADAPT_METHODS)}, got {method!r}")
@@ -118,6 +119,13 @@ class Adaptation:
         self._bf16_weights = FrozenBf16Weights(rm.model, self.autocast)  # no per-forward weight casts
         L, h, S = len(info.layer_names), info.spec.n_heads, info.spec.n_skills
         self.hyper = info.spec.routing == "hyper"
+        if not 0.0 < trained_share <= 1.0:
+            raise ValueError(f"trained_share must be in (0, 1], got {trained_share}")
+        if trained_share < 1.0 and method != "routing":
+            raise ValueError("trained_share < 1 applies to the routing method only")
+        # the top `trained_share` of the adapted linears train their routing; the ones below keep
+        # the initial row (retrieved, or μ) and a backward pass stops at the first trained one
+        self.frozen_layers = L - max(1, round(L * trained_share))
 
         self.row: torch.Tensor | None = None
         self.A: list[torch.Tensor] = []
@@ -142,7 +150,7 @@ class Adaptation:
                 self.A.append(skills[f"{name}.A"].float().to(self.device, copy=True).requires_grad_(True))
                 self.B.append(skills[f"{name}.B"].float().to(self.device, copy=True).requires_grad_(True))
             groups.append({"params": self.A + self.B, "lr": self.lr, "weight_decay": 0.0})
-        self.params = sum(p.numel() for g in groups for p in g["params"])
+        self.params = sum(p.numel() for g in groups for p in g["params"]) - self.frozen_layers * h * S
         self.opt = torch.optim.AdamW(groups)
         for g in self.opt.param_groups:
             g["base_lr"] = g["lr"]
@@ -169,7 +177,7 @@ class Adaptation:
 
     def _set_plan(self, n_rows: int) -> None:
         if self.method == "routing":  # one task: its LoRA materialised (differentiably), shared by every row
-            self.rm.set_materialized(self._weights(), rows=n_rows)
+            self.rm.set_materialized(self._weights(), rows=n_rows, frozen_layers=self.frozen_layers)
             return
         index = torch.zeros(n_rows, dtype=torch.long, device=self.device)
         if self.method == "mu":
