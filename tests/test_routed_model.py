@@ -169,3 +169,42 @@ def test_materialized_plan_equals_skill_space_in_values_and_gradients(tiny_model
         assert_close(grads[0], grads[1], rtol=1e-4, atol=1e-6)
         assert grads[0][rows[0]].abs().sum() > 0  # the task's logits do receive a gradient
     rm.set_weights(None)
+
+
+def test_one_task_tables_are_bit_equal_to_a_combine_per_layer_and_follow_skill_changes(tiny_model):
+    """set_materialized for one task combines each group of same-shape layers at once, from skills
+    stacked once while frozen: the tables must equal materialize_many layer by layer, bit for bit,
+    and must follow every change of the skills (load_skills, in-place writes), never a stale stack."""
+    from adapters_store.combine import materialize_many
+
+    rm = routed(tiny_model, 2, targets=("q_proj", "k_proj", "v_proj", "o_proj", *MLP_TARGETS))
+    rm.set_skills_trainable(False)  # frozen, as in adaptation and serving: the stacked skills are reused
+    assert len(rm._shape_groups) >= 3  # q/o, k/v (GQA), the MLP's shapes
+    w = eval_weights(task_logits(rm)[1])  # (L, h, S)
+
+    def check() -> None:
+        rm.set_materialized(w, rows=3)
+        plan = rm.batch.plan
+        for i, layer in enumerate(rm.layers):
+            A_t, B_t = materialize_many(layer.lora_A, layer.lora_B, w[i].unsqueeze(0))
+            assert torch.equal(plan.A_tables[i], A_t) and torch.equal(plan.B_tables[i], B_t), rm.names[i]
+
+    check()
+    rm.load_skills({k: v * 1.5 for k, v in rm.skill_tensors().items()})
+    check()
+    with torch.no_grad():
+        rm.layers[-1].lora_B.add_(1.0)
+    check()
+    rm.set_weights(None)
+
+
+def test_one_task_tables_pass_gradients_to_trained_skills(tiny_model):
+    rm = routed(tiny_model)
+    rm.set_skills_trainable(True)
+    try:
+        rm.set_materialized(eval_weights(task_logits(rm)[0]), rows=2)
+        rm.model(input_ids=INPUT[:2]).logits.square().mean().backward()
+        assert all(p.grad is not None and p.grad.abs().sum() > 0 for p in rm.skill_parameters()[:2])
+    finally:
+        rm.set_skills_trainable(False)
+        rm.set_weights(None)
