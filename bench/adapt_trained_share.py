@@ -11,7 +11,6 @@ linear). Retrieval runs once; every setting starts from its row.
 
 from __future__ import annotations
 
-import argparse
 import statistics
 import sys
 import time
@@ -21,41 +20,25 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import server  # noqa: F401  (before torch: OpenMP spin defaults, server/openmp.py)
 
 # isort: split
-import torch
+from adaptation_setup import load, parser
 
-from adapters_store.backbone import load_backbone
-from adapters_store.inject import RoutedModel
-from adapters_store.store import Store
 from training.adapt import Adaptation
 from training.retrieve import retrieve
-from training.suite import build_suite, examples
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--store", required=True)
-    ap.add_argument("--task", type=int, default=0, help="index among the suite's held-out tasks")
+    ap = parser(__doc__, rounds=3)
     ap.add_argument("--settings", default="1.0:30,0.5:30,0.5:40", help="share:steps, comma-separated")
-    ap.add_argument("--rounds", type=int, default=3)
-    ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--autocast", choices=["auto", "bf16", "none"], default="auto")
-    args = ap.parse_args()
-    torch.set_num_threads(args.threads)
-    settings = [(float(s.split(":")[0]), int(s.split(":")[1])) for s in args.settings.split(",")]
-    bb = load_backbone("default")
-    store = Store(args.store)
-    info, skills = store.load_inventory(bb.fingerprint)
-    rm = RoutedModel(bb.model, info.spec)
-    rm.load_skills(skills)
-    skills = {k: v.float() for k, v in skills.items()}
-    task = build_suite(0).heldout_tasks[args.task]
-    few = examples(task, 16, seed=1000, split="train")
-    candidates = {r.id: store.load_routing(r.id) for r in store.list_tasks() if r.kind == "routing"}
-    init = retrieve(rm, info, candidates, few, bb.tokenizer, autocast=args.autocast).tensors["logits"]
+    s = load(ap.parse_args())
+    args = s.args
+    settings = [(float(x.split(":")[0]), int(x.split(":")[1])) for x in args.settings.split(",")]
+    candidates = {r.id: s.store.load_routing(r.id) for r in s.store.list_tasks() if r.kind == "routing"}
+    init = retrieve(s.rm, s.info, candidates, s.few, s.tokenizer, autocast=args.autocast).tensors["logits"]
     times: dict[tuple[float, int], list[float]] = {s: [] for s in settings}
     for _ in range(args.rounds):
         for share, steps in settings:
-            job = Adaptation(rm, info, skills, few, bb.tokenizer, method="routing", steps=steps, seed=0,
+            job = Adaptation(s.rm, s.info, s.skills, s.few, s.tokenizer, method="routing", steps=steps, seed=0,
                              autocast=args.autocast, init_row=init, trained_share=share)
             started = time.perf_counter()
             while job.step():
@@ -65,7 +48,7 @@ def main() -> None:
             print(f"share {share:4.2f} steps {steps:3d}  {times[(share, steps)][-1]:6.2f} s  eval loss "
                   f"{m['eval_loss']:.4f}  best step {m['best_step']}", flush=True)
     base = statistics.mean(times[settings[0]])
-    print(f"{task.name}, {args.rounds} rounds, {args.threads} threads, autocast {args.autocast} "
+    print(f"{s.task}, {args.rounds} rounds, {args.threads} threads, autocast {args.autocast} "
           f"(resolved: {'bf16' if job.autocast else 'float32'})")
     for (share, steps), ts in times.items():
         mean = statistics.mean(ts)
