@@ -109,7 +109,9 @@ class RoutedModel:
         (and the skills): a routing row trains through the O(S*r*(d_in+d_out)) combine, not
         through per-token skill-space products (~4x fewer FLOPs in the adapters for one task).
         The first `frozen_layers` layers read detached weights: with the skills frozen too, nothing
-        below the first differentiable layer joins the autograd graph, so a backward pass stops there."""
+        below the first differentiable layer joins the autograd graph, so a backward pass stops there.
+        One task with no frozen layers (every routing step) takes `_materialize_one`: one combine per
+        group of same-shape layers; otherwise each layer is combined on its own."""
         if weights.dim() == 3:
             weights = weights.unsqueeze(0)
         if weights.shape[1] != len(self.layers):

@@ -10,14 +10,13 @@ in one process; both under bf16 autocast. The eval loss must come out the same i
 from __future__ import annotations
 
 import sys
-import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import server  # noqa: F401  (before torch: OpenMP spin defaults, server/openmp.py)
 
 # isort: split
-from adaptation_setup import load, parser
+from adaptation_setup import load, parser, run_to_end
 
 from training.adapt import Adaptation
 
@@ -29,10 +28,7 @@ def main() -> None:
         for copies in (False, True):
             job = Adaptation(s.rm, s.info, s.skills, s.few, s.tokenizer, method="routing", seed=0, autocast="bf16")
             job._bf16_weights.enabled = copies
-            started = time.perf_counter()
-            while job.step():
-                pass
-            times[copies].append(time.perf_counter() - started)
+            times[copies].append(run_to_end(job))
             print(f"{'bf16 copies' if copies else 'casts':12s} {times[copies][-1]:6.2f} s  eval loss "
                   f"{job.result().metrics['eval_loss']!r}", flush=True)
     for copies, ts in times.items():

@@ -13,14 +13,13 @@ from __future__ import annotations
 
 import statistics
 import sys
-import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import server  # noqa: F401  (before torch: OpenMP spin defaults, server/openmp.py)
 
 # isort: split
-from adaptation_setup import load, parser
+from adaptation_setup import load, parser, run_to_end
 
 from training.adapt import Adaptation
 from training.retrieve import retrieve
@@ -40,10 +39,7 @@ def main() -> None:
         for share, steps in settings:
             job = Adaptation(s.rm, s.info, s.skills, s.few, s.tokenizer, method="routing", steps=steps, seed=0,
                              autocast=args.autocast, init_row=init, trained_share=share)
-            started = time.perf_counter()
-            while job.step():
-                pass
-            times[(share, steps)].append(time.perf_counter() - started)
+            times[(share, steps)].append(run_to_end(job))
             m = job.result().metrics
             print(f"share {share:4.2f} steps {steps:3d}  {times[(share, steps)][-1]:6.2f} s  eval loss "
                   f"{m['eval_loss']:.4f}  best step {m['best_step']}", flush=True)

@@ -4,6 +4,7 @@ default backbone, with one held-out task's 16 few-shot examples (the same for ev
 from __future__ import annotations
 
 import argparse
+import time
 from dataclasses import dataclass
 from typing import Any
 
@@ -49,3 +50,11 @@ def load(args: argparse.Namespace) -> Setup:
     task = build_suite(0).heldout_tasks[args.task]
     few = examples(task, 16, seed=1000, split="train")
     return Setup(args, store, rm, info, {k: v.float() for k, v in skills.items()}, bb.tokenizer, task.name, few)
+
+
+def run_to_end(job: Any) -> float:
+    """Step an Adaptation (or Retrieval) until it finishes; its wall seconds."""
+    started = time.perf_counter()
+    while job.step():
+        pass
+    return time.perf_counter() - started

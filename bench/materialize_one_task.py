@@ -25,7 +25,7 @@ import server  # noqa: F401  (before torch: OpenMP spin defaults, server/openmp.
 
 # isort: split
 import torch
-from adaptation_setup import load, parser
+from adaptation_setup import load, parser, run_to_end
 
 from adapters_store.combine import materialize_many
 from adapters_store.inject import RoutedModel
@@ -70,10 +70,7 @@ def main() -> None:
         for name in order:
             RoutedModel._materialize_one = PATHS[name]  # type: ignore[method-assign]
             job = Adaptation(rm, s.info, s.skills, s.few, s.tokenizer, method="routing", seed=0, autocast=args.autocast)
-            started = time.perf_counter()
-            while job.step():
-                pass
-            adapt[name].append(time.perf_counter() - started)
+            adapt[name].append(run_to_end(job))
             print(f"{name:9s} combine + backward {combine[name][-1]:6.1f} ms   adaptation {adapt[name][-1]:6.2f} s  "
                   f"eval loss {job.result().metrics['eval_loss']!r}", flush=True)
     RoutedModel._materialize_one = STACKED  # type: ignore[method-assign]
