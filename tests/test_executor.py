@@ -77,6 +77,37 @@ def test_llama_executor_in_bfloat16_stays_near_float32(tiny_base):
     check_against(tiny_base, ex, 259, atol=0.1, rtol=0.05)
 
 
+def test_a_dtype_onednn_cannot_pack_here_runs_unpacked(tiny_base, monkeypatch):
+    """On an AVX2-only CPU oneDNN's bf16 reorder raises: the executor (and the dtype probe) must
+    fall back to plain GEMMs for that dtype instead of failing, and keep packing the other."""
+    from server.engines.native import llama
+
+    real = torch.ops.mkldnn
+    reorder = real._reorder_linear_weight
+
+    class Ops:  # torch.ops.mkldnn with a bf16 reorder that fails like it does without AVX-512
+        def __getattr__(self, name):
+            return getattr(real, name)
+
+        @staticmethod
+        def _reorder_linear_weight(w, *args):
+            if w.dtype == torch.bfloat16:
+                raise RuntimeError("mkldnn_reorder_linear_weight: bf16 path needs the cpu support avx512bw")
+            return reorder(w, *args)
+
+    llama.packing_available.cache_clear()
+    monkeypatch.setattr(llama.torch.ops, "mkldnn", Ops())
+    try:
+        assert not llama.packing_available(torch.bfloat16)
+        ex = build_executor(tiny_base, slots=4, dtype=torch.bfloat16, kind="llama")
+        assert not ex.packed
+        check_against(tiny_base, ex, 259, atol=0.1, rtol=0.05)
+        if torch.backends.mkldnn.is_available():
+            assert llama.packing_available(torch.float32)
+    finally:
+        llama.packing_available.cache_clear()
+
+
 def test_other_architectures_run_on_the_models_own_forward():
     from transformers import GPT2Config, GPT2LMHeadModel
 

@@ -61,16 +61,15 @@ BF16_PROBE_MIN = 1.25  # bfloat16 where the probe measures it at least this much
 
 @functools.cache
 def cpu_bf16_speedup(d_in: int = 1024, d_out: int = 4096, rows: int = 16, rounds: int = 7, calls: int = 10) -> float:
-    """float32 time / bfloat16 time of the serving path's linear (packed for oneDNN where it can be)
+    """float32 time / bfloat16 time of the serving path's linear (packed for oneDNN where that dtype can be)
     on `rows` rows, interleaved rounds, medians; once per process (~0.2 s)."""
     from server.engines.native.llama import Linear, packing_available
 
-    packed = packing_available()
     gen = torch.Generator().manual_seed(0)
     w = torch.randn(d_out, d_in, generator=gen) * 0.02
     x = torch.randn(rows, d_in, generator=gen)
     runs: dict[torch.dtype, tuple[Linear, torch.Tensor, list[float]]] = {
-        dt: (Linear(w, None, dt, packed), x.to(dt), []) for dt in (torch.float32, torch.bfloat16)}
+        dt: (Linear(w, None, dt, packing_available(dt)), x.to(dt), []) for dt in (torch.float32, torch.bfloat16)}
     with torch.inference_mode():
         for _ in range(rounds):
             for lin, xd, times in runs.values():

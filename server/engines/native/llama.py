@@ -22,6 +22,7 @@ same flat batches through the model's own forward); a start-up self-test compare
 
 from __future__ import annotations
 
+import functools
 import math
 from typing import Any
 
@@ -44,11 +45,24 @@ GROUPS = (("qkv", ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj")),
           ("gate_up", ("mlp.gate_proj", "mlp.up_proj")), ("down", ("mlp.down_proj",)))
 
 
-def packing_available() -> bool:
-    """oneDNN's packed linear ops exist in this torch build and oneDNN is usable."""
+@functools.cache
+def packing_available(dtype: torch.dtype = torch.float32) -> bool:
+    """oneDNN's packed linear ops exist in this torch build and run in `dtype` on this CPU.
+
+    bf16 packing needs AVX-512 (BW/VL/DQ) or AVX-NE-CONVERT: on an AVX2-only CPU the reorder
+    raises, so one tiny packed GEMM is tried once per dtype and the plain path is used without it.
+    """
     ops = torch.ops.mkldnn
-    return bool(torch.backends.mkldnn.is_available() and hasattr(ops, "_reorder_linear_weight")
-                and hasattr(ops, "_linear_pointwise"))
+    if not (torch.backends.mkldnn.is_available() and hasattr(ops, "_reorder_linear_weight")
+            and hasattr(ops, "_linear_pointwise")):
+        return False
+    try:
+        with torch.inference_mode():
+            w = ops._reorder_linear_weight(torch.zeros(16, 16, dtype=dtype), None)
+            ops._linear_pointwise(torch.zeros(2, 16, dtype=dtype), w, None, "none", [], "")
+    except RuntimeError:
+        return False
+    return True
 
 
 def _base(module: nn.Module) -> nn.Module:
@@ -180,7 +194,7 @@ class LlamaExecutor:
         self.device = next(model.parameters()).device
         self.dtype = dtype
         if packed is None:
-            packed = self.device.type == "cpu" and packing_available()
+            packed = self.device.type == "cpu" and packing_available(dtype)
         self.packed = packed
         self.heads = cfg.num_attention_heads
         self.kv_heads = getattr(cfg, "num_key_value_heads", None) or self.heads
