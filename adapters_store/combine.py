@@ -66,6 +66,27 @@ def materialize_stacked(
     return A_t, B_t
 
 
+def refine_heads(A: torch.Tensor, B: torch.Tensor, heads: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The same skills laid out for `heads` routing heads, a multiple m of their h.
+
+    A: (h, S, d_in/h, r), B: (h, S, r, d_out/h) -> (heads, S, d_in/heads, r), (heads, S, r, d_out/heads).
+    Head k's block of rows (of A) and columns (of B) splits into the finer heads k*m .. k*m + m - 1,
+    so a routing row repeated m times along its heads (`routing.refine_row`) materialises the same
+    LoRA; a row trained at the finer layout can mix skills differently within each old block.
+    """
+    h, n_skills, d_in_h, r = A.shape
+    d_out_h = B.shape[-1]
+    if B.shape[:3] != (h, n_skills, r):
+        raise ValueError(f"shape mismatch: A {tuple(A.shape)}, B {tuple(B.shape)}")
+    if heads < h or heads % h:
+        raise ValueError(f"routing heads can only be refined to a multiple of {h}, got {heads}")
+    check_heads(h * d_in_h, h * d_out_h, heads)
+    m = heads // h
+    A_f = A.reshape(h, n_skills, m, d_in_h // m, r).transpose(1, 2).reshape(heads, n_skills, d_in_h // m, r)
+    B_f = B.reshape(h, n_skills, r, m, d_out_h // m).permute(0, 3, 1, 2, 4).reshape(heads, n_skills, r, d_out_h // m)
+    return A_f.contiguous(), B_f.contiguous()
+
+
 def lora_delta(x: torch.Tensor, A_t: torch.Tensor, B_t: torch.Tensor, scale: float) -> torch.Tensor:
     """x: (..., d_in) -> (..., d_out):  (x @ A_t @ B_t) * scale."""
     return (x @ A_t.to(x.dtype)) @ B_t.to(x.dtype) * scale

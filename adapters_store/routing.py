@@ -60,6 +60,15 @@ def uniform_weights(h: int, n_skills: int, *, dtype: torch.dtype = torch.float32
     return torch.full((h, n_skills), 1.0 / n_skills, dtype=dtype)
 
 
+def refine_row(logits: torch.Tensor, factor: int) -> torch.Tensor:
+    """A routing row (..., h, S) for skills refined to h * factor heads (`combine.refine_heads`):
+    each head's logits repeated for its `factor` finer heads, so the weights, and the adapter, are
+    unchanged (for every routing kind: each maps a head's logits to its weights on its own)."""
+    if factor < 1:
+        raise ValueError(f"factor must be >= 1, got {factor}")
+    return logits.repeat_interleave(factor, dim=-2)
+
+
 def routing_weights(
     logits: torch.Tensor,
     kind: RoutingKind = "sigmoid",

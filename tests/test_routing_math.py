@@ -15,11 +15,13 @@ from adapters_store.combine import (
     materialize_many,
     materialize_stacked,
     merge,
+    refine_heads,
     to_peft_lora,
 )
 from adapters_store.routing import (
     eval_weights,
     gumbel_sigmoid,
+    refine_row,
     routing_weights,
     train_weights,
     uniform_weights,
@@ -77,6 +79,36 @@ def test_head_k_writes_only_its_output_block():
 def test_heads_must_divide_dims(h, d_in, d_out):
     with pytest.raises(ValueError, match="routing heads"):
         check_heads(d_in, d_out, h)
+
+
+@pytest.mark.parametrize("h,heads,S,d_in,d_out,r", [(1, 4, 3, 16, 8, 2), (2, 8, 4, 16, 24, 3), (4, 8, 2, 32, 8, 2)])
+def test_refined_heads_with_a_repeated_row_materialise_the_same_lora(h, heads, S, d_in, d_out, r):
+    A, B = torch.randn(h, S, d_in // h, r), torch.randn(h, S, r, d_out // h)
+    logits = torch.randn(h, S) * 3
+    A_f, B_f = refine_heads(A, B, heads)
+    assert A_f.shape == (heads, S, d_in // heads, r) and B_f.shape == (heads, S, r, d_out // heads)
+    fine = refine_row(logits, heads // h)
+    assert fine.shape == (heads, S)
+    ref_A, ref_B = naive_materialize(A, B, eval_weights(logits))
+    A_t, B_t = materialize(A_f, B_f, eval_weights(fine))
+    assert_close(A_t, ref_A)
+    assert_close(B_t, ref_B)
+    # and each finer head owns its own slice: moving one finer head's logits changes only its block
+    moved = fine.clone()
+    moved[1] = -moved[1] + 5 * torch.arange(S)
+    A_m, B_m = materialize(A_f, B_f, eval_weights(moved))
+    rows, cols = d_in // heads, d_out // heads
+    changed_rows = (A_m - A_t).abs().sum(1).nonzero().flatten().tolist()
+    changed_cols = (B_m - B_t).abs().sum(0).nonzero().flatten().tolist()
+    assert changed_rows == list(range(rows, 2 * rows))
+    assert changed_cols == list(range(cols, 2 * cols))
+
+
+@pytest.mark.parametrize("h,heads,d_in,d_out", [(2, 3, 12, 12), (4, 2, 16, 16), (2, 8, 16, 12)])
+def test_refine_heads_refuses_what_is_not_a_finer_split(h, heads, d_in, d_out):
+    A, B = torch.randn(h, 2, d_in // h, 2), torch.randn(h, 2, 2, d_out // h)
+    with pytest.raises(ValueError, match="routing heads"):
+        refine_heads(A, B, heads)
 
 
 def test_eval_weights_normalise_per_head():
