@@ -26,6 +26,7 @@ import shutil
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -263,11 +264,31 @@ class Store:
     def delete_task(self, task: str) -> TaskRecord:
         with self._locked():
             record = self.get_task(task)
-            directory = self._task_dir(task)
-            # Remove the commit point first: a crash afterwards leaves only unreferenced files.
-            (directory / "task.json").unlink()
-            shutil.rmtree(directory, ignore_errors=True)
+            self._remove_task_dir(task)
         return record
+
+    def settle_placeholder(self, task: str, job_id: str, *, error: str | None) -> None:
+        """A job that ended without a result: while the task is still this job's and not ready, it
+        is removed (cancelled: `error` None) or marked "failed" with `error`; otherwise left alone.
+        Checked and changed under the store lock, so a delete through another replica cannot land
+        between the check and the change (the loser used to raise TaskNotFound, or resurrect the
+        task as "failed")."""
+        with self._locked():
+            if not self.has_task(task):
+                return
+            record = self.get_task(task)
+            if record.job_id != job_id or record.status == "ready":
+                return  # another job's now, or committed (a serve_early version keeps serving)
+            if error is None:
+                self._remove_task_dir(task)
+            else:
+                self.put_record(replace(record, status="failed", updated_at=time.time(), error=error))
+
+    def _remove_task_dir(self, task: str) -> None:
+        directory = self._task_dir(task)
+        # Remove the commit point first: a crash afterwards leaves only unreferenced files.
+        (directory / "task.json").unlink()
+        shutil.rmtree(directory, ignore_errors=True)
 
     # -- jobs -----------------------------------------------------------------------------
     def _job_path(self, job_id: str) -> Path:

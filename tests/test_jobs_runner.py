@@ -388,3 +388,68 @@ def test_a_job_cancelled_while_it_is_built_never_runs(store):
     run_to_end(runner, limit=1000)
     assert runner.get(job.id).status == "cancelled" and made[0].done == 0
     assert not store.has_task("t")
+
+
+@pytest.mark.parametrize("status", ["cancelled", "failed"])
+def test_a_delete_racing_a_finished_jobs_cleanup_neither_raises_nor_resurrects(store, status):
+    """Replica b deletes a task while replica a's runner cleans up the job that trained it (a
+    cancel marker or a failure): whoever comes second must find the task gone without an error,
+    and the task stays deleted. Real threads and two Store views, many rounds: before the fix the
+    cleanup's check and its change were two lock sections, and the loser raised TaskNotFound
+    (the job then stayed "running" forever) or re-created the task as "failed"."""
+    import threading
+
+    from server.jobs.runner import _mark_task_not_ready
+    from adapters_store.errors import TaskNotFound
+    from adapters_store.records import TaskRecord
+
+    replica_b = Store(store.root)
+    job = Job(id="job-0123456789abcdef", task="t", method="routing", steps=1, seed=0, n_examples=1, owner="a")
+    error = None if status == "cancelled" else {"type": "adaptation_error", "message": "loss became NaN"}
+    for _ in range(150):
+        store.put_record(TaskRecord(id="t", method="routing", status="training", version=0,
+                                    created_at=0.0, updated_at=0.0, job_id=job.id))
+        barrier, raised = threading.Barrier(2), []
+
+        def cleanup():
+            barrier.wait()
+            try:
+                _mark_task_not_ready(store, job, status, error)
+            except Exception as err:  # noqa: BLE001 - recorded for the assertion
+                raised.append(err)
+
+        def delete():  # what a DELETE does once the record exists (a missing task is its 404)
+            barrier.wait()
+            try:
+                replica_b.delete_task("t")
+            except TaskNotFound:
+                pass
+
+        threads = [threading.Thread(target=cleanup), threading.Thread(target=delete)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(10)
+        assert not raised, raised
+        assert not store.has_task("t"), f"the {status} job's cleanup re-created the deleted task"
+
+
+def test_the_cleanup_leaves_a_task_that_is_not_its_placeholder(store):
+    """Only the job's own unfinished placeholder is touched: another job's task and a ready
+    (serve_early) version stay as they are."""
+    from adapters_store.records import TaskRecord
+    from server.jobs.runner import _mark_task_not_ready
+
+    job = Job(id="job-0123456789abcdef", task="t", method="routing", steps=1, seed=0, n_examples=1, owner="a")
+    other = store.put_routing("t", torch.ones(1, 1, 2), job_id="job-ffffffffffffffff")
+    _mark_task_not_ready(store, job, "cancelled", None)
+    assert store.get_task("t") == other
+    early = store.put_routing("t", torch.ones(1, 1, 2), job_id=job.id, source={"stage": "early"})
+    _mark_task_not_ready(store, job, "failed", {"message": "x"})
+    assert store.get_task("t") == early
+    store.delete_task("t")
+    store.put_record(TaskRecord(id="t", method="routing", status="training", version=0,
+                                created_at=0.0, updated_at=0.0, job_id=job.id))
+    _mark_task_not_ready(store, job, "failed", {"message": "loss became NaN"})
+    failed = store.get_task("t")
+    assert failed.status == "failed" and failed.error == "loss became NaN"

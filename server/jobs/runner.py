@@ -383,16 +383,5 @@ class JobRunner:
 def _mark_task_not_ready(store: Store, job: Job, status: str, error: dict[str, str] | None) -> None:
     """A cancelled job removes its placeholder task; a failed one leaves it "failed" with the error.
     A task that is ready stays (a serve_early job's retrieved version keeps being served)."""
-    try:
-        record = store.get_task(job.task)
-    except TaskNotFound:
-        return
-    if record.job_id != job.id or record.status == "ready":
-        return  # the task belongs to another job now, or was committed: leave it
-    if status == "cancelled":
-        store.delete_task(job.task)
-    else:
-        from dataclasses import replace
-
-        store.put_record(replace(record, status="failed", updated_at=time.time(),
-                                 error=(error or {}).get("message")))
+    message = None if status == "cancelled" else (error or {}).get("message") or status
+    store.settle_placeholder(job.task, job.id, error=message)

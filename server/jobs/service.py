@@ -15,7 +15,7 @@ import threading
 import time
 from typing import Any
 
-from adapters_store.errors import TaskExists
+from adapters_store.errors import TaskExists, TaskNotFound
 from adapters_store.ids import validate_new_task_id
 from server.jobs.model import Job
 from server.jobs.runner import JobRunner
@@ -85,8 +85,10 @@ class Registration:
                 self.cancel(record.job_id)  # serve_early: the task is ready while its job still trains
             cache = self.rt.cache
             key = cache.key(record) if cache is not None and record.status == "ready" else None
-            if self.rt.store.has_task(task):  # a local queued job's cancel already removed it
+            try:
                 self.rt.store.delete_task(task)
+            except TaskNotFound:
+                pass  # the cancelled job removed its own placeholder meanwhile (here, or on its replica)
         if key is not None and self.rt.l2 is not None:
             self.rt.l2.delete(key)
         self._changed_here(task)
