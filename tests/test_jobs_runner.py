@@ -399,9 +399,9 @@ def test_a_delete_racing_a_finished_jobs_cleanup_neither_raises_nor_resurrects(s
     (the job then stayed "running" forever) or re-created the task as "failed"."""
     import threading
 
-    from server.jobs.runner import _mark_task_not_ready
     from adapters_store.errors import TaskNotFound
     from adapters_store.records import TaskRecord
+    from server.jobs.runner import _mark_task_not_ready
 
     replica_b = Store(store.root)
     job = Job(id="job-0123456789abcdef", task="t", method="routing", steps=1, seed=0, n_examples=1, owner="a")
@@ -411,14 +411,14 @@ def test_a_delete_racing_a_finished_jobs_cleanup_neither_raises_nor_resurrects(s
                                     created_at=0.0, updated_at=0.0, job_id=job.id))
         barrier, raised = threading.Barrier(2), []
 
-        def cleanup():
+        def cleanup(barrier=barrier, raised=raised):
             barrier.wait()
             try:
                 _mark_task_not_ready(store, job, status, error)
             except Exception as err:  # noqa: BLE001 - recorded for the assertion
                 raised.append(err)
 
-        def delete():  # what a DELETE does once the record exists (a missing task is its 404)
+        def delete(barrier=barrier):  # what a DELETE does once the record exists (a missing task is its 404)
             barrier.wait()
             try:
                 replica_b.delete_task("t")
