@@ -158,3 +158,17 @@ def test_primitive_semantics(name, text, expected):
 def test_parse_task_rejects(bad):
     with pytest.raises(ValueError):
         parse_task(bad)
+
+
+def test_a_wider_suite_keeps_the_held_out_tasks_and_the_shipped_training_tasks():
+    """scripts/wide_suite.py relies on this: asking for more training compositions only adds
+    training tasks; the 16 held-out tasks (what every few-shot figure is measured on) stay."""
+    shipped, wide = build_suite(0), build_suite(0, n_pairs=(100, 8), n_triples=(92, 8))
+    assert [t.name for t in wide.heldout_tasks] == [t.name for t in shipped.heldout_tasks]
+    names = [t.name for t in wide.train_tasks]
+    assert len(names) == len(set(names)) == 16 + 100 + 92
+    assert {t.name for t in shipped.train_tasks} <= set(names)
+    assert not {t.name for t in wide.heldout_tasks} & set(names)
+    probes = probe_inputs()  # no training task computes a held-out task's function under another name
+    train_sigs = {tuple(t.apply(x) for x in probes) for t in wide.train_tasks}
+    assert not [t.name for t in wide.heldout_tasks if tuple(t.apply(x) for x in probes) in train_sigs]
