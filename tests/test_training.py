@@ -232,6 +232,37 @@ def test_resume_refuses_another_configuration(tiny_base, tokenizer, tmp_path):
         other.load_state(tmp_path)
 
 
+def test_warm_start_carries_skills_and_shared_rows_and_leaves_new_tasks_fresh(tiny_base, tokenizer, tmp_path):
+    import copy
+
+    source = Trainer(config("mhr", steps=4), backbone(copy.deepcopy(tiny_base), tokenizer), toy_tasks(8),
+                     Store(tmp_path / "src"))
+    source.run(progress=False)
+    wider = {**toy_tasks(8), "inc.upper": examples(parse_task("inc.upper"), 8, seed=0, split="train")}
+    grown = Trainer(config("mhr", steps=4, seed=5), backbone(copy.deepcopy(tiny_base), tokenizer), wider)
+    fresh_new_row = grown.table.logits[grown.task_names.index("inc.upper")].detach().clone()
+    assert sorted(grown.warm_start(Store(tmp_path / "src"))) == sorted(TASKS)
+    for name, tensor in source.rm.skill_tensors().items():
+        assert torch.equal(grown.rm.skill_tensors()[name], tensor), name  # the source saved float32 here
+    for task in TASKS:
+        assert torch.equal(grown.table.logits[grown.task_names.index(task)].detach(),
+                           source.table.logits[source.task_names.index(task)].detach()), task
+    assert torch.equal(grown.table.logits[grown.task_names.index("inc.upper")].detach(), fresh_new_row)
+    # a warm start is a better start: the shared tasks' loss is the trained one, not a fresh model's
+    cold = Trainer(config("mhr", steps=4, seed=5), backbone(copy.deepcopy(tiny_base), tokenizer), wider)
+    assert mean_task_loss(grown, wider) < mean_task_loss(cold, wider)
+
+
+def test_warm_start_refuses_another_inventory_shape(tiny_base, tokenizer, tmp_path):
+    import copy
+
+    Trainer(config("mhr", steps=1), backbone(copy.deepcopy(tiny_base), tokenizer), toy_tasks(4),
+            Store(tmp_path)).run(progress=False)
+    other = Trainer(config("mhr", steps=1, rank=2), backbone(copy.deepcopy(tiny_base), tokenizer), toy_tasks(4))
+    with pytest.raises(ValueError, match="--init-from"):
+        other.warm_start(Store(tmp_path))
+
+
 # -- Z statistics ---------------------------------------------------------------------------------
 
 def test_z_stats_on_hand_made_matrices():

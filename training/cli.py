@@ -62,6 +62,8 @@ def _open_store(path: str | None, *, install_default: bool = False):  # -> Store
 @click.option("--uncertainty-pool", default=1, show_default=True, help="candidates per task (uncertainty)")
 @click.option("--checkpoint-every", default=0, show_default=True, help="steps; 0 = only at the end")
 @click.option("--resume", is_flag=True, help="continue from the store's trainer state")
+@click.option("--init-from", "init_from", default=None, type=click.Path(exists=True, file_okay=False),
+              help="start from this store's skills and the routing rows of the tasks it shares with this run")
 @click.option("--seed", default=0, show_default=True)
 @click.option("--examples-per-task", default=500, show_default=True)
 @click.option("--targets", default="q_proj,k_proj,v_proj,o_proj", show_default=True)
@@ -73,7 +75,7 @@ def _open_store(path: str | None, *, install_default: bool = False):  # -> Store
 @click.option("--no-progress", is_flag=True)
 def train(suite, method, skills, heads, rank, steps, store_dir, backbone, batch_size, lr_routing, lr_skills,
           weight_decay, warmup, temperature, no_gumbel, sampling, uncertainty_pool, checkpoint_every, resume,
-          seed, examples_per_task, targets, max_length, autocast, save_dtype, threads, no_progress) -> None:
+          init_from, seed, examples_per_task, targets, max_length, autocast, save_dtype, threads, no_progress) -> None:
     """Pre-train a skill inventory and the training tasks' routing rows (multi-task)."""
     _threads(threads)
     from adapters_store.backbone import load_backbone
@@ -92,6 +94,14 @@ def train(suite, method, skills, heads, rank, steps, store_dir, backbone, batch_
     tasks = suite_tasks(suite, examples_per_task, seed)
     click.echo(f"backbone {bb.name} ({bb.fingerprint}); {len(tasks)} tasks; store {store.root}", err=True)
     trainer = Trainer(cfg, bb, tasks, store)
+    if resume and init_from:
+        raise click.UsageError("--resume and --init-from exclude each other")
+    if init_from:
+        from adapters_store.store import Store
+
+        carried = trainer.warm_start(Store(init_from))
+        click.echo(f"started from {init_from}: its skills and {len(carried)} of {len(tasks)} tasks' routing rows",
+                   err=True)
     if resume:
         if not ckpt.has_state(store.root):
             raise click.UsageError(f"--resume: no trainer state in {store.root / ckpt.STATE_DIR}")

@@ -236,6 +236,33 @@ class Trainer:
                 "backbone_fingerprint": self.backbone.fingerprint}
         ckpt.save_state(root, tensors, meta)
 
+    def warm_start(self, source: Store) -> list[str]:
+        """Start from another store's trained inventory: its skills, and the routing row of every task
+        both runs share. Tasks new to this run keep their fresh rows. Returns the tasks carried over.
+
+        This is how an inventory grows to a wider suite without paying again for the steps it has
+        already had; the optimizer's moments and the lr schedule start afresh (a new run)."""
+        info, skills = source.load_inventory(expected_fingerprint=self.backbone.fingerprint)
+        mine = {k: getattr(self.spec, k) for k in ("n_skills", "n_heads", "rank", "target_modules", "routing")}
+        theirs = {k: getattr(info.spec, k) for k in mine}
+        if mine != theirs:
+            raise ValueError(f"--init-from: the inventory in {source.root} is {theirs}, this run is {mine}")
+        if tuple(info.layer_names) != tuple(self.rm.names):
+            raise ValueError(f"--init-from: the inventory in {source.root} adapts other linears")
+        self.rm.load_skills({k: v.float() for k, v in skills.items()})
+        carried = []
+        for i, task in enumerate(self.task_names):
+            if not source.has_task(task) or source.get_task(task).kind != "routing":
+                continue
+            row = source.load_routing(task).float()
+            if tuple(row.shape) != tuple(self.table.logits.shape[1:]):
+                raise ValueError(f"--init-from: {task!r}'s routing row is {tuple(row.shape)}, "
+                                 f"this run's rows are {tuple(self.table.logits.shape[1:])}")
+            with torch.no_grad():
+                self.table.logits[i].copy_(row)
+            carried.append(task)
+        return carried
+
     def load_state(self, root: Path) -> None:
         tensors, meta = ckpt.load_state(root)
         if meta["task_names"] != self.task_names:
