@@ -248,6 +248,9 @@ def test_warm_start_carries_skills_and_shared_rows_and_leaves_new_tasks_fresh(ti
         assert torch.equal(grown.table.logits[grown.task_names.index(task)].detach(),
                            source.table.logits[source.task_names.index(task)].detach()), task
     assert torch.equal(grown.table.logits[grown.task_names.index("inc.upper")].detach(), fresh_new_row)
+    lineage = grown.cfg.to_json()["extra"]["init_from"]
+    assert lineage["inventory_version"] == Store(tmp_path / "src").inventory_info().version
+    assert lineage["steps"] == 4 and lineage["tasks_carried"] == len(TASKS)
     # a warm start is a better start: the shared tasks' loss is the trained one, not a fresh model's
     cold = Trainer(config("mhr", steps=4, seed=5), backbone(copy.deepcopy(tiny_base), tokenizer), wider)
     assert mean_task_loss(grown, wider) < mean_task_loss(cold, wider)

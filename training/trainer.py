@@ -261,6 +261,11 @@ class Trainer:
             with torch.no_grad():
                 self.table.logits[i].copy_(row)
             carried.append(task)
+        # the inventory's lineage, in every store this run publishes (made_by.config.extra)
+        self.cfg.extra["init_from"] = {
+            "inventory_version": info.version, "steps": info.made_by.get("step"),
+            "suite": info.made_by.get("config", {}).get("suite"), "tasks_carried": len(carried),
+        }
         return carried
 
     def load_state(self, root: Path) -> None:
