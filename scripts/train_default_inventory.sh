@@ -1,15 +1,23 @@
 #!/usr/bin/env bash
 # Train the shipped default inventory (MHR, S=8, h=8, r=8, attention q/k/v/o) for the embedded
-# SmolLM2-135M-Instruct backbone on the procedural suite, on CPU (~40-60 min on 2 idle cores), then
-# copy it into training/default_inventory/ (inventory + the 48 training tasks' routing rows).
+# SmolLM2-135M-Instruct backbone on CPU, then copy it into training/default_inventory/ (inventory +
+# every training task's routing row). Two stages (docs/RESULTS.md sections 1 and 9.10):
+#   1. the procedural suite's 48 training tasks, 2,000 steps from scratch (~54 min on 2 idle cores);
+#   2. the wide suite (the same 48 plus 160 more pairs and triples, the same 16 held-out tasks kept
+#      out), 1,200 steps started from stage 1's skills and rows (--init-from; ~41 min).
 # It was trained with bf16 autocast on an AVX512_BF16 CPU; on an AVX2-only CPU bf16 is emulated
 # (~20x slower): pass --autocast none after STORE_DIR there (later flags win).
-#   usage: scripts/train_default_inventory.sh [STORE_DIR]   (default /tmp/default_store)
+#   usage: scripts/train_default_inventory.sh [STORE_DIR] [extra polyserve train flags]
+#          (default /tmp/default_store; stage 1 goes to STORE_DIR.stage1)
 set -euo pipefail
 STORE="${1:-/tmp/default_store}"
 cd "$(dirname "$0")/.."
-OMP_WAIT_POLICY=PASSIVE nice -n 5 .venv/bin/polyserve train --suite procedural --method mhr --skills 8 --heads 8 --rank 8 \
-  --steps 2000 --batch-size 16 --lr-routing 0.1 --lr-skills 5e-3 --weight-decay 0.01 --warmup 0.06 \
-  --temperature 1.0 --sampling uniform --examples-per-task 500 --seed 0 --backbone default \
-  --autocast bf16 --save-dtype bfloat16 --checkpoint-every 200 --threads 2 --store "$STORE" "${@:2}"
+COMMON=(--method mhr --skills 8 --heads 8 --rank 8 --batch-size 16 --lr-routing 0.1 --lr-skills 5e-3
+        --weight-decay 0.01 --warmup 0.06 --temperature 1.0 --sampling uniform --examples-per-task 500 --seed 0
+        --backbone default --autocast bf16 --save-dtype bfloat16 --checkpoint-every 200 --threads 2)
+export OMP_WAIT_POLICY=PASSIVE
+nice -n 5 .venv/bin/polyserve train --suite procedural --steps 2000 "${COMMON[@]}" --store "$STORE.stage1" "${@:2}"
+.venv/bin/python scripts/wide_suite.py --pairs 100 --triples 92 --out "$STORE.wide_suite.jsonl"
+nice -n 5 .venv/bin/polyserve train --suite "$STORE.wide_suite.jsonl" --steps 1200 "${COMMON[@]}" \
+  --init-from "$STORE.stage1" --store "$STORE" "${@:2}"
 .venv/bin/python -m training.default_inventory --from-store "$STORE"
