@@ -4,7 +4,7 @@ one process: what an inventory change costs a registration, with the host's drif
 over the stores. The inventories must have the same shape (they share one routed model; each
 round loads its store's skills).
 
-    .venv/bin/python bench/adapt_inventories.py --stores /tmp/old_store,/tmp/new_store --rounds 3 --threads 2
+    .venv/bin/python bench/adapt_inventories.py --store /tmp/old_store --also /tmp/new_store --rounds 3 --threads 2
 
 (each store: one made by training.default_inventory.install_default_inventory, from a checkout's
 training/default_inventory/)
@@ -30,12 +30,11 @@ from training.retrieve import MAX_CANDIDATES, Retrieval
 
 def main() -> None:
     ap = parser(__doc__, rounds=3)
-    ap.add_argument("--stores", required=True, help="comma-separated stores with inventories of one shape")
+    ap.add_argument("--also", default="", help="comma-separated stores timed beside --store (the same shape)")
     ap.add_argument("--autocast", choices=["auto", "bf16", "none"], default="auto")
-    argv = sys.argv[1:]
-    args = ap.parse_args(argv + ["--store", argv[argv.index("--stores") + 1].split(",")[0]])
-    s = load(args)
-    stores = [Store(p) for p in args.stores.split(",")]
+    s = load(ap.parse_args())
+    stores = [s.store] + [Store(p) for p in s.args.also.split(",") if p]
+    args = s.args
     inventories = {}
     for store in stores:
         info, skills = store.load_inventory(s.info.backbone_fingerprint)
