@@ -40,18 +40,18 @@ def main() -> None:
         info, skills = store.load_inventory(s.info.backbone_fingerprint)
         if info.spec != s.info.spec or info.layer_names != s.info.layer_names:
             raise SystemExit(f"{store.root}: another inventory shape than {stores[0].root}")
-        inventories[store.root] = (info, skills)
+        inventories[store.root] = (info, skills, {k: v.float() for k, v in skills.items()})
     times: dict[Path, list[tuple[float, float]]] = {st.root: [] for st in stores}
     for _ in range(args.rounds):
         for store in stores:
-            info, skills = inventories[store.root]
+            info, skills, skills_f32 = inventories[store.root]
             s.rm.load_skills(skills)
             started = time.perf_counter()
             candidates = store.routing_rows(limit=MAX_CANDIDATES, exclude=s.task)
             retrieval = Retrieval(s.rm, info, candidates, s.few, s.tokenizer, seed=0, autocast=args.autocast)
             run_to_end(retrieval)
             retrieved = time.perf_counter() - started
-            job = Adaptation(s.rm, info, {k: v.float() for k, v in skills.items()}, s.few, s.tokenizer,
+            job = Adaptation(s.rm, info, skills_f32, s.few, s.tokenizer,
                              method="routing", seed=0, autocast=args.autocast,
                              init_row=retrieval.result().tensors["logits"])
             adapted = run_to_end(job)

@@ -45,7 +45,7 @@ ADAPT_METHODS = ("routing", "mu", "full")
 # Routing: batches of 4 at lr 0.3 from a sweep on 4 held-out compositions (docs/RESULTS.md section
 # 9.2: 20 x 4 beat 10 x 8 at the same cost; lr 1 and 3 lowered the loss but lost exact match).
 # 15 steps: on the shipped (two-stage) inventory, the issue-13 protocol (16 held-out tasks, 3 seeds,
-# retrieval first; docs/RESULTS.md 9.10) gives exact match 0.617 at 15 steps, 0.630 at 20, 0.646 at
+# retrieval first; docs/RESULTS.md 9.10) gives exact match 0.620 at 15 steps, 0.630 at 20, 0.646 at
 # 30, and 15 keep a registration through the server within 15 s on the slower of the 2-core hosts
 # measured (30 took 23 s there). mu / full: chosen on a training task of the suite (never a
 # held-out one).

@@ -77,6 +77,8 @@ def train(suite, method, skills, heads, rank, steps, store_dir, backbone, batch_
           weight_decay, warmup, temperature, no_gumbel, sampling, uncertainty_pool, checkpoint_every, resume,
           init_from, seed, examples_per_task, targets, max_length, autocast, save_dtype, threads, no_progress) -> None:
     """Pre-train a skill inventory and the training tasks' routing rows (multi-task)."""
+    if resume and init_from:
+        raise click.UsageError("--resume and --init-from exclude each other")
     _threads(threads)
     from adapters_store.backbone import load_backbone
     from training import checkpoint as ckpt
@@ -94,12 +96,14 @@ def train(suite, method, skills, heads, rank, steps, store_dir, backbone, batch_
     tasks = suite_tasks(suite, examples_per_task, seed)
     click.echo(f"backbone {bb.name} ({bb.fingerprint}); {len(tasks)} tasks; store {store.root}", err=True)
     trainer = Trainer(cfg, bb, tasks, store)
-    if resume and init_from:
-        raise click.UsageError("--resume and --init-from exclude each other")
     if init_from:
+        from adapters_store.errors import StoreError
         from adapters_store.store import Store
 
-        carried = trainer.warm_start(Store(init_from))
+        try:
+            carried = trainer.warm_start(Store(init_from))
+        except (StoreError, ValueError) as err:
+            raise click.BadParameter(str(err), param_hint="--init-from") from err
         click.echo(f"started from {init_from}: its skills and {len(carried)} of {len(tasks)} tasks' routing rows",
                    err=True)
     if resume:

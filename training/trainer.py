@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import json
 import random
+import sys
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -243,24 +244,16 @@ class Trainer:
         This is how an inventory grows to a wider suite without paying again for the steps it has
         already had; the optimizer's moments and the lr schedule start afresh (a new run)."""
         info, skills = source.load_inventory(expected_fingerprint=self.backbone.fingerprint)
-        mine = {k: getattr(self.spec, k) for k in ("n_skills", "n_heads", "rank", "target_modules", "routing")}
-        theirs = {k: getattr(info.spec, k) for k in mine}
-        if mine != theirs:
-            raise ValueError(f"--init-from: the inventory in {source.root} is {theirs}, this run is {mine}")
+        if info.spec != self.spec:
+            raise ValueError(f"--init-from: the inventory in {source.root} is {info.spec}, this run is {self.spec}")
         if tuple(info.layer_names) != tuple(self.rm.names):
             raise ValueError(f"--init-from: the inventory in {source.root} adapts other linears")
         self.rm.load_skills({k: v.float() for k, v in skills.items()})
-        carried = []
-        for i, task in enumerate(self.task_names):
-            if not source.has_task(task) or source.get_task(task).kind != "routing":
-                continue
-            row = source.load_routing(task).float()
-            if tuple(row.shape) != tuple(self.table.logits.shape[1:]):
-                raise ValueError(f"--init-from: {task!r}'s routing row is {tuple(row.shape)}, "
-                                 f"this run's rows are {tuple(self.table.logits.shape[1:])}")
-            with torch.no_grad():
-                self.table.logits[i].copy_(row)
-            carried.append(task)
+        rows = source.routing_rows(limit=sys.maxsize)  # every ready row made for this inventory
+        carried = [task for task in self.task_names if task in rows]
+        with torch.no_grad():
+            for task in carried:
+                self.table.logits[self.task_names.index(task)].copy_(rows[task].float())
         # the inventory's lineage, in every store this run publishes (made_by.config.extra)
         self.cfg.extra["init_from"] = {
             "inventory_version": info.version, "steps": info.made_by.get("step"),
