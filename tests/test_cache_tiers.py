@@ -223,3 +223,59 @@ def test_undecodable_l2_entry_is_a_counted_miss_and_is_replaced(env, redis_tier,
     assert all(torch.equal(a, b) for (a, _), (b, _) in zip(adapter.layers, fresh.layers, strict=True))
     back = codec.decode(client.get(key), key, "alpha", "routing", info, torch.device("cpu"), torch.float32)
     assert torch.equal(back.layers[0][0], fresh.layers[0][0])  # overwritten with a decodable copy
+
+
+def weights_only_entry(env, corruption: str) -> bytes:
+    """A weights-only L2 entry (what the native engine reads for a routed task), made corrupt."""
+    store, *_ = env
+    adapter = make_cache(env, routing_layers=False).materialize(store.get_task("alpha"))
+    weights = adapter.weights.clone()
+    if corruption == "nan":
+        weights[0, 0, 0] = float("nan")
+    elif corruption == "inf":
+        weights[-1, -1, -1] = float("inf")
+    elif corruption == "transposed":  # (L, S, h): same numel, wrong shape
+        weights = weights.transpose(1, 2).contiguous()
+    elif corruption == "one-layer-short":
+        weights = weights[:-1].contiguous()
+    elif corruption == "flat":
+        weights = weights.flatten()
+    elif corruption == "extra-tensor":
+        from safetensors.torch import save
+
+        return save({"weights": weights, "0.A": torch.zeros(2, 2)})
+    return codec.encode(Adapter("alpha", adapter.key, "routing", [], weights))
+
+
+WEIGHTS_CORRUPTIONS = ["nan", "inf", "transposed", "one-layer-short", "flat", "extra-tensor"]
+
+
+@pytest.mark.parametrize("corruption", WEIGHTS_CORRUPTIONS)
+def test_codec_rejects_a_corrupt_weights_only_entry(env, corruption):
+    """The shape and finiteness checks hold for routing weights, not only for materialised tables."""
+    info = env[2]
+    assert codec.decode(weights_only_entry(env, "none"), "k", "alpha", "routing", info,
+                        torch.device("cpu"), torch.float32, layers=False).weights is not None
+    with pytest.raises(ValueError, match="cached adapter 'k'"):
+        codec.decode(weights_only_entry(env, corruption), "k", "alpha", "routing", info,
+                     torch.device("cpu"), torch.float32, layers=False)
+
+
+@pytest.mark.redis
+@pytest.mark.parametrize("corruption", WEIGHTS_CORRUPTIONS)
+def test_corrupt_weights_only_l2_entry_is_a_counted_miss_and_is_replaced(env, redis_tier, corruption):
+    """The native engine's L2 entry (routing weights only): a NaN or mis-shaped one is never served;
+    the task comes from L3 and Redis ends up holding a good copy."""
+    tier, prefix, metrics, client = redis_tier
+    store, _, info, _ = env
+    record = store.get_task("alpha")
+    cache = make_cache(env, l2=tier, metrics=metrics, prefix=prefix, routing_layers=False)
+    key = cache.key(record)
+    client.set(key, weights_only_entry(env, corruption))
+    adapter = cache.get(record)
+    assert counter(metrics, "l2", "corrupt") == 1 and counter(metrics, "l2", "hit") == 0
+    fresh = cache.materialize(record)
+    assert torch.equal(adapter.weights, fresh.weights) and bool(torch.isfinite(adapter.weights).all())
+    back = codec.decode(client.get(key), key, "alpha", "routing", info, torch.device("cpu"), torch.float32,
+                        layers=False)
+    assert torch.equal(back.weights, fresh.weights)  # overwritten with a decodable copy
