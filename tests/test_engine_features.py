@@ -80,6 +80,26 @@ def test_n_seeded_choices_are_reproducible_distinct_and_use_seed_plus_index(engi
         assert alone[0].key == choice.key
 
 
+@pytest.mark.parametrize("fields", [
+    {"temperature": 1.0, "seed": 21},
+    {"temperature": 0.0},
+], ids=["seeded", "greedy"])
+def test_n_choices_with_penalties_equal_their_solo_runs(engine, tokenizer, fields):
+    """Each choice counts only its own tokens. The tiny model's logits are near-uniform, so a
+    penalty alone pushes every seen token below the unseen ones whatever the count; logit_bias
+    makes a few tokens strongly preferred, so the frequency penalty's count decides when the
+    output leaves them: counts shared by the two choices (doubled) change the tokens."""
+    params = SamplingParams(max_new_tokens=48, ignore_eos=True, logprobs=0, n=2, frequency_penalty=1.5,
+                            logit_bias=((70, 6.0), (71, 5.0), (72, 4.0)), **fields)
+    both = run(engine, tokenizer, "penalised", params)
+    for i, choice in enumerate(both):
+        seed = None if params.seed is None else params.seed + i
+        alone = run(engine, tokenizer, "penalised", dataclasses.replace(params, n=1, seed=seed))[0]
+        assert choice.key == alone.key, f"choice {i} differs from its solo run"
+        assert len(set(choice.tokens)) > 3  # the penalty made it leave the biased tokens
+        assert sum(t in (70, 71, 72) for t in choice.tokens) > 3  # after repeating them
+
+
 def spy_forwards(engine) -> list:
     """Record every step batch the engine's executor runs."""
     seen = []

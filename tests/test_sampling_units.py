@@ -12,6 +12,7 @@ from server.engines.native.isolate import find_culprits
 from server.engines.native.ledger import FinalLedger
 from server.engines.native.logprobs import prompt_chunk_logprobs, token_logprobs
 from server.engines.native.processors import RowProcessors, apply_penalties, apply_processors
+from server.engines.native.rows import new_rows
 from server.engines.native.sampling import (
     RowSampler,
     SamplingError,
@@ -109,6 +110,42 @@ def test_row_processors_build_fork_and_bounds():
     assert no_rep is not None and no_rep.seen is not None and no_rep.seen.size == 0  # prompt only matters to r
     with pytest.raises(ValueError, match="logit_bias"):
         RowProcessors.build(SamplingParams(logit_bias=((V, 1.0),)), [1], V)
+
+
+def test_a_fork_and_its_origin_count_their_own_tokens():
+    """fork() copies the state: what one side observes, the other never sees (both directions)."""
+    params = SamplingParams(presence_penalty=0.5, frequency_penalty=0.7, repetition_penalty=1.3)
+    prompt = [1, 2, 2, 9]
+    origin = RowProcessors.build(params, prompt, V)
+    assert origin is not None
+    forked = origin.fork()
+    for t in [4, 4, 1]:
+        origin.observe(t)
+    for t in [7, 2]:
+        forked.observe(t)
+    logits = torch.randn(V, generator=torch.Generator().manual_seed(4)) * 3
+    for procs, own in ((origin, [4, 4, 1]), (forked, [7, 2])):
+        got = apply_processors(logits[None], [procs])[0]
+        torch.testing.assert_close(got, torch.tensor(reference_processed(logits.tolist(), prompt, own, params)))
+
+
+@pytest.mark.parametrize("params", [
+    SamplingParams(n=3, frequency_penalty=0.7, presence_penalty=0.5, repetition_penalty=1.3),
+    SamplingParams(n=3, frequency_penalty=1.0, temperature=1.0, seed=3, logit_bias=((3, 2.0),)),
+], ids=["greedy", "seeded"])
+def test_each_choice_of_a_request_has_its_own_processor_state(tokenizer, params):
+    """The n choices of one request: observing one choice's tokens leaves the others' counts unchanged."""
+    prompt = [1, 2, 2, 9]
+    rows = new_rows(GenRequest(prompt, params), tokenizer, V, torch.device("cpu"))
+    own = {0: [4, 4, 1], 1: [], 2: [7]}
+    for index, tokens in own.items():
+        for t in tokens:
+            rows[index].sampler.processors.observe(t)  # type: ignore[union-attr]
+    logits = torch.randn(V, generator=torch.Generator().manual_seed(5)) * 3
+    for index, tokens in own.items():
+        got = apply_processors(logits[None], [rows[index].sampler.processors])[0]  # type: ignore[list-item]
+        want = reference_processed(logits.tolist(), prompt, tokens, params)
+        torch.testing.assert_close(got, torch.tensor(want), msg=f"choice {index}")
 
 
 def test_many_generated_tokens_grow_the_seen_buffers_and_stay_exact():
