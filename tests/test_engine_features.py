@@ -12,8 +12,8 @@ import torch
 from transformers import LogitsProcessor, LogitsProcessorList
 
 from server.engines.native.engine import NativeEngine
-from server.engines.request import SamplingParams
-from tests.engine_utils import run, submit, wait_all
+from server.engines.request import GenRequest, SamplingParams
+from tests.engine_utils import choices, run, submit, wait_all
 
 GREEDY = SamplingParams(max_new_tokens=16, ignore_eos=True)
 LOOPING = "abc"  # the tiny model answers it greedily with a two-token loop
@@ -135,6 +135,39 @@ def test_cancel_ends_every_choice(engine, tokenizer):
             break
         time.sleep(0.01)
     assert engine.running == 0
+
+
+def test_cancel_during_prefill_stops_the_prefill_at_the_next_step(tiny_base, tokenizer, one_thread):
+    """A request cancelled while its prompt is still prefilling (8 tokens a step, 300 to go) runs
+    no further chunk, sends no token, and every choice gets one cancelled final. Stepped by hand:
+    the engine thread never runs, so which step sees the cancel is fixed."""
+    eng = NativeEngine(tiny_base, tokenizer, max_batch_rows=4, max_step_tokens=8)
+    seen = spy_forwards(eng)
+    prompt = [(7 * i) % 250 + 3 for i in range(300)]
+    req = eng.submit(GenRequest(prompt, SamplingParams(max_new_tokens=8, ignore_eos=True, n=2)))
+    for _ in range(3):
+        eng.step()
+    assert len(seen) == 3 and eng.prefills and eng.prefills[0].done == 24  # still prefilling
+    req.handle.cancel()
+    for _ in range(40):  # far more steps than one: nothing of the request may run again
+        eng.step()
+    assert len(seen) == 3 and eng.steps == 3
+    assert not eng.prefills and not eng.rows and eng.running == 0
+    assert eng.pool.used == 0  # its two slots are free
+    out = choices(req)
+    assert [c.final.finish_reason for c in out] == ["cancelled"] * 2
+    assert [c.final.completion_tokens for c in out] == [0, 0] and all(not c.events for c in out)
+    after = run_by_hand(eng, tokenizer, "next", SamplingParams(max_new_tokens=4, ignore_eos=True))
+    assert after.final.finish_reason == "length" and after.final.completion_tokens == 4  # the engine goes on
+
+
+def run_by_hand(eng, tok, prompt: str, params: SamplingParams):
+    req = eng.submit(GenRequest(ids_of(tok, prompt), params))
+    for _ in range(100):
+        if req.handle.done:
+            break
+        eng.step()
+    return choices(req)[0]
 
 
 def test_admission_counts_every_choice_as_a_row(tiny_base, tokenizer, one_thread):
