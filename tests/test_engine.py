@@ -81,6 +81,49 @@ def test_mixed_batch_equals_solo_greedy(setup, kind, step_tokens, lora_kernel):
     assert all(f.finish_reason == "length" and f.completion_tokens == 16 for _, f in together)
 
 
+def step_until_done(engine: Engine, reqs: list[GenRequest]) -> list[str]:
+    """Drive a never-started engine by hand: which rows share a step is fixed by the submissions."""
+    for _ in range(200):
+        if all(r.handle.done for r in reqs):
+            break
+        engine.step()
+    assert all(r.handle.done for r in reqs)
+    return ["".join(e.text for e in r.handle.events) for r in reqs]
+
+
+@pytest.mark.parametrize("kind", ["llama", "hf"])
+def test_base_rows_moved_into_finished_tasks_slots_keep_their_solo_answer(setup, kind):
+    """Slot compaction moves a base row into a slot a task's row held: alpha (slot 0) finishes
+    and gamma moves 3 -> 0, then beta (slot 1) finishes and the base row moves 2 -> 1, where
+    beta's tables were. Every row's text equals its solo run. Stepped by hand: no timing."""
+    bb, rm, adapters = setup
+    tok = bb.tokenizer
+
+    def request(prompt: str, task: str, tokens: int) -> GenRequest:
+        ids = list(tok(prompt, add_special_tokens=False).input_ids)
+        return GenRequest(ids, SamplingParams(max_new_tokens=tokens, ignore_eos=True), adapters[task], task)
+
+    def alone(job) -> str:
+        engine = Engine(bb.model, bb.tokenizer, rm, executor_kind=kind, max_batch_rows=4)
+        return step_until_done(engine, [engine.submit(request(*job))])[0]
+
+    jobs = [("first", "alpha", 2), ("second", "beta", 3), ("the base row", "base", 14), ("last", "gamma", 14)]
+    solo = [alone(job) for job in jobs]
+    engine = Engine(bb.model, bb.tokenizer, rm, executor_kind=kind, max_batch_rows=4)
+    reqs = [engine.submit(request(*job)) for job in jobs]
+    def slots() -> dict[str, int]:
+        return {r.req.task: r.slot for r in engine.rows}
+
+    engine.step()
+    assert slots() == {"alpha": 0, "beta": 1, "base": 2, "gamma": 3}  # one prefill step
+    engine.step()
+    assert slots() == {"beta": 1, "base": 2, "gamma": 0}
+    engine.step()
+    assert slots() == {"base": 1, "gamma": 0}
+    assert step_until_done(engine, reqs) == solo
+    assert alone(("the base row", "alpha", 14)) != solo[2]  # a task's tables would change its text
+
+
 def test_adapters_change_the_output(setup):
     bb, _, adapters = setup
     engine = make_engine(setup)

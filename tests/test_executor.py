@@ -219,6 +219,40 @@ def test_each_slots_lora_equals_the_routed_models_forward(tiny_model, kind, targ
     assert (got[b.logit_rows[0]] - plain).abs().max() > 1e-2  # the adapters really change the answer
 
 
+@pytest.mark.parametrize("kind", ["llama", "hf"])
+def test_a_base_row_moved_into_a_tasks_slot_runs_without_its_adapter(tiny_model, kind):
+    """Slot compaction moves a base row into a slot that held a task's row (copy_slot): its
+    next decode step, beside a row that keeps its task, gives the plain model's logits."""
+    from adapters_store.inject import RoutedModel
+    from adapters_store.spec import InventorySpec
+    from server.adapters.types import Adapter
+
+    rm = RoutedModel(tiny_model, InventorySpec(n_skills=3, n_heads=2, rank=4))
+    gen = torch.Generator().manual_seed(5)
+    with torch.no_grad():
+        for layer in rm.layers:
+            layer.lora_A.copy_(torch.randn(layer.lora_A.shape, generator=gen) * 0.3)
+            layer.lora_B.copy_(torch.randn(layer.lora_B.shape, generator=gen) * 0.3)
+    weights = [torch.softmax(torch.randn(len(rm.layers), 2, 3, generator=gen), -1) for _ in range(2)]
+    ex = build_executor(tiny_model, rm, slots=3, kind=kind)
+    prompts = [torch.randint(0, 259, (n,), generator=gen).tolist() for n in (6, 4, 5)]
+    for slot, adapter in enumerate([Adapter("a", "ka", "routing", [], weights[0]), None,
+                                    Adapter("b", "kb", "routing", [], weights[1])]):
+        ex.set_adapter(slot, adapter)
+    ex.forward(StepBatch.build([Item(s, 0, tuple(p)) for s, p in enumerate(prompts)]))
+    ex.copy_slot(1, 0, len(prompts[1]))  # slot 0's row left; the base row of slot 1 moves down
+    b = StepBatch.build([Item(0, len(prompts[1]), (11,)), Item(2, len(prompts[2]), (12,))])
+    got = ex.forward(b)
+    rm.batch.set(None)
+    torch.testing.assert_close(got[b.logit_rows[0]], reference(tiny_model, prompts[1] + [11])[-1:], atol=1e-5, rtol=0)
+    rm.set_materialized(weights[1])
+    torch.testing.assert_close(got[b.logit_rows[1]], reference(tiny_model, prompts[2] + [12])[-1:], atol=1e-5, rtol=0)
+    rm.set_materialized(weights[0])
+    tasked = reference(tiny_model, prompts[1] + [11])[-1:]
+    assert (got[b.logit_rows[0]] - tasked).abs().max() > 1e-2  # the task's tables would change the answer
+    rm.batch.set(None)
+
+
 def test_static_decode_steps_equal_the_dynamic_ones(tiny_model):
     """The CUDA-graph path's padded, fixed-shape decode (static_decode.py), run eagerly here: rows
     padded into the spare slot, attention over the whole KV capacity, LoRA always on, give the

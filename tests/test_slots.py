@@ -129,6 +129,32 @@ def test_slot_lora_copy_clear_and_no_work_for_base_rows():
         lora.write(1, _adapter(1)[:2])
 
 
+@pytest.mark.parametrize("kernel", ["off", "on"], ids=["torch-ops", "native-kernel"])
+def test_copy_from_a_base_row_clears_the_destination(kernel):
+    """A base row moved into a slot that held another task's row (slot compaction) runs without
+    an adapter, not the previous row's task, beside an adapted row."""
+    from server.engines.native import lora_kernel
+
+    if kernel == "on" and lora_kernel.load() is None:
+        pytest.skip(f"no LoRA kernel: {lora_kernel.error()}")
+    lora = _lora(kernel=kernel)
+    lora.write(0, _adapter(0))
+    lora.write(3, _adapter(3))
+    lora.clear(1)
+    lora.copy(1, 3)
+    assert not lora.adapted[3] and lora.A[0][0][3].eq(0).all() and lora.A[0][1][3].eq(0).all()
+    batch = StepBatch.build([Item(0, 4, (1,)), Item(3, 4, (1,))])
+    step = lora.step(batch)
+    assert step is not None  # slot 0's row has an adapter: the LoRA runs over both rows
+    for group, width, d_in in ((0, 13, 5), (1, 5, 7)):
+        x = torch.randn(2, d_in)
+        out = torch.zeros(2, width)
+        step.apply(0, group, x, out)
+        torch.testing.assert_close(out[0], _reference(x[0], _adapter(0), group))
+        assert out[1].eq(0).all()  # the base row
+    assert lora.step(StepBatch.build([Item(3, 0, (1, 2))])) is None  # slot 3 alone: no LoRA work at all
+
+
 @pytest.mark.parametrize("layers", [3, 1], ids=["stacked", "one-layer"])
 def test_tables_from_routing_weights_equal_the_materialised_adapters(layers):
     """write_routing (the combine straight into the slot) writes exactly what write() writes from
