@@ -63,5 +63,12 @@ lint: install
 bench: install
 	$(PY) bench/serve_bench.py
 
+# Mutation testing of the modules where a silent bug costs most (scripts/mutation.py, mutmut):
+# CPU-heavy, minutes per module, not part of `make test`. One module: make mutation MODULES=codec
+.PHONY: mutation
+MODULES ?=
+mutation: install
+	nice -n 10 $(PY) scripts/mutation.py $(MODULES)
+
 clean:
 	rm -rf $(VENV) .pytest_cache .ruff_cache .mypy_cache *.egg-info
