@@ -147,6 +147,67 @@ def test_routing_kinds():
         routing_weights(logits, "softmax")  # type: ignore[arg-type]
 
 
+def test_eval_weights_stay_non_negative_when_every_skill_is_off():
+    """Very negative logits: each sigmoid is ~1e-13, the head's sum below EPS; the weights are
+    still >= 0 and finite (EPS is added to the sum, never subtracted)."""
+    w = eval_weights(torch.full((3, 4), -30.0))
+    assert torch.isfinite(w).all() and (w >= 0).all() and (w.sum(-1) <= 1).all()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_gumbel_sigmoid_is_the_binary_concrete_formula(dtype):
+    """y = sigmoid((logits + log u - log(1 - u)) / tau), u from the generator, in the logits' dtype."""
+    logits = torch.randn(4, 6, dtype=dtype)
+    u = torch.rand(logits.shape, generator=torch.Generator().manual_seed(3), dtype=dtype)
+    want = torch.sigmoid((logits + (torch.log(u) - torch.log1p(-u))) / 0.7)
+    got = gumbel_sigmoid(logits, 0.7, torch.Generator().manual_seed(3))
+    assert got.dtype == dtype
+    assert_close(got, want, rtol=0, atol=0)
+    default = gumbel_sigmoid(logits, generator=torch.Generator().manual_seed(3))  # temperature 1
+    assert_close(default, gumbel_sigmoid(logits, 1.0, torch.Generator().manual_seed(3)), rtol=0, atol=0)
+
+
+def test_gumbel_sigmoid_keeps_uniform_draws_at_the_bounds_finite(monkeypatch):
+    """A draw of exactly 0 (torch.rand's [0, 1) includes it) or of 1 is clamped into
+    [tiny, 1 - eps] before the logs, so the noise and the weights stay finite and exact."""
+    info = torch.finfo(torch.float32)
+    draws = torch.tensor([0.0, 1.0, 0.5, 1.0 - 2.0**-24])
+    monkeypatch.setattr(torch, "rand", lambda *a, **k: draws.clone())
+    logits = torch.tensor([0.3, -0.2, 1.0, 0.0])
+    y = gumbel_sigmoid(logits, 4.0)  # a high temperature: the clamped bounds stay off 0 and 1
+    u = draws.clamp(info.tiny, 1.0 - info.eps)
+    assert_close(y, torch.sigmoid((logits + (torch.log(u) - torch.log1p(-u))) / 4.0), rtol=0, atol=0)
+    assert (y > 0).all() and (y < 1).all()
+
+
+def test_routing_weights_dispatch_and_defaults():
+    logits = torch.randn(2, 3, 4)
+    assert_close(routing_weights(logits), eval_weights(logits), rtol=0, atol=0)  # default: sigmoid
+    g = torch.Generator
+    assert_close(routing_weights(logits, "gumbel", temperature=0.5, generator=g().manual_seed(1)),
+                 train_weights(logits, 0.5, g().manual_seed(1)), rtol=0, atol=0)
+    assert_close(routing_weights(logits, "gumbel", generator=g().manual_seed(1)),  # default temperature 1
+                 train_weights(logits, 1.0, g().manual_seed(1)), rtol=0, atol=0)
+    assert_close(train_weights(logits, generator=g().manual_seed(2)),
+                 train_weights(logits, 1.0, g().manual_seed(2)), rtol=0, atol=0)
+    assert not torch.allclose(routing_weights(logits, "gumbel", temperature=0.5, generator=g().manual_seed(1)),
+                              train_weights(logits, 1.0, g().manual_seed(1)))
+
+
+def test_uniform_weights_take_the_asked_dtype():
+    w = uniform_weights(2, 3, dtype=torch.float64)
+    assert w.dtype == torch.float64 and w.shape == (2, 3)
+    assert_close(w, torch.full((2, 3), 1 / 3, dtype=torch.float64), rtol=0, atol=0)
+
+
+def test_refine_row_factor_bounds():
+    logits = torch.randn(2, 3)
+    assert torch.equal(refine_row(logits, 1), logits)  # factor 1: the same row
+    assert torch.equal(refine_row(logits, 2), logits[[0, 0, 1, 1]])
+    with pytest.raises(ValueError, match="factor must be >= 1, got 0"):
+        refine_row(logits, 0)
+
+
 def test_uniform_equals_mean_lora():
     A, B = torch.randn(1, 5, 8, 2), torch.randn(1, 5, 2, 6)
     A_t, B_t = materialize(A, B, uniform_weights(1, 5))
