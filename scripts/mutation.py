@@ -42,13 +42,11 @@ MODULES: dict[str, tuple[str, list[str]]] = {
     "batched": ("adapters_store/batched.py", ["tests/test_routing_math.py", "tests/test_routed_model.py"]),
     "atomic": ("adapters_store/atomic.py", ["tests/test_store.py"]),
     "codec": ("server/adapters/codec.py", ["tests/test_cache_tiers.py"]),
-    "slot_lora": ("server/engines/native/slot_lora.py",
-                  ["tests/test_slots.py", "tests/test_executor.py", "tests/test_lora_kernel.py", "tests/test_engine.py"]),
-    "rows": ("server/engines/native/rows.py",
-             ["tests/test_sampling_units.py", "tests/test_engine_features.py", "tests/test_engine_faults.py"]),
+    # the slot tables' unit tests and both executors against the routed model (compaction included)
+    "slot_lora": ("server/engines/native/slot_lora.py", ["tests/test_slots.py", "tests/test_executor.py"]),
+    "rows": ("server/engines/native/rows.py", ["tests/test_sampling_units.py", "tests/test_engine_features.py"]),
     "isolate": ("server/engines/native/isolate.py", ["tests/test_sampling_units.py", "tests/test_engine_faults.py"]),
-    "ledger": ("server/engines/native/ledger.py",
-               ["tests/test_sampling_units.py", "tests/test_engine_faults.py", "tests/test_engine.py"]),
+    "ledger": ("server/engines/native/ledger.py", ["tests/test_sampling_units.py", "tests/test_engine_faults.py"]),
     "runner": ("server/jobs/runner.py",
                ["tests/test_jobs_runner.py", "tests/test_jobs_bounds.py", "tests/test_jobs_service.py"]),
 }
