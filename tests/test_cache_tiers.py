@@ -279,3 +279,40 @@ def test_corrupt_weights_only_l2_entry_is_a_counted_miss_and_is_replaced(env, re
     back = codec.decode(client.get(key), key, "alpha", "routing", info, torch.device("cpu"), torch.float32,
                         layers=False)
     assert torch.equal(back.weights, fresh.weights)  # overwritten with a decodable copy
+
+
+def materialised_entry(env, layer: int, change: str) -> bytes:
+    """A materialised adapter's L2 entry with one layer's A or B missing or mis-shaped."""
+    from safetensors.torch import save
+
+    store, *_ = env
+    adapter = make_cache(env).materialize(store.get_task("alpha"))
+    tensors = {f"{i}.{s}": t for i, (a, b) in enumerate(adapter.layers) for s, t in (("A", a), ("B", b))}
+    tensors["weights"] = adapter.weights
+    side, what = change.split("-")
+    name = f"{layer}.{side}"
+    if what == "missing":
+        del tensors[name]
+    else:
+        tensors[name] = tensors[name].t().contiguous() if what == "transposed" else tensors[name][:, :-1].contiguous()
+    return save(tensors)
+
+
+@pytest.mark.parametrize("change", ["A-missing", "B-missing", "A-transposed", "B-transposed", "A-narrow", "B-narrow"])
+def test_codec_names_the_missing_or_mis_shaped_layer(env, change):
+    """Each of A and B is checked on its own (present, and of its own shape), in any layer."""
+    info = env[2]
+    last = len(info.layer_dims) - 1
+    with pytest.raises(ValueError, match=f"cached adapter 'k': layer {last} missing or mis-shaped"):
+        codec.decode(materialised_entry(env, last, change), "k", "alpha", "routing", info,
+                     torch.device("cpu"), torch.float32)
+
+
+def test_codec_decodes_into_the_asked_dtype_and_names_what_it_cannot_read(env):
+    store, _, info, _ = env
+    adapter = make_cache(env).materialize(store.get_task("alpha"))
+    back = codec.decode(codec.encode(adapter), "k", "alpha", "routing", info, torch.device("cpu"), torch.float64)
+    assert all(a.dtype == torch.float64 and b.dtype == torch.float64 for a, b in back.layers)
+    torch.testing.assert_close(back.layers[0][0], adapter.layers[0][0].double())
+    with pytest.raises(ValueError, match=r"cached adapter 'k': not a safetensors file \(SafetensorError\)"):
+        codec.decode(b"not safetensors at all", "k", "alpha", "routing", info, torch.device("cpu"), torch.float32)
