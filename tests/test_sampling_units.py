@@ -4,6 +4,7 @@ logprobs, safe sampling math, culprit bisection, the final-event ledger."""
 from __future__ import annotations
 
 import math
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -12,7 +13,7 @@ from server.engines.native.isolate import find_culprits
 from server.engines.native.ledger import FinalLedger
 from server.engines.native.logprobs import prompt_chunk_logprobs, token_logprobs
 from server.engines.native.processors import RowProcessors, apply_penalties, apply_processors
-from server.engines.native.rows import new_rows
+from server.engines.native.rows import describe, new_rows, sample_rows, vocab_size
 from server.engines.native.sampling import (
     RowSampler,
     SamplingError,
@@ -161,6 +162,52 @@ def test_many_generated_tokens_grow_the_seen_buffers_and_stay_exact():
     logits = torch.randn(vocab, generator=gen) * 4
     got = apply_processors(logits[None], [procs])[0]
     torch.testing.assert_close(got, torch.tensor(reference_processed(logits.tolist(), prompt, generated, params)))
+
+
+def test_sample_rows_samples_the_batch_in_one_call(monkeypatch):
+    """The row-by-row path is only a fallback after the batched call raised: when nothing fails,
+    one sample_tokens call over every row (not one per row: same tokens, n times the work)."""
+    import server.engines.native.rows as rows_module
+
+    calls = []
+    real = rows_module.sample_tokens
+
+    def spy(logits, samplers):
+        calls.append((logits.shape[0], len(samplers)))
+        return real(logits, samplers)
+
+    monkeypatch.setattr(rows_module, "sample_tokens", spy)
+    logits = torch.randn(3, V, generator=torch.Generator().manual_seed(6))
+    rows = [SimpleNamespace(sampler=RowSampler(0.0, 0, 1.0, None, None, None)) for _ in range(3)]
+    out = sample_rows(rows, logits)  # type: ignore[arg-type]
+    assert calls == [(3, 3)] and out.tokens == logits.argmax(-1).tolist() and out.errors == [None] * 3
+
+
+def test_describe_names_the_error_type_and_stays_short():
+    assert describe(ValueError("bad row")) == "ValueError: bad row"
+    long = describe(RuntimeError("x" * 1000))
+    assert len(long) == 300 and long.startswith("RuntimeError: xxx")
+
+
+def test_vocab_size_is_the_heads_rows_else_the_config(tiny_base):
+    assert vocab_size(tiny_base) == 259
+
+    class Padded(torch.nn.Module):  # a head padded past config.vocab_size: the logits' width counts
+        config = SimpleNamespace(vocab_size=259)
+
+        def get_output_embeddings(self):
+            return torch.nn.Linear(8, 320, bias=False)
+
+    class HeadWithoutWeight(Padded):
+        def get_output_embeddings(self):
+            return None
+
+    class NoHead(torch.nn.Module):
+        config = SimpleNamespace(vocab_size=261)
+
+    assert vocab_size(Padded()) == 320
+    assert vocab_size(HeadWithoutWeight()) == 259
+    assert vocab_size(NoHead()) == 261
 
 
 def test_token_logprobs_are_raw_log_softmax_with_sorted_top_k():
