@@ -123,7 +123,9 @@ def _worker(rank: int, world: int, port: int, out: str) -> None:
         return Store(root / name) if main else None
 
     try:
-        ddp = Trainer(config(checkpoint_every=3), tiny_backbone(), toy_tasks(), store("ddp"), dist=ctx)
+        # rank 1 is handed a store too: the trainer itself must leave it alone
+        ddp = Trainer(config(checkpoint_every=3), tiny_backbone(), toy_tasks(), store("ddp") or Store(root / "rank1"),
+                      dist=ctx)
         result["ddp"] = ddp.run(progress=False)
         # --resume: a run stopped after 3 steps, then every rank loads rank 0's checkpoint
         first = Trainer(config(checkpoint_every=3), tiny_backbone(), toy_tasks(), store("resumed"), dist=ctx)
@@ -195,6 +197,7 @@ def test_two_ranks_train_what_one_process_trains(tmp_path):
         torch.testing.assert_close(torch.tensor(rank["fsdp"]), torch.tensor(expected_u), **LOSS_TOL)
     assert ranks[0]["fsdp_local_rows"] == [64, 128] and ranks[1]["fsdp_local_rows"] == [64, 128]  # half each
     _assert_same_store(tmp_path / "one", tmp_path / "ddp")
+    assert not [p for p in (tmp_path / "rank1").rglob("*") if p.is_file()]  # rank 0 alone writes
     _assert_same_store(tmp_path / "one", tmp_path / "resumed")
     _assert_same_store(tmp_path / "one_u", tmp_path / "fsdp")
 
