@@ -123,6 +123,8 @@ def _worker(rank: int, world: int, port: int, out: str) -> None:
         return Store(root / name) if main else None
 
     try:
+        lo, hi = shard_bounds(5, rank, world)  # uneven shares: 3 and 2
+        result["gathered"] = all_gather_shards(torch.arange(lo, hi, dtype=torch.float32), 5, ctx).tolist()
         # rank 1 is handed a store too: the trainer itself must leave it alone
         ddp = Trainer(config(checkpoint_every=3), tiny_backbone(), toy_tasks(), store("ddp") or Store(root / "rank1"),
                       dist=ctx)
@@ -191,6 +193,7 @@ def test_two_ranks_train_what_one_process_trains(tmp_path):
     expected_u = one_u.run(progress=False)
 
     for rank in ranks:  # every rank reports the global batch's loss, step by step
+        assert rank["gathered"] == [0.0, 1.0, 2.0, 3.0, 4.0]
         torch.testing.assert_close(torch.tensor(rank["ddp"]), torch.tensor(expected), **LOSS_TOL)
         resumed = torch.tensor(rank["head"] + rank["tail"])
         torch.testing.assert_close(resumed, torch.tensor(expected), **LOSS_TOL)
