@@ -42,7 +42,9 @@ def gumbel_sigmoid(
     """
     if temperature <= 0:
         raise ValueError(f"temperature must be > 0, got {temperature!r}")
-    u = torch.rand(logits.shape, generator=generator, device=logits.device, dtype=logits.dtype)
+    # drawn where the generator lives (a CPU generator drives GPU training too), then moved
+    where = generator.device if generator is not None else logits.device
+    u = torch.rand(logits.shape, generator=generator, device=where, dtype=logits.dtype).to(logits.device)
     u = u.clamp(torch.finfo(logits.dtype).tiny, 1.0 - torch.finfo(logits.dtype).eps)
     noise = torch.log(u) - torch.log1p(-u)
     return torch.sigmoid((logits + noise) / temperature)

@@ -27,7 +27,9 @@ def main() -> None:
     ap.add_argument("--label", default="", help="name of the inventory in the output (e.g. mhr, poly)")
     ap.add_argument("--backbone", default="default")
     ap.add_argument("--tasks", type=int, default=16,
-                    help="N held-out tasks, evenly spaced in suite order (pairs first, then triples)")
+                    help="N tasks of --task-set, evenly spaced in its order (pairs first, then triples)")
+    ap.add_argument("--task-set", choices=["heldout", "far"], default="heldout",
+                    help="heldout: build_suite's 16 held-out tasks; far: training/far_heldout.py's FAR_HELDOUT")
     ap.add_argument("--seeds", default="0,1,2")
     ap.add_argument("--k", type=int, default=16)
     ap.add_argument("--n-test", type=int, default=16)
@@ -54,6 +56,7 @@ def main() -> None:
     from adapters_store.store import Store
     from training.adapt import adapt
     from training.evaluate import evaluate_task
+    from training.far_heldout import far_tasks
     from training.retrieve import retrieve
     from training.suite import build_suite, examples
 
@@ -63,7 +66,7 @@ def main() -> None:
     rm = RoutedModel(bb.model, info.spec)
     rm.load_skills(skills)
     skills = {k: v.float() for k, v in skills.items()}
-    held = build_suite(0).heldout_tasks
+    held = build_suite(0).heldout_tasks if args.task_set == "heldout" else far_tasks()
     tasks = [held[(i * len(held)) // args.tasks] for i in range(min(args.tasks, len(held)))]
     out = Path(args.out)
     records = json.loads(out.read_text()) if out.exists() else []

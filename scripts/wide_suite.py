@@ -10,23 +10,20 @@ inventory trained on more compositions, measured on the held-out tasks it has ne
 
 It also prints, for each held-out task, the training task that agrees with it on the most of 2,000
 random inputs, and on what share: no training task computes a held-out task's function (build_suite
-keeps every task distinct on its probes), and this says how close the nearest one comes.
+keeps every task distinct on its probes), and this says how close the nearest one comes. The far
+held-out tasks (training/far_heldout.py) are never drawn for training, and the script refuses a
+suite in which a training task comes nearer than FAR_BOUND to one of them (the set would no longer
+be far).
 """
 
 from __future__ import annotations
 
 import argparse
 import json
-import random
 from pathlib import Path
 
-from training.suite import TaskSpec, build_suite, examples, random_input
-
-
-def nearest_training_task(held: TaskSpec, train: list[TaskSpec], inputs: list[str]) -> tuple[float, str]:
-    """(share of `inputs` on which they agree, name) of the training task closest to `held`."""
-    want = [held.apply(x) for x in inputs]
-    return max((sum(t.apply(x) == w for x, w in zip(inputs, want)) / len(inputs), t.name) for t in train)
+from training.far_heldout import FAR_BOUND, FAR_HELDOUT, agreement_inputs, far_tasks, nearest, wide_suite
+from training.suite import build_suite, examples
 
 
 def main() -> None:
@@ -38,13 +35,18 @@ def main() -> None:
     args = ap.parse_args()
 
     shipped = build_suite(0)
-    wide = build_suite(0, n_pairs=(args.pairs, 8), n_triples=(args.triples, 8))
+    wide = wide_suite(args.pairs, args.triples)
     held = {t.name for t in shipped.heldout_tasks}
     names = [t.name for t in wide.train_tasks]
     if [t.name for t in wide.heldout_tasks] != [t.name for t in shipped.heldout_tasks]:
         raise SystemExit("the held-out tasks changed: refusing (they must stay the shipped suite's 16)")
-    if not {t.name for t in shipped.train_tasks} <= set(names) or held & set(names):
+    if not {t.name for t in shipped.train_tasks} <= set(names) or (held | set(FAR_HELDOUT)) & set(names):
         raise SystemExit("the wide suite must contain the shipped training tasks and no held-out task")
+    far_nearest = nearest(far_tasks(), wide.train_tasks, agreement_inputs())
+    too_near = [(t.name, share, name) for t, (share, name) in zip(far_tasks(), far_nearest, strict=True)
+                if share > FAR_BOUND]
+    if too_near:
+        raise SystemExit(f"training tasks come nearer than {FAR_BOUND:.0%} to far held-out tasks: {too_near}")
     want = 16 + args.pairs + args.triples
     if len(names) != want:
         raise SystemExit(f"only {len(names)} distinct training tasks exist for that request, not {want}")
@@ -54,13 +56,13 @@ def main() -> None:
             for ex in examples(task, args.examples_per_task, seed=0, split="train"):
                 f.write(json.dumps({"task": ex.task, "input": ex.input, "output": ex.output}) + "\n")
     tmp.replace(args.out)
-    rng = random.Random(7)
-    inputs = [random_input(rng) for _ in range(2000)]
-    for task in wide.heldout_tasks:
-        share, name = nearest_training_task(task, wide.train_tasks, inputs)
+    for task, (share, name) in zip(wide.heldout_tasks, nearest(wide.heldout_tasks, wide.train_tasks,
+                                                               agreement_inputs(2000)), strict=True):
         print(f"held-out {task.name:28s} nearest training task {name:28s} agrees on {share:.1%} of 2,000 inputs")
+    for task, (share, name) in zip(far_tasks(), far_nearest, strict=True):
+        print(f"far      {task.name:28s} nearest training task {name:28s} agrees on {share:.1%} of 1,000 inputs")
     print(f"{args.out}: {len(names)} training tasks ({len(names) - len(shipped.train_tasks)} beyond the shipped "
-          f"48) x {args.examples_per_task} examples; the 16 held-out tasks excluded")
+          f"48) x {args.examples_per_task} examples; the 16 held-out and {len(FAR_HELDOUT)} far held-out tasks excluded")
 
 
 if __name__ == "__main__":

@@ -73,48 +73,80 @@ def _open_store(path: str | None, *, install_default: bool = False):  # -> Store
 @click.option("--save-dtype", default="float32", show_default=True, type=click.Choice(["float32", "bfloat16"]))
 @click.option("--threads", default=None, type=int, help="torch CPU threads")
 @click.option("--no-progress", is_flag=True)
+@click.option("--device", default="auto", show_default=True, type=click.Choice(["auto", "cpu", "cuda"]),
+              help="auto = this rank's GPU where CUDA is available, else the CPU")
+@click.option("--shard-backbone", is_flag=True,
+              help="under torchrun: shard the frozen backbone across the ranks (FSDP), for one too big for a device")
 def train(suite, method, skills, heads, rank, steps, store_dir, backbone, batch_size, lr_routing, lr_skills,
           weight_decay, warmup, temperature, no_gumbel, sampling, uncertainty_pool, checkpoint_every, resume,
-          init_from, seed, examples_per_task, targets, max_length, autocast, save_dtype, threads, no_progress) -> None:
-    """Pre-train a skill inventory and the training tasks' routing rows (multi-task)."""
+          init_from, seed, examples_per_task, targets, max_length, autocast, save_dtype, threads, no_progress,
+          device, shard_backbone) -> None:
+    """Pre-train a skill inventory and the training tasks' routing rows (multi-task).
+
+    Under `torchrun --nproc_per_node N` it trains data-parallel: --batch-size is the global batch,
+    split evenly across the N ranks (it must be a multiple of N); rank 0 alone logs and writes."""
     if resume and init_from:
         raise click.UsageError("--resume and --init-from exclude each other")
+    from training.distributed import check_batch, env_world_size, launched_by_torchrun
+
+    try:
+        check_batch(batch_size, env_world_size())
+    except ValueError as err:
+        raise click.BadParameter(str(err), param_hint="--batch-size") from None
+    if shard_backbone and not launched_by_torchrun():
+        raise click.UsageError("--shard-backbone shards the backbone across torchrun's ranks: start it with torchrun")
     _threads(threads)
-    from adapters_store.backbone import load_backbone
-    from training import checkpoint as ckpt
-    from training.trainer import TrainConfig, Trainer, suite_tasks
+    from training import distributed
 
-    cfg = TrainConfig(
-        method=method, n_skills=skills, n_heads=heads, rank=rank, targets=tuple(targets.split(",")), steps=steps,
-        batch_size=batch_size, lr_routing=lr_routing, lr_skills=lr_skills, weight_decay=weight_decay,
-        warmup=warmup, temperature=temperature, gumbel=not no_gumbel, sampling=sampling,
-        uncertainty_pool=uncertainty_pool, max_length=max_length, autocast=autocast, seed=seed,
-        checkpoint_every=checkpoint_every, save_dtype=save_dtype, suite=suite,
-    )
-    store = _open_store(store_dir)
-    bb = load_backbone(backbone)
-    tasks = suite_tasks(suite, examples_per_task, seed)
-    click.echo(f"backbone {bb.name} ({bb.fingerprint}); {len(tasks)} tasks; store {store.root}", err=True)
-    trainer = Trainer(cfg, bb, tasks, store)
-    if init_from:
-        from adapters_store.errors import StoreError
-        from adapters_store.store import Store
+    with distributed.session(device) as ctx:
+        from adapters_store.backbone import load_backbone
+        from training import checkpoint as ckpt
+        from training.trainer import TrainConfig, Trainer, suite_tasks
 
+        def say(message: str) -> None:  # rank 0 alone logs
+            if ctx.is_main:
+                click.echo(message, err=True)
+
+        say(f"world size {ctx.world_size} ({ctx.backend or 'one process'} on {ctx.device}"
+            f"{', backbone sharded' if shard_backbone else ''}; global batch {batch_size}, "
+            f"{batch_size // ctx.world_size} a rank)")
+
+        cfg = TrainConfig(
+            method=method, n_skills=skills, n_heads=heads, rank=rank, targets=tuple(targets.split(",")), steps=steps,
+            batch_size=batch_size, lr_routing=lr_routing, lr_skills=lr_skills, weight_decay=weight_decay,
+            warmup=warmup, temperature=temperature, gumbel=not no_gumbel, sampling=sampling,
+            uncertainty_pool=uncertainty_pool, max_length=max_length, autocast=autocast, seed=seed,
+            checkpoint_every=checkpoint_every, save_dtype=save_dtype, suite=suite,
+        )
+        store = _open_store(store_dir) if ctx.is_main else None  # the other ranks write nothing
+        root = store.root if store is not None else (Path(store_dir).expanduser() if store_dir else default_store())
+        bb = load_backbone(backbone, device=str(ctx.device))
+        tasks = suite_tasks(suite, examples_per_task, seed)
+        say(f"backbone {bb.name} ({bb.fingerprint}); {len(tasks)} tasks; store {root}")
         try:
-            carried = trainer.warm_start(Store(init_from))
-        except (StoreError, ValueError) as err:
-            raise click.BadParameter(str(err), param_hint="--init-from") from err
-        click.echo(f"started from {init_from}: its skills and {len(carried)} of {len(tasks)} tasks' routing rows",
-                   err=True)
-    if resume:
-        if not ckpt.has_state(store.root):
-            raise click.UsageError(f"--resume: no trainer state in {store.root / ckpt.STATE_DIR}")
-        trainer.load_state(store.root)
-        click.echo(f"resumed at step {trainer.step}/{cfg.steps}", err=True)
-    trainer.run(progress=not no_progress)
-    click.echo(json.dumps({"steps": trainer.step, "last_loss": trainer.last_loss, "seconds": round(trainer.elapsed, 1),
-                           "tokens_per_s": round(trainer.tokens / max(trainer.elapsed, 1e-9), 1),
-                           "store": str(store.root)}))
+            trainer = Trainer(cfg, bb, tasks, store, dist=ctx, shard_backbone=shard_backbone)
+        except ValueError as err:
+            raise click.UsageError(str(err)) from None
+        if init_from:
+            from adapters_store.errors import StoreError
+            from adapters_store.store import Store
+
+            try:
+                carried = trainer.warm_start(Store(init_from))
+            except (StoreError, ValueError) as err:
+                raise click.BadParameter(str(err), param_hint="--init-from") from err
+            say(f"started from {init_from}: its skills and {len(carried)} of {len(tasks)} tasks' routing rows")
+        if resume:  # every rank reads the same checkpoint
+            if not ckpt.has_state(root):
+                raise click.UsageError(f"--resume: no trainer state in {root / ckpt.STATE_DIR}")
+            trainer.load_state(root)
+            say(f"resumed at step {trainer.step}/{cfg.steps}")
+        trainer.run(progress=not no_progress)
+        if not ctx.is_main:
+            return
+        click.echo(json.dumps({"steps": trainer.step, "last_loss": trainer.last_loss, "seconds": round(trainer.elapsed, 1),
+                               "tokens_per_s": round(trainer.tokens / max(trainer.elapsed, 1e-9), 1),
+                               "store": str(root), "world_size": ctx.world_size}))
 
 
 def _routed(store, backbone: str):  # -> (bb, rm, info, skills)

@@ -29,13 +29,15 @@ class TargetLogits:
     n_rows: int
 
 
-def target_logits(model: nn.Module, batch: Batch) -> TargetLogits:
+def target_logits(model: nn.Module, batch: Batch, whole_model: bool = False) -> TargetLogits:
+    """whole_model: call the model itself (full logits, then select) even where the decoder and the head
+    could be called apart: a model sharded by FSDP gathers its root's weights only in its own forward."""
     batch = batch.to(next(model.parameters()).device)
     labels = batch.labels
     keep = labels[:, 1:] != IGNORE  # (N, T-1)
     decoder = model.get_decoder() if hasattr(model, "get_decoder") else None
     head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
-    if decoder is not None and head is not None and decoder is not model:
+    if decoder is not None and head is not None and decoder is not model and not whole_model:
         hidden = decoder(
             input_ids=batch.input_ids, attention_mask=batch.attention_mask, use_cache=False
         ).last_hidden_state  # (N, T, d)

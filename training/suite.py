@@ -299,9 +299,12 @@ def _distinct_candidates() -> tuple[TaskSpec, ...]:
     return tuple(out)
 
 
-def build_suite(seed: int = 0, n_pairs: tuple[int, int] = (20, 8), n_triples: tuple[int, int] = (12, 8)) -> Suite:
+def build_suite(seed: int = 0, n_pairs: tuple[int, int] = (20, 8), n_triples: tuple[int, int] = (12, 8),
+                exclude: frozenset[str] = frozenset()) -> Suite:
     """Pick the suite: train = every primitive alone + ``n_pairs[0]`` pairs + ``n_triples[0]`` triples;
     held-out = ``n_pairs[1]`` pairs + ``n_triples[1]`` triples (48 and 16 tasks by default).
+    Compositions named in ``exclude`` (another held-out set) are passed over for training; the draws
+    are otherwise unchanged, so a suite that drew none of them is the same without ``exclude``.
 
     >>> s = build_suite()
     >>> len(s.train_tasks), len(s.heldout_tasks)
@@ -317,5 +320,5 @@ def build_suite(seed: int = 0, n_pairs: tuple[int, int] = (20, 8), n_triples: tu
         bucket = [t for t in pool if len(t.primitives) == k]
         rng.shuffle(bucket)
         held += bucket[:n_held]
-        train += bucket[n_held:n_held + n_train]
+        train += [t for t in bucket[n_held:] if t.name not in exclude][:n_train]
     return Suite(seed=seed, train_tasks=train, heldout_tasks=held)

@@ -10,6 +10,10 @@ One step (pseudo-code):
 
 Checkpoints publish the inventory and every task's routing row to the store (so a partially
 trained store is usable) and write the full trainer state for --resume.
+
+Under torchrun the step is data-parallel (training/distributed.py): every rank draws the same
+global batch and its Gumbel noise, runs its slice of the rows, and the gradients are summed, so N
+processes train what one does; rank 0 alone writes and shows progress.
 """
 
 from __future__ import annotations
@@ -23,6 +27,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+import torch.nn.functional as F
 
 from adapters_store.backbone import Backbone
 from adapters_store.inject import RoutedModel
@@ -31,6 +36,15 @@ from adapters_store.store import Store
 from training import checkpoint as ckpt
 from training.batching import DEFAULT_MAX_LENGTH, collate, encode_all
 from training.data import Example
+from training.distributed import (
+    DistContext,
+    all_gather_shards,
+    all_reduce_sum,
+    barrier,
+    broadcast_from_main,
+    check_batch,
+    shard_bounds,
+)
 from training.loss import normalised_entropy, target_logits, token_loss
 from training.precision import AUTOCAST_CHOICES, resolve_autocast
 from training.routing_table import METHODS, RoutingTable, method_shape
@@ -110,10 +124,20 @@ class Trainer:
     """Owns the routed model, the routing table, the optimizer and the data of one run."""
 
     def __init__(self, cfg: TrainConfig, backbone: Backbone, tasks: dict[str, list[Example]],
-                 store: Store | None = None) -> None:
+                 store: Store | None = None, dist: DistContext | None = None, shard_backbone: bool = False) -> None:
+        """dist: this process's rank (default: the only one). shard_backbone: FSDP over the frozen
+        backbone (training/shard_backbone.py), for backbones one device cannot hold."""
         if not tasks:
             raise ValueError("no training tasks")
         self.cfg, self.backbone, self.store = cfg, backbone, store
+        self.device = backbone.device
+        self.dist = dist if dist is not None else DistContext(device=self.device)
+        world = self.dist.world_size
+        check_batch(cfg.batch_size, world)
+        if cfg.sampling == "uncertainty" and (len(tasks) * cfg.uncertainty_pool < world
+                                              or min(cfg.batch_size, len(tasks) * cfg.uncertainty_pool) % world):
+            raise ValueError(f"uncertainty sampling over {world} ranks needs at least batch_size = "
+                             f"{cfg.batch_size} candidates (tasks x uncertainty_pool) to split evenly")
         self.task_names = list(tasks)
         shape = method_shape(cfg.method, len(tasks), cfg.n_skills, cfg.n_heads)
         self.spec = InventorySpec(shape.n_skills, shape.n_heads, cfg.rank, cfg.targets, shape.routing)
@@ -121,6 +145,12 @@ class Trainer:
         self.rm.reset_skills(cfg.seed)
         self.rm.set_skills_trainable(True)
         self.table = RoutingTable(cfg.method, self.task_names, len(self.rm.layers), self.spec, seed=cfg.seed + 1)
+        self.table.to(self.device)
+        self.sharded = shard_backbone
+        if shard_backbone:
+            from training.shard_backbone import shard_frozen_backbone
+
+            shard_frozen_backbone(backbone.model, self.rm.skill_parameters(), self.dist)
         self.opt = build_optimizer(self.table, self.rm, cfg)
         tok = backbone.tokenizer
         self.pad_id = int(tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id)
@@ -128,7 +158,7 @@ class Trainer:
         self.sizes = [len(d) for d in self.data]
         self.rng = random.Random(cfg.seed)
         self.gumbel_gen = torch.Generator().manual_seed(cfg.seed + 2)
-        self.bf16 = resolve_autocast(cfg.autocast, "cpu")
+        self.bf16 = resolve_autocast(cfg.autocast, self.device.type)
         self.step = 0
         self.tokens = 0
         self.elapsed = 0.0
@@ -136,42 +166,59 @@ class Trainer:
 
     # -- one step ------------------------------------------------------------------------------
     def _autocast(self) -> Any:
-        return torch.autocast("cpu", dtype=torch.bfloat16, enabled=self.bf16)
+        return torch.autocast(self.device.type, dtype=torch.bfloat16, enabled=self.bf16)
 
     def _rows(self) -> list[tuple[int, int]]:
-        cfg = self.cfg
+        """The global batch's (task, example) rows: the same on every rank."""
+        cfg, ctx = self.cfg, self.dist
         if cfg.sampling != "uncertainty":
             return draw_rows(self.sizes, cfg.batch_size, cfg.sampling, self.rng)
         cands = draw_candidates(self.sizes, cfg.uncertainty_pool, self.rng)
-        batch = collate([self.data[t][i] for t, i in cands], self.pad_id)
-        idx = torch.tensor([t for t, _ in cands])
+        lo, hi = shard_bounds(len(cands), ctx.rank, ctx.world_size)  # each rank scores its share
+        batch = collate([self.data[t][i] for t, i in cands[lo:hi]], self.pad_id)
+        idx = torch.tensor([t for t, _ in cands[lo:hi]], device=self.device)
         with torch.no_grad(), self._autocast():
             self.rm.set_weights(self.table.weights(idx, train=False))
-            scores = normalised_entropy(target_logits(self.rm.model, batch))
+            scores = normalised_entropy(target_logits(self.rm.model, batch, whole_model=self.sharded))
+        scores = all_gather_shards(scores.float(), len(cands), ctx)
         return [cands[i] for i in most_uncertain(scores, cfg.batch_size)]
 
     def train_step(self) -> float:
-        cfg = self.cfg
+        cfg, ctx = self.cfg, self.dist
         started = time.perf_counter()
         rows = self._rows()
-        batch = collate([self.data[t][i] for t, i in rows], self.pad_id)
-        idx = torch.tensor([t for t, _ in rows])
+        lo, hi = shard_bounds(len(rows), ctx.rank, ctx.world_size)
+        batch = collate([self.data[t][i] for t, i in rows[lo:hi]], self.pad_id)
+        idx = torch.tensor([t for t, _ in rows], device=self.device)
         mult = lr_multiplier(self.step, cfg.steps, cfg.warmup)
         for g in self.opt.param_groups:
             g["lr"] = g["base_lr"] * mult
+        # the noise of every row of the global batch, so that a row's draw does not depend on the world size
         w = self.table.weights(idx, train=True, temperature=cfg.temperature, generator=self.gumbel_gen,
                                gumbel=cfg.gumbel)  # (L, N, h, S)
-        self.rm.set_weights(w)
+        self.rm.set_weights(w[:, lo:hi])
         with self._autocast():
-            loss = token_loss(target_logits(self.rm.model, batch))
+            out = target_logits(self.rm.model, batch, whole_model=self.sharded)
+            if ctx.active:  # this rank's part of the global batch's mean over its target tokens
+                loss = F.cross_entropy(out.logits, out.targets, reduction="sum") / sum(
+                    self.data[t][i].n_target for t, i in rows)
+            else:
+                loss = token_loss(out)
         loss.backward()
         params = [p for g in self.opt.param_groups for p in g["params"]]
+        if ctx.active:
+            for p in params:
+                if p.grad is None:  # every rank joins the sum with the same layout
+                    p.grad = torch.zeros_like(p)
+            reported = loss.detach().float().reshape(1)
+            all_reduce_sum([p.grad for p in params if p.grad is not None] + [reported], ctx)
+            loss = reported[0]
         torch.nn.utils.clip_grad_norm_(params, cfg.grad_clip)
         self.opt.step()
         self.opt.zero_grad(set_to_none=True)
         self.rm.set_weights(None)
         self.step += 1
-        self.tokens += batch.n_tokens
+        self.tokens += sum(len(self.data[t][i].input_ids) for t, i in rows)  # the global batch's
         self.elapsed += time.perf_counter() - started
         self.last_loss = float(loss.detach())
         return self.last_loss
@@ -180,12 +227,12 @@ class Trainer:
     def run(self, progress: bool = True) -> list[float]:
         from tqdm import tqdm
 
-        cfg = self.cfg
+        cfg, main = self.cfg, self.dist.is_main
         losses: list[float] = []
         ema = None
-        import sys
-
-        bar = tqdm(total=cfg.steps, initial=self.step, disable=not progress, desc=f"train {cfg.method}",
+        # one starting point for every rank, whatever each read (--resume / --init-from read the same files)
+        broadcast_from_main([p for g in self.opt.param_groups for p in g["params"]], self.dist)
+        bar = tqdm(total=cfg.steps, initial=self.step, disable=not (progress and main), desc=f"train {cfg.method}",
                    dynamic_ncols=True, mininterval=0.5 if sys.stderr.isatty() else 30.0)
         while self.step < cfg.steps:
             loss = self.train_step()
@@ -194,11 +241,12 @@ class Trainer:
             bar.update(1)
             bar.set_postfix(loss=f"{ema:.3f}", tok_s=f"{self.tokens / max(self.elapsed, 1e-9):.0f}",
                             refresh=False)
-            if self.store is not None and cfg.checkpoint_every and self.step % cfg.checkpoint_every == 0:
+            if self.store is not None and main and cfg.checkpoint_every and self.step % cfg.checkpoint_every == 0:
                 self.checkpoint()
         bar.close()
-        if self.store is not None:
+        if self.store is not None and main:
             self.checkpoint(final=True)
+        barrier(self.dist)  # the store is complete when any rank returns
         return losses
 
     # -- persistence ---------------------------------------------------------------------------
@@ -207,14 +255,14 @@ class Trainer:
         dtype = torch.bfloat16 if (final and self.cfg.save_dtype == "bfloat16") else torch.float32
         bb = self.backbone
         store.save_inventory(
-            self.spec, self.rm.names, self.rm.layer_dims(), self.rm.skill_tensors(),
+            self.spec, self.rm.names, self.rm.layer_dims(), {k: v.cpu() for k, v in self.rm.skill_tensors().items()},
             backbone_fingerprint=bb.fingerprint, backbone_name=bb.name, dtype=dtype,
             made_by={"method": self.cfg.method, "step": self.step, "config": self.cfg.to_json(),
                      "tasks": self.task_names, "final": final},
         )
         for i, task in enumerate(self.task_names):
             store.put_routing(
-                task, self.table.logits[i].detach().clone(), method=self.cfg.method,
+                task, self.table.logits[i].detach().cpu().clone(), method=self.cfg.method,
                 source={"kind": "pretraining", "suite": self.cfg.suite, "examples": self.sizes[i],
                         "step": self.step},
             )

@@ -1,0 +1,60 @@
+"""The far held-out set (training/far_heldout.py): outside every training suite, and far from it."""
+
+from __future__ import annotations
+
+import json
+
+from training.default_inventory import PACKAGE_DIR
+from training.far_heldout import (
+    FAR_BOUND,
+    FAR_HELDOUT,
+    WIDE_PAIRS,
+    WIDE_TRIPLES,
+    agreement_inputs,
+    far_tasks,
+    nearest,
+    wide_suite,
+)
+from training.suite import build_suite, parse_task, probe_inputs
+
+
+def test_far_tasks_are_distinct_valid_compositions_apart_from_the_held_out_ones():
+    assert len(FAR_HELDOUT) == len(set(FAR_HELDOUT)) == 16
+    assert all(parse_task(name).name == name for name in FAR_HELDOUT)
+    assert not set(FAR_HELDOUT) & {t.name for t in build_suite(0).heldout_tasks}
+
+
+def test_no_far_task_is_in_a_training_suite():
+    """Neither by name nor as the same function under another name (on the probe inputs): not in the
+    shipped suite's 48, nor in the 208 the shipped inventory was trained on, nor among the tasks whose
+    routing rows it ships."""
+    shipped = build_suite(0, n_pairs=(WIDE_PAIRS, 8), n_triples=(WIDE_TRIPLES, 8))  # as it was drawn: no exclude
+    assert shipped == wide_suite()
+    inventory = json.loads((PACKAGE_DIR / "inventory" / "inventory.json").read_text())
+    trained = set(inventory["made_by"]["tasks"]) | {p.name for p in (PACKAGE_DIR / "tasks").iterdir()}
+    assert trained == {t.name for t in shipped.train_tasks}
+    assert not set(FAR_HELDOUT) & trained
+    probes = probe_inputs()
+    train_sigs = {tuple(t.apply(x) for x in probes) for t in shipped.train_tasks}
+    assert not [t.name for t in far_tasks() if tuple(t.apply(x) for x in probes) in train_sigs]
+
+
+def test_the_nearest_training_task_agrees_on_at_most_30_percent_of_the_fixed_inputs():
+    inputs = agreement_inputs()  # 1,000 inputs from a fixed seed
+    assert inputs == agreement_inputs() and len(set(inputs)) > 900
+    found = nearest(far_tasks(), wide_suite().train_tasks, inputs)
+    assert max(share for share, _ in found) <= FAR_BOUND, found
+    # the measure itself: a training task agrees with itself everywhere, and these two never agree
+    assert nearest([parse_task("upper")], [parse_task("upper"), parse_task("inc")], inputs) == [(1.0, "upper")]
+    assert nearest([parse_task("inc")], [parse_task("double")], inputs)[0][0] < 0.1
+
+
+def test_a_wider_suite_passes_over_the_far_tasks():
+    """The inventory search may widen the suite: build_suite(exclude=...) never draws a far task."""
+    wide = {"n_pairs": (100, 8), "n_triples": (300, 8)}
+    drawn = {t.name for t in build_suite(0, **wide).train_tasks}
+    assert set(FAR_HELDOUT) & drawn  # so wide a draw would take some of them...
+    kept_out = build_suite(0, **wide, exclude=frozenset(FAR_HELDOUT))
+    assert not set(FAR_HELDOUT) & {t.name for t in kept_out.train_tasks}  # ...and exclude keeps them out
+    assert len(kept_out.train_tasks) == len(drawn)
+    assert not set(FAR_HELDOUT) & {t.name for t in wide_suite(100, 300).train_tasks}

@@ -1,0 +1,81 @@
+"""The far held-out set: compositions of the suite's primitives that no training task comes near.
+
+build_suite's 16 held-out tasks recombine primitives in ways the training suite nearly covers: the
+nearest of the shipped inventory's 208 training tasks agrees with some of them on half of all random
+inputs. FAR_HELDOUT are compositions on which the nearest of those 208 agrees on at most FAR_BOUND
+of the fixed random inputs `agreement_inputs()`: a model can only get them right by composing
+skills anew. scripts/far_heldout.py chose them (its docstring says how) and prints the figures;
+tests/test_far_heldout.py fails if one of them enters the training suite or the bound stops holding.
+
+Agreement of two tasks = the share of inputs on which their outputs are equal (exact match).
+"""
+
+from __future__ import annotations
+
+import random
+from collections.abc import Sequence
+
+import numpy as np
+
+from training.suite import Suite, TaskSpec, build_suite, parse_task, random_input
+
+FAR_BOUND = 0.30
+N_AGREEMENT_INPUTS = 1000
+AGREEMENT_SEED = 7
+#: the training suite of the shipped inventory (scripts/wide_suite.py --pairs 100 --triples 92)
+WIDE_PAIRS, WIDE_TRIPLES = 100, 92
+
+#: chosen by scripts/far_heldout.py (its --check says whether it still chooses these)
+FAR_HELDOUT: tuple[str, ...] = (
+    "title.plural",
+    "rotate.swap-ends",
+    "double.sum",
+    "rev-words.swap-ends",
+    "rotate.rotate.rotate",
+    "inc.double.sum",
+    "rev-words.upper.first2",
+    "swap-ends.plural.rev-chars",
+    "title.rev-chars.caesar",
+    "rev-words.first2.plural",
+    "rotate.swap-ends.rev-chars",
+    "upper.last2.plural",
+    "last2.caesar.caesar",
+    "title.sort.rev-words",
+    "double.sort.inc",
+    "inc.inc.inc",
+)
+
+
+def wide_suite(pairs: int = WIDE_PAIRS, triples: int = WIDE_TRIPLES) -> Suite:
+    """build_suite with more training pairs and triples (the same 16 held-out tasks), never a far task."""
+    return build_suite(0, n_pairs=(pairs, 8), n_triples=(triples, 8), exclude=frozenset(FAR_HELDOUT))
+
+
+def far_tasks() -> list[TaskSpec]:
+    return [parse_task(name) for name in FAR_HELDOUT]
+
+
+def agreement_inputs(n: int = N_AGREEMENT_INPUTS, seed: int = AGREEMENT_SEED) -> list[str]:
+    rng = random.Random(seed)
+    return [random_input(rng) for _ in range(n)]
+
+
+def output_table(tasks: Sequence[TaskSpec], inputs: Sequence[str], ids: dict[str, int] | None = None) -> np.ndarray:
+    """(len(tasks), len(inputs)) int64: each output string as an id (pass one `ids` to compare tables)."""
+    ids = {} if ids is None else ids
+    return np.array([[ids.setdefault(t.apply(x), len(ids)) for x in inputs] for t in tasks], dtype=np.int64)
+
+
+def agreement_matrix(a: np.ndarray, b: np.ndarray, chunk: int = 64) -> np.ndarray:
+    """(len(a), len(b)) share of inputs on which row i of a and row j of b have the same output."""
+    out = np.empty((a.shape[0], b.shape[0]))
+    for i in range(0, a.shape[0], chunk):
+        out[i:i + chunk] = (a[i:i + chunk, None, :] == b[None, :, :]).mean(-1)
+    return out
+
+
+def nearest(tasks: Sequence[TaskSpec], others: Sequence[TaskSpec], inputs: Sequence[str]) -> list[tuple[float, str]]:
+    """For each task, (agreement, name) of the task in `others` that agrees with it on the most inputs."""
+    ids: dict[str, int] = {}
+    agree = agreement_matrix(output_table(tasks, inputs, ids), output_table(others, inputs, ids))
+    return [(float(row.max()), others[int(row.argmax())].name) for row in agree]
