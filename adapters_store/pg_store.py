@@ -43,8 +43,8 @@ log = logging.getLogger(__name__)
 
 NOTIFY_CHANNEL = "polyserve_tasks"
 # advisory lock namespaces (the first of the two int4 keys): a decision about an id, a
-# read-modify-write of one task, a running job's claim
-_NS_DECIDE, _NS_TX, _NS_JOB = 7301, 7302, 7303
+# read-modify-write of one task, a running job's claim, installing an inventory into an empty store
+_NS_DECIDE, _NS_TX, _NS_JOB, _NS_INSTALL = 7301, 7302, 7303, 7304
 
 
 def redact(dsn: str) -> str:
@@ -190,18 +190,15 @@ class PostgresStore(BaseStore):
             conn.execute("INSERT INTO store_meta (key, value) VALUES ('inventory', %s) "
                          "ON CONFLICT (key) DO UPDATE SET value = EXCLUDED.value", (info.version,))
 
-    def install_inventory_once(self, install: Any) -> bool:
-        """Run `install(self)` unless the store has an inventory, with every other process that
-        tries at the same time waiting for the first (a fleet starting together against an empty
-        database installs the default inventory exactly once). Returns what `install` returned,
-        False when it did not run."""
+    @contextmanager
+    def _install_lock(self) -> Iterator[None]:
         with self._bound() as conn:
-            conn.execute("SELECT pg_advisory_lock(%s, 0)", (_NS_DECIDE,))
+            conn.execute("SELECT pg_advisory_lock(%s, 0)", (_NS_INSTALL,))
             try:
-                return False if self.has_inventory() else bool(install(self))
+                yield
             finally:
                 if not conn.closed:
-                    conn.execute("SELECT pg_advisory_unlock(%s, 0)", (_NS_DECIDE,))
+                    conn.execute("SELECT pg_advisory_unlock(%s, 0)", (_NS_INSTALL,))
 
     # -- tasks ----------------------------------------------------------------------------
     def _read_record(self, task: str) -> dict[str, Any] | None:

@@ -96,6 +96,17 @@ class Store(BaseStore):
             finally:
                 fcntl.flock(f, fcntl.LOCK_UN)
 
+    @contextmanager
+    def _install_lock(self) -> Iterator[None]:
+        path = self.root / "locks" / "install.lock"
+        path.parent.mkdir(parents=True, exist_ok=True)
+        with open(path, "a+") as f:
+            fcntl.flock(f, fcntl.LOCK_EX)
+            try:
+                yield
+            finally:
+                fcntl.flock(f, fcntl.LOCK_UN)
+
     # -- inventory --------------------------------------------------------------------------
     @property
     def _inv_dir(self) -> Path:

@@ -24,7 +24,7 @@ import logging
 import re
 import time
 from abc import ABC, abstractmethod
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import AbstractContextManager
 from dataclasses import replace
 from typing import Any, Protocol
@@ -145,6 +145,17 @@ class BaseStore(ABC):
     @abstractmethod
     def hold_job(self, job_id: str) -> JobHold | None:
         """Claim the job for this process without waiting; None if a live process holds it."""
+
+    @abstractmethod
+    def _install_lock(self) -> AbstractContextManager[None]:
+        """Serialises installing an inventory into an empty store across processes."""
+
+    def install_once(self, install: Callable[[BaseStore], bool]) -> bool:
+        """Run `install(self)` unless the store already has an inventory, while every other process
+        trying the same waits: processes starting together against an empty store install the
+        default inventory exactly once. Returns what `install` returned, False if it did not run."""
+        with self._install_lock():
+            return False if self.has_inventory() else bool(install(self))
 
     # -- inventory ------------------------------------------------------------------------------
     def has_inventory(self) -> bool:
@@ -285,8 +296,10 @@ class BaseStore(ABC):
             data = self._read_record(record.id)
             self._commit_task(record, blob, TaskRecord.from_json(data) if data else None)
 
-    def weights_bytes(self, record: TaskRecord) -> bytes:
-        if record.status != "ready" or not record.file:
+    def weights_bytes(self, record: TaskRecord, *, ready_only: bool = True) -> bytes:
+        """The weights a record names, as stored (safetensors bytes). `ready_only=False` also reads
+        those of a record that is not servable (a copy of the store takes every record as is)."""
+        if not record.file or (ready_only and record.status != "ready"):
             raise StoreError(f"task {record.id!r} has no weights (status {record.status})")
         return self._read_blob(record)
 
