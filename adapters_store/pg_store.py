@@ -22,7 +22,7 @@ from __future__ import annotations
 import logging
 import re
 import threading
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
@@ -237,7 +237,42 @@ class PostgresStore(BaseStore):
     def change_cursor(self) -> int:
         """The newest change stamp handed out: compare two readings to know whether any task
         changed, in one cheap query whatever the number of tasks (deletes advance it too)."""
-        return int(self._one("SELECT last_value FROM task_changes") or 0)
+        return int(self._one("SELECT CASE WHEN is_called THEN last_value ELSE 0 END FROM task_changes") or 0)
+
+    def subscribe(self, on_change: Callable[[str | None], None]) -> Callable[[], None]:
+        """LISTEN polyserve_tasks on a connection of its own, in a thread. After a reconnect it
+        calls on_change(None): notifications sent while it was away are lost, a re-scan is not."""
+        stop = threading.Event()
+
+        def listen() -> None:
+            first = True
+            while not stop.is_set():
+                try:
+                    with psycopg.connect(self.dsn, autocommit=True,
+                                         connect_timeout=max(1, int(self.connect_timeout))) as conn:
+                        conn.execute("LISTEN polyserve_tasks")  # NOTIFY_CHANNEL
+                        if not first:
+                            on_change(None)
+                        first = False
+                        while not stop.is_set():
+                            for note in conn.notifies(timeout=0.5):
+                                on_change(note.payload)
+                except psycopg.Error as err:
+                    log.warning("task change listener lost %s (%s); reconnecting", self.location, err)
+                    first = False
+                    stop.wait(1.0)
+                except Exception:  # keep listening whatever a callback raised
+                    log.exception("task change listener failed; restarting it")
+                    stop.wait(1.0)
+
+        thread = threading.Thread(target=listen, name="polyserve-store-listen", daemon=True)
+        thread.start()
+
+        def close() -> None:
+            stop.set()
+            thread.join(timeout=2)
+
+        return close
 
     # -- jobs -----------------------------------------------------------------------------
     def _write_job(self, job: dict[str, Any]) -> None:

@@ -116,6 +116,17 @@ class BaseStore(ABC):
     def task_stamps(self) -> dict[str, Any]:
         """{task id: a stamp that changes whenever the task is rewritten}, without reading records."""
 
+    def change_cursor(self) -> int | None:
+        """A number that moves whenever any task changes, read in O(1), or None where the backend
+        has none (then a re-scan compares `task_stamps`)."""
+        return None
+
+    def subscribe(self, on_change: Callable[[str | None], None]) -> Callable[[], None] | None:
+        """Push task changes made by any process: `on_change(task)`, or `on_change(None)` when some
+        may have been missed (re-scan). Returns a function that stops it, or None where the backend
+        pushes nothing (Redis pub/sub and re-scans then carry changes)."""
+        return None
+
     # -- primitives: jobs -----------------------------------------------------------------------
     @abstractmethod
     def _write_job(self, job: dict[str, Any]) -> None: ...

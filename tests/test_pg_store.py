@@ -176,3 +176,41 @@ def test_database_gone_answers_503_store_unavailable_then_recovers_by_itself(tmp
 def test_a_store_that_cannot_be_reached_is_a_clear_error():
     with pytest.raises(StoreError, match="unreachable"):
         open_store("postgresql://postgres@127.0.0.1:1/none")
+
+
+def test_changes_reach_another_replica_through_notify_with_no_redis_and_no_rescan(tmp_path):
+    """Two replicas on one database, no Redis, re-scans a minute apart: only LISTEN/NOTIFY can
+    make A drop the adapters it holds for a task deleted through B, or rewritten by another
+    process, within 1 s (requests re-read the record, so what would go stale is A's cache)."""
+    src = build_store(tmp_path / "dir")
+    body = {"task": "beta", "prompt": "x y", "max_new_tokens": 8}
+    with temp_database() as dsn:
+        assert _cli("store", "copy", "--from", str(src.root), "--to", dsn).returncode == 0
+        port = free_port()
+        other = serve_process(dsn, str(tmp_path / "node-b"), port, None, {"POLYSERVE_RESCAN_SECONDS": "60"})
+        try:
+            with live_server(settings_for(tmp_path, store=dsn, rescan_seconds=60), backbone=tiny_backbone()) as srv, \
+                    httpx.Client(base_url=srv.url, timeout=30) as a, \
+                    httpx.Client(base_url=f"http://127.0.0.1:{port}", timeout=30) as b:
+                wait_process_ready(other, f"http://127.0.0.1:{port}")
+                l1 = srv.runtime.cache.l1
+                for task in ("alpha", "beta"):
+                    assert a.post("/v1/generate", json={**body, "task": task}).status_code == 200
+                    assert any(f":{task}:" in k for k in l1.keys())  # noqa: SIM118 - L1Cache.keys() is a method
+                assert b.delete("/v1/tasks/alpha").status_code == 204
+                t0 = time.time()
+                while any(":alpha:" in k for k in l1.keys()):  # noqa: SIM118
+                    assert time.time() - t0 < 1.0, "A still holds a task deleted through B"
+                    time.sleep(0.02)
+                writer = open_store(dsn)
+                writer.put_routing("beta", -3 * writer.load_routing("beta"))
+                writer.close()
+                t0 = time.time()
+                while any(":beta:" in k for k in l1.keys()):  # noqa: SIM118
+                    assert time.time() - t0 < 1.0, "A still holds beta's old row"
+                    time.sleep(0.02)
+                assert a.post("/v1/generate", json={**body, "task": "alpha"}).status_code == 404
+                assert b.get("/v1/tasks/beta").json()["version"] == 2
+        finally:
+            other.terminate()
+            other.wait(20)

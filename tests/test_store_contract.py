@@ -284,3 +284,36 @@ def test_concurrent_writers_from_two_processes_lose_no_version(store, location):
 def test_directory_store_is_the_default_for_paths(tmp_path):
     assert isinstance(open_store(tmp_path / "s"), Store)
     assert isinstance(open_store(str(tmp_path / "s2")), Store)
+
+
+def test_change_cursor_moves_on_writes_and_deletes_or_is_absent(store):
+    first = store.change_cursor()
+    if isinstance(store, Store):
+        assert first is None  # a directory has no O(1) cursor: re-scans compare stamps
+        return
+    store.put_routing("a", torch.randn(2, 2, 3))
+    second = store.change_cursor()
+    assert second > first
+    assert store.change_cursor() == second  # reading it changes nothing
+    store.delete_task("a")
+    assert store.change_cursor() > second
+
+
+def test_subscribe_pushes_changes_made_by_other_processes(store, location):
+    seen: list[str | None] = []
+    stop = store.subscribe(seen.append)
+    if isinstance(store, Store):
+        assert stop is None
+        return
+    try:
+        time.sleep(0.5)  # LISTEN is registered
+        other = open_store(location)
+        other.put_routing("pushed", torch.randn(2, 2, 3))
+        other.delete_task("pushed")
+        deadline = time.time() + 5
+        while seen.count("pushed") < 2:
+            assert time.time() < deadline, seen
+            time.sleep(0.02)
+        other.close()
+    finally:
+        stop()
