@@ -15,7 +15,8 @@ def default_store() -> str:
 
 
 store_option = click.option(
-    "--store", "store_dir", default=default_store, show_default="$POLYSERVE_STORE", help="Store directory."
+    "--store", "store_dir", default=default_store, show_default="$POLYSERVE_STORE",
+    help="Store: a directory, or postgresql://USER@HOST:PORT/DB.",
 )
 backbone_option = click.option(
     "--backbone", default=lambda: os.environ.get("POLYSERVE_BACKBONE", "default"), show_default=True,
@@ -79,6 +80,67 @@ def import_peft_poly(src: str, names: str | None, replace: bool, store_dir: str,
         raise click.ClickException(str(err)) from err
     click.echo(f"imported inventory {info.version} (S={info.spec.n_skills}, h={info.spec.n_heads}, "
                f"r={info.spec.rank}) and {len(tasks)} tasks into {store_dir}")
+
+
+def _home() -> Path:
+    return Path(os.environ.get("POLYSERVE_HOME", Path.home() / ".cache" / "polyserve")).expanduser()
+
+
+@click.group()
+def db() -> None:
+    """The PostgreSQL store's schema."""
+
+
+@db.command("upgrade")
+@click.option("--store", "dsn", default=default_store, show_default="$POLYSERVE_STORE",
+              help="postgresql://USER@HOST:PORT/DB")
+def db_upgrade(dsn: str) -> None:
+    """Create or migrate the schema. Idempotent; safe when several processes run it at once."""
+    import psycopg
+
+    from adapters_store.pg_schema import SCHEMA_VERSION, upgrade
+    from adapters_store.pg_store import redact
+    from adapters_store.stores import is_dsn
+
+    if not is_dsn(dsn):
+        raise click.UsageError(f"--store must be a postgresql:// DSN (a directory store has no schema), got {dsn!r}")
+    try:
+        with psycopg.connect(dsn, autocommit=True, connect_timeout=10) as conn:
+            applied = upgrade(conn)
+    except (psycopg.Error, RuntimeError) as err:
+        raise click.ClickException(f"{redact(dsn)}: {err}") from err
+    done = f"applied migration(s) {', '.join(map(str, applied))}" if applied else "already up to date"
+    click.echo(f"{redact(dsn)}: schema version {SCHEMA_VERSION} ({done})")
+
+
+@click.group("store")
+def store_group() -> None:
+    """Whole-store operations."""
+
+
+@store_group.command("copy")
+@click.option("--from", "src", required=True, help="Source store: a directory or a postgresql:// DSN.")
+@click.option("--to", "dst", required=True, help="Destination store: a directory or a postgresql:// DSN.")
+def store_copy(src: str, dst: str) -> None:
+    """Copy a store (inventory, tasks with every record as it is, finished jobs) and verify it."""
+    import json
+
+    from tqdm import tqdm
+
+    from adapters_store.copy import copy_store
+    from adapters_store.errors import StoreError
+    from adapters_store.stores import open_store
+
+    if src == dst:
+        raise click.UsageError("--from and --to name the same store")
+    try:
+        source = open_store(src, cache_dir=_home() / "inventories")
+        target = open_store(dst, cache_dir=_home() / "inventories")
+        with tqdm(total=len(source.task_stamps()), unit="task", desc="copying", disable=None) as bar:
+            report = copy_store(source, target, progress=bar.update)
+    except StoreError as err:
+        raise click.ClickException(str(err)) from err
+    click.echo(json.dumps({"from": source.location, "to": target.location, "verified": True, **report.to_json()}))
 
 
 @click.command("warm-cache")

@@ -29,3 +29,7 @@ class TaskExists(StoreError):
 
 class FingerprintMismatch(StoreError):
     pass
+
+
+class StoreUnavailable(StoreError):
+    """The store cannot be reached right now (a database down or restarting): retry later."""

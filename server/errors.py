@@ -28,7 +28,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from adapters_store.errors import JobNotFound, StoreError, TaskExists, TaskNotFound
+from adapters_store.errors import JobNotFound, StoreError, StoreUnavailable, TaskExists, TaskNotFound
 
 log = logging.getLogger("polyserve.api")
 
@@ -181,6 +181,12 @@ def install_handlers(app: FastAPI) -> None:
     @app.exception_handler(TaskExists)
     async def _exists(request: Request, exc: TaskExists) -> JSONResponse:
         return respond(request, 409, "conflict", str(exc))
+
+    @app.exception_handler(StoreUnavailable)
+    async def _store_down(request: Request, exc: StoreUnavailable) -> JSONResponse:
+        log.warning("store unavailable: %s", exc)
+        return respond(request, 503, "store_unavailable", "the adapter store is unreachable; retry shortly",
+                       headers={"Retry-After": "2"})
 
     @app.exception_handler(StoreError)
     async def _store(request: Request, exc: StoreError) -> JSONResponse:

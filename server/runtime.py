@@ -16,7 +16,8 @@ from typing import Any
 from adapters_store.backbone import Backbone, load_backbone
 from adapters_store.errors import StoreError
 from adapters_store.inject import RoutedModel
-from adapters_store.store import Store
+from adapters_store.store_base import BaseStore as Store
+from adapters_store.stores import open_store
 from server import openmp
 from server.adapters.breaker import CircuitBreaker
 from server.adapters.cache import AdapterCache
@@ -32,7 +33,7 @@ from training.precision import resolve_autocast
 log = logging.getLogger("polyserve")
 
 def _maybe_install_default_inventory(store: Store, backbone_spec: str) -> bool:
-    if backbone_spec != "default" or store.has_inventory() or store.list_tasks():
+    if backbone_spec != "default" or store.has_inventory() or store.task_stamps():
         return False
     try:
         from training.default_inventory import install_default_inventory  # type: ignore[import-not-found]
@@ -71,7 +72,7 @@ class Runtime:
         openmp.use_threads(threads)
         log.info("torch threads: %d; OpenMP spin: %s", threads, openmp.state())
         bb = backbone or load_backbone(settings.backbone, device=settings.device, dtype=settings.backbone_dtype)
-        store = Store(settings.store_dir)
+        store = open_store(settings.store_location, cache_dir=settings.home.expanduser() / "inventories")
         _maybe_install_default_inventory(store, settings.backbone)
         routed, cache, l2 = None, None, None
         if store.has_inventory():

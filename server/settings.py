@@ -26,7 +26,7 @@ class Settings(BaseSettings):
     model_config = SettingsConfigDict(env_prefix="POLYSERVE_", extra="ignore")
 
     home: Path = Field(default_factory=_default_home)
-    store: Path | None = None  # default: $POLYSERVE_HOME/store
+    store: str | None = None  # a directory (default: $POLYSERVE_HOME/store) or a postgresql:// DSN
     backbone: str = "default"  # "default" | "tiny" | a local HF directory
     engine: Literal["native", "vllm"] = "native"  # the data plane (server.engines)
     device: str = "cpu"
@@ -109,6 +109,11 @@ class Settings(BaseSettings):
             raise ValueError(f"device must be cpu, cuda[:N] or mps, got {value!r}")
         return value
 
+    @field_validator("store", mode="before")
+    @classmethod
+    def _store_as_text(cls, value: object) -> object:
+        return str(value) if isinstance(value, Path) else value
+
     @field_validator("dtype")
     @classmethod
     def _check_dtype(cls, value: str | None) -> str | None:
@@ -119,16 +124,19 @@ class Settings(BaseSettings):
     @model_validator(mode="after")
     def _defaults(self) -> Settings:
         if self.store is None:
-            self.store = self.home / "store"
+            self.store = str(self.home / "store")
         if self.max_step_tokens <= self.max_batch_rows:
             raise ValueError(f"max_step_tokens ({self.max_step_tokens}) must exceed max_batch_rows "
                              f"({self.max_batch_rows}): a step holds every decoding row's token and prompt chunks")
         return self
 
     @property
-    def store_dir(self) -> Path:
+    def store_location(self) -> str:
+        """The store: a postgresql:// DSN as given, or the directory with ~ expanded."""
         assert self.store is not None
-        return self.store.expanduser()
+        if self.store.startswith(("postgresql://", "postgres://")):
+            return self.store
+        return str(Path(self.store).expanduser())
 
     @property
     def serving_dtype(self) -> str:

@@ -230,8 +230,14 @@ def pause():
 
 store = Store(root)
 if point == "weights-written":  # inside the commit: weights file written, record not yet
-    real = store.put_record
-    store.put_record = lambda record: pause() if record.status == "ready" else real(record)
+    from adapters_store.atomic import atomic_write_bytes
+    real = store._commit_task
+    def commit(record, blob, previous):
+        if record.status != "ready":
+            return real(record, blob, previous)
+        atomic_write_bytes(store._task_dir(record.id) / record.file, blob)
+        pause()
+    store._commit_task = commit
 else:  # "record-written": the commit point passed, the job not yet marked succeeded
     real_put_job = store.put_job
     store.put_job = lambda job: pause() if job["status"] == "succeeded" else real_put_job(job)

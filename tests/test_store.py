@@ -1,4 +1,5 @@
-"""The adapter store: atomic writes, fingerprints, id validation, task independence."""
+"""The directory store's own behaviour: files, atomic writes, crashes, temp sweeps (the semantics
+every backend shares are in test_store_contract.py)."""
 
 from __future__ import annotations
 
@@ -10,7 +11,7 @@ import torch
 from torch.testing import assert_close
 
 from adapters_store import atomic
-from adapters_store.errors import FingerprintMismatch, JobNotFound, StoreError, TaskNotFound
+from adapters_store.errors import StoreError
 from adapters_store.spec import InventorySpec
 from adapters_store.store import Store
 
@@ -35,34 +36,12 @@ def store(tmp_path) -> Store:
     return s
 
 
-def test_inventory_round_trip(store):
-    info, tensors = store.load_inventory("llama-abc")
-    assert info.spec == SPEC and info.layer_names == tuple(NAMES) and info.layer_dims == tuple(DIMS)
-    for key, value in skills().items():
-        assert torch.equal(tensors[key], value)
-    assert info.routing_params == 2 * 2 * 3
-
-
-def test_wrong_backbone_is_refused(store):
-    with pytest.raises(FingerprintMismatch, match="llama-abc.*llama-other"):
-        store.load_inventory("llama-other")
-
-
-def test_routing_round_trip_and_versions(store):
+def test_a_rewritten_task_keeps_one_weights_file(store):
     logits = torch.randn(2, 2, 3)
-    rec = store.put_routing("t1", logits, method="mhr", source={"how": "test"})
-    assert rec.version == 1 and rec.status == "ready" and rec.params == 12
-    assert_close(store.load_routing("t1"), logits)
-    rec2 = store.put_routing("t1", logits + 1)
-    assert rec2.version == 2 and rec2.cache_version != rec.cache_version
-    assert rec2.created_at == rec.created_at
+    store.put_routing("t1", logits)
+    store.put_routing("t1", logits + 1)
     assert_close(store.load_routing("t1"), logits + 1)
     assert len(list((store.root / "tasks" / "t1").glob("routing-*.safetensors"))) == 1
-
-
-def test_routing_shape_checked(store):
-    with pytest.raises(StoreError, match="shape"):
-        store.put_routing("t1", torch.randn(2, 2, 4))
 
 
 def test_adding_a_task_keeps_other_tasks_bit_identical(store):
@@ -141,25 +120,6 @@ def test_opening_a_store_leaves_another_process_write_in_progress_alone(store):
     assert atomic.sweep_temp_files(store.root, now=time.time() + atomic.SWEEP_GRACE_SECONDS + 1) == 1
 
 
-def test_delete_and_not_found(store):
-    store.put_routing("t1", torch.randn(2, 2, 3))
-    store.delete_task("t1")
-    assert not store.has_task("t1")
-    with pytest.raises(TaskNotFound, match="'t1' not found"):
-        store.get_task("t1")
-    with pytest.raises(TaskNotFound):
-        store.delete_task("t1")
-
-
-def test_jobs(store):
-    store.put_job({"id": "job-abc123", "status": "queued"})
-    assert store.get_job("job-abc123")["status"] == "queued"
-    assert [j["id"] for j in store.list_jobs()] == ["job-abc123"]
-    for bad in ["../etc/passwd", "job-../x", "x"]:
-        with pytest.raises(JobNotFound):
-            store.get_job(bad)
-
-
 def test_tampered_skills_detected(store):
     path = store.root / "inventory" / "skills.safetensors"
     from safetensors.torch import save
@@ -175,12 +135,3 @@ def test_no_pickle_anywhere(store):
     assert suffixes <= {".json", ".safetensors", ""}
 
 
-def test_task_stamps_change_on_every_write_and_delete(store):
-    store.put_routing("a", torch.randn(2, 2, 3))
-    first = store.task_stamps()
-    assert set(first) == {"a"}
-    store.put_routing("a", torch.randn(2, 2, 3))
-    second = store.task_stamps()
-    assert second["a"] != first["a"]
-    store.delete_task("a")
-    assert store.task_stamps() == {}

@@ -4,7 +4,7 @@
     training/default_inventory/tasks/<id>/task.json, routing-<v>-<digest>.safetensors
 
 (the store layout, with the training tasks' routing rows). `install_default_inventory(store)`
-copies it into a working store that has no inventory; nothing is ever written into the
+copies it into a working store (any backend) that has no inventory; nothing is ever written into the
 package directory at run time. `python -m training.default_inventory --from-store DIR` refreshes
 the package data from a freshly trained store (a development step, see
 scripts/train_default_inventory.sh).
@@ -17,9 +17,11 @@ import json
 import shutil
 from pathlib import Path
 
-from adapters_store.atomic import atomic_write_bytes, read_json
+from adapters_store.atomic import read_json
 from adapters_store.ids import validate_task_id
+from adapters_store.records import InventoryInfo, TaskRecord
 from adapters_store.store import Store
+from adapters_store.store_base import BaseStore
 
 PACKAGE_DIR = Path(__file__).resolve().parent / "default_inventory"
 
@@ -33,31 +35,33 @@ def _task_dirs(src: Path) -> list[Path]:
     return sorted(p.parent for p in (src / "tasks").glob("*/task.json"))
 
 
-def install_default_inventory(store: Store, source: Path | None = None) -> bool:
+def install_default_inventory(store: BaseStore, source: Path | None = None) -> bool:
     """Copy the shipped inventory and its tasks' routing rows into `store` if it has no inventory.
 
     Returns True if it copied, False if the store already had an inventory (left untouched)
     or no default inventory is shipped. Tasks the store already has are never overwritten.
-    Files are written atomically, each task's task.json last (its commit point).
+    Processes starting together install it once (`BaseStore.install_once`); every task and the
+    inventory are checked against their digests on the way in; the inventory goes last.
     """
     src = Path(source) if source is not None else PACKAGE_DIR
-    if store.has_inventory() or not default_inventory_available(src):
+    if not default_inventory_available(src):
         return False
+    return store.install_once(lambda target: _install(target, src))
+
+
+def _install(store: BaseStore, src: Path) -> bool:
     for task_dir in _task_dirs(src):
         task = validate_task_id(task_dir.name)
         if store.has_task(task):
             continue
-        record = read_json(task_dir / "task.json")
-        if record.get("id") != task or not record.get("file"):
+        data = read_json(task_dir / "task.json")
+        if data.get("id") != task or not data.get("file"):
             raise ValueError(f"{task_dir}/task.json does not describe task {task!r}")
-        weights = task_dir / Path(record["file"]).name
-        dest = store.root / "tasks" / task
-        atomic_write_bytes(dest / weights.name, weights.read_bytes())
-        atomic_write_bytes(dest / "task.json", (task_dir / "task.json").read_bytes())
+        record = TaskRecord.from_json(data)
+        store.import_task(record, (task_dir / Path(str(record.file)).name).read_bytes())
     # The inventory last: a crash before this leaves a store that installs again on next start.
-    inv = store.root / "inventory"
-    atomic_write_bytes(inv / "skills.safetensors", (src / "inventory" / "skills.safetensors").read_bytes())
-    atomic_write_bytes(inv / "inventory.json", (src / "inventory" / "inventory.json").read_bytes())
+    info = InventoryInfo.from_json(read_json(src / "inventory" / "inventory.json"))
+    store.import_inventory(info, (src / "inventory" / "skills.safetensors").read_bytes())
     return True
 
 

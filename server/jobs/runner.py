@@ -8,25 +8,26 @@ runs on a builder thread; the engine's slice only waits for it up to BUILD_WAIT.
 
 Persistence: the job record (store/jobs/<id>.json) is rewritten atomically on every transition
 and at most every `persist_every` seconds while running; the task's registry entry says
-"training" until the weights are committed. The process running a job holds an fcntl lock on
-store/jobs/locks/<id>.lock, so `recover()` (at start-up, any replica) can tell a job whose
-process died — lock free, status not terminal — and mark it failed with reason "interrupted".
+"training" until the weights are committed. The process running a job holds the store's claim on
+it (`Store.hold_job`: an fcntl lock in a directory store, an advisory lock on its own connection in
+PostgreSQL; both end with the process), so `recover()` (at start-up, any replica) can tell a job
+whose process died — claim free, status not terminal — and mark it failed with reason "interrupted".
 """
 
 from __future__ import annotations
 
-import fcntl
 import logging
 import threading
 import time
 from collections import deque
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor, wait
-from typing import IO, Any, Protocol
+from typing import Any, Protocol
 
 from adapters_store.errors import TaskNotFound
 from adapters_store.records import TaskRecord
-from adapters_store.store import Store
+from adapters_store.store_base import BaseStore as Store
+from adapters_store.store_base import JobHold
 from server import openmp
 from server.jobs.model import Job, new_job_id
 
@@ -68,7 +69,7 @@ class JobRunner:
         self._done: list[tuple[Job, str, dict[str, str] | None]] = []  # finished, not yet settled
         self._queue: deque[str] = deque()
         self._jobs: dict[str, Job] = {}
-        self._locks: dict[str, IO[str]] = {}
+        self._holds: dict[str, JobHold] = {}
         self._current: tuple[Job, AdaptationLike] | None = None
         self._starting: tuple[Job, Future] | None = None  # being built on the builder thread
         self._builder = ThreadPoolExecutor(max_workers=1, thread_name_prefix="polyserve-job-build",
@@ -89,16 +90,15 @@ class JobRunner:
             self.store.put_job(data)
 
     def _hold_lock(self, job_id: str) -> None:
-        f = open(self.store.job_lock_path(job_id), "a+")  # noqa: SIM115 - held until the job ends
-        fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        self._locks[job_id] = f
+        hold = self.store.hold_job(job_id)  # a new id: nobody else can hold it
+        if hold is None:
+            raise RuntimeError(f"job {job_id} is already claimed by another process")
+        self._holds[job_id] = hold
 
     def _release_lock(self, job_id: str) -> None:
-        f = self._locks.pop(job_id, None)
-        if f is not None:
-            fcntl.flock(f, fcntl.LOCK_UN)
-            f.close()
-            self.store.job_lock_path(job_id).unlink(missing_ok=True)
+        hold = self._holds.pop(job_id, None)
+        if hold is not None:
+            hold.release()
 
     @property
     def pending(self) -> int:
@@ -349,32 +349,25 @@ class JobRunner:
             job = Job.from_json(data)
             if job.finished or job.id in self._jobs:
                 continue
+            hold = self.store.hold_job(job.id)  # a live owner would hold it
+            if hold is None:
+                continue  # another live replica runs it
             try:
-                with open(self.store.job_lock_path(job.id), "a+") as f:
-                    fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)  # a live owner would hold it
-                    job = Job.from_json(self.store.get_job(job.id))  # it may have finished meanwhile
-                    if job.finished:
-                        fcntl.flock(f, fcntl.LOCK_UN)
-                        continue
-                    if self._committed(job):  # killed after the commit point, before the job said so
-                        job.transition("succeeded")
-                        job.add_event("status", "recovered: the result was committed before the server stopped")
-                        self._persist(job)
-                        fcntl.flock(f, fcntl.LOCK_UN)
-                        self.store.job_lock_path(job.id).unlink(missing_ok=True)
-                        recovered.append(job.id)
-                        self.on_task_changed(job.task)
-                        continue
-                    if job.status == "queued":
-                        job.transition("failed", error={"type": "interrupted", "message": "interrupted: the server stopped before the job ran"})
-                    else:
-                        job.transition("failed", error={"type": "interrupted", "message": "interrupted: the server stopped while the job was running"})
+                job = Job.from_json(self.store.get_job(job.id))  # it may have finished meanwhile
+                if job.finished:
+                    continue
+                if self._committed(job):  # killed after the commit point, before the job said so
+                    job.transition("succeeded")
+                    job.add_event("status", "recovered: the result was committed before the server stopped")
+                    self._persist(job)
+                else:
+                    reason = "before the job ran" if job.status == "queued" else "while the job was running"
+                    job.transition("failed", error={"type": "interrupted",
+                                                    "message": f"interrupted: the server stopped {reason}"})
                     self._persist(job)
                     _mark_task_not_ready(self.store, job, "failed", job.error)
-                    fcntl.flock(f, fcntl.LOCK_UN)
-            except BlockingIOError:
-                continue  # another live replica runs it
-            self.store.job_lock_path(job.id).unlink(missing_ok=True)
+            finally:
+                hold.release()
             recovered.append(job.id)
             self.on_task_changed(job.task)
         return recovered

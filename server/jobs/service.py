@@ -33,7 +33,10 @@ class Registration:
         self.sync = ReplicaSync(rt.settings.redis_url, self._changed_elsewhere, replica_id=self.replica_id,
                                 rescan_every=rescan_every, on_redis_error=rt.metrics.redis_errors.inc)
         self._submit_lock = threading.Lock()
-        self._versions: dict[str, tuple[int, int]] = {}
+        self._versions: dict[str, Any] = {}
+        self._cursor: int | None = None  # the store's change cursor at the last re-scan
+        self._quiet = 0  # re-scans in a row that found the cursor where it was
+        self._unsubscribe: Any = None
 
     def start(self) -> list[str]:
         self.prune()
@@ -42,10 +45,13 @@ class Registration:
             log.warning("job of task %r was interrupted by a restart; marked failed", task)
         self._versions = self._snapshot()
         self.sync.start()
+        self._unsubscribe = self.rt.store.subscribe(self._changed_elsewhere)  # PostgreSQL: LISTEN
         return recovered
 
     def close(self) -> None:
         self.sync.stop()
+        if self._unsubscribe is not None:
+            self._unsubscribe()
 
     def prune(self) -> int:
         """Forget finished jobs older than the retention (at start and before each new job)."""
@@ -147,13 +153,23 @@ class Registration:
         if task is not None:
             self._forget(task)
             return
+        cursor = self.rt.store.change_cursor()
+        if cursor is not None:  # one O(1) read instead of every task's stamp
+            if cursor != self._cursor:
+                self._cursor, self._quiet = cursor, 0
+            else:
+                self._quiet += 1
+                # a write takes its number before it commits: compare the stamps once more after
+                # the cursor stops moving, then rest until it moves again
+                if self._quiet >= 2:
+                    return
         now = self._snapshot()
         for changed in {t for t in now.keys() | self._versions.keys() if now.get(t) != self._versions.get(t)}:
             self._forget(changed)
         self._versions = now
 
-    def _snapshot(self) -> dict[str, tuple[int, int]]:
-        """Stats only (no JSON reads): the re-scan runs every second whatever the task count."""
+    def _snapshot(self) -> dict[str, Any]:
+        """Stamps only (no record is read): the re-scan runs every second whatever the task count."""
         return self.rt.store.task_stamps()
 
     def _finished(self, job: Job) -> None:

@@ -1,0 +1,23 @@
+"""Open the store a location names: a PostgreSQL DSN (the fleet store) or a directory (the
+embedded default)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from adapters_store.store import Store
+from adapters_store.store_base import BaseStore
+
+
+def is_dsn(location: str | Path) -> bool:
+    return isinstance(location, str) and location.startswith(("postgresql://", "postgres://"))
+
+
+def open_store(location: str | Path, *, cache_dir: str | Path | None = None) -> BaseStore:
+    """`cache_dir`: where a PostgreSQL store keeps this node's copy of the inventory's skills
+    (normally $POLYSERVE_HOME/inventories); unused by a directory store."""
+    if is_dsn(location):
+        from adapters_store.pg_store import PostgresStore  # psycopg only where a DSN is used
+
+        return PostgresStore(str(location), cache_dir=cache_dir)
+    return Store(Path(location).expanduser())

@@ -1,0 +1,319 @@
+"""The store contract, run against every backend: the directory store and the PostgreSQL store
+(a fresh database on the real server per test). Backend-specific behaviour (files, fcntl, temp
+sweeps; schema migrations) is tested in test_store.py and test_pg_store.py."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import time
+
+import pytest
+import torch
+from safetensors.torch import save as st_save
+from torch.testing import assert_close
+
+from adapters_store.errors import FingerprintMismatch, JobNotFound, StoreError, TaskNotFound
+from adapters_store.records import TaskRecord
+from adapters_store.spec import InventorySpec
+from adapters_store.store import Store
+from adapters_store.store_base import BaseStore
+from adapters_store.stores import open_store
+from tests.pg_utils import temp_database
+
+NAMES = ["m.layers.0.q_proj", "m.layers.0.v_proj"]
+DIMS = [(8, 8), (8, 4)]
+SPEC = InventorySpec(n_skills=3, n_heads=2, rank=2, target_modules=("q_proj", "v_proj"))
+
+
+def skills(seed: int = 0) -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    out = {}
+    for name, (d_in, d_out) in zip(NAMES, DIMS, strict=True):
+        out[f"{name}.A"] = torch.randn(2, 3, d_in // 2, 2, generator=g)
+        out[f"{name}.B"] = torch.randn(2, 3, 2, d_out // 2, generator=g)
+    return out
+
+
+@pytest.fixture(params=["directory", "postgresql"])
+def location(request, tmp_path):
+    """Where a store lives: a directory, or the DSN of a fresh database."""
+    if request.param == "directory":
+        yield str(tmp_path / "store")
+    else:
+        with temp_database() as dsn:
+            yield dsn
+
+
+@pytest.fixture
+def empty(location, tmp_path) -> BaseStore:
+    store = open_store(location, cache_dir=tmp_path / "node-cache")
+    yield store
+    close = getattr(store, "close", None)
+    if close:
+        close()
+
+
+@pytest.fixture
+def store(empty) -> BaseStore:
+    empty.save_inventory(SPEC, NAMES, DIMS, skills(), backbone_fingerprint="llama-abc", backbone_name="tiny")
+    return empty
+
+
+def test_inventory_round_trip_and_fingerprint(store):
+    info, tensors = store.load_inventory("llama-abc")
+    assert info.spec == SPEC and info.layer_names == tuple(NAMES) and info.layer_dims == tuple(DIMS)
+    for key, value in skills().items():
+        assert torch.equal(tensors[key], value)
+    with pytest.raises(FingerprintMismatch, match="llama-abc.*llama-other"):
+        store.load_inventory("llama-other")
+
+
+def test_no_inventory_is_a_clear_error(empty):
+    assert not empty.has_inventory()
+    with pytest.raises(StoreError, match="no skill inventory"):
+        empty.inventory_info()
+
+
+def test_a_new_inventory_replaces_the_old_and_import_checks_its_digest(store):
+    new = store.save_inventory(SPEC, NAMES, DIMS, skills(1), backbone_fingerprint="llama-abc")
+    assert store.inventory_info().version == new.version
+    assert torch.equal(store.load_inventory()[1][f"{NAMES[0]}.A"], skills(1)[f"{NAMES[0]}.A"])
+    with pytest.raises(StoreError, match="do not match"):
+        store.import_inventory(new, st_save(skills(2)))
+    assert store.inventory_info().version == new.version
+
+
+def test_routing_versions_and_shape(store):
+    logits = torch.randn(2, 2, 3)
+    rec = store.put_routing("t1", logits, method="mhr", source={"how": "test"})
+    assert rec.version == 1 and rec.status == "ready" and rec.params == 12
+    assert rec.inventory_version == store.inventory_info().version
+    assert_close(store.load_routing("t1"), logits)
+    rec2 = store.put_routing("t1", logits + 1)
+    assert rec2.version == 2 and rec2.cache_version != rec.cache_version and rec2.created_at == rec.created_at
+    assert_close(store.load_routing("t1"), logits + 1)
+    assert store.get_task("t1") == rec2
+    with pytest.raises(StoreError, match="shape"):
+        store.put_routing("t1", torch.randn(2, 2, 4))
+    assert store.get_task("t1").version == 2
+
+
+def test_plain_lora_and_kinds(store):
+    lora = {"x.A": torch.randn(8, 2), "x.B": torch.randn(2, 8)}
+    rec = store.put_lora("c", lora, method="full")
+    assert rec.kind == "lora" and rec.params == 32
+    loaded = store.load_weights(rec)
+    assert all(torch.equal(loaded[k], v) for k, v in lora.items())
+    with pytest.raises(StoreError, match="not a routing row"):
+        store.load_routing("c")
+
+
+def test_writing_one_task_leaves_the_others_identical(store):
+    store.put_routing("a", torch.randn(2, 2, 3))
+    before = store.get_task("a"), store.load_routing("a")
+    store.put_routing("b", torch.randn(2, 2, 3))
+    store.put_lora("c", {"x.A": torch.randn(8, 2), "x.B": torch.randn(2, 8)}, method="full")
+    store.delete_task("b")
+    assert store.get_task("a") == before[0] and torch.equal(store.load_routing("a"), before[1])
+    assert [r.id for r in store.list_tasks()] == ["a", "c"]
+
+
+@pytest.mark.parametrize("bad", ["../x", "", "a" * 65, "Upper", "a/b", "..", "x\n", "x'; DROP TABLE tasks; --"])
+def test_bad_task_ids_are_refused_everywhere(store, bad):
+    for call in (lambda: store.put_routing(bad, torch.randn(2, 2, 3)), lambda: store.get_task(bad),
+                 lambda: store.delete_task(bad), lambda: store.has_task(bad)):
+        with pytest.raises(ValueError, match="task id"):
+            call()
+    assert store.list_tasks() == []
+
+
+def test_delete_and_not_found(store):
+    store.put_routing("t1", torch.randn(2, 2, 3))
+    assert store.delete_task("t1").id == "t1"
+    assert not store.has_task("t1")
+    with pytest.raises(TaskNotFound, match="'t1' not found"):
+        store.get_task("t1")
+    with pytest.raises(TaskNotFound):
+        store.delete_task("t1")
+
+
+def _placeholder(store, task="t", job="job-aaaaaa"):
+    return store.put_record(TaskRecord(id=task, method="routing", status="training", version=0,
+                                       created_at=time.time(), updated_at=time.time(), job_id=job))
+
+
+def test_settle_placeholder_removes_fails_or_leaves_alone(store):
+    _placeholder(store)
+    store.settle_placeholder("t", "job-aaaaaa", error=None)  # cancelled: removed
+    assert not store.has_task("t")
+    _placeholder(store)
+    store.settle_placeholder("t", "job-aaaaaa", error="boom")  # failed: kept, marked
+    assert store.get_task("t").status == "failed" and store.get_task("t").error == "boom"
+    _placeholder(store, job="job-bbbbbb")
+    store.settle_placeholder("t", "job-aaaaaa", error=None)  # another job's now: untouched
+    assert store.get_task("t").job_id == "job-bbbbbb" and store.get_task("t").status == "training"
+    store.put_routing("t", torch.randn(2, 2, 3), job_id="job-bbbbbb")
+    store.settle_placeholder("t", "job-bbbbbb", error="late")  # committed: untouched
+    assert store.get_task("t").status == "ready"
+    store.settle_placeholder("gone", "job-bbbbbb", error="x")  # absent: nothing happens
+    assert not store.has_task("gone")
+
+
+def test_a_failed_record_keeps_serving_nothing_and_weights_stay_readable_only_when_ready(store):
+    rec = store.put_routing("t", torch.randn(2, 2, 3), job_id="job-aaaaaa")
+    failed = TaskRecord(**{**rec.to_json(), "status": "failed", "error": "x"})
+    store.put_record(failed)
+    with pytest.raises(StoreError, match="no weights"):
+        store.load_weights(store.get_task("t"))
+
+
+def test_routing_rows_newest_first_current_inventory_only(store):
+    for i, task in enumerate(["old", "mid", "new"]):
+        store.put_routing(task, torch.full((2, 2, 3), float(i)))
+        time.sleep(0.01)
+    store.put_lora("plain", {"x.A": torch.randn(8, 2), "x.B": torch.randn(2, 8)}, method="full")
+    _placeholder(store, task="pending")
+    rows = store.routing_rows(limit=2)
+    assert list(rows) == ["new", "mid"] and torch.equal(rows["new"], torch.full((2, 2, 3), 2.0))
+    assert list(store.routing_rows(limit=10, exclude="new")) == ["mid", "old"]
+    store.save_inventory(SPEC, NAMES, DIMS, skills(1), backbone_fingerprint="llama-abc")
+    assert store.routing_rows(limit=10) == {}  # rows made for another inventory are not candidates
+
+
+def test_import_task_keeps_the_record_and_checks_the_digest(store, tmp_path):
+    rec = store.put_routing("a", torch.randn(2, 2, 3))
+    blob = store.weights_bytes(rec)
+    other = open_store(tmp_path / "other")
+    other.import_task(rec, blob)
+    assert other.get_task("a") == rec and torch.equal(other.load_routing("a"), store.load_routing("a"))
+    with pytest.raises(StoreError, match="digest"):
+        other.import_task(TaskRecord(**{**rec.to_json(), "id": "b"}), st_save({"logits": torch.zeros(2, 2, 3)}))
+    assert not other.has_task("b")
+
+
+def test_task_stamps_change_on_every_write_and_delete(store):
+    store.put_routing("a", torch.randn(2, 2, 3))
+    first = store.task_stamps()
+    assert set(first) == {"a"}
+    store.put_routing("a", torch.randn(2, 2, 3))
+    assert store.task_stamps()["a"] != first["a"]
+    store.delete_task("a")
+    assert store.task_stamps() == {}
+
+
+def test_jobs_examples_cancel_and_prune(store):
+    store.put_job({"id": "job-abc123", "status": "queued"})
+    store.put_job_examples("job-abc123", [{"input": "a", "output": "b"}])
+    assert store.get_job("job-abc123")["status"] == "queued"
+    assert store.get_job_examples("job-abc123") == [{"input": "a", "output": "b"}]
+    assert [j["id"] for j in store.list_jobs()] == ["job-abc123"]
+    assert not store.cancel_requested("job-abc123")
+    store.request_cancel("job-abc123")
+    store.request_cancel("job-abc123")  # twice is fine
+    assert store.cancel_requested("job-abc123")
+    for bad in ["../etc/passwd", "job-../x", "x", "job-'; --"]:
+        with pytest.raises(JobNotFound):
+            store.get_job(bad)
+    with pytest.raises(JobNotFound):
+        store.get_job("job-zzzzzz")
+    now = time.time()
+    store.put_job({"id": "job-old111", "status": "succeeded", "finished_at": now - 100})
+    store.put_job({"id": "job-new222", "status": "failed", "finished_at": now})
+    store.put_job({"id": "job-run333", "status": "running"})
+    assert store.prune_jobs(older_than=now - 10) == 1
+    assert sorted(j["id"] for j in store.list_jobs()) == ["job-abc123", "job-new222", "job-run333"]
+    with pytest.raises(JobNotFound):
+        store.get_job("job-old111")
+
+
+HOLDER = r"""
+import sys, time
+from adapters_store.stores import open_store
+store = open_store(sys.argv[1])
+hold = store.hold_job(sys.argv[2])
+print("held" if hold is not None else "busy", flush=True)
+time.sleep(60)  # killed here
+"""
+
+
+def test_a_job_claim_is_exclusive_and_dies_with_its_process(store, location):
+    """hold_job: one holder at a time across processes; a SIGKILLed holder's claim is free again
+    (how recover() tells an interrupted job from one running elsewhere)."""
+    proc = subprocess.Popen([sys.executable, "-c", HOLDER, location, "job-abc123"], stdout=subprocess.PIPE,
+                            text=True)
+    try:
+        assert proc.stdout.readline().strip() == "held"
+        assert store.hold_job("job-abc123") is None
+        other = store.hold_job("job-xyz789")  # another job is free
+        assert other is not None
+        other.release()
+    finally:
+        proc.kill()
+        proc.wait()
+    deadline = time.time() + 10
+    while (hold := store.hold_job("job-abc123")) is None:
+        assert time.time() < deadline, "the dead holder's claim was never released"
+        time.sleep(0.05)
+    assert store.hold_job("job-abc123") is None  # now ours
+    hold.release()
+    again = store.hold_job("job-abc123")
+    assert again is not None
+    again.release()
+
+
+WRITER = r"""
+import sys, torch
+from adapters_store.stores import open_store
+store = open_store(sys.argv[1])
+for i in range(int(sys.argv[2])):
+    store.put_routing("shared", torch.full((2, 2, 3), float(i)))
+"""
+
+
+def test_concurrent_writers_from_two_processes_lose_no_version(store, location):
+    """Each write is one read-modify-write: two processes writing one task 15 times each end at
+    version 30 with a readable row (a lost update would leave fewer versions)."""
+    procs = [subprocess.Popen([sys.executable, "-c", WRITER, location, "15"]) for _ in range(2)]
+    assert [p.wait(timeout=120) for p in procs] == [0, 0]
+    record = store.get_task("shared")
+    assert record.version == 30
+    assert store.load_routing("shared").shape == (2, 2, 3)
+
+
+def test_directory_store_is_the_default_for_paths(tmp_path):
+    assert isinstance(open_store(tmp_path / "s"), Store)
+    assert isinstance(open_store(str(tmp_path / "s2")), Store)
+
+
+def test_change_cursor_moves_on_writes_and_deletes_or_is_absent(store):
+    first = store.change_cursor()
+    if isinstance(store, Store):
+        assert first is None  # a directory has no O(1) cursor: re-scans compare stamps
+        return
+    store.put_routing("a", torch.randn(2, 2, 3))
+    second = store.change_cursor()
+    assert second > first
+    assert store.change_cursor() == second  # reading it changes nothing
+    store.delete_task("a")
+    assert store.change_cursor() > second
+
+
+def test_subscribe_pushes_changes_made_by_other_processes(store, location):
+    seen: list[str | None] = []
+    stop = store.subscribe(seen.append)
+    if isinstance(store, Store):
+        assert stop is None
+        return
+    try:
+        time.sleep(0.5)  # LISTEN is registered
+        other = open_store(location)
+        other.put_routing("pushed", torch.randn(2, 2, 3))
+        other.delete_task("pushed")
+        deadline = time.time() + 5
+        while seen.count("pushed") < 2:
+            assert time.time() < deadline, seen
+            time.sleep(0.02)
+        other.close()
+    finally:
+        stop()
