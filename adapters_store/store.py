@@ -209,6 +209,8 @@ class Store:
                 kind=kind, file=filename, digest=digest,  # type: ignore[arg-type]
                 params=sum(t.numel() for t in tensors.values()),
                 source=source or {}, metrics=metrics or {}, job_id=job_id, inventory_version=inv_version,
+                # a new version keeps its owner (set by the registration's placeholder record)
+                owner=previous.owner if previous else None, shared=previous.shared if previous else False,
             )
             self.put_record(record)  # the commit point
             if previous and previous.file and previous.file != filename:

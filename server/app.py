@@ -19,6 +19,7 @@ from server.middleware import BodyLimit, RequestMetrics
 from server.routes import generate, health, jobs, metrics, openai, tasks
 from server.runtime import Runtime
 from server.settings import Settings
+from server.tenants import Directory
 
 log = logging.getLogger("polyserve")
 
@@ -63,6 +64,7 @@ def create_app(settings: Settings | None = None, *, backbone: Any = None) -> Fas
     app.state.metrics = metrics_
     app.state.runtime = None
     app.state.load_error = None
+    app.state.tenants = Directory(settings.api_keys, settings.admin_keys)  # names, weights, keys
     install_handlers(app)
     api_docs.install(app, settings)
     if settings.admin_keys and not settings.api_keys:

@@ -22,12 +22,15 @@ import logging
 import re
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field, fields
+from typing import Any
 
 from fastapi.responses import StreamingResponse
 from starlette.requests import Request
 
 from adapters_store.errors import TaskNotFound
+from server import tenants
 from server.engines.base import EngineStopped, QueueFull
+from server.engines.fair import TenantLimit
 from server.engines.request import (
     FinalEvent,
     GenRequest,
@@ -54,6 +57,7 @@ class Call:
     deadline: float  # event-loop time
     prompt_text: str
     names: dict[str, str]  # SamplingParams field -> request field (for error messages)
+    usage: Any = None  # server.usage.UsageLedger, once submitted: completions are counted there
 
 
 @dataclass
@@ -114,10 +118,11 @@ async def prepare(
         raise ApiError(422, "validation_error", f"logit_bias: token id {bad[0]} is not in the vocabulary "
                        f"(ids < {vocab})", param="logit_bias")
     too_long = ApiError(413, "too_large", "", param=prompt_field, code="context_length_exceeded")
+    tenant = tenants.current()
 
     def work() -> tuple[object, list[int], str]:
         try:
-            adapter = rt.registry.resolve(task)
+            adapter = rt.registry.resolve(task, tenant)
             prompt_format = rt.registry.prompt_format(task)
         except TaskNotFound:
             raise ApiError(404, "not_found", f"task {task!r} not found", param="model") from None
@@ -143,14 +148,27 @@ async def prepare(
     if len(ids) > s.max_prompt_tokens:
         too_long.message = f"{prompt_field} has {len(ids)} tokens, the limit is {s.max_prompt_tokens}"
         raise too_long
-    req = GenRequest(ids, params, adapter, task, id=new_request_id(id_prefix), handle=RequestHandle(loop))
+    req = GenRequest(ids, params, adapter, task, id=new_request_id(id_prefix), handle=RequestHandle(loop),
+                     tenant=tenant.name)
     return Call(req, deadline, text, names)
 
 
 def submit(rt: Runtime, call: Call) -> Call:
+    req = call.req
+    call.usage = usage = getattr(rt, "usage", None)  # a Runtime has one; unit tests' stand-ins may not
     try:
-        rt.engine.submit(call.req)
+        rt.engine.submit(req)
+    except TenantLimit as err:
+        if err.permanent:  # this request alone exceeds its tenant's cap: it can never run
+            raise ApiError(422, "validation_error", str(err), param="n" if err.limit == "rows" else None) from None
+        if usage is not None:
+            usage.refused(req.tenant, req.task)
+        rt.metrics.tenant_refused.labels(tenant=req.tenant, limit=err.limit).inc()
+        raise ApiError(429, "overloaded", f"{err} ({err.limit} limit); retry after {err.retry_after}s",
+                       {"Retry-After": str(err.retry_after)}) from None
     except QueueFull as err:
+        if usage is not None:
+            usage.refused(req.tenant, req.task)
         raise ApiError(429, "overloaded", str(err), {"Retry-After": str(err.retry_after)}) from None
     except EngineStopped:
         raise ApiError(503, "unavailable", "server is shutting down") from None
@@ -159,7 +177,14 @@ def submit(rt: Runtime, call: Call) -> Call:
         if param is not None:  # a sampling field this engine does not honour
             raise ApiError(400, "unsupported", str(err), param=param, code="unsupported_parameter") from None
         raise ApiError(413, "too_large", str(err), code="context_length_exceeded") from None
+    if usage is not None:
+        usage.request(req.tenant, req.task, len(req.prompt_ids))
     return call
+
+
+def _count(call: Call, final: FinalEvent) -> None:
+    if call.usage is not None:
+        call.usage.completion(call.req.tenant, call.req.task, final.completion_tokens)
 
 
 def check(final: FinalEvent) -> FinalEvent:
@@ -203,6 +228,8 @@ async def collect(request: Request, call: Call) -> list[Choice]:
     try:
         async with asyncio.timeout_at(call.deadline):
             async for event in req.handle:
+                if isinstance(event, FinalEvent):
+                    _count(call, event)
                 _absorb(choices, event)
     except TimeoutError:
         raise _timeout(call) from None
@@ -230,6 +257,7 @@ async def events(request: Request, call: Call) -> AsyncIterator[TokenEvent | Fin
             except TimeoutError:
                 raise _timeout(call) from None
             if isinstance(event, FinalEvent):
+                _count(call, event)
                 check(event)
             yield event
     finally:

@@ -80,12 +80,23 @@ class Settings(BaseSettings):
     # while requests are in flight, adaptation jobs get at most this share of the engine's time
     background_share: float = Field(default=0.2, gt=0, le=1)
     rescan_seconds: float = Field(default=1.0, gt=0)  # store re-scan for changes made by other replicas
+    # tenants (server/tenants.py; admission: server/engines/fair.py). None = the engine's own limit
+    tenant_max_queued: int | None = Field(default=None, ge=1)  # default: the tenant's weighted share of max_queue
+    tenant_max_rows: int | None = Field(default=None, ge=1)
+    tenant_kv_share: float = Field(default=1.0, gt=0, le=1)
+    tenant_fairness: bool = True  # off: one first-come-first-served queue, no per-tenant caps
+    usage_window_max_seconds: int = Field(default=24 * 3600, ge=60)  # GET /v1/usage keeps this much history
 
     @field_validator("api_keys", "admin_keys", mode="before")
     @classmethod
     def _split_keys(cls, value: Any) -> Any:
         if isinstance(value, str):
-            return [k.strip() for k in value.split(",") if k.strip()]
+            value = [k.strip() for k in value.split(",") if k.strip()]
+        if isinstance(value, list):
+            from server.tenants import parse_entry
+
+            for entry in value:
+                parse_entry(entry)  # ValueError naming the tenant, never the key
         return value
 
     @field_validator("vllm_args", mode="before")

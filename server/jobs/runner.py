@@ -127,19 +127,21 @@ class JobRunner:
     # -- API ----------------------------------------------------------------------------------
     def submit(
         self, task: str, examples: list[dict[str, str]], *, method: str, steps: int | None, seed: int | None,
-        serve_early: bool = False,
+        serve_early: bool = False, tenant: str | None = None, shared: bool = False,
     ) -> Job:
         """Persist the job and a "training" registry entry, then queue it. The caller has
-        validated the examples and checked that the task id is free."""
+        validated the examples and checked that the task id is free. tenant / shared: the task's
+        owner and whether every tenant may use it (server/ownership.py)."""
         job = Job(id=new_job_id(), task=task, method=method, steps=steps, seed=seed,
-                  n_examples=len(examples), owner=self.replica_id, serve_early=serve_early)
+                  n_examples=len(examples), owner=self.replica_id, serve_early=serve_early, tenant=tenant)
         job.add_event("status", f"job queued: {len(examples)} examples, method {method}")
         self._hold_lock(job.id)
         self.store.put_job_examples(job.id, examples)
         self._persist(job)
         now = time.time()
         self.store.put_record(TaskRecord(id=task, method=method, status="training", version=0,
-                                         created_at=now, updated_at=now, job_id=job.id))
+                                         created_at=now, updated_at=now, job_id=job.id, owner=tenant,
+                                         shared=shared))
         with self._lock:
             self._jobs[job.id] = job
             self._queue.append(job.id)

@@ -15,11 +15,13 @@ import threading
 import time
 from typing import Any
 
-from adapters_store.errors import TaskExists, TaskNotFound
+from adapters_store.errors import JobNotFound, TaskExists, TaskNotFound
 from adapters_store.ids import validate_new_task_id
 from server.jobs.model import Job
 from server.jobs.runner import JobRunner
+from server.ownership import can_see, can_see_job, owner_of_new_task
 from server.replicas import ReplicaSync
+from server.tenants import Tenant
 
 log = logging.getLogger(__name__)
 
@@ -58,7 +60,8 @@ class Registration:
 
     # -- HTTP-facing ----------------------------------------------------------------------------
     def submit(self, task: str, examples: list[dict[str, str]], method: str, steps: int | None,
-               seed: int | None, *, serve_early: bool = False) -> Job:
+               seed: int | None, *, serve_early: bool = False, tenant: Tenant | None = None,
+               shared: bool = False) -> Job:
         """Raises ValueError (bad / reserved id), TaskExists (409), RuntimeError (no inventory)."""
         validate_new_task_id(task)
         self.prune()
@@ -72,15 +75,19 @@ class Registration:
                     suffix = f" (job {record.job_id})" if record.status == "training" else ""
                     raise TaskExists(f"task {task!r} already exists with status {record.status!r}{suffix}")
             job = self.runner.submit(task, examples, method=method, steps=steps, seed=seed,
-                                     serve_early=serve_early and method != "retrieve")
+                                     serve_early=serve_early and method != "retrieve",
+                                     tenant=owner_of_new_task(tenant), shared=shared)
         self.rt.engine.add_background_task(self.runner.step)
         return job
 
-    def delete(self, task: str) -> None:
+    def delete(self, task: str, tenant: Tenant | None = None) -> None:
         """Works from any replica: a job training the task (here or elsewhere) is cancelled and
-        its commit, which checks under the same task lock, finds the task gone."""
+        its commit, which checks under the same task lock, finds the task gone. TaskNotFound
+        also when `tenant` may not see the task."""
         with self.rt.store.task_lock(task):
             record = self.rt.store.get_task(task)
+            if tenant is not None and not can_see(record, tenant, isolated=self.rt.registry.isolated):
+                raise TaskNotFound(task)  # someone else's task: as if it did not exist
             if record.job_id and (record.status == "training" or self._unfinished(record.job_id)):
                 self.cancel(record.job_id)  # serve_early: the task is ready while its job still trains
             cache = self.rt.cache
@@ -163,13 +170,18 @@ class Registration:
             metrics.adaptation_seconds.observe(job.finished_at - job.started_at)
 
     # -- reads ------------------------------------------------------------------------------------
-    def job(self, job_id: str) -> Job:
-        return self.runner.get(job_id)
+    def job(self, job_id: str, tenant: Tenant | None = None) -> Job:
+        """JobNotFound also when `tenant` may not see it (its task's owner and admins may)."""
+        job = self.runner.get(job_id)
+        if tenant is not None and not can_see_job(job.tenant, tenant, isolated=self.rt.registry.isolated):
+            raise JobNotFound(job_id)
+        return job
 
-    def cancel(self, job_id: str) -> Job:
+    def cancel(self, job_id: str, tenant: Tenant | None = None) -> Job:
         """This replica's job: cancelled at once (queued) or at its next slice (running). Another
         replica's (or an unknown one's) unfinished job: a cancel marker in the store, which its
         runner checks every slice."""
+        self.job(job_id, tenant)  # JobNotFound: unknown, or not the caller's
         if self.runner.owns(job_id):
             return self.runner.cancel(job_id)
         job = self.runner.get(job_id)  # JobNotFound -> 404
