@@ -23,7 +23,8 @@ def _default_home() -> Path:
 
 
 class Settings(BaseSettings):
-    model_config = SettingsConfigDict(env_prefix="POLYSERVE_", extra="ignore")
+    # hide_input_in_errors: a refused setting is never echoed (keys, secrets, URLs with passwords)
+    model_config = SettingsConfigDict(env_prefix="POLYSERVE_", extra="ignore", hide_input_in_errors=True)
 
     home: Path = Field(default_factory=_default_home)
     store: Path | None = None  # default: $POLYSERVE_HOME/store
