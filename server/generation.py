@@ -121,9 +121,9 @@ async def prepare(
     tenant = tenants.current()
 
     def work() -> tuple[object, list[int], str]:
+        # the prompt is checked before any work for it (adapter resolution, decoding, tokenising)
         try:
-            adapter = rt.registry.resolve(task, tenant)
-            prompt_format = rt.registry.prompt_format(task)
+            prompt_format = rt.registry.prompt_format(task, tenant)
         except TaskNotFound:
             raise ApiError(404, "not_found", f"task {task!r} not found", param="model") from None
         except ValueError as err:
@@ -133,10 +133,18 @@ async def prepare(
         except ValueError as err:  # unknown prompt format, unrenderable messages
             raise ApiError(400, "invalid_request", str(err), param=prompt_field) from None
         if isinstance(rendered, list):
+            check_token_ids(rendered, vocab, s.max_prompt_tokens, prompt_field)
+        else:
+            check_text(rendered, prompt_field)
+            if len(rendered) > 16 * s.max_prompt_tokens + 1024:  # cheap bound before tokenising
+                too_long.message = f"{prompt_field} is longer than max_prompt_tokens={s.max_prompt_tokens}"
+                raise too_long
+        try:
+            adapter = rt.registry.resolve(task, tenant)
+        except TaskNotFound:
+            raise ApiError(404, "not_found", f"task {task!r} not found", param="model") from None
+        if isinstance(rendered, list):
             return adapter, rendered, rt.tokenizer.decode(rendered)
-        if len(rendered) > 16 * s.max_prompt_tokens + 1024:  # cheap bound before tokenising
-            too_long.message = f"{prompt_field} is longer than max_prompt_tokens={s.max_prompt_tokens}"
-            raise too_long
         ids = list(rt.tokenizer(rendered, add_special_tokens=special_tokens).input_ids)
         return adapter, ids, rendered
 
@@ -151,6 +159,28 @@ async def prepare(
     req = GenRequest(ids, params, adapter, task, id=new_request_id(id_prefix), handle=RequestHandle(loop),
                      tenant=tenant.name)
     return Call(req, deadline, text, names)
+
+
+def check_token_ids(ids: list, vocab: int, max_tokens: int, field: str) -> None:
+    """A token-id prompt, before anything reads it: its length, then every id an int in
+    [0, vocab) (a huge integer is just out of range here, never an overflow further on)."""
+    if len(ids) > max_tokens:
+        raise ApiError(413, "too_large", f"{field} has {len(ids)} tokens, the limit is {max_tokens}", param=field,
+                       code="context_length_exceeded")
+    bad = next((i for i, t in enumerate(ids) if type(t) is not int or not 0 <= t < vocab), None)
+    if bad is not None:
+        raise ApiError(422, "validation_error", f"{field}: token id at position {bad} is not in [0, {vocab})",
+                       param=field)
+
+
+def check_text(text: str, field: str) -> None:
+    """Text a tokenizer can take: JSON may carry an unpaired UTF-16 surrogate (\\ud800), which
+    is no Unicode character (the tokenizer would fail on it)."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as err:
+        raise ApiError(400, "invalid_request", f"{field}: holds an unpaired UTF-16 surrogate at position "
+                       f"{err.start}", param=field) from None
 
 
 def submit(rt: Runtime, call: Call) -> Call:

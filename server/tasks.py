@@ -92,11 +92,16 @@ class TaskRegistry:
             raise TaskNotReady(task, f"trained on inventory {record.inventory_version}")
         return self.cache.get(record)
 
-    def prompt_format(self, task: str) -> str:
-        """The prompt format `task` was trained with (`base`: the default one). Blocking."""
+    def prompt_format(self, task: str, tenant: Tenant | None = None) -> str:
+        """The prompt format `task` was trained with (`base`: the default one). Blocking.
+        Raises ValueError (malformed id), TaskNotFound (also: `tenant` may not see it)."""
+        validate_task_id(task)
         if task == BASE:
             return DEFAULT_PROMPT_FORMAT
-        return self.store.get_task(task).prompt_format
+        record = self.store.get_task(task)
+        if not can_see(record, tenant, isolated=self.isolated):
+            raise TaskNotFound(task)
+        return record.prompt_format
 
     def forget(self, task: str) -> int:
         """A task changed or went away: drop its cached adapters and refresh the gauge."""
