@@ -22,6 +22,7 @@ import asyncio
 import json
 import statistics
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -109,8 +110,12 @@ def main() -> None:
     ap.add_argument("--rows", type=int, default=32, help="POLYSERVE_MAX_BATCH_ROWS")
     ap.add_argument("--tenant-rows", type=int, default=28, help="POLYSERVE_TENANT_MAX_ROWS (fair variant)")
     ap.add_argument("--threads", type=int, default=None)
+    ap.add_argument("--backbone", default="default", help="default | tiny (a random tiny Llama: the scheduler "
+                    "under a fast step) | a Hugging Face directory; served as `base` from an empty store")
     args = ap.parse_args()
-    base = {"POLYSERVE_API_KEYS": ",".join(f"{n}:{k}" for n, k in KEYS.items()),
+    store = tempfile.mkdtemp(prefix="tenant-fairness-")
+    base = {"POLYSERVE_API_KEYS": ",".join(f"{n}:{k}" for n, k in KEYS.items()), "POLYSERVE_STORE": store,
+            "POLYSERVE_BACKBONE": args.backbone,
             "POLYSERVE_MAX_BATCH_ROWS": str(args.rows), "POLYSERVE_MAX_QUEUE": "256"}
     if args.threads:
         base["POLYSERVE_THREADS"] = str(args.threads)
@@ -127,6 +132,7 @@ def main() -> None:
                                                                  for k, v in row.items()}}), flush=True)
     fair_tps = statistics.mean(r["tokens_per_s"] for r in results["fair"])
     fcfs_tps = statistics.mean(r["tokens_per_s"] for r in results["fcfs"])
+    print(json.dumps({"args": vars(args)}))
     print(json.dumps({"throughput_fair_over_fcfs": round(fair_tps / fcfs_tps, 3),
                       "small_p95_over_idle": {k: [round(r["p95_over_idle"], 2) for r in v] for k, v in results.items()}}))
 

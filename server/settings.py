@@ -86,6 +86,11 @@ class Settings(BaseSettings):
     tenant_max_rows: int | None = Field(default=None, ge=1)
     tenant_kv_share: float = Field(default=1.0, gt=0, le=1)
     tenant_fairness: bool = True  # off: one first-come-first-served queue, no per-tenant caps
+    max_tasks: int | None = Field(default=None, ge=1)  # registered tasks in the store; beyond: 409 task_limit
+    # L2 entries carry an HMAC under this secret, shared by the replicas (server/adapters/l2.py)
+    cache_secret: str | None = None
+    # serving a non-loopback address with no key at all needs this (server/exposure.py)
+    allow_unauthenticated: bool = False
     usage_window_max_seconds: int = Field(default=24 * 3600, ge=60)  # GET /v1/usage keeps this much history
 
     @field_validator("api_keys", "admin_keys", mode="before")

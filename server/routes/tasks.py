@@ -70,9 +70,6 @@ async def register_task(body: RegisterRequest, rt: RuntimeDep, settings: Setting
     if body.shared and not caller.admin:
         raise ApiError(403, "forbidden", "shared: only an admin key may register a task every tenant can use",
                        param="shared")
-    if rt.registration.runner.pending >= settings.max_queued_jobs:
-        raise ApiError(429, "overloaded", f"{settings.max_queued_jobs} registration jobs are already queued or "
-                       "running here; retry later", {"Retry-After": "30"})
     examples = [e.model_dump() for e in body.examples]
     try:
         job = await asyncio.to_thread(rt.registration.submit, body.task, examples, body.method, body.steps, body.seed,
