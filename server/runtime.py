@@ -22,6 +22,7 @@ from server.adapters.breaker import CircuitBreaker
 from server.adapters.cache import AdapterCache
 from server.adapters.l1 import L1Cache
 from server.adapters.l2 import RedisTier
+from server.adapters.signing import cache_secret
 from server.engines import Engine, build_engine
 from server.engines.request import GenRequest, SamplingParams
 from server.metrics import Metrics
@@ -98,6 +99,7 @@ class Runtime:
                     prefix=settings.redis_prefix, metrics=metrics,
                     # the native engine writes routed tasks' tables from their routing weights
                     routing_layers=settings.engine != "native",
+                    secret=cache_secret(settings.cache_secret, store.root) if l2 is not None else None,
                 )
         registry = TaskRegistry(store, cache, metrics,
                                 isolated=Directory(settings.api_keys, settings.admin_keys).isolated)
