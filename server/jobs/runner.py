@@ -29,6 +29,7 @@ from adapters_store.records import TaskRecord
 from adapters_store.store import Store
 from server import openmp
 from server.jobs.model import Job, new_job_id
+from server.jobs.public_errors import public_error
 
 log = logging.getLogger(__name__)
 # A slice waits at most this long for a job being built (examples read, tokenised, candidates
@@ -197,7 +198,7 @@ class JobRunner:
             except Exception as err:
                 log.exception("job %s failed to start", job.id)
                 with self._lock:
-                    self._finish(job, "failed", error={"type": "adaptation_error", "message": str(err)})
+                    self._finish(job, "failed", error=public_error("adaptation_error", err))
                 self._settle()
                 return True
             with self._lock:
@@ -219,7 +220,7 @@ class JobRunner:
             log.exception("job %s failed", job.id)
             with self._lock:
                 self._current = None
-                self._finish(job, "failed", error={"type": "adaptation_error", "message": str(err)})
+                self._finish(job, "failed", error=public_error("adaptation_error", err))
             self._settle()
             return True
         if not more:
@@ -311,7 +312,7 @@ class JobRunner:
             log.exception("job %s could not store its result", job.id)
             with self._lock:
                 self._current = None
-                self._finish(job, "failed", error={"type": "store_error", "message": str(err)})
+                self._finish(job, "failed", error=public_error("store_error", err))
             return
         with self._lock:
             job.metrics.update({k: v for k, v in metrics.items()
