@@ -41,6 +41,14 @@ from adapters_store.store_base import BaseStore, check_job_id, tensors_digest
 __all__ = ["Store", "tensors_digest"]
 
 
+def _same_file(f: Any, path: Path) -> bool:
+    """Whether the open file `f` is still the file at `path` (not unlinked or replaced)."""
+    try:
+        return os.fstat(f.fileno()).st_ino == os.stat(path).st_ino
+    except FileNotFoundError:
+        return False
+
+
 class _FileHold:
     """An fcntl lock on a job's lock file, held until released or until the process dies."""
 
@@ -85,16 +93,45 @@ class Store(BaseStore):
     def task_lock(self, task: str) -> Iterator[None]:
         """Serialises decisions about one task id across threads and processes sharing this store
         (replicas): claiming a new id, committing a job's result, deleting. Taken before `_locked`,
-        never inside it. Lock files stay (unlinking a lock file others may hold breaks the lock)."""
+        never inside it. A lock file may be swept (`sweep_task_locks`) once its task is gone: a
+        holder checks, once it has the lock, that the file it locked is still the one at the path
+        (else it was swept meanwhile, and it locks the new one)."""
         validate_task_id(task)
         path = self.root / "locks" / f"task-{task}.lock"
         path.parent.mkdir(parents=True, exist_ok=True)
-        with open(path, "a+") as f:
+        while True:
+            f = open(path, "a+")  # noqa: SIM115 - closed below or after the block
             fcntl.flock(f, fcntl.LOCK_EX)
-            try:
-                yield
-            finally:
-                fcntl.flock(f, fcntl.LOCK_UN)
+            if _same_file(f, path):
+                break
+            fcntl.flock(f, fcntl.LOCK_UN)
+            f.close()
+        try:
+            yield
+        finally:
+            fcntl.flock(f, fcntl.LOCK_UN)
+            f.close()
+
+    def sweep_task_locks(self) -> int:
+        """Remove the lock files of tasks that do not exist (deleted, or never created), each under
+        its own lock and only if nobody holds it. Returns how many."""
+        removed = 0
+        for path in (self.root / "locks").glob("task-*.lock"):
+            task = path.name[len("task-"):-len(".lock")]
+            if self.has_task(task):
+                continue
+            with open(path, "a+") as f:
+                try:
+                    fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                except BlockingIOError:
+                    continue  # in use: a registration or a delete is deciding about it
+                try:
+                    if not self.has_task(task) and _same_file(f, path):
+                        path.unlink()
+                        removed += 1
+                finally:
+                    fcntl.flock(f, fcntl.LOCK_UN)
+        return removed
 
     @contextmanager
     def _install_lock(self) -> Iterator[None]:

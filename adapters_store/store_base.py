@@ -116,6 +116,11 @@ class BaseStore(ABC):
     def task_stamps(self) -> dict[str, Any]:
         """{task id: a stamp that changes whenever the task is rewritten}, without reading records."""
 
+    def sweep_task_locks(self) -> int:
+        """Remove what per-id locks left behind for ids that have no task; returns how many.
+        Backends whose locks leave nothing behind (PostgreSQL's advisory locks) have nothing to do."""
+        return 0
+
     def change_cursor(self) -> int | None:
         """A number that moves whenever any task changes, read in O(1), or None where the backend
         has none (then a re-scan compares `task_stamps`)."""
@@ -271,6 +276,8 @@ class BaseStore(ABC):
                 params=sum(t.numel() for t in tensors.values()),
                 source=source or {}, metrics=metrics or {}, job_id=job_id,
                 inventory_version=inv["version"] if inv else None,
+                # a new version keeps its owner (set by the registration's placeholder record)
+                owner=previous.owner if previous else None, shared=previous.shared if previous else False,
             )
             self._commit_task(record, blob, previous)
         return record

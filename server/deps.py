@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import hmac
 from typing import Annotated
 
 from fastapi import Depends, Request, Security
@@ -12,6 +11,7 @@ from server.errors import ApiError
 from server.metrics import Metrics
 from server.runtime import Runtime
 from server.settings import Settings
+from server.tenants import ANONYMOUS, DEFAULT, Directory, Tenant, set_current
 
 
 def get_settings(request: Request) -> Settings:
@@ -39,41 +39,62 @@ bearer = HTTPBearer(auto_error=False, scheme_name="bearer",
 BearerDep = Annotated[HTTPAuthorizationCredentials | None, Security(bearer)]
 
 
-def _matches(token: str, keys: list[str]) -> bool:
-    supplied, ok = token.encode(), False
-    for key in keys:  # constant-time compare against every key
-        ok |= hmac.compare_digest(supplied, key.encode())
-    return ok
+def get_tenants(request: Request) -> Directory:
+    directory = getattr(request.app.state, "tenants", None)
+    if directory is None:  # an app built before tenants existed in its state (tests build apps freely)
+        settings = request.app.state.settings
+        directory = request.app.state.tenants = Directory(settings.api_keys, settings.admin_keys)
+    return directory
 
 
-def _token(request: Request, creds: HTTPAuthorizationCredentials | None) -> str:
+def _identify(request: Request, tenant: Tenant) -> None:
+    set_current(tenant)
+    request.state.tenant = tenant.name  # the metrics middleware labels requests_total with it
+
+
+def _token(creds: HTTPAuthorizationCredentials | None) -> str:
     if creds is None or not creds.credentials.strip():
         raise ApiError(401, "unauthorized", "missing bearer API key", {"WWW-Authenticate": "Bearer"})
     return creds.credentials.strip()
 
 
-def require_api_key(request: Request, settings: SettingsDep, creds: BearerDep) -> None:
+def _open_caller(directory: Directory, creds: HTTPAuthorizationCredentials | None) -> Tenant:
+    """An open route's caller: the tenant of a valid key if one was sent, else anonymous (admin
+    only when no key is configured at all: then nothing is anyone's)."""
+    token = creds.credentials.strip() if creds is not None else ""
+    tenant = directory.lookup(token) if token else None
+    return tenant or (ANONYMOUS if not directory.configured else Tenant(DEFAULT))
+
+
+# async: the tenant is set in the request's own task (server.tenants.current), which a sync
+# dependency, run in a worker thread, could not do
+async def require_api_key(request: Request, settings: SettingsDep, creds: BearerDep) -> None:
     """Inference and read routes: with POLYSERVE_API_KEYS set they need `Authorization: Bearer
-    <key>` with one of the API keys or one of the admin keys."""
-    if not settings.api_keys:
+    <key>` with one of the API keys or one of the admin keys. Sets the caller's tenant."""
+    directory = get_tenants(request)
+    if not directory.has_api_keys:
+        _identify(request, _open_caller(directory, creds))
         return
-    if not _matches(_token(request, creds), [*settings.api_keys, *settings.admin_keys]):
+    tenant = directory.lookup(_token(creds))
+    if tenant is None:
         raise ApiError(401, "unauthorized", "invalid API key", {"WWW-Authenticate": "Bearer"})
+    _identify(request, tenant)
 
 
-def require_admin_key(request: Request, settings: SettingsDep, creds: BearerDep) -> None:
+async def require_admin_key(request: Request, settings: SettingsDep, creds: BearerDep) -> None:
     """Task and job mutation (POST/DELETE /v1/tasks, job cancel): with POLYSERVE_ADMIN_KEYS set only
     an admin key (an API key answers 403); with only POLYSERVE_API_KEYS set any API key; open
-    when neither is set."""
-    keys = settings.admin_keys or settings.api_keys
-    if not keys:
+    when neither is set. Sets the caller's tenant."""
+    directory = get_tenants(request)
+    if not directory.configured:
+        _identify(request, ANONYMOUS)
         return
-    token = _token(request, creds)
-    if _matches(token, keys):
-        return
-    if settings.admin_keys and _matches(token, settings.api_keys):
+    tenant = directory.lookup(_token(creds))
+    if tenant is None:
+        raise ApiError(401, "unauthorized", "invalid API key", {"WWW-Authenticate": "Bearer"})
+    if directory.has_admin_keys and not tenant.admin:
         raise ApiError(403, "forbidden", "this API key may not change tasks or jobs (needs an admin key)")
-    raise ApiError(401, "unauthorized", "invalid API key", {"WWW-Authenticate": "Bearer"})
+    _identify(request, tenant)
 
 
 ApiKey = Depends(require_api_key)

@@ -22,12 +22,15 @@ import logging
 import re
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field, fields
+from typing import Any
 
 from fastapi.responses import StreamingResponse
 from starlette.requests import Request
 
 from adapters_store.errors import TaskNotFound
+from server import tenants
 from server.engines.base import EngineStopped, QueueFull
+from server.engines.fair import TenantLimit
 from server.engines.request import (
     FinalEvent,
     GenRequest,
@@ -54,6 +57,7 @@ class Call:
     deadline: float  # event-loop time
     prompt_text: str
     names: dict[str, str]  # SamplingParams field -> request field (for error messages)
+    usage: Any = None  # server.usage.UsageLedger, once submitted: completions are counted there
 
 
 @dataclass
@@ -114,11 +118,12 @@ async def prepare(
         raise ApiError(422, "validation_error", f"logit_bias: token id {bad[0]} is not in the vocabulary "
                        f"(ids < {vocab})", param="logit_bias")
     too_long = ApiError(413, "too_large", "", param=prompt_field, code="context_length_exceeded")
+    tenant = tenants.current()
 
     def work() -> tuple[object, list[int], str]:
+        # the prompt is checked before any work for it (adapter resolution, decoding, tokenising)
         try:
-            adapter = rt.registry.resolve(task)
-            prompt_format = rt.registry.prompt_format(task)
+            prompt_format = rt.registry.prompt_format(task, tenant)
         except TaskNotFound:
             raise ApiError(404, "not_found", f"task {task!r} not found", param="model") from None
         except ValueError as err:
@@ -128,10 +133,18 @@ async def prepare(
         except ValueError as err:  # unknown prompt format, unrenderable messages
             raise ApiError(400, "invalid_request", str(err), param=prompt_field) from None
         if isinstance(rendered, list):
+            check_token_ids(rendered, vocab, s.max_prompt_tokens, prompt_field)
+        else:
+            check_text(rendered, prompt_field)
+            if len(rendered) > 16 * s.max_prompt_tokens + 1024:  # cheap bound before tokenising
+                too_long.message = f"{prompt_field} is longer than max_prompt_tokens={s.max_prompt_tokens}"
+                raise too_long
+        try:
+            adapter = rt.registry.resolve(task, tenant)
+        except TaskNotFound:
+            raise ApiError(404, "not_found", f"task {task!r} not found", param="model") from None
+        if isinstance(rendered, list):
             return adapter, rendered, rt.tokenizer.decode(rendered)
-        if len(rendered) > 16 * s.max_prompt_tokens + 1024:  # cheap bound before tokenising
-            too_long.message = f"{prompt_field} is longer than max_prompt_tokens={s.max_prompt_tokens}"
-            raise too_long
         ids = list(rt.tokenizer(rendered, add_special_tokens=special_tokens).input_ids)
         return adapter, ids, rendered
 
@@ -143,14 +156,49 @@ async def prepare(
     if len(ids) > s.max_prompt_tokens:
         too_long.message = f"{prompt_field} has {len(ids)} tokens, the limit is {s.max_prompt_tokens}"
         raise too_long
-    req = GenRequest(ids, params, adapter, task, id=new_request_id(id_prefix), handle=RequestHandle(loop))
+    req = GenRequest(ids, params, adapter, task, id=new_request_id(id_prefix), handle=RequestHandle(loop),
+                     tenant=tenant.name)
     return Call(req, deadline, text, names)
 
 
-def submit(rt: Runtime, call: Call) -> Call:
+def check_token_ids(ids: list, vocab: int, max_tokens: int, field: str) -> None:
+    """A token-id prompt, before anything reads it: its length, then every id an int in
+    [0, vocab) (a huge integer is just out of range here, never an overflow further on)."""
+    if len(ids) > max_tokens:
+        raise ApiError(413, "too_large", f"{field} has {len(ids)} tokens, the limit is {max_tokens}", param=field,
+                       code="context_length_exceeded")
+    bad = next((i for i, t in enumerate(ids) if type(t) is not int or not 0 <= t < vocab), None)
+    if bad is not None:
+        raise ApiError(422, "validation_error", f"{field}: token id at position {bad} is not in [0, {vocab})",
+                       param=field)
+
+
+def check_text(text: str, field: str) -> None:
+    """Text a tokenizer can take: JSON may carry an unpaired UTF-16 surrogate (\\ud800), which
+    is no Unicode character (the tokenizer would fail on it)."""
     try:
-        rt.engine.submit(call.req)
+        text.encode("utf-8")
+    except UnicodeEncodeError as err:
+        raise ApiError(400, "invalid_request", f"{field}: holds an unpaired UTF-16 surrogate at position "
+                       f"{err.start}", param=field) from None
+
+
+def submit(rt: Runtime, call: Call) -> Call:
+    req = call.req
+    call.usage = usage = getattr(rt, "usage", None)  # a Runtime has one; unit tests' stand-ins may not
+    try:
+        rt.engine.submit(req)
+    except TenantLimit as err:
+        if err.permanent:  # this request alone exceeds its tenant's cap: it can never run
+            raise ApiError(422, "validation_error", str(err), param="n" if err.limit == "rows" else None) from None
+        if usage is not None:
+            usage.refused(req.tenant, req.task)
+        rt.metrics.tenant_refused.labels(tenant=req.tenant, limit=err.limit).inc()
+        raise ApiError(429, "overloaded", f"{err} ({err.limit} limit); retry after {err.retry_after}s",
+                       {"Retry-After": str(err.retry_after)}) from None
     except QueueFull as err:
+        if usage is not None:
+            usage.refused(req.tenant, req.task)
         raise ApiError(429, "overloaded", str(err), {"Retry-After": str(err.retry_after)}) from None
     except EngineStopped:
         raise ApiError(503, "unavailable", "server is shutting down") from None
@@ -159,7 +207,14 @@ def submit(rt: Runtime, call: Call) -> Call:
         if param is not None:  # a sampling field this engine does not honour
             raise ApiError(400, "unsupported", str(err), param=param, code="unsupported_parameter") from None
         raise ApiError(413, "too_large", str(err), code="context_length_exceeded") from None
+    if usage is not None:
+        usage.request(req.tenant, req.task, len(req.prompt_ids))
     return call
+
+
+def _count(call: Call, final: FinalEvent) -> None:
+    if call.usage is not None:
+        call.usage.completion(call.req.tenant, call.req.task, final.completion_tokens)
 
 
 def check(final: FinalEvent) -> FinalEvent:
@@ -203,6 +258,8 @@ async def collect(request: Request, call: Call) -> list[Choice]:
     try:
         async with asyncio.timeout_at(call.deadline):
             async for event in req.handle:
+                if isinstance(event, FinalEvent):
+                    _count(call, event)
                 _absorb(choices, event)
     except TimeoutError:
         raise _timeout(call) from None
@@ -230,6 +287,7 @@ async def events(request: Request, call: Call) -> AsyncIterator[TokenEvent | Fin
             except TimeoutError:
                 raise _timeout(call) from None
             if isinstance(event, FinalEvent):
+                _count(call, event)
                 check(event)
             yield event
     finally:

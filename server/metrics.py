@@ -17,7 +17,7 @@ class Metrics:
     def __init__(self) -> None:
         r = self.registry = CollectorRegistry()
         self.requests = Counter(P + "requests", "HTTP requests by endpoint template and status code.",
-                                ["endpoint", "status"], registry=r)
+                                ["endpoint", "status", "tenant"], registry=r)
         self.request_duration = Histogram(P + "request_duration_seconds", "HTTP request duration.",
                                           buckets=LATENCY_BUCKETS, registry=r)
         self.ttft = Histogram(P + "time_to_first_token_seconds", "Arrival to first generated token.",
@@ -30,8 +30,11 @@ class Metrics:
                                     buckets=BATCH_BUCKETS, registry=r)
         self.running = Gauge(P + "requests_running", "Rows in the running batch.", registry=r)
         self.waiting = Gauge(P + "requests_waiting", "Requests in the waiting queue.", registry=r)
-        self.prompt_tokens = Counter(P + "prompt_tokens", "Prompt tokens admitted.", registry=r)
-        self.generation_tokens = Counter(P + "generation_tokens", "Tokens generated.", registry=r)
+        # tenant: a configured tenant's name (server.tenants), never a key: bounded cardinality
+        self.prompt_tokens = Counter(P + "prompt_tokens", "Prompt tokens admitted.", ["tenant"], registry=r)
+        self.generation_tokens = Counter(P + "generation_tokens", "Tokens generated.", ["tenant"], registry=r)
+        self.tenant_refused = Counter(P + "tenant_refused", "Requests a tenant's own cap refused, by limit.",
+                                      ["tenant", "limit"], registry=r)
         self.adapter_cache = Counter(P + "adapter_cache_requests", "Adapter lookups by tier and result (hit, miss, error = Redis failed, corrupt = undecodable entry, dropped).",
                                      ["tier", "result"], registry=r)
         self.materialize_seconds = Histogram(P + "adapter_materialize_seconds",

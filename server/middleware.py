@@ -60,7 +60,7 @@ class BodyLimit:
 
 
 class RequestMetrics:
-    """requests_total{endpoint,status} and request_duration_seconds; endpoint = route template."""
+    """requests_total{endpoint,status,tenant} and request_duration_seconds; endpoint = route template."""
 
     def __init__(self, app: Any, metrics: Any) -> None:
         self.app, self.metrics = app, metrics
@@ -82,5 +82,7 @@ class RequestMetrics:
         finally:
             route = scope.get("route")
             endpoint = getattr(route, "path", None) or "other"
-            self.metrics.requests.labels(endpoint=endpoint, status=str(status)).inc()
+            # the auth dependency names the tenant in the request's state ("" = none identified)
+            tenant = scope.get("state", {}).get("tenant", "")
+            self.metrics.requests.labels(endpoint=endpoint, status=str(status), tenant=tenant).inc()
             self.metrics.request_duration.observe(time.perf_counter() - started)

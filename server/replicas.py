@@ -6,6 +6,11 @@ store (the source of truth) and drops its cached adapters. Without Redis — or 
 a periodic re-scan of the store (`on_change(None)`) is the fallback, so a change is seen within
 ~`rescan_every` seconds either way. Redis is only a message bus here: nothing is lost if a
 message is, because the store is re-read.
+
+A message is only a hint, never trusted: whoever can write to Redis can publish. A hint (any
+well-formed message from another replica) brings the next store re-scan forward, `on_change(None)`,
+which drops only what really changed in the store. Hints are debounced and rate-limited: a burst
+of any size causes at most one re-scan per `hint_interval` seconds.
 """
 
 from __future__ import annotations
@@ -13,6 +18,7 @@ from __future__ import annotations
 import json
 import logging
 import threading
+import time
 from collections.abc import Callable
 
 from server import openmp
@@ -30,7 +36,11 @@ class ReplicaSync:
         channel: str = "polyserve:v1:tasks",
         rescan_every: float = 1.0,
         on_redis_error: Callable[[], None] = lambda: None,
+        hint_interval: float = 0.1,
     ) -> None:
+        self.hint_interval = hint_interval
+        self.hints = 0  # well-formed hints received (tests, logs)
+        self.rescans_for_hints = 0
         self.redis_url = redis_url
         self.on_change = on_change
         self.replica_id = replica_id
@@ -85,13 +95,20 @@ class ReplicaSync:
             try:
                 pubsub.subscribe(self.channel)
                 self.subscribed.set()
+                pending, last = False, 0.0
                 while not self._stop.is_set():
-                    message = pubsub.get_message(timeout=0.2)
-                    if message is None:
-                        continue
-                    data = json.loads(message["data"])
-                    if data.get("replica") != self.replica_id:
-                        self.on_change(str(data["task"]))
+                    message = pubsub.get_message(timeout=self.hint_interval / 2)
+                    if message is not None and _is_hint(message.get("data"), self.replica_id):
+                        self.hints += 1
+                        pending = True
+                    now = time.monotonic()
+                    if pending and now - last >= self.hint_interval:
+                        pending, last = False, now
+                        self.rescans_for_hints += 1
+                        try:
+                            self.on_change(None)
+                        except Exception:  # keep listening
+                            log.exception("store re-scan failed")
             except Exception:  # noqa: BLE001 - reconnect after a pause
                 self.subscribed.clear()
                 self.on_redis_error()
@@ -101,6 +118,15 @@ class ReplicaSync:
                     pubsub.close()
                 except Exception:
                     log.debug("closing a broken pubsub connection failed", exc_info=True)
+
+
+def _is_hint(data: object, me: str) -> bool:
+    """A well-formed change message from another replica (its content is never acted on)."""
+    try:
+        message = json.loads(data)  # type: ignore[arg-type]
+    except (TypeError, ValueError):
+        return False
+    return isinstance(message, dict) and isinstance(message.get("task"), str) and message.get("replica") != me
 
 
 def _one_thread(loop):

@@ -23,11 +23,14 @@ from server.adapters.breaker import CircuitBreaker
 from server.adapters.cache import AdapterCache
 from server.adapters.l1 import L1Cache
 from server.adapters.l2 import RedisTier
+from server.adapters.signing import cache_secret
 from server.engines import Engine, build_engine
 from server.engines.request import GenRequest, SamplingParams
 from server.metrics import Metrics
 from server.settings import Settings
 from server.tasks import TaskRegistry
+from server.tenants import Directory
+from server.usage import UsageLedger
 from training.precision import resolve_autocast
 
 log = logging.getLogger("polyserve")
@@ -55,6 +58,7 @@ class Runtime:
     metrics: Metrics
     l2: RedisTier | None = None
     registration: Any = None  # server.jobs.service.Registration (task registration + jobs)
+    usage: UsageLedger = field(default_factory=UsageLedger)  # GET /v1/usage
     started_at: float = field(default_factory=time.time)
 
     @property
@@ -96,8 +100,10 @@ class Runtime:
                     prefix=settings.redis_prefix, metrics=metrics,
                     # the native engine writes routed tasks' tables from their routing weights
                     routing_layers=settings.engine != "native",
+                    secret=cache_secret(settings.cache_secret, store.root) if l2 is not None else None,
                 )
-        registry = TaskRegistry(store, cache, metrics)
+        registry = TaskRegistry(store, cache, metrics,
+                                isolated=Directory(settings.api_keys, settings.admin_keys).isolated)
         if routed is not None:
             # registrations train under "auto" autocast; on some CPUs that is a timing probe
             # (training.precision), decided once per process: decide it now, while nothing is
@@ -106,7 +112,8 @@ class Runtime:
             log.info("registration training: %s", "bf16 autocast" if bf16 else "float32")
         engine = build_engine(settings, bb, routed, metrics, cache.info if cache is not None else None, threads=threads)
         engine.start()
-        rt = cls(settings, bb, store, routed, cache, registry, engine, metrics, l2)
+        rt = cls(settings, bb, store, routed, cache, registry, engine, metrics, l2,
+                 usage=UsageLedger(settings.usage_window_max_seconds))
         from server.jobs.service import Registration
 
         rt.registration = Registration(rt, rescan_every=settings.rescan_seconds)

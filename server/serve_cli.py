@@ -23,5 +23,10 @@ def serve(host: str, port: int, store_dir: str | None, backbone: str | None, log
 
     overrides = {k: v for k, v in {"store": store_dir, "backbone": backbone}.items() if v is not None}
     settings = Settings(**overrides)
+    from server.exposure import exposure_error
+
+    refused = exposure_error(host, settings)
+    if refused is not None:  # before anything loads: the Docker image serves 0.0.0.0
+        raise click.UsageError(refused)
     logging.basicConfig(level=log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     uvicorn.run(create_app(settings), host=host, port=port, log_level=log_level, timeout_graceful_shutdown=10)

@@ -23,7 +23,8 @@ def _default_home() -> Path:
 
 
 class Settings(BaseSettings):
-    model_config = SettingsConfigDict(env_prefix="POLYSERVE_", extra="ignore")
+    # hide_input_in_errors: a refused setting is never echoed (keys, secrets, URLs with passwords)
+    model_config = SettingsConfigDict(env_prefix="POLYSERVE_", extra="ignore", hide_input_in_errors=True)
 
     home: Path = Field(default_factory=_default_home)
     store: str | None = None  # a directory (default: $POLYSERVE_HOME/store) or a postgresql:// DSN
@@ -80,12 +81,28 @@ class Settings(BaseSettings):
     # while requests are in flight, adaptation jobs get at most this share of the engine's time
     background_share: float = Field(default=0.2, gt=0, le=1)
     rescan_seconds: float = Field(default=1.0, gt=0)  # store re-scan for changes made by other replicas
+    # tenants (server/tenants.py; admission: server/engines/fair.py). None = the engine's own limit
+    tenant_max_queued: int | None = Field(default=None, ge=1)  # default: the tenant's weighted share of max_queue
+    tenant_max_rows: int | None = Field(default=None, ge=1)
+    tenant_kv_share: float = Field(default=1.0, gt=0, le=1)
+    tenant_fairness: bool = True  # off: one first-come-first-served queue, no per-tenant caps
+    max_tasks: int | None = Field(default=None, ge=1)  # registered tasks in the store; beyond: 409 task_limit
+    # L2 entries carry an HMAC under this secret, shared by the replicas (server/adapters/l2.py)
+    cache_secret: str | None = None
+    # serving a non-loopback address with no key at all needs this (server/exposure.py)
+    allow_unauthenticated: bool = False
+    usage_window_max_seconds: int = Field(default=24 * 3600, ge=60)  # GET /v1/usage keeps this much history
 
     @field_validator("api_keys", "admin_keys", mode="before")
     @classmethod
     def _split_keys(cls, value: Any) -> Any:
         if isinstance(value, str):
-            return [k.strip() for k in value.split(",") if k.strip()]
+            value = [k.strip() for k in value.split(",") if k.strip()]
+        if isinstance(value, list):
+            from server.tenants import parse_entry
+
+            for entry in value:
+                parse_entry(entry)  # ValueError naming the tenant, never the key
         return value
 
     @field_validator("vllm_args", mode="before")

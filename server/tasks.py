@@ -18,6 +18,8 @@ from adapters_store.store import Store
 from server.adapters.cache import AdapterCache
 from server.adapters.types import Adapter
 from server.errors import ApiError
+from server.ownership import can_see
+from server.tenants import Tenant
 
 BASE = "base"
 
@@ -30,8 +32,10 @@ class TaskNotReady(ApiError):
 
 
 class TaskRegistry:
-    def __init__(self, store: Store, cache: AdapterCache | None, metrics: Any = None) -> None:
+    def __init__(self, store: Store, cache: AdapterCache | None, metrics: Any = None, *,
+                 isolated: bool = False) -> None:
         self.store = store
+        self.isolated = isolated  # tenants see only their own and shared tasks (server/ownership.py)
         self.cache = cache
         self.metrics = metrics
         self._lock = threading.Lock()
@@ -48,30 +52,38 @@ class TaskRegistry:
             self.metrics.tasks_registered.set(count)
         return count
 
-    def list(self) -> list[TaskRecord]:
+    def list(self, tenant: Tenant | None = None) -> list[TaskRecord]:
+        """Every task `tenant` may see (None: all)."""
         records = self.store.list_tasks()
         if self.metrics is not None:
             self.metrics.tasks_registered.set(len(records))
-        return records
+        return [r for r in records if can_see(r, tenant, isolated=self.isolated)]
 
-    def get(self, task: str) -> TaskRecord:
-        """The stored record; raises ValueError (bad id) or TaskNotFound."""
+    def get(self, task: str, tenant: Tenant | None = None) -> TaskRecord:
+        """The stored record; raises ValueError (bad id) or TaskNotFound (also: `tenant` may not
+        see it, so that someone else's task looks absent)."""
         validate_task_id(task)
         if task in RESERVED_TASK_IDS:
             raise TaskNotFound(task)
-        return self.store.get_task(task)
+        record = self.store.get_task(task)
+        if not can_see(record, tenant, isolated=self.isolated):
+            raise TaskNotFound(task)
+        return record
 
     def servable(self, record: TaskRecord) -> bool:
         return (record.status == "ready" and self.cache is not None
                 and record.inventory_version in (None, self.inventory_version))
 
-    def resolve(self, task: str) -> Adapter | None:
+    def resolve(self, task: str, tenant: Tenant | None = None) -> Adapter | None:
         """The adapter a request for `task` runs with (None = the bare backbone).
-        Raises ValueError (malformed id), TaskNotFound (404), TaskNotReady (409). Blocking."""
+        Raises ValueError (malformed id), TaskNotFound (404: also someone else's task),
+        TaskNotReady (409). Blocking."""
         validate_task_id(task)
         if task == BASE:
             return None
         record = self.store.get_task(task)
+        if not can_see(record, tenant, isolated=self.isolated):
+            raise TaskNotFound(task)
         if record.status != "ready":
             raise TaskNotReady(task, record.status, record.job_id)
         if self.cache is None:
@@ -80,11 +92,16 @@ class TaskRegistry:
             raise TaskNotReady(task, f"trained on inventory {record.inventory_version}")
         return self.cache.get(record)
 
-    def prompt_format(self, task: str) -> str:
-        """The prompt format `task` was trained with (`base`: the default one). Blocking."""
+    def prompt_format(self, task: str, tenant: Tenant | None = None) -> str:
+        """The prompt format `task` was trained with (`base`: the default one). Blocking.
+        Raises ValueError (malformed id), TaskNotFound (also: `tenant` may not see it)."""
+        validate_task_id(task)
         if task == BASE:
             return DEFAULT_PROMPT_FORMAT
-        return self.store.get_task(task).prompt_format
+        record = self.store.get_task(task)
+        if not can_see(record, tenant, isolated=self.isolated):
+            raise TaskNotFound(task)
+        return record.prompt_format
 
     def forget(self, task: str) -> int:
         """A task changed or went away: drop its cached adapters and refresh the gauge."""

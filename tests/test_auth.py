@@ -15,7 +15,8 @@ from server.deps import require_admin_key, require_api_key
 from tests.server_fixtures import build_store, live_server, settings_for, tiny_backbone
 
 OPEN = {"/health", "/ready", "/metrics"}
-ADMIN = {("POST", "/v1/tasks"), ("DELETE", "/v1/tasks/{task}"), ("POST", "/v1/jobs/{job_id}/cancel")}
+ADMIN = {("POST", "/v1/tasks"), ("DELETE", "/v1/tasks/{task}"), ("POST", "/v1/jobs/{job_id}/cancel"),
+         ("GET", "/v1/usage")}
 
 
 def routes(tmp_path) -> list[tuple[str, str, set]]:

@@ -65,7 +65,7 @@ def test_compose_replicas_share_store_and_redis(compose: dict[str, Any], name: s
     assert (ROOT / svc["build"]["context"] / svc["build"]["dockerfile"]).is_file()
     env = svc["environment"]
     assert env["POLYSERVE_STORE"] == "/data/store"
-    assert env["POLYSERVE_REDIS_URL"] == "redis://redis:6379/0"
+    assert env["POLYSERVE_REDIS_URL"].endswith("@redis:6379/0")  # with the password (test below)
     assert "store:/data/store" in svc["volumes"] and "store" in compose["volumes"]
     assert "/ready" in " ".join(svc["healthcheck"]["test"])
     assert svc["depends_on"]["redis"]["condition"] == "service_healthy"
@@ -222,7 +222,8 @@ def test_docker_compose_config_validates() -> None:
             check=False,
             timeout=60,
             cwd=ROOT,
-            env={**os.environ, "POLYSERVE_API_KEYS": "test-key"},
+            env={**os.environ, "POLYSERVE_API_KEYS": "test-key", "REDIS_PASSWORD": "test-redis",
+                 "GRAFANA_ADMIN_PASSWORD": "test-grafana"},
         )
         assert done.returncode == 0, done.stderr
 
@@ -238,12 +239,29 @@ def test_compose_is_secure_by_default(compose: dict[str, Any]) -> None:
         assert env["POLYSERVE_ADMIN_KEYS"] == "${POLYSERVE_ADMIN_KEYS:-}"
 
 
+def test_compose_redis_needs_the_password_from_env(compose: dict[str, Any]) -> None:
+    """Redis had no password: anyone who reached it could rewrite every replica's adapters."""
+    redis = compose["services"]["redis"]
+    cmd = redis["command"]
+    assert cmd[cmd.index("--requirepass") + 1].startswith("${REDIS_PASSWORD:?")
+    assert redis["environment"]["REDISCLI_AUTH"].startswith("${REDIS_PASSWORD")  # its healthcheck's ping
+    for name in ("polyserve", "polyserve-2"):
+        url = compose["services"][name]["environment"]["POLYSERVE_REDIS_URL"]
+        assert url.startswith("redis://:${REDIS_PASSWORD:?") and url.endswith("@redis:6379/0")
+
+
+def test_grafana_admin_password_from_env_and_no_anonymous_access(compose: dict[str, Any]) -> None:
+    env = compose["services"]["grafana"]["environment"]
+    assert env["GF_AUTH_ANONYMOUS_ENABLED"] == "false" and "GF_AUTH_ANONYMOUS_ORG_ROLE" not in env
+    assert env["GF_SECURITY_ADMIN_PASSWORD"].startswith("${GRAFANA_ADMIN_PASSWORD:?")
+
+
 def test_compose_env_script_generates_keys(tmp_path: Path) -> None:
     out = tmp_path / "env"
     subprocess.run(["bash", str(ROOT / "scripts/compose_env.sh"), str(out)], check=True, capture_output=True)
     values = dict(line.split("=", 1) for line in out.read_text().splitlines() if line and not line.startswith("#"))
-    assert set(values) == {"POLYSERVE_API_KEYS", "POLYSERVE_ADMIN_KEYS"}
-    assert len(values["POLYSERVE_API_KEYS"]) >= 32 and values["POLYSERVE_API_KEYS"] != values["POLYSERVE_ADMIN_KEYS"]
+    assert set(values) == {"POLYSERVE_API_KEYS", "POLYSERVE_ADMIN_KEYS", "REDIS_PASSWORD", "GRAFANA_ADMIN_PASSWORD"}
+    assert all(len(v) >= 32 for v in values.values()) and len(set(values.values())) == 4
     assert out.stat().st_mode & 0o077 == 0
     before = out.read_text()
     subprocess.run(["bash", str(ROOT / "scripts/compose_env.sh"), str(out)], check=True, capture_output=True)

@@ -30,7 +30,7 @@ import torch
 from adapters_store.materialize import task_layers, task_weights
 from adapters_store.records import InventoryInfo, TaskRecord
 from adapters_store.store import Store
-from server.adapters import codec
+from server.adapters import codec, signing
 from server.adapters.l1 import L1Cache
 from server.adapters.l2 import RedisTier, adapter_key
 from server.adapters.types import Adapter
@@ -44,7 +44,7 @@ class AdapterCache:
     def __init__(self, store: Store, info: InventoryInfo, skills: dict[str, torch.Tensor], *,
                  fingerprint: str, device: torch.device, dtype: torch.dtype, l1: L1Cache,
                  l2: RedisTier | None = None, prefix: str = "polyserve", metrics: Any = None,
-                 routing_layers: bool = True) -> None:
+                 routing_layers: bool = True, secret: bytes | None = None) -> None:
         self.store, self.info, self.fingerprint = store, info, fingerprint
         self.routing_layers = routing_layers
         self.skills = {k: v.to(device=device, dtype=torch.float32) for k, v in skills.items()}
@@ -52,6 +52,8 @@ class AdapterCache:
         self.l1, self.l2, self.prefix, self.metrics = l1, l2, prefix, metrics
         self._inflight: dict[str, Future[Adapter]] = {}
         self._lock = threading.Lock()
+        # L2 entries sealed with an HMAC under this secret (signing.py); None: plain (tools, tests)
+        self.secret = secret
 
     def key(self, record: TaskRecord) -> str:
         key = adapter_key(self.prefix, self.fingerprint, self.info.version, record.id, record.cache_version)
@@ -108,6 +110,8 @@ class AdapterCache:
                 self._count("l2", "miss")
             else:
                 try:
+                    if self.secret is not None:
+                        data = signing.unseal(self.secret, key, data)
                     adapter = codec.decode(data, key, record.id, kind, self.info, self.device, self.dtype,
                                            layers=not self._weights_only(record))
                     self._count("l2", "hit")
@@ -118,7 +122,8 @@ class AdapterCache:
                     self.l2.delete(key)
         adapter = self.materialize(record, key)
         if self.l2 is not None:
-            self.l2.set(key, codec.encode(adapter))
+            payload = codec.encode(adapter)
+            self.l2.set(key, payload if self.secret is None else signing.seal(self.secret, key, payload))
         return adapter
 
     def materialize(self, record: TaskRecord, key: str | None = None) -> Adapter:

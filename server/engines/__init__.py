@@ -31,10 +31,21 @@ def build_engine(settings: Any, backbone: Any, routed: Any, metrics: Any, invent
             executor_kind=settings.native_executor,
             packed_weights=switch(settings.packed_weights),
             static_decode=switch(settings.static_decode), threads=threads, lora_kernel=settings.lora_kernel,
+            caps=tenant_caps(settings),
         )
     if settings.engine == "vllm":
         return _vllm_engine(settings, backbone, metrics, inventory)
     raise ValueError(f"unknown engine {settings.engine!r} (known: native, vllm)")
+
+
+def tenant_caps(settings: Any) -> Any:
+    """The per-tenant caps and weights of the configured keys (server.engines.fair)."""
+    from server.engines.fair import TenantCaps
+    from server.tenants import Directory
+
+    return TenantCaps(weights=Directory(settings.api_keys, settings.admin_keys).weights,
+                      max_queued=settings.tenant_max_queued, max_rows=settings.tenant_max_rows,
+                      kv_share=settings.tenant_kv_share, fair=settings.tenant_fairness)
 
 
 def _vllm_engine(settings: Any, backbone: Any, metrics: Any, inventory: Any) -> Engine:
@@ -60,4 +71,5 @@ def _vllm_engine(settings: Any, backbone: Any, metrics: Any, inventory: Any) -> 
         background_threads=max(1, round(threads * settings.background_share)),
         max_model_len=min(settings.max_batch_tokens,
                           int(getattr(backbone.model.config, "max_position_embeddings", 0) or settings.max_batch_tokens)),
+        caps=tenant_caps(settings),
     )

@@ -108,17 +108,18 @@ class StoreResolver:
         import torch
 
         from adapters_store.materialize import task_layers
-        from server.adapters import codec
+        from server.adapters import codec, signing
         from server.adapters.l2 import adapter_key
 
         l2 = self._redis()
         key = adapter_key(self.redis_prefix, info.backbone_fingerprint, info.version, record.id, record.cache_version)
+        secret = signing.cache_secret(os.environ.get("POLYSERVE_CACHE_SECRET"), self.store.root) if l2 else b""
         if l2 is not None:
             data = l2.get(key)
             if isinstance(data, bytes):
                 try:
-                    return codec.decode(data, key, record.id, record.kind, info, torch.device("cpu"),
-                                        torch.float32).layers
+                    return codec.decode(signing.unseal(secret, key, data), key, record.id, record.kind, info,
+                                        torch.device("cpu"), torch.float32).layers
                 except ValueError as err:
                     log.warning("%s; recomputing", err)
         _, skills = self.store.load_inventory()
@@ -127,7 +128,7 @@ class StoreResolver:
         if l2 is not None:
             from server.adapters.types import Adapter
 
-            l2.set(key, codec.encode(Adapter(record.id, key, record.kind or "", layers)))
+            l2.set(key, signing.seal(secret, key, codec.encode(Adapter(record.id, key, record.kind or "", layers))))
         return layers
 
     def _redis(self) -> Any:

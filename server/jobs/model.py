@@ -44,7 +44,8 @@ class Job:
     n_examples: int = 0
     serve_early: bool = False
     live_version: int | None = None  # the task version this job made servable (serve_early: two)
-    owner: str = ""
+    owner: str = ""  # the replica running it
+    tenant: str | None = None  # who registered its task (server/ownership.py); None = everyone's
     events: list[dict[str, Any]] = field(default_factory=list)
 
     @property
@@ -86,6 +87,6 @@ class Job:
 
     def to_public(self) -> dict[str, Any]:
         data = self.to_json()
-        for private in ("events", "owner"):
+        for private in ("events", "owner", "tenant"):
             data.pop(private)
         return data

@@ -30,6 +30,7 @@ from adapters_store.store_base import BaseStore as Store
 from adapters_store.store_base import JobHold
 from server import openmp
 from server.jobs.model import Job, new_job_id
+from server.jobs.public_errors import public_error
 
 log = logging.getLogger(__name__)
 # A slice waits at most this long for a job being built (examples read, tokenised, candidates
@@ -127,19 +128,21 @@ class JobRunner:
     # -- API ----------------------------------------------------------------------------------
     def submit(
         self, task: str, examples: list[dict[str, str]], *, method: str, steps: int | None, seed: int | None,
-        serve_early: bool = False,
+        serve_early: bool = False, tenant: str | None = None, shared: bool = False,
     ) -> Job:
         """Persist the job and a "training" registry entry, then queue it. The caller has
-        validated the examples and checked that the task id is free."""
+        validated the examples and checked that the task id is free. tenant / shared: the task's
+        owner and whether every tenant may use it (server/ownership.py)."""
         job = Job(id=new_job_id(), task=task, method=method, steps=steps, seed=seed,
-                  n_examples=len(examples), owner=self.replica_id, serve_early=serve_early)
+                  n_examples=len(examples), owner=self.replica_id, serve_early=serve_early, tenant=tenant)
         job.add_event("status", f"job queued: {len(examples)} examples, method {method}")
         self._hold_lock(job.id)
         self.store.put_job_examples(job.id, examples)
         self._persist(job)
         now = time.time()
         self.store.put_record(TaskRecord(id=task, method=method, status="training", version=0,
-                                         created_at=now, updated_at=now, job_id=job.id))
+                                         created_at=now, updated_at=now, job_id=job.id, owner=tenant,
+                                         shared=shared))
         with self._lock:
             self._jobs[job.id] = job
             self._queue.append(job.id)
@@ -195,7 +198,7 @@ class JobRunner:
             except Exception as err:
                 log.exception("job %s failed to start", job.id)
                 with self._lock:
-                    self._finish(job, "failed", error={"type": "adaptation_error", "message": str(err)})
+                    self._finish(job, "failed", error=public_error("adaptation_error", err))
                 self._settle()
                 return True
             with self._lock:
@@ -217,7 +220,7 @@ class JobRunner:
             log.exception("job %s failed", job.id)
             with self._lock:
                 self._current = None
-                self._finish(job, "failed", error={"type": "adaptation_error", "message": str(err)})
+                self._finish(job, "failed", error=public_error("adaptation_error", err))
             self._settle()
             return True
         if not more:
@@ -309,7 +312,7 @@ class JobRunner:
             log.exception("job %s could not store its result", job.id)
             with self._lock:
                 self._current = None
-                self._finish(job, "failed", error={"type": "store_error", "message": str(err)})
+                self._finish(job, "failed", error=public_error("store_error", err))
             return
         with self._lock:
             job.metrics.update({k: v for k, v in metrics.items()

@@ -41,6 +41,8 @@ class RegisterRequest(BaseModel):
     serve_early: Bool = Field(False, description="serve the retrieved starting routing at once (a first version) "
                               "while training goes on; the trained result becomes the next version. "
                               "`retrieve` is served as soon as it is done either way")
+    shared: Bool = Field(False, description="every tenant may see and use the task (admin keys only; "
+                         "otherwise a task is its registering tenant's)")
 
 
 class JobError(BaseModel):

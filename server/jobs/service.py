@@ -15,11 +15,14 @@ import threading
 import time
 from typing import Any
 
-from adapters_store.errors import TaskExists, TaskNotFound
+from adapters_store.errors import JobNotFound, TaskExists, TaskNotFound
 from adapters_store.ids import validate_new_task_id
+from server.errors import ApiError
 from server.jobs.model import Job
 from server.jobs.runner import JobRunner
+from server.ownership import can_see, can_see_job, owner_of_new_task
 from server.replicas import ReplicaSync
+from server.tenants import Tenant
 
 log = logging.getLogger(__name__)
 
@@ -60,33 +63,59 @@ class Registration:
         removed = self.rt.store.prune_jobs(cutoff)
         if removed:
             log.info("pruned %d finished jobs older than the retention", removed)
+        self.rt.store.sweep_task_locks()
         return removed
 
     # -- HTTP-facing ----------------------------------------------------------------------------
     def submit(self, task: str, examples: list[dict[str, str]], method: str, steps: int | None,
-               seed: int | None, *, serve_early: bool = False) -> Job:
-        """Raises ValueError (bad / reserved id), TaskExists (409), RuntimeError (no inventory)."""
+               seed: int | None, *, serve_early: bool = False, tenant: Tenant | None = None,
+               shared: bool = False) -> Job:
+        """Raises ValueError (bad / reserved id), TaskExists (409), RuntimeError (no inventory),
+        ApiError 429 (POLYSERVE_MAX_QUEUED_JOBS unfinished here) or 409 task_limit
+        (POLYSERVE_MAX_TASKS); the limits are checked and the job queued under one lock, so a
+        burst of POSTs cannot pass them together."""
         validate_new_task_id(task)
         self.prune()
         if self.rt.routed is None:
             raise RuntimeError("this server has no skill inventory: only `base` is servable, nothing to adapt")
         # two concurrent POSTs of one id, in this process or in another replica: one wins
-        with self._submit_lock, self.rt.store.task_lock(task):
-            if self.rt.store.has_task(task):
-                record = self.rt.store.get_task(task)
-                if record.status != "failed":
-                    suffix = f" (job {record.job_id})" if record.status == "training" else ""
-                    raise TaskExists(f"task {task!r} already exists with status {record.status!r}{suffix}")
-            job = self.runner.submit(task, examples, method=method, steps=steps, seed=seed,
-                                     serve_early=serve_early and method != "retrieve")
+        settings = self.rt.settings
+        with self._submit_lock:
+            if self.runner.pending >= settings.max_queued_jobs:
+                raise ApiError(429, "overloaded", f"{settings.max_queued_jobs} registration jobs are already "
+                               "queued or running here; retry later", {"Retry-After": "30"})
+            with self.rt.store.task_lock(task):
+                job = self._submit_locked(task, examples, method, steps, seed, serve_early, tenant, shared)
         self.rt.engine.add_background_task(self.runner.step)
         return job
 
-    def delete(self, task: str) -> None:
+    def _submit_locked(self, task: str, examples: list[dict[str, str]], method: str, steps: int | None,
+                       seed: int | None, serve_early: bool, tenant: Tenant | None, shared: bool) -> Job:
+        exists = self.rt.store.has_task(task)
+        if exists:
+            record = self.rt.store.get_task(task)
+            if record.status != "failed":
+                suffix = f" (job {record.job_id})" if record.status == "training" else ""
+                raise TaskExists(f"task {task!r} already exists with status {record.status!r}{suffix}")
+        limit = self.rt.settings.max_tasks
+        if not exists and limit is not None and len(self.rt.store.task_stamps()) >= limit:
+            raise ApiError(409, "task_limit", f"this store already holds {limit} tasks (POLYSERVE_MAX_TASKS); "
+                           "delete one first")
+        return self.runner.submit(task, examples, method=method, steps=steps, seed=seed,
+                                  serve_early=serve_early and method != "retrieve",
+                                  tenant=owner_of_new_task(tenant), shared=shared)
+
+    def delete(self, task: str, tenant: Tenant | None = None) -> None:
         """Works from any replica: a job training the task (here or elsewhere) is cancelled and
-        its commit, which checks under the same task lock, finds the task gone."""
+        its commit, which checks under the same task lock, finds the task gone. TaskNotFound
+        also when `tenant` may not see the task (and for a task that does not exist, before any
+        lock file is made for its id)."""
+        if not self.rt.store.has_task(task):
+            raise TaskNotFound(task)
         with self.rt.store.task_lock(task):
             record = self.rt.store.get_task(task)
+            if tenant is not None and not can_see(record, tenant, isolated=self.rt.registry.isolated):
+                raise TaskNotFound(task)  # someone else's task: as if it did not exist
             if record.job_id and (record.status == "training" or self._unfinished(record.job_id)):
                 self.cancel(record.job_id)  # serve_early: the task is ready while its job still trains
             cache = self.rt.cache
@@ -97,6 +126,7 @@ class Registration:
                 pass  # the cancelled job removed its own placeholder meanwhile (here, or on its replica)
         if key is not None and self.rt.l2 is not None:
             self.rt.l2.delete(key)
+        self.rt.store.sweep_task_locks()
         self._changed_here(task)
 
     # -- the adaptation a job runs ------------------------------------------------------------------
@@ -179,13 +209,18 @@ class Registration:
             metrics.adaptation_seconds.observe(job.finished_at - job.started_at)
 
     # -- reads ------------------------------------------------------------------------------------
-    def job(self, job_id: str) -> Job:
-        return self.runner.get(job_id)
+    def job(self, job_id: str, tenant: Tenant | None = None) -> Job:
+        """JobNotFound also when `tenant` may not see it (its task's owner and admins may)."""
+        job = self.runner.get(job_id)
+        if tenant is not None and not can_see_job(job.tenant, tenant, isolated=self.rt.registry.isolated):
+            raise JobNotFound(job_id)
+        return job
 
-    def cancel(self, job_id: str) -> Job:
+    def cancel(self, job_id: str, tenant: Tenant | None = None) -> Job:
         """This replica's job: cancelled at once (queued) or at its next slice (running). Another
         replica's (or an unknown one's) unfinished job: a cancel marker in the store, which its
         runner checks every slice."""
+        self.job(job_id, tenant)  # JobNotFound: unknown, or not the caller's
         if self.runner.owns(job_id):
             return self.runner.cancel(job_id)
         job = self.runner.get(job_id)  # JobNotFound -> 404

@@ -8,6 +8,7 @@ from fastapi import APIRouter, Response
 
 from adapters_store.ids import RESERVED_TASK_IDS, validate_task_id
 from adapters_store.records import TaskRecord
+from server import tenants
 from server.api_docs import ERRORS
 from server.deps import AdminKey, ApiKey, RuntimeDep, SettingsDep
 from server.errors import ApiError
@@ -35,7 +36,7 @@ def base_out(rt) -> TaskOut:
 
 @router.get("/tasks", response_model=TaskList, responses=ERRORS["read"])
 async def list_tasks(rt: RuntimeDep) -> TaskList:
-    records = await asyncio.to_thread(rt.registry.list)
+    records = await asyncio.to_thread(rt.registry.list, tenants.current())
     return TaskList(data=[task_out(r) for r in records])
 
 
@@ -47,7 +48,7 @@ async def get_task(task: str, rt: RuntimeDep) -> TaskOut:
         raise ApiError(404, "not_found", f"task: {err}") from None
     if task == BASE:
         return base_out(rt)
-    return task_out(await asyncio.to_thread(rt.registry.get, task))
+    return task_out(await asyncio.to_thread(rt.registry.get, task, tenants.current()))
 
 
 @router.post("/tasks", status_code=202, response_model=JobOut, dependencies=[AdminKey],
@@ -65,13 +66,14 @@ async def register_task(body: RegisterRequest, rt: RuntimeDep, settings: Setting
                        param="steps")
     if body.task in RESERVED_TASK_IDS:
         raise ApiError(422, "validation_error", f"task: {body.task!r} is reserved", param="task")
-    if rt.registration.runner.pending >= settings.max_queued_jobs:
-        raise ApiError(429, "overloaded", f"{settings.max_queued_jobs} registration jobs are already queued or "
-                       "running here; retry later", {"Retry-After": "30"})
+    caller = tenants.current()
+    if body.shared and not caller.admin:
+        raise ApiError(403, "forbidden", "shared: only an admin key may register a task every tenant can use",
+                       param="shared")
     examples = [e.model_dump() for e in body.examples]
     try:
         job = await asyncio.to_thread(rt.registration.submit, body.task, examples, body.method, body.steps, body.seed,
-                                      serve_early=body.serve_early)
+                                      serve_early=body.serve_early, tenant=caller, shared=body.shared)
     except RuntimeError as err:
         raise ApiError(409, "conflict", str(err)) from None
     return job_out(job)
@@ -85,5 +87,5 @@ async def delete_task(task: str, rt: RuntimeDep) -> Response:
         raise ApiError(404, "not_found", f"task: {err}") from None
     if task in RESERVED_TASK_IDS:
         raise ApiError(409, "conflict", f"task {task!r} is the bare backbone and cannot be deleted")
-    await asyncio.to_thread(rt.registration.delete, task)
+    await asyncio.to_thread(rt.registration.delete, task, tenants.current())
     return Response(status_code=204)

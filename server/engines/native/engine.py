@@ -48,6 +48,7 @@ import torch
 
 from server import openmp
 from server.engines.base import EngineStopped, QueueFull, check_fits
+from server.engines.fair import FairQueue, TenantCaps, TenantLimit, check_caps, in_flight
 from server.engines.native.executor import Executor, build_executor
 from server.engines.native.isolate import find_culprits
 from server.engines.native.ledger import FinalLedger, answer_unadmitted
@@ -86,7 +87,7 @@ class NativeEngine:
         max_queue: int = 256, max_step_tokens: int = 256, metrics: Any = None, background_share: float = 0.2,
         dtype: torch.dtype | None = None, executor: Executor | None = None, executor_kind: str = "auto",
         packed_weights: bool | None = None, threads: int | None = None, static_decode: bool | None = None,
-        lora_kernel: str = "auto",
+        lora_kernel: str = "auto", caps: TenantCaps | None = None,
     ) -> None:
         if not 0 < background_share <= 1:
             raise ValueError(f"background_share must be in (0, 1], got {background_share}")
@@ -115,7 +116,9 @@ class NativeEngine:
         self.rows: list[Row] = []  # decoding
         self.prefills: list[Prefill] = []  # admitted, prompt not complete (admission order)
         self.ledger = FinalLedger()  # choices admitted and not yet answered
-        self._waiting: deque[GenRequest] = deque()
+        # waiting requests, one FIFO per tenant, admitted by fair share (fair.py)
+        self.caps = caps or TenantCaps()
+        self._waiting = FairQueue(self.caps, max_queue=max_queue, max_rows=max_batch_rows, max_tokens=max_batch_tokens)
         self._cond = threading.Condition()
         self._background: deque[Callable[[], bool]] = deque()
         self._stop = False
@@ -145,19 +148,24 @@ class NativeEngine:
             self._shutdown("server shutting down")
 
     def submit(self, req: GenRequest) -> GenRequest:
-        """Queue a request; raises QueueFull (-> 429), EngineStopped (-> 503) or ValueError (it
+        """Queue a request; raises QueueFull (-> 429), TenantLimit (its tenant's cap: fair.py),
+        EngineStopped (-> 503) or ValueError (it
         can never run here: over a budget, n over max_batch_rows, a logit_bias token outside
         the vocabulary, prompt + max_new_tokens beyond the model's positions)."""
         check_fits(req, max_tokens=self.max_tokens, max_rows=self.max_rows, vocab_size=self.vocab_size)
         if self.max_positions is not None and len(req.prompt_ids) >= self.max_positions:
             raise ValueError(f"the prompt's {len(req.prompt_ids)} tokens leave no room within the model's "
                              f"{self.max_positions} positions")
+        check_caps(req, self.caps, max_rows=self.max_rows, max_tokens=self.max_tokens)
         with self._cond:
             if self._stop or self._dead:
                 raise EngineStopped("engine is stopped")
-            if len(self._waiting) >= self.max_queue:
+            refused = self._waiting.push(req)
+            if refused == "queue":
                 raise QueueFull(self.retry_after())
-            self._waiting.append(req)
+            if refused is not None:
+                raise TenantLimit(req.tenant, refused, f"this tenant already has {self._waiting.waiting(req.tenant)} "
+                                  "requests waiting (POLYSERVE_TENANT_MAX_QUEUED)", retry_after=self.retry_after())
             self._gauges()
             self._cond.notify_all()
         return req
@@ -267,16 +275,13 @@ class NativeEngine:
         budget = max(1, self.max_step_tokens - len(self.rows))
         admitted: list[GenRequest] = []
         with self._cond:
-            while self._waiting and pending < budget:
-                req = self._waiting[0]
-                if req.handle.cancelled.is_set():
-                    self._waiting.popleft()
-                    answer_unadmitted(req, "cancelled")
-                    continue
-                if (self.running + req.params.n > self.max_rows or len(admitted) >= self.max_prefill_rows
-                        or tokens + req.budget_tokens > self.max_tokens):
+            picker = self._waiting.begin(in_flight(
+                [(r.req.tenant, 1, len(r.req.prompt_ids) + r.req.params.max_new_tokens) for r in self.rows]
+                + [(p.req.tenant, p.req.params.n, p.req.budget_tokens) for p in self.prefills]))
+            while self._waiting and pending < budget and len(admitted) < self.max_prefill_rows:
+                req = picker.next(self.max_rows - self.running, self.max_tokens - tokens)
+                if req is None:
                     break
-                self._waiting.popleft()
                 self.ledger.open(req)
                 tokens += req.budget_tokens
                 pending += len(req.prompt_ids)
@@ -284,12 +289,14 @@ class NativeEngine:
                 prefill = Prefill(req, [])
                 prefill.slots = self.pool.take(prefill, req.params.n)
                 self.prefills.append(prefill)
+            for req in picker.cancelled:
+                answer_unadmitted(req, "cancelled")
         now = time.perf_counter()
         for prefill in self.prefills[len(self.prefills) - len(admitted):]:
             req = prefill.req
             if self.metrics is not None:
                 self.metrics.queue_wait.observe(now - req.arrival)
-                self.metrics.prompt_tokens.inc(len(req.prompt_ids))
+                self.metrics.prompt_tokens.labels(tenant=req.tenant).inc(len(req.prompt_ids))
             if req.params.prompt_logprobs is not None:
                 prefill.prompt_lp = [None]
             try:
@@ -433,9 +440,10 @@ class NativeEngine:
         """Row `row` generated `token`; returns whether it goes on."""
         params = row.req.params
         row.generated += 1
+        self._waiting.charge(row.req.tenant, 1)
         m = self.metrics
         if m is not None:
-            m.generation_tokens.inc()
+            m.generation_tokens.labels(tenant=row.req.tenant).inc()
             if row.generated == 1:
                 m.ttft.observe(now - row.req.arrival)
             else:
@@ -535,8 +543,7 @@ class NativeEngine:
         """The engine stops: everything admitted or waiting gets its final event."""
         with self._cond:
             self._dead = True
-            waiting = list(self._waiting)
-            self._waiting.clear()
+            waiting = self._waiting.drain()
         try:
             self._fail_all(message)
         finally:

@@ -33,6 +33,7 @@ from concurrent.futures import Future
 from typing import Any
 
 from server.engines.base import EngineStopped, QueueFull, check_fits
+from server.engines.fair import TenantCaps, check_submit_caps
 from server.engines.request import FinalEvent, GenRequest, TokenEvent, TokenLogprob
 from server.engines.vllm.loras import LoraDirectories
 from server.engines.vllm.params import vllm_kwargs
@@ -64,8 +65,9 @@ class VllmEngine:
         self, model_dir: str, tokenizer: Any, *, lora_root: str | None = None, inventory: Any = None,
         max_batch_rows: int = 32, max_batch_tokens: int = 16384, max_queue: int = 256, dtype: str = "float32",
         metrics: Any = None, extra_args: dict[str, Any] | None = None, background_threads: int = 1,
-        max_model_len: int | None = None,
+        max_model_len: int | None = None, caps: TenantCaps | None = None,
     ) -> None:
+        self.caps = caps or TenantCaps()  # per-tenant caps, applied before a request reaches vLLM (fair.py)
         self.model_dir, self.tokenizer, self.metrics = model_dir, tokenizer, metrics
         self.max_rows, self.max_tokens, self.max_queue = max_batch_rows, max_batch_tokens, max_queue
         self.loras = LoraDirectories(lora_root, inventory, model_dir) if inventory is not None and lora_root else None
@@ -172,11 +174,13 @@ class VllmEngine:
         with self._lock:
             if self._stopping or self._dead or self._loop is None:
                 raise EngineStopped("engine is stopped")
-            if self.waiting >= self.max_queue:
+            if not self.caps.fair and self.waiting >= self.max_queue:
                 raise QueueFull(self.retry_after())
+            check_submit_caps(req, self.caps, [r for r, _ in self._inflight.values()], max_queue=self.max_queue,
+                              max_rows=self.max_rows, max_tokens=self.max_tokens, retry_after=self.retry_after())
             self._inflight[req.id] = (req, None)
         if self.metrics is not None:
-            self.metrics.prompt_tokens.inc(len(req.prompt_ids))
+            self.metrics.prompt_tokens.labels(tenant=req.tenant).inc(len(req.prompt_ids))
         self._gauges()
         asyncio.run_coroutine_threadsafe(self._serve(req), self._loop)
         return req
