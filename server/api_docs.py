@@ -102,8 +102,9 @@ def _bounds(settings: Any) -> dict[str, dict[str, tuple[str, int]]]:
     n = ("maximum", settings.max_n)
     return {
         "GenerateRequest": {"max_new_tokens": tokens, "stop": stop},
-        "CompletionRequest": {"max_tokens": tokens, "stop": stop, "n": n},
-        "ChatRequest": {"max_tokens": tokens, "max_completion_tokens": tokens, "stop": stop, "n": n},
+        "CompletionRequest": {"max_tokens": tokens, "stop": stop, "n": n, "min_tokens": tokens},
+        "ChatRequest": {"max_tokens": tokens, "max_completion_tokens": tokens, "stop": stop, "n": n,
+                        "min_tokens": tokens},
         "RegisterRequest": {"examples": ("maxItems", settings.max_examples_per_task),
                             "steps": ("maximum", settings.max_job_steps)},
     }
@@ -143,6 +144,34 @@ def _vocab_bound(schemas: dict, vocab: int) -> None:
                 branch["patternProperties"] = {pattern: next(iter(branch["patternProperties"].values()))}
 
 
+def _prompts_bound(schemas: dict, limit: int) -> None:
+    """A list of prompts (strings or token-id lists) holds at most `limit` of them; a single
+    token-id prompt keeps its own bound (the prompt's tokens)."""
+    for name, schema in schemas.items():
+        prompt = schema.get("properties", {}).get("prompt")
+        if prompt is None or not name.startswith("CompletionRequest"):
+            continue
+        for branch in prompt.get("anyOf", []):
+            if branch.get("type") == "array" and branch.get("items", {}).get("type") in ("string", "array"):
+                branch["maxItems"] = limit
+
+
+def _token_ids_bound(node: Any, top: int) -> None:
+    """Every token-id integer (minimum 0) below `node` is at most `top`."""
+    if isinstance(node, dict):
+        if node.get("type") == "integer" and node.get("minimum") == 0:
+            node["maximum"] = top
+        for value in node.values():
+            _token_ids_bound(value, top)
+    elif isinstance(node, list):
+        for value in node:
+            _token_ids_bound(value, top)
+
+
+TOKEN_ID_FIELDS = {"CompletionRequest": ("prompt", "stop_token_ids"), "ChatRequest": ("stop_token_ids",),
+                   "DetokenizeRequest": ("tokens",)}
+
+
 def build(app: FastAPI, settings: Any) -> dict[str, Any]:
     doc = get_openapi(title=app.title, version=app.version, description=app.description, routes=app.routes)
     any_keys = bool(settings.api_keys or settings.admin_keys)
@@ -171,6 +200,7 @@ def build(app: FastAPI, settings: Any) -> dict[str, Any]:
                 for field, (key, value) in fields.items():
                     if field in schema.get("properties", {}):
                         _set_bound(schema["properties"][field], key, value)
+    _prompts_bound(schemas, settings.max_prompts_per_request)
     return doc
 
 
@@ -184,7 +214,13 @@ def install(app: FastAPI, settings: Any) -> None:
             return doc
         from server.generation import vocab_size
 
-        _vocab_bound(doc.get("components", {}).get("schemas", {}), vocab_size(runtime))
+        schemas = doc.get("components", {}).get("schemas", {})
+        _vocab_bound(schemas, vocab_size(runtime))
+        for name, schema in schemas.items():
+            for model, fields in TOKEN_ID_FIELDS.items():
+                if name == model or name.startswith(model + "-"):
+                    for field in fields:
+                        _token_ids_bound(schema.get("properties", {}).get(field), vocab_size(runtime) - 1)
         app.openapi_schema = doc
         return doc
 

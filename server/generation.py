@@ -117,6 +117,10 @@ async def prepare(
     if bad:
         raise ApiError(422, "validation_error", f"logit_bias: token id {bad[0]} is not in the vocabulary "
                        f"(ids < {vocab})", param="logit_bias")
+    bad = [t for t in params.stop_token_ids if t >= vocab]
+    if bad:
+        raise ApiError(422, "validation_error", f"stop_token_ids: token id {bad[0]} is not in the vocabulary "
+                       f"(ids < {vocab})", param="stop_token_ids")
     too_long = ApiError(413, "too_large", "", param=prompt_field, code="context_length_exceeded")
     tenant = tenants.current()
 

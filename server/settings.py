@@ -76,6 +76,8 @@ class Settings(BaseSettings):
     job_retention_seconds: float = Field(default=7 * 24 * 3600, gt=0)  # finished jobs + their files
     max_stop_strings: int = Field(default=8, ge=0)
     max_n: int = Field(default=8, ge=1)  # choices per request (OpenAI `n`)
+    # prompts in one /v1/completions request (a list `prompt`): each is its own request in the queue
+    max_prompts_per_request: int = Field(default=64, ge=1, le=1024)
     l1_cache_bytes: int = Field(default=1 << 30, ge=0)
     warmup: bool = True
     # while requests are in flight, adaptation jobs get at most this share of the engine's time

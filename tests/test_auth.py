@@ -15,6 +15,7 @@ from server.deps import require_admin_key, require_api_key
 from tests.server_fixtures import build_store, live_server, settings_for, tiny_backbone
 
 OPEN = {"/health", "/ready", "/metrics"}
+VLLM_UTILITY = {"/tokenize", "/detokenize", "/version"}  # vLLM's paths, keyed as /v1/* is
 ADMIN = {("POST", "/v1/tasks"), ("DELETE", "/v1/tasks/{task}"), ("POST", "/v1/jobs/{job_id}/cancel"),
          ("GET", "/v1/usage")}
 
@@ -30,7 +31,8 @@ def test_every_v1_route_needs_a_key(tmp_path):
         if path in OPEN:
             assert not calls & {require_api_key, require_admin_key}, path
             continue
-        assert path.startswith("/v1/"), f"{method} {path}: a route outside /v1 that is not health/ready/metrics"
+        assert path.startswith("/v1/") or path in VLLM_UTILITY, \
+            f"{method} {path}: a route outside /v1 that is not health/ready/metrics or vLLM's utilities"
         assert require_api_key in calls or require_admin_key in calls, f"{method} {path} has no auth"
         assert (require_admin_key in calls) == ((method, path) in ADMIN), f"{method} {path}: admin rule"
     assert {p for _, p, _ in seen} >= OPEN and ADMIN <= {(m, p) for m, p, _ in seen}

@@ -70,7 +70,7 @@ REFUSED = [
     ("completions", {"best_of": 2}, "best_of"),
     ("completions", {"max_tokens": "5"}, "max_tokens"),
     ("completions", {"temperature": True}, "temperature"),
-    ("completions", {"prompt": ["a", "b"]}, "prompt"),
+    ("completions", {"prompt": ["a"] * 65}, "prompt"),  # over POLYSERVE_MAX_PROMPTS_PER_REQUEST=64
     ("completions", {"n": 5}, "n"),  # over POLYSERVE_MAX_N=4
     ("completions", {"logit_bias": {"100000": 5}}, "logit_bias"),  # not in the vocabulary
     ("completions", {"logit_bias": {"abc": 5}}, "logit_bias"),

@@ -42,6 +42,11 @@ def test_sampling_maps_to_vllms_meaning():
     assert sampled["logit_bias"] == {11: -100.0} and sampled["logprobs"] == 2 and sampled["prompt_logprobs"] == 1
     assert (sampled["presence_penalty"], sampled["frequency_penalty"], sampled["repetition_penalty"]) == (0.5, -0.5, 1.2)
     assert vllm_kwargs(SamplingParams())["stop"] is None and "logit_bias" not in vllm_kwargs(SamplingParams())
+    ext = vllm_kwargs(SamplingParams(max_new_tokens=8, min_tokens=3, stop_token_ids=(5, 9), min_p=0.2,
+                                     include_stop_str_in_output=True, skip_special_tokens=False))
+    assert (ext["min_tokens"], ext["stop_token_ids"], ext["min_p"]) == (3, [5, 9], 0.2)
+    assert ext["include_stop_str_in_output"] is True and ext["skip_special_tokens"] is False
+    assert vllm_kwargs(SamplingParams())["stop_token_ids"] is None
 
 
 def test_each_cache_key_becomes_one_peft_directory_equal_to_the_adapter(tmp_path):

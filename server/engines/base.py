@@ -52,6 +52,9 @@ def check_fits(req: GenRequest, *, max_tokens: int, max_rows: int, vocab_size: i
     for token, _ in req.params.logit_bias:
         if token >= vocab_size:
             raise ValueError(f"logit_bias: token id {token} is outside the vocabulary (size {vocab_size})")
+    for token in req.params.stop_token_ids:
+        if token >= vocab_size:
+            raise ValueError(f"stop_token_ids: token id {token} is outside the vocabulary (size {vocab_size})")
 
 
 @runtime_checkable

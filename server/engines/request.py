@@ -51,8 +51,16 @@ class SamplingParams:
     frequency_penalty   OpenAI: logit -= f * (times the token was generated)           [-2, 2]
     repetition_penalty  vLLM/HF: tokens seen in prompt or output: logit / r if > 0, * r else  (0, 2]
     logit_bias          (token id, bias) pairs added to the logits before sampling    [-100, 100]
-    Order (vLLM's): logit_bias, repetition, frequency, presence on the raw logits; greedy takes
-    the argmax of that; sampling then applies temperature, top-k, top-p.
+    min_tokens          vLLM: EOS (unless ignore_eos) and stop_token_ids cannot be sampled, and
+                        stop strings are not looked for, before this many tokens   [0, max_new_tokens]
+    stop_token_ids      vLLM: generating one of these ends the choice ("stop"), even with ignore_eos
+    include_stop_str_in_output  vLLM: the stop string (or stop token's text) stays in the text
+    skip_special_tokens vLLM: special tokens add no text (default)
+    min_p               vLLM: after temperature, tokens below min_p x the top token's probability
+                        are dropped (sampling only; greedy is unchanged)             [0, 1]
+    Order (vLLM's): logit_bias, repetition, frequency, presence on the raw logits, then the
+    min_tokens mask; greedy takes the argmax of that; sampling then applies temperature, min-p,
+    top-k, top-p.
     """
 
     max_new_tokens: int = 64
@@ -69,6 +77,11 @@ class SamplingParams:
     frequency_penalty: float = 0.0
     repetition_penalty: float = 1.0
     logit_bias: tuple[tuple[int, float], ...] = ()
+    min_tokens: int = 0
+    stop_token_ids: tuple[int, ...] = ()
+    include_stop_str_in_output: bool = False
+    skip_special_tokens: bool = True
+    min_p: float = 0.0
 
     def __post_init__(self) -> None:
         if self.max_new_tokens < 1:
@@ -96,6 +109,12 @@ class SamplingParams:
         for token, bias in self.logit_bias:
             if token < 0 or not -100.0 <= bias <= 100.0:
                 raise ValueError(f"logit_bias: token {token} bias {bias} (ids >= 0, bias in [-100, 100])")
+        if not 0 <= self.min_tokens <= self.max_new_tokens:
+            raise ValueError(f"min_tokens must be in [0, max_new_tokens={self.max_new_tokens}], got {self.min_tokens}")
+        if any(t < 0 for t in self.stop_token_ids):
+            raise ValueError("stop_token_ids must be token ids (>= 0)")
+        if not 0.0 <= self.min_p <= 1.0:
+            raise ValueError(f"min_p must be in [0, 1], got {self.min_p}")
 
     @property
     def greedy(self) -> bool:

@@ -13,6 +13,7 @@ OpenAI's shape (server.errors).
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 import time
 from collections.abc import AsyncIterator
@@ -20,19 +21,12 @@ from typing import Any
 
 from fastapi import APIRouter, Request
 
-from server import chat, generation
+from server import chat, generation, openai_completions
 from server.api_docs import OPENAI_ERRORS, SSE_200
 from server.deps import ApiKey, RuntimeDep
 from server.engines.request import FinalEvent, SamplingParams
 from server.errors import ApiError
-from server.openai_format import (
-    TokenText,
-    chat_logprobs,
-    completion_logprobs,
-    finish_reason,
-    merge_completion_logprobs,
-    usage,
-)
+from server.openai_format import TokenText, chat_logprobs, finish_reason, usage
 from server.openai_schemas import (
     ChatRequest,
     CompletionRequest,
@@ -50,21 +44,24 @@ COMPLETION_NAMES = {"max_new_tokens": "max_tokens", "prompt_logprobs": "echo"}
 CHAT_NAMES = {"max_new_tokens": "max_tokens", "prompt_logprobs": "messages"}
 
 
-def _params(body: CompletionRequest | ChatRequest, max_tokens: int, names: dict[str, str], *,
+def _params(rt: Any, body: CompletionRequest | ChatRequest, max_tokens: int, names: dict[str, str], *,
             logprobs: int | None, prompt_logprobs: int | None = None) -> SamplingParams:
     return generation.sampling(
         names, max_new_tokens=max_tokens, temperature=effective_temperature(body.temperature),
         top_p=effective_top_p(body.top_p), top_k=max(body.top_k, 0), seed=effective_seed(body.seed), stop=tuple(body.stop_list()), n=body.n,
         logprobs=logprobs, prompt_logprobs=prompt_logprobs, presence_penalty=body.presence_penalty,
         frequency_penalty=body.frequency_penalty, repetition_penalty=body.repetition_penalty,
-        logit_bias=body.bias_pairs())
+        logit_bias=body.bias_pairs(), **vllm_extensions(body, max_tokens, rt.settings.max_new_tokens))
 
 
-def _prompt_entries(call: generation.Call, finals: list[FinalEvent]) -> list:
-    for final in finals:
-        if final.prompt_logprobs is not None:
-            return list(final.prompt_logprobs)
-    return [None] * len(call.req.prompt_ids)
+def vllm_extensions(body: CompletionRequest | ChatRequest, max_tokens: int, limit: int) -> dict[str, Any]:
+    """vLLM's sampling extensions; min_tokens above max_tokens is max_tokens (above the server's
+    limit on max tokens it is refused, as max_tokens is)."""
+    if body.min_tokens > limit:
+        raise ApiError(422, "validation_error", f"min_tokens: must be <= {limit}", param="min_tokens")
+    return {"ignore_eos": body.ignore_eos, "min_tokens": min(body.min_tokens, max_tokens),
+            "stop_token_ids": body.stop_ids(), "include_stop_str_in_output": body.include_stop_str_in_output,
+            "skip_special_tokens": body.skip_special_tokens, "min_p": body.min_p}
 
 
 @router.post("/completions", responses={**SSE_200, **OPENAI_ERRORS["generate"]})
@@ -74,60 +71,13 @@ async def completions(body: CompletionRequest, request: Request, rt: RuntimeDep)
         raise ApiError(400, "invalid_request", "echo: echo with logprobs is not supported when streaming",
                        param="echo")
     echo_logprobs = body.logprobs if body.echo and body.logprobs is not None else None
-    max_tokens = body.max_tokens or min(16, rt.settings.max_new_tokens)
+    max_tokens = min(16, rt.settings.max_new_tokens) if body.max_tokens is None else body.max_tokens
     if "max_tokens" not in body.model_fields_set:  # the default never exceeds the server's limit
         max_tokens = min(max_tokens, rt.settings.max_new_tokens)
-    params = _params(body, max_tokens, names, logprobs=body.logprobs, prompt_logprobs=echo_logprobs)
-    call = await generation.prepare(rt, body.model, lambda _fmt: body.prompt_value(), params,
-                                    id_prefix="cmpl", names=names)
-    generation.submit(rt, call)
-    text_of = TokenText(rt.tokenizer)
-    base = {"id": call.req.id, "object": "text_completion", "created": int(time.time()), "model": body.model}
-    prefix = call.prompt_text if body.echo else ""
-    if not body.stream:
-        choices = await generation.collect(request, call)
-        finals = [c.final for c in choices if c.final is not None]
-        out = []
-        for c in choices:
-            logprobs = None
-            if body.logprobs is not None:
-                logprobs, offset = {}, 0
-                if body.echo:
-                    logprobs, offset = completion_logprobs(text_of, _prompt_entries(call, finals), call.req.prompt_ids)
-                generated, _ = completion_logprobs(text_of, c.logprobs, [e.token_id for e in c.logprobs], offset)
-                logprobs = merge_completion_logprobs(logprobs, generated) if logprobs else generated
-            assert c.final is not None
-            out.append({"index": c.index, "text": prefix + c.text, "logprobs": logprobs,
-                        "finish_reason": finish_reason(c.final.finish_reason)})
-        return {**base, "choices": out, "usage": usage(finals)}
-    include_usage = bool(body.stream_options and body.stream_options.include_usage)
-
-    async def stream() -> AsyncIterator[bytes]:
-        offsets = [0] * body.n
-        if body.echo:  # the prompt first, as its own chunk per choice (vLLM's convention)
-            for i in range(body.n):
-                yield generation.sse(json.dumps({**base, "choices": [
-                    {"index": i, "text": prefix, "logprobs": None, "finish_reason": None}]}))
-        finals: list[FinalEvent] = []
-        async for event in generation.events(request, call):
-            final = isinstance(event, FinalEvent)
-            if not (event.text or event.logprobs or final):
-                continue
-            logprobs = None
-            if body.logprobs is not None:
-                entries = event.logprobs or []
-                logprobs, offsets[event.index] = completion_logprobs(
-                    text_of, entries, [e.token_id for e in entries], offsets[event.index])
-            reason = finish_reason(event.finish_reason) if isinstance(event, FinalEvent) else None
-            yield generation.sse(json.dumps({**base, "choices": [
-                {"index": event.index, "text": event.text, "logprobs": logprobs, "finish_reason": reason}]}))
-            if isinstance(event, FinalEvent):
-                finals.append(event)
-        if include_usage:
-            yield generation.sse(json.dumps({**base, "choices": [], "usage": usage(finals)}))
-        yield generation.sse("[DONE]")
-
-    return generation.stream_response(request, stream())
+    params = _params(rt, body, max(max_tokens, 1), names, logprobs=body.logprobs, prompt_logprobs=echo_logprobs)
+    if max_tokens == 0:  # scoring: the one token the engine makes is dropped (openai_completions)
+        params = dataclasses.replace(params, min_tokens=0)
+    return await openai_completions.respond(body, request, rt, params, names)
 
 
 def _render_chat(rt: Any, body: ChatRequest):
@@ -149,10 +99,11 @@ async def chat_completions(body: ChatRequest, request: Request, rt: RuntimeDep):
     names = {**CHAT_NAMES, "max_new_tokens": "max_completion_tokens" if body.max_completion_tokens else "max_tokens",
              "logprobs": "top_logprobs" if body.top_logprobs else "logprobs"}
     k = body.top_logprobs or 0
-    params = _params(body, max_tokens, names, logprobs=k if body.logprobs else None)
+    params = _params(rt, body, max_tokens, names, logprobs=k if body.logprobs else None)
     task_chat = body.model != BASE
+    special = task_chat if body.add_special_tokens is None else body.add_special_tokens
     call = await generation.prepare(rt, body.model, _render_chat(rt, body), params, id_prefix="chatcmpl",
-                                    names=names, prompt_field="messages", special_tokens=task_chat)
+                                    names=names, prompt_field="messages", special_tokens=special)
     generation.submit(rt, call)
     text_of = TokenText(rt.tokenizer)
     created = int(time.time())

@@ -4,6 +4,11 @@ Decoding token by token breaks multi-byte characters and merges; like TGI/vLLM w
 window `tokens[prefix:]` and emit only the part past `tokens[prefix:read]` once it no longer ends
 in an incomplete character. Stop strings are searched in the accumulated text; the longest
 suffix that could still begin a stop string is held back so a stream never shows part of one.
+
+vLLM's options: skip_special_tokens (specials add no text, the default), include_stop (the stop
+string stays at the end of the text), min_tokens (stop strings are looked for only once more than
+min_tokens tokens were added, as vLLM's detokenizer does, and only occurrences that end in text not
+searched before count).
 """
 
 from __future__ import annotations
@@ -23,9 +28,15 @@ def _holdback(text: str, stops: tuple[str, ...]) -> int:
 
 
 class IncrementalDetokenizer:
-    def __init__(self, tokenizer: Any, prompt_ids: list[int], stops: tuple[str, ...] = ()) -> None:
+    def __init__(self, tokenizer: Any, prompt_ids: list[int], stops: tuple[str, ...] = (), *,
+                 skip_special_tokens: bool = True, include_stop: bool = False, min_tokens: int = 0) -> None:
         self.tokenizer = tokenizer
         self.stops = stops
+        self.skip_special_tokens = skip_special_tokens
+        self.include_stop = include_stop
+        self.min_tokens = min_tokens
+        self.added = 0  # tokens added so far
+        self.searched = 0  # characters of text already searched for stop strings (or passed by, min_tokens)
         self.ids: list[int] = list(prompt_ids[-6:])  # a little context for merges at the boundary
         self.prefix = 0
         self.read = len(self.ids)
@@ -34,11 +45,13 @@ class IncrementalDetokenizer:
         self.stopped = False
 
     def _decode(self, ids: list[int]) -> str:
-        return self.tokenizer.decode(ids, skip_special_tokens=True, clean_up_tokenization_spaces=False)
+        return self.tokenizer.decode(ids, skip_special_tokens=self.skip_special_tokens,
+                                     clean_up_tokenization_spaces=False)
 
     def add(self, token_id: int) -> str:
         """Append one token; returns the new text safe to emit now (maybe "")."""
         self.ids.append(token_id)
+        self.added += 1
         before = self._decode(self.ids[self.prefix : self.read])
         after = self._decode(self.ids[self.prefix :])
         if len(after) > len(before) and not after.endswith("\ufffd"):
@@ -47,18 +60,18 @@ class IncrementalDetokenizer:
         return self._release()
 
     def _release(self) -> str:
-        if self.stops and not self.stopped:
-            start = max(0, self.sent - max(len(s) for s in self.stops))
-            cut = -1
-            for stop in self.stops:
-                pos = self.text.find(stop, start)
+        if self.stops and not self.stopped and self.added > self.min_tokens:
+            cut, found = -1, ""
+            for stop in self.stops:  # only occurrences that end in text not searched yet
+                pos = self.text.find(stop, max(0, self.searched - len(stop) + 1))
                 if pos != -1 and (cut == -1 or pos < cut):
-                    cut = pos
+                    cut, found = pos, stop
             if cut != -1:
-                self.text = self.text[:cut]
+                self.text = self.text[: cut + len(found)] if self.include_stop else self.text[:cut]
                 self.stopped = True
-        limit = len(self.text) if self.stopped else len(self.text) - _holdback(self.text, self.stops)
-        limit = max(limit, self.sent)
+        self.searched = len(self.text)
+        held = 0 if self.stopped else _holdback(self.text, self.stops)
+        limit = max(len(self.text) - held, self.sent)
         out = self.text[self.sent : limit]
         self.sent = limit
         return out

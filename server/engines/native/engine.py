@@ -53,7 +53,7 @@ from server.engines.native.executor import Executor, build_executor
 from server.engines.native.isolate import find_culprits
 from server.engines.native.ledger import FinalLedger, answer_unadmitted
 from server.engines.native.logprobs import prompt_chunk_logprobs
-from server.engines.native.rows import Row, describe, new_rows, sample_rows
+from server.engines.native.rows import Row, describe, new_rows, sample_rows, stop_token
 from server.engines.native.slots import SlotPool
 from server.engines.native.step import Item, StepBatch
 from server.engines.request import FinalEvent, FinishReason, GenRequest, TokenEvent, TokenLogprob
@@ -406,7 +406,7 @@ class NativeEngine:
     def _fork(self, prefill: Prefill) -> list[Row]:
         """The prompt is in slots[0]: the n choices become rows (slot i <- a copy of slot 0)."""
         req = prefill.req
-        choices = new_rows(req, self.tokenizer, self.vocab_size, self.device, prefill.prompt_lp)
+        choices = new_rows(req, self.tokenizer, self.vocab_size, self.device, prefill.prompt_lp, self.eos_ids)
         length = len(req.prompt_ids)
         for slot in prefill.slots[1:]:
             self.executor.copy_slot(prefill.slots[0], slot, length)
@@ -454,8 +454,9 @@ class NativeEngine:
             row.pending_logprobs.append(logprob)
         if row.sampler.processors is not None:
             row.sampler.processors.observe(token)
-        if token in self.eos_ids and not params.ignore_eos:
-            self._finish(row, "stop")  # the EOS token counts and is reported (logprobs), adds no text
+        if stop_token(params, token, row.generated, self.eos_ids):
+            # the stop token counts and is reported (logprobs), adds text only when asked to (vLLM)
+            self._finish(row, "stop", row.detok.add(token) if params.include_stop_str_in_output else "")
             return False
         text = row.detok.add(token)
         if row.detok.stopped:

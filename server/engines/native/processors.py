@@ -1,4 +1,5 @@
-"""Logits processors: logit_bias and the repetition / frequency / presence penalties. Pure.
+"""Logits processors: logit_bias, the repetition / frequency / presence penalties and vLLM's
+min_tokens mask. Pure.
 
 Applied in float32 to the rows that ask for them, in vLLM's order (before temperature, so a
 greedy row takes the argmax of the processed logits):
@@ -10,6 +11,7 @@ greedy row takes the argmax of the processed logits):
         l[t] = l[t] / r if l[t] > 0 else l[t] * r, t in seen  repetition_penalty  (HF / vLLM)
         l[t] -= f * count[n][t]                               frequency_penalty   (OpenAI)
         l[t] -= p * (count[n][t] > 0)                         presence_penalty    (OpenAI)
+        l[t] = -inf, t in stop ids, while generated[n] < m    min_tokens          (vLLM)
     count[n][t] = times row n has generated t (its own choice only; the prompt does not count)
 
 Sparse: a penalty only touches the tokens a row has seen, so each row keeps the list of its seen
@@ -94,14 +96,20 @@ class RowProcessors:
     frequency: float = 0.0
     repetition: float = 1.0
     seen: SeenTokens | None = None
+    banned: torch.Tensor | None = None  # (K,) long: the stop ids masked while generated < min_tokens
+    min_tokens: int = 0
+    generated: int = 0
 
     @classmethod
-    def build(cls, params, prompt_ids: list[int], vocab_size: int,
-              device: torch.device | str = "cpu") -> RowProcessors | None:
-        """From SamplingParams; None when the row has no processor (the common, fast path)."""
+    def build(cls, params, prompt_ids: list[int], vocab_size: int, device: torch.device | str = "cpu",
+              eos_ids: frozenset[int] = frozenset()) -> RowProcessors | None:
+        """From SamplingParams; None when the row has no processor (the common, fast path).
+        eos_ids: the model's end tokens (masked by min_tokens unless ignore_eos, as vLLM does)."""
         penalties = params.presence_penalty != 0 or params.frequency_penalty != 0 or params.repetition_penalty != 1
         bias = [(t, b) for t, b in params.logit_bias if b != 0]
-        if not penalties and not bias:
+        stop_ids = sorted(set(params.stop_token_ids) | (set() if params.ignore_eos else set(eos_ids)))
+        banned = [t for t in stop_ids if 0 <= t < vocab_size] if params.min_tokens > 0 else []
+        if not penalties and not bias and not banned:
             return None
         for token, _ in bias:
             if not 0 <= token < vocab_size:
@@ -115,18 +123,28 @@ class RowProcessors:
             bias_values=torch.tensor([b for _, b in bias], dtype=torch.float32, device=device),
             presence=params.presence_penalty, frequency=params.frequency_penalty,
             repetition=params.repetition_penalty, seen=seen,
+            banned=torch.tensor(banned, dtype=torch.long, device=device) if banned else None,
+            min_tokens=params.min_tokens if banned else 0,
         )
 
     def fork(self) -> RowProcessors:
         """The state of another choice of the same request: same prompt, no tokens generated yet
         (call before the first `observe`)."""
-        return copy.copy(self) if self.seen is None else RowProcessors(
-            self.bias_tokens, self.bias_values, self.presence, self.frequency, self.repetition,
-            SeenTokens(self.seen.tokens.clone(), self.seen.counts.clone(), self.seen.size, dict(self.seen.where)),
-        )
+        other = copy.copy(self)
+        other.generated = 0
+        if self.seen is not None:
+            other.seen = SeenTokens(self.seen.tokens.clone(), self.seen.counts.clone(), self.seen.size,
+                                    dict(self.seen.where))
+        return other
+
+    @property
+    def masking(self) -> bool:
+        """The min_tokens mask applies to the next token."""
+        return self.banned is not None and self.generated < self.min_tokens
 
     def observe(self, token: int) -> None:
         """The row generated `token`."""
+        self.generated += 1
         if self.seen is not None:
             self.seen.add(token)
 
@@ -158,4 +176,8 @@ def apply_processors(logits: torch.Tensor, procs: list[RowProcessors], *, inplac
             per_entry([p.presence for _, p in pen]), per_entry([p.frequency for _, p in pen]),
             per_entry([p.repetition for _, p in pen]),
         )
+    masked = [(i, p.banned) for i, p in enumerate(procs) if p.masking]
+    if masked:
+        rows = torch.cat([torch.full_like(b, i) for i, b in masked])  # type: ignore[arg-type]
+        out[rows, torch.cat([b for _, b in masked])] = float("-inf")  # type: ignore[misc]
     return out

@@ -5,6 +5,8 @@
                         seeded with seed + i when the request has a seed
     sample_rows(rows)   sampling.sample_tokens over the batch; if that raises, row by row, so
                         only a row that fails alone fails
+    stop_token(...)     whether a generated token ends its choice (EOS unless ignore_eos, or one
+                        of stop_token_ids; never before min_tokens, as in vLLM)
 """
 
 from __future__ import annotations
@@ -20,7 +22,7 @@ import torch
 from server.engines.native.detok import IncrementalDetokenizer
 from server.engines.native.processors import RowProcessors
 from server.engines.native.sampling import RowSampler, Sampled, sample_tokens
-from server.engines.request import FinishReason, GenRequest, TokenLogprob
+from server.engines.request import FinishReason, GenRequest, SamplingParams, TokenLogprob
 
 log = logging.getLogger("polyserve.engine")
 
@@ -57,11 +59,18 @@ def describe(err: BaseException) -> str:
     return f"{type(err).__name__}: {err}"[:300]
 
 
+def stop_token(params: SamplingParams, token: int, generated: int, eos_ids: frozenset[int]) -> bool:
+    """Whether the `generated`-th token `token` ends its choice with finish reason "stop"."""
+    if generated <= params.min_tokens:
+        return False  # masked before sampling (processors.py); a forced one does not stop either
+    return token in params.stop_token_ids or (token in eos_ids and not params.ignore_eos)
+
+
 def new_rows(req: GenRequest, tokenizer: Any, vocab: int, device: torch.device,
-             prompt_lp: list[TokenLogprob | None] | None = None) -> list[Row]:
+             prompt_lp: list[TokenLogprob | None] | None = None, eos_ids: frozenset[int] = frozenset()) -> list[Row]:
     """The n choices of a request: choice i of a seeded request samples with seed + i."""
     p = req.params
-    procs = RowProcessors.build(p, req.prompt_ids, vocab, device)
+    procs = RowProcessors.build(p, req.prompt_ids, vocab, device, eos_ids)
     rows = []
     for index in range(p.n):
         gen = None
@@ -69,8 +78,9 @@ def new_rows(req: GenRequest, tokenizer: Any, vocab: int, device: torch.device,
             seed = (p.seed + index) & SEED_MASK if p.seed is not None else secrets.randbits(63)
             gen = torch.Generator().manual_seed(seed)
         sampler = RowSampler(p.temperature, p.top_k, p.top_p, gen,
-                             None if procs is None else (procs if index == 0 else procs.fork()), p.logprobs)
-        detok = IncrementalDetokenizer(tokenizer, req.prompt_ids, p.stop)
+                             None if procs is None else (procs if index == 0 else procs.fork()), p.logprobs, p.min_p)
+        detok = IncrementalDetokenizer(tokenizer, req.prompt_ids, p.stop, skip_special_tokens=p.skip_special_tokens,
+                                       include_stop=p.include_stop_str_in_output, min_tokens=p.min_tokens)
         rows.append(Row(req, detok, sampler, length=len(req.prompt_ids), index=index,
                         pending_logprobs=None if p.logprobs is None else [], prompt_logprobs=prompt_lp))
     return rows

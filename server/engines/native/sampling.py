@@ -4,7 +4,7 @@
         if logits[n] has a NaN:           row n fails ("the model produced NaN logits")
         l = processors[n](logits[n])      logit_bias, penalties (processors.py); none: l = logits[n]
         if greedy[n]:  tok[n] = argmax(l)                     (temperature < 1e-5 counts as greedy)
-        else:          tok[n] ~ softmax(top_p(top_k(scale(l, T[n]), k[n]), p[n]))   with gen[n]
+        else:          tok[n] ~ softmax(top_p(top_k(min_p(scale(l, T[n]), m[n]), k[n]), p[n]))   gen[n]
         if logprobs[n] is not None:  lp[n] = log_softmax(logits[n]) at tok[n] + top-k  (logprobs.py)
 
 Common path: rows that are greedy with no processors and no logprobs take one vectorised argmax
@@ -48,6 +48,7 @@ class RowSampler:
     generator: torch.Generator | None = None
     processors: RowProcessors | None = None
     logprobs: int | None = None
+    min_p: float = 0.0
 
     @property
     def plain_greedy(self) -> bool:
@@ -82,6 +83,14 @@ def apply_top_p(logits: torch.Tensor, p: float) -> torch.Tensor:
     return logits.masked_fill(drop, float("-inf"))
 
 
+def apply_min_p(scaled: torch.Tensor, min_p: float) -> torch.Tensor:
+    """vLLM's min-p on scaled logits (max exactly 0, see `scale`): drop the tokens whose
+    probability is below min_p x the top token's, i.e. whose scaled logit is below log(min_p)."""
+    if min_p <= 0.0:
+        return scaled
+    return scaled.masked_fill(scaled < math.log(min_p), float("-inf"))
+
+
 def scale(logits: torch.Tensor, temperature: float) -> torch.Tensor:
     """(V,) processed logits -> (l - max(l)) / T: finite and <= 0 with max exactly 0, so the
     softmax of any top-k/top-p filtering of it (which keeps the max) is a valid distribution.
@@ -98,11 +107,11 @@ def scale(logits: torch.Tensor, temperature: float) -> torch.Tensor:
 
 
 def sample_row(logits: torch.Tensor, temperature: float, top_k: int, top_p: float,
-               generator: torch.Generator) -> int:
+               generator: torch.Generator, min_p: float = 0.0) -> int:
     """logits: (V,) float -> one token id drawn with the row's own generator."""
     if not temperature >= GREEDY_TEMPERATURE:
         raise SamplingError(f"temperature {temperature} is below {GREEDY_TEMPERATURE}: sample greedily")
-    scaled = apply_top_p(apply_top_k(scale(logits.float(), temperature), top_k), top_p)
+    scaled = apply_top_p(apply_top_k(apply_min_p(scale(logits.float(), temperature), min_p), top_k), top_p)
     probs = torch.softmax(scaled, dim=-1)
     return int(torch.multinomial(probs.cpu(), 1, generator=generator).item())
 
@@ -141,7 +150,7 @@ def sample_tokens(logits: torch.Tensor, rows: list[RowSampler]) -> Sampled:
             continue
         try:
             tokens[i] = sample_row(processed.get(i, logits[i]), row.temperature, row.top_k, row.top_p,
-                                   row.generator)
+                                   row.generator, row.min_p)
         except SamplingError as err:
             tokens[i], errors[i] = -1, str(err)
     logprobs: list[TokenLogprob | None] = [None] * n

@@ -29,7 +29,11 @@ def vllm_kwargs(p: SamplingParams) -> dict[str, Any]:
         "repetition_penalty": p.repetition_penalty,
         "logprobs": p.logprobs,
         "prompt_logprobs": p.prompt_logprobs,
-        "skip_special_tokens": True,
+        "skip_special_tokens": p.skip_special_tokens,
+        "min_tokens": p.min_tokens,
+        "stop_token_ids": list(p.stop_token_ids) or None,
+        "include_stop_str_in_output": p.include_stop_str_in_output,
+        "min_p": p.min_p,
     }
     if p.logit_bias:
         kwargs["logit_bias"] = {int(t): float(b) for t, b in p.logit_bias}
