@@ -119,10 +119,11 @@ async def prepare(
         try:
             adapter = rt.registry.resolve(task)
             prompt_format = rt.registry.prompt_format(task)
-        except TaskNotFound:
-            raise ApiError(404, "not_found", f"task {task!r} not found", param="model") from None
+        except TaskNotFound as err:  # err.task: the task, or the mix member, not found
+            raise ApiError(404, "not_found", f"task {err.task!r} not found", param="model") from None
         except ValueError as err:
-            raise ApiError(422, "validation_error", f"task: {err}", param="task") from None
+            field = names.get("task", "task")
+            raise ApiError(422, "validation_error", f"{field}: {err}", param=field) from None
         try:
             rendered = render(prompt_format)
         except ValueError as err:  # unknown prompt format, unrenderable messages

@@ -13,11 +13,13 @@ from typing import Any
 
 from adapters_store.errors import TaskNotFound
 from adapters_store.ids import RESERVED_TASK_IDS, validate_task_id
+from adapters_store.mix import is_mix
 from adapters_store.records import DEFAULT_PROMPT_FORMAT, TaskRecord
 from adapters_store.store import Store
 from server.adapters.cache import AdapterCache
 from server.adapters.types import Adapter
 from server.errors import ApiError
+from server.mixes import mix_prompt_format, resolve_mix
 
 BASE = "base"
 
@@ -67,7 +69,10 @@ class TaskRegistry:
 
     def resolve(self, task: str) -> Adapter | None:
         """The adapter a request for `task` runs with (None = the bare backbone).
-        Raises ValueError (malformed id), TaskNotFound (404), TaskNotReady (409). Blocking."""
+        Raises ValueError (malformed id), TaskNotFound (404), TaskNotReady (409). Blocking.
+        A mix `mix:ID=W,...` resolves to its members' combined adapter (server.mixes)."""
+        if is_mix(task):
+            return resolve_mix(self, task)
         validate_task_id(task)
         if task == BASE:
             return None
@@ -84,6 +89,8 @@ class TaskRegistry:
         """The prompt format `task` was trained with (`base`: the default one). Blocking."""
         if task == BASE:
             return DEFAULT_PROMPT_FORMAT
+        if is_mix(task):
+            return mix_prompt_format(self, task)
         return self.store.get_task(task).prompt_format
 
     def forget(self, task: str) -> int:

@@ -46,8 +46,8 @@ from training.prompt import strip_separator
 
 router = APIRouter(prefix="/v1", tags=["openai"], dependencies=[ApiKey])
 
-COMPLETION_NAMES = {"max_new_tokens": "max_tokens", "prompt_logprobs": "echo"}
-CHAT_NAMES = {"max_new_tokens": "max_tokens", "prompt_logprobs": "messages"}
+COMPLETION_NAMES = {"max_new_tokens": "max_tokens", "prompt_logprobs": "echo", "task": "model"}
+CHAT_NAMES = {"max_new_tokens": "max_tokens", "prompt_logprobs": "messages", "task": "model"}
 
 
 def _params(body: CompletionRequest | ChatRequest, max_tokens: int, names: dict[str, str], *,
