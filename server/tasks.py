@@ -20,6 +20,7 @@ from server.adapters.cache import AdapterCache
 from server.adapters.types import Adapter
 from server.errors import ApiError
 from server.mixes import mix_prompt_format, resolve_mix
+from server.similar_index import RoutingIndex
 
 BASE = "base"
 
@@ -37,6 +38,8 @@ class TaskRegistry:
         self.cache = cache
         self.metrics = metrics
         self._lock = threading.Lock()
+        # task search by routing row (GET /v1/tasks/{task}/similar)
+        self.routing_index = RoutingIndex(store, cache.info) if cache is not None else None
         self.refresh()
 
     @property
