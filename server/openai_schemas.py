@@ -6,11 +6,11 @@ Every request field falls in one of three groups (README "OpenAI compatibility" 
               max_completion_tokens, temperature, top_p, n, stop, seed, stream, stream_options,
               logprobs, top_logprobs (chat), logprobs: int (completions), echo, presence_penalty,
               frequency_penalty, logit_bias, best_of 1; vLLM's extensions top_k and
-              repetition_penalty
+              repetition_penalty; response_format (text, json_object, json_schema: server.response_format)
   ignored     user, metadata, store, service_tier, prompt_cache_key, safety_identifier,
               parallel_tool_calls: they do not change the answer
   refused     (400 naming the field) suffix, best_of > 1, tools / functions, tool_choice and
-              function_call other than "none", response_format other than {"type": "text"}, a
+              function_call other than "none", a
               `tool` message, several prompts in one request, and any field not listed here
               (OpenAI answers an unrecognised argument with 400 too)
 
@@ -27,6 +27,7 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from adapters_store.mix import MAX_MIX_CHARS, MODEL_ID_PATTERN
 from server.engines.request import GREEDY_TEMPERATURE
+from server.response_format import ResponseFormat
 from server.wire import Bool, Float, Int
 
 MIN_TEMPERATURE = 0.01
@@ -68,12 +69,6 @@ class StreamOptions(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
     include_usage: Bool = False
-
-
-class ResponseFormat(BaseModel):
-    model_config = ConfigDict(extra="allow")
-
-    type: Literal["text"] = Field(description="only plain text is produced; json_object / json_schema are refused")
 
 
 class _Common(BaseModel):
@@ -122,6 +117,7 @@ class CompletionRequest(_Common):
     logprobs: Int(ge=0, le=MAX_LOGPROBS) | None = None
     best_of: Int(ge=1, le=1) | None = Field(default=None, description="only 1 (or null): no server-side ranking")
     suffix: str | None = Field(default=None, max_length=0, description="refused unless null or empty")
+    response_format: ResponseFormat | None = Field(default=None, description="text, json_object or json_schema")
 
     def prompt_value(self) -> str | list[int]:
         """The one prompt, as text or as token ids."""

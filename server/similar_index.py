@@ -9,7 +9,9 @@ step with the store.
         scores    = M @ p(t)                      M (N, dim): the projected rows (one GEMV)
         shortlist = the best max(k, shortlist) others by projected score
         answer    = the shortlist ranked by exact score (adapters_store.similar), rows read again
-So a query costs a stat per task, one (N, dim) GEMV and `shortlist` row reads, and memory is
+So a query costs a stat per task (at most once per max_staleness seconds: a task registered or
+changed since is seen by the next query after that), one (N, dim) GEMV and `shortlist` row reads,
+and memory is
 N * dim floats whatever the inventory's size. With N - 1 <= shortlist the answer is exact; beyond,
 a true neighbour can miss the shortlist (recall measured in BENCHMARKS.md "Task search").
 """
@@ -18,6 +20,7 @@ from __future__ import annotations
 
 import logging
 import threading
+import time
 from dataclasses import dataclass
 
 import torch
@@ -42,8 +45,13 @@ class _Entry:
 
 
 class RoutingIndex:
-    def __init__(self, store, info: InventoryInfo, *, dim: int = 256, shortlist: int = 64, seed: int = 0) -> None:
+    def __init__(self, store, info: InventoryInfo, *, dim: int = 256, shortlist: int = 64, seed: int = 0,
+                 max_staleness: float = 1.0) -> None:
+        """max_staleness: seconds a query may answer from the last refresh (a stat per task each
+        time is what a query costs most at 10,000 tasks); 0: every query refreshes."""
         self.store, self.info, self.shortlist = store, info, shortlist
+        self.max_staleness = max_staleness
+        self._refreshed_at = -float("inf")
         d = len(info.layer_names) * info.spec.n_heads * info.spec.n_skills
         self.P = projection(d, dim, seed) if d > dim else None  # small rows are compared as they are
         self._entries: dict[str, _Entry] = {}
@@ -72,6 +80,7 @@ class RoutingIndex:
     def refresh(self) -> int:
         """Bring the index in step with the store; returns how many tasks were (re)read."""
         stamps = self.store.task_stamps()
+        self._refreshed_at = time.monotonic()
         changed = 0
         for task in set(self._entries) - set(stamps):
             del self._entries[task]
@@ -87,6 +96,15 @@ class RoutingIndex:
             self._matrix = torch.stack(rows) if rows else self._matrix[:0]
         return changed
 
+    def warm(self) -> None:
+        """Read every task once (a server starts this in the background: the first query of a
+        large store would otherwise read them all)."""
+        try:
+            with self._lock:
+                self.refresh()
+        except Exception:  # the first query refreshes again
+            log.warning("routing index warm-up failed", exc_info=True)
+
     def __len__(self) -> int:
         return len(self._ids)
 
@@ -94,7 +112,9 @@ class RoutingIndex:
         """The k tasks nearest to `task` by routing row, best first: (id, exact score).
         Raises TaskNotFound, NotRouted. Blocking (stats the store, reads a few rows)."""
         with self._lock:
-            self.refresh()
+            stale = time.monotonic() - self._refreshed_at >= self.max_staleness
+            if stale or (task not in self._entries and self.store.has_task(task)):
+                self.refresh()
             entry = self._entries.get(task)
             if entry is None:
                 raise TaskNotFound(task)

@@ -40,6 +40,8 @@ class TaskRegistry:
         self._lock = threading.Lock()
         # task search by routing row (GET /v1/tasks/{task}/similar)
         self.routing_index = RoutingIndex(store, cache.info) if cache is not None else None
+        if self.routing_index is not None:
+            threading.Thread(target=self.routing_index.warm, name="polyserve-routing-index", daemon=True).start()
         self.refresh()
 
     @property

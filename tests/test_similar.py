@@ -65,7 +65,7 @@ def exact_answer(store, task: str, k: int) -> list[tuple[str, float]]:
 
 def test_index_small_is_exact_and_follows_the_store(tmp_path):
     store = twin_store(tmp_path / "store")
-    index = RoutingIndex(store, store.inventory_info())
+    index = RoutingIndex(store, store.inventory_info(), max_staleness=0)
     got = index.similar("alpha", 3)
     want = exact_answer(store, "alpha", 3)
     assert [t for t, _ in got] == [t for t, _ in want] and got[0][0] == "alpha-twin"
@@ -92,7 +92,7 @@ def test_index_projected_shortlist_keeps_exact_scores(tmp_path):
     store = twin_store(tmp_path / "store", n_extra=40)
     info = store.inventory_info()
     d = len(info.layer_names) * info.spec.n_heads * info.spec.n_skills
-    index = RoutingIndex(store, info, dim=d // 2, shortlist=8)
+    index = RoutingIndex(store, info, dim=d // 2, shortlist=8, max_staleness=0)
     assert index.P is not None
     got = index.similar("alpha", 3)
     want = dict(exact_answer(store, "alpha", 100))

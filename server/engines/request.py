@@ -69,6 +69,8 @@ class SamplingParams:
     frequency_penalty: float = 0.0
     repetition_penalty: float = 1.0
     logit_bias: tuple[tuple[int, float], ...] = ()
+    # structured output: ("json_object", "") or ("json_schema", the schema as JSON) (engines/grammar.py)
+    response_format: tuple[str, str] | None = None
 
     def __post_init__(self) -> None:
         if self.max_new_tokens < 1:

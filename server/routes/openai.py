@@ -40,6 +40,7 @@ from server.openai_schemas import (
     effective_temperature,
     effective_top_p,
 )
+from server.response_format import format_spec
 from server.schemas import ModelList, ModelOut
 from server.tasks import BASE
 from training.prompt import strip_separator
@@ -51,13 +52,14 @@ CHAT_NAMES = {"max_new_tokens": "max_tokens", "prompt_logprobs": "messages", "ta
 
 
 def _params(body: CompletionRequest | ChatRequest, max_tokens: int, names: dict[str, str], *,
-            logprobs: int | None, prompt_logprobs: int | None = None) -> SamplingParams:
+            logprobs: int | None, prompt_logprobs: int | None = None,
+            response_format: tuple[str, str] | None = None) -> SamplingParams:
     return generation.sampling(
         names, max_new_tokens=max_tokens, temperature=effective_temperature(body.temperature),
         top_p=effective_top_p(body.top_p), top_k=max(body.top_k, 0), seed=effective_seed(body.seed), stop=tuple(body.stop_list()), n=body.n,
         logprobs=logprobs, prompt_logprobs=prompt_logprobs, presence_penalty=body.presence_penalty,
         frequency_penalty=body.frequency_penalty, repetition_penalty=body.repetition_penalty,
-        logit_bias=body.bias_pairs())
+        logit_bias=body.bias_pairs(), response_format=response_format)
 
 
 def _prompt_entries(call: generation.Call, finals: list[FinalEvent]) -> list:
@@ -77,7 +79,8 @@ async def completions(body: CompletionRequest, request: Request, rt: RuntimeDep)
     max_tokens = body.max_tokens or min(16, rt.settings.max_new_tokens)
     if "max_tokens" not in body.model_fields_set:  # the default never exceeds the server's limit
         max_tokens = min(max_tokens, rt.settings.max_new_tokens)
-    params = _params(body, max_tokens, names, logprobs=body.logprobs, prompt_logprobs=echo_logprobs)
+    params = _params(body, max_tokens, names, logprobs=body.logprobs, prompt_logprobs=echo_logprobs,
+                     response_format=await format_spec(body.response_format, rt.tokenizer, stop=body.stop_list()))
     call = await generation.prepare(rt, body.model, lambda _fmt: body.prompt_value(), params,
                                     id_prefix="cmpl", names=names)
     generation.submit(rt, call)
@@ -149,7 +152,8 @@ async def chat_completions(body: ChatRequest, request: Request, rt: RuntimeDep):
     names = {**CHAT_NAMES, "max_new_tokens": "max_completion_tokens" if body.max_completion_tokens else "max_tokens",
              "logprobs": "top_logprobs" if body.top_logprobs else "logprobs"}
     k = body.top_logprobs or 0
-    params = _params(body, max_tokens, names, logprobs=k if body.logprobs else None)
+    params = _params(body, max_tokens, names, logprobs=k if body.logprobs else None,
+                     response_format=await format_spec(body.response_format, rt.tokenizer, stop=body.stop_list()))
     task_chat = body.model != BASE
     call = await generation.prepare(rt, body.model, _render_chat(rt, body), params, id_prefix="chatcmpl",
                                     names=names, prompt_field="messages", special_tokens=task_chat)

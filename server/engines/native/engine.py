@@ -446,6 +446,12 @@ class NativeEngine:
             row.pending_logprobs.append(logprob)
         if row.sampler.processors is not None:
             row.sampler.processors.observe(token)
+        if row.sampler.grammar is not None:  # structured output: complete -> "stop"; cannot go on -> "length"
+            verdict = row.sampler.grammar.consume(token, token in self.eos_ids)
+            if verdict != "go":
+                done = verdict == "done" and token not in self.eos_ids
+                self._finish(row, "stop" if verdict == "done" else "length", row.detok.add(token) if done else "")
+                return False
         if token in self.eos_ids and not params.ignore_eos:
             self._finish(row, "stop")  # the EOS token counts and is reported (logprobs), adds no text
             return False

@@ -18,6 +18,7 @@ from typing import Any
 import torch
 
 from server.engines.native.detok import IncrementalDetokenizer
+from server.engines.native.grammar_mask import RowGrammar
 from server.engines.native.processors import RowProcessors
 from server.engines.native.sampling import RowSampler, Sampled, sample_tokens
 from server.engines.request import FinishReason, GenRequest, TokenLogprob
@@ -62,6 +63,7 @@ def new_rows(req: GenRequest, tokenizer: Any, vocab: int, device: torch.device,
     """The n choices of a request: choice i of a seeded request samples with seed + i."""
     p = req.params
     procs = RowProcessors.build(p, req.prompt_ids, vocab, device)
+    grammar = RowGrammar.build(p.response_format, tokenizer) if p.response_format is not None else None
     rows = []
     for index in range(p.n):
         gen = None
@@ -69,7 +71,8 @@ def new_rows(req: GenRequest, tokenizer: Any, vocab: int, device: torch.device,
             seed = (p.seed + index) & SEED_MASK if p.seed is not None else secrets.randbits(63)
             gen = torch.Generator().manual_seed(seed)
         sampler = RowSampler(p.temperature, p.top_k, p.top_p, gen,
-                             None if procs is None else (procs if index == 0 else procs.fork()), p.logprobs)
+                             None if procs is None else (procs if index == 0 else procs.fork()), p.logprobs,
+                             None if grammar is None else (grammar if index == 0 else grammar.fork()))
         detok = IncrementalDetokenizer(tokenizer, req.prompt_ids, p.stop)
         rows.append(Row(req, detok, sampler, length=len(req.prompt_ids), index=index,
                         pending_logprobs=None if p.logprobs is None else [], prompt_logprobs=prompt_lp))
