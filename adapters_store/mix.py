@@ -34,10 +34,18 @@ from adapters_store.ids import RESERVED_TASK_IDS, TASK_ID_RE
 
 MIX_PREFIX = "mix:"
 MAX_MIX_PARTS = 8
-MAX_MIX_CHARS = MAX_MIX_PARTS * (64 + 1 + 24 + 1) + len(MIX_PREFIX)
-# what the wire schemas accept as a model / task id: a task id, or a mix (checked in detail by parse_mix)
-MODEL_ID_PATTERN = rf"^([a-z0-9][a-z0-9._-]{{0,63}}|mix:[a-z0-9._=,+-]{{3,{MAX_MIX_CHARS - len(MIX_PREFIX)}}})$"
-_WEIGHT_RE = re.compile(r"(?:[0-9]+\.?[0-9]*|\.[0-9]+)(?:e[-+]?[0-9]{1,3})?")
+# a weight: a decimal number > 0 (a non-zero digit somewhere), at most 8 digits each side, exponent 2
+WEIGHT_PATTERN = (r"(?:[0-9]{0,8}[1-9][0-9]{0,8}(?:\.[0-9]{0,8})?|[0-9]{0,8}\.[0-9]{0,8}[1-9][0-9]{0,8})"
+                  r"(?:e[-+]?[0-9]{1,2})?")
+_ID = r"[a-z0-9][a-z0-9._-]{0,63}"
+_PART = rf"{_ID}={WEIGHT_PATTERN}"
+MAX_MIX_CHARS = len(MIX_PREFIX) + MAX_MIX_PARTS * (64 + 1 + 30 + 1)
+# what the wire schemas accept as a model / task id: a task id, or a mix; what no regex says (a task
+# named twice, `base` in a mix) is refused by parse_mix (the OpenAPI document states it as a `not`)
+MODEL_ID_PATTERN = rf"^({_ID}|mix:{_PART}(,{_PART}){{0,{MAX_MIX_PARTS - 1}}})$"
+MIX_REFUSED_PATTERN = r"^mix:(?:.*,)?(base=|([a-z0-9][a-z0-9._-]*)=[^,]*,(?:.*,)?\2=)"
+MIX_SCHEMA_EXTRA = {"not": {"pattern": MIX_REFUSED_PATTERN}}
+_WEIGHT_RE = re.compile(WEIGHT_PATTERN)
 
 
 class MixError(ValueError):
@@ -90,7 +98,8 @@ def parse_mix(text: str) -> Mix:
         if task in RESERVED_TASK_IDS:
             raise MixError(f"mix part {n}: {task!r} is not a routed task")
         if _WEIGHT_RE.fullmatch(weight) is None:
-            raise MixError(f"mix part {n} ({task}): weight must be a decimal number > 0")
+            raise MixError(f"mix part {n} ({task}): weight must be a decimal number > 0 (at most 8 digits "
+                           "either side of the point)")
         value = float(weight)
         if not math.isfinite(value) or value <= 0:
             raise MixError(f"mix part {n} ({task}): weight must be a finite number > 0")

@@ -27,6 +27,7 @@ from fastapi.responses import StreamingResponse
 from starlette.requests import Request
 
 from adapters_store.errors import TaskNotFound
+from adapters_store.mix import MixError
 from server.engines.base import EngineStopped, QueueFull
 from server.engines.request import (
     FinalEvent,
@@ -123,7 +124,8 @@ async def prepare(
             raise ApiError(404, "not_found", f"task {err.task!r} not found", param="model") from None
         except ValueError as err:
             field = names.get("task", "task")
-            raise ApiError(422, "validation_error", f"{field}: {err}", param=field) from None
+            code = "invalid_mix" if isinstance(err, MixError) else None
+            raise ApiError(422, "validation_error", f"{field}: {err}", param=field, code=code) from None
         try:
             rendered = render(prompt_format)
         except ValueError as err:  # unknown prompt format, unrenderable messages

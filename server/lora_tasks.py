@@ -23,6 +23,9 @@ from adapters_store.errors import TaskExists
 from adapters_store.lora_import import ImportRefused, import_lora
 from server.errors import ApiError
 
+# what JSON Schema cannot say: the bytes are not a LoRA this store can serve
+CODE = "invalid_adapter"
+
 
 def _tensors(data: str) -> dict[str, Any]:
     from safetensors.torch import load
@@ -30,11 +33,12 @@ def _tensors(data: str) -> dict[str, Any]:
     try:
         raw = base64.b64decode(data, validate=True)
     except (binascii.Error, ValueError):
-        raise ApiError(422, "validation_error", "adapter: not base64", param="adapter") from None
+        raise ApiError(422, "validation_error", "adapter: not base64", param="adapter", code=CODE) from None
     try:
         return load(raw)
     except Exception:  # noqa: BLE001 - SafetensorError, OverflowError...: all mean unreadable
-        raise ApiError(422, "validation_error", "adapter: not a safetensors file", param="adapter") from None
+        raise ApiError(422, "validation_error", "adapter: not a safetensors file", param="adapter",
+                       code=CODE) from None
 
 
 async def import_lora_task(body: Any, rt: Any) -> JSONResponse:
@@ -53,7 +57,8 @@ async def import_lora_task(body: Any, rt: Any) -> JSONResponse:
             record = import_lora(rt.registry.store, body.task, body.adapter_config, tensors,
                                  source={"imported_from": "POST /v1/tasks"})
         except ImportRefused as err:
-            raise ApiError(422, "validation_error", f"adapter_config: {err}", param="adapter_config") from None
+            raise ApiError(422, "validation_error", f"adapter_config: {err}", param="adapter_config",
+                           code=CODE) from None
         except TaskExists as err:
             raise ApiError(409, "conflict", str(err), param="task") from None
         except ValueError as err:  # the id (reserved)

@@ -25,7 +25,7 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-from adapters_store.mix import MAX_MIX_CHARS, MODEL_ID_PATTERN
+from adapters_store.mix import MAX_MIX_CHARS, MIX_SCHEMA_EXTRA, MODEL_ID_PATTERN
 from server.engines.request import GREEDY_TEMPERATURE
 from server.response_format import ResponseFormat
 from server.wire import Bool, Float, Int
@@ -75,7 +75,7 @@ class _Common(BaseModel):
     # numbers and booleans as JSON Schema says (server.wire): "5" is not an integer
     model_config = ConfigDict(extra="forbid")
 
-    model: str = Field(pattern=MODEL_ID_PATTERN, max_length=MAX_MIX_CHARS, description="a task id, `base`, or a mix `mix:ID=W,...`",
+    model: str = Field(pattern=MODEL_ID_PATTERN, max_length=MAX_MIX_CHARS, json_schema_extra=MIX_SCHEMA_EXTRA, description="a task id, `base`, or a mix `mix:ID=W,...`",
                        examples=["base"])
     temperature: Float(ge=0.0, le=2.0) = 1.0
     top_p: Float(gt=0.0, le=1.0) = 1.0

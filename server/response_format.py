@@ -23,6 +23,8 @@ from server.errors import ApiError
 from server.wire import Bool
 
 MAX_SCHEMA_CHARS = 32768
+# what JSON Schema cannot say about a request (an unusable schema, a field that conflicts with the format)
+CODE = "invalid_response_format"
 
 
 class JsonSchemaFormat(BaseModel):
@@ -48,26 +50,26 @@ async def format_spec(value: ResponseFormat | None, tokenizer: Any, *, stop: lis
     if value is None or value.type == "text":
         if value is not None and value.json_schema is not None:
             raise ApiError(400, "invalid_request", "response_format.json_schema: only with type json_schema",
-                           param="response_format.json_schema")
+                           param="response_format.json_schema", code=CODE)
         return None
     if value.type == "json_object":
         if value.json_schema is not None:
             raise ApiError(400, "invalid_request", "response_format.json_schema: only with type json_schema",
-                           param="response_format.json_schema")
+                           param="response_format.json_schema", code=CODE)
         spec: FormatSpec = ("json_object", "")
     else:
         if value.json_schema is None:
             raise ApiError(400, "invalid_request", "response_format.json_schema: required with type json_schema",
-                           param="response_format.json_schema")
+                           param="response_format.json_schema", code=CODE)
         text = json.dumps(value.json_schema.schema_, sort_keys=True, separators=(",", ":"))
         if len(text) > MAX_SCHEMA_CHARS:
             raise ApiError(400, "invalid_request", f"response_format: the schema has more than {MAX_SCHEMA_CHARS} "
-                           "characters", param="response_format")
+                           "characters", param="response_format", code=CODE)
         spec = ("json_schema", text)
     if stop:
         raise ApiError(400, "invalid_request", "stop: not supported with a JSON response_format (a stop string "
-                       "would cut the JSON short)", param="stop")
+                       "would cut the JSON short)", param="stop", code=CODE)
     error = await asyncio.to_thread(check_format, spec, tokenizer)
     if error is not None:
-        raise ApiError(400, "invalid_request", f"response_format: invalid schema: {error}", param="response_format")
+        raise ApiError(400, "invalid_request", f"response_format: invalid schema: {error}", param="response_format", code=CODE)
     return spec

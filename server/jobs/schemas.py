@@ -24,10 +24,15 @@ class RegisterRequest(BaseModel):
     in the route (and stated in the OpenAPI document, server.api_docs)."""
 
     # `retrieve` trains nothing: with it, `steps` must be absent or null (422 otherwise)
-    model_config = ConfigDict(extra="forbid", json_schema_extra={
-        "if": {"properties": {"method": {"const": "retrieve"}}, "required": ["method"]},
-        "then": {"properties": {"steps": {"type": "null"}}},
-    })
+    # lora: adapter and adapter_config are required, examples are not; any other method needs examples
+    model_config = ConfigDict(extra="forbid", json_schema_extra={"allOf": [
+        {"if": {"properties": {"method": {"const": "retrieve"}}, "required": ["method"]},
+         "then": {"properties": {"steps": {"type": "null"}}}},
+        {"if": {"properties": {"method": {"const": "lora"}}, "required": ["method"]},
+         "then": {"required": ["adapter", "adapter_config"],
+                  "properties": {"adapter": {"type": "string"}, "adapter_config": {"type": "object"}}},
+         "else": {"required": ["examples"], "properties": {"examples": {"type": "array"}}}},
+    ]})
 
     task: str = Field(pattern=TASK_ID_PATTERN, max_length=64, json_schema_extra={"not": {"enum": ["base"]}},
                       description="a new task id (`base` is reserved)")

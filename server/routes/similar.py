@@ -30,7 +30,8 @@ class SimilarList(BaseModel):
     data: list[SimilarTask]
 
 
-@router.get("/tasks/{task}/similar", response_model=SimilarList, responses=ERRORS["lookup"])
+@router.get("/tasks/{task}/similar", response_model=SimilarList,
+            responses={**ERRORS["lookup"], 409: ERRORS["register"][409], 422: ERRORS["register"][422]})
 async def similar_tasks(task: str, rt: RuntimeDep,
                         k: Annotated[int, Query(ge=1, le=MAX_K, description="how many tasks")] = 5) -> SimilarList:
     """The k routed tasks whose routing rows are nearest to this task's, best first."""
