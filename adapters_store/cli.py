@@ -143,6 +143,37 @@ def store_copy(src: str, dst: str) -> None:
     click.echo(json.dumps({"from": source.location, "to": target.location, "verified": True, **report.to_json()}))
 
 
+@click.command("import-lora")
+@click.argument("src", type=click.Path(exists=True, file_okay=False))
+@click.option("--task", required=True, help="The new task's id.")
+@click.option("--project", is_flag=True, help="Also fit the routing row whose combined adapter best approximates "
+              "the LoRA (least squares in weight space) and report the fit; the task stays the plain LoRA, the "
+              "fitted row becomes the task ID-routed.")
+@store_option
+def import_lora(src: str, task: str, project: bool, store_dir: str) -> None:
+    """Register a PEFT LoRA directory (adapter_config.json + adapter_model.safetensors) as a
+    plain-LoRA task. A running server on this store serves it at once."""
+    import json
+
+    from adapters_store.errors import StoreError
+    from adapters_store.lora_import import ImportRefused, read_dir
+    from adapters_store.lora_import import import_lora as do_import
+    from adapters_store.stores import open_store
+
+    try:
+        store = open_store(store_dir, cache_dir=_home() / "inventories")
+        config, tensors = read_dir(src)
+        record = do_import(store, task, config, tensors, source={"imported_from": str(Path(src).resolve())})
+        report = {"task": record.id, "kind": record.kind, "version": record.version, "params": record.params}
+        if project:
+            from adapters_store.lora_project import project_task
+
+            report["project"] = project_task(store, record.id)
+    except (ImportRefused, StoreError, ValueError) as err:
+        raise click.ClickException(str(err)) from err
+    click.echo(json.dumps(report, indent=2))
+
+
 @click.command("warm-cache")
 def warm_cache() -> None:
     """Dequantise the embedded default backbone once into $POLYSERVE_HOME (used by the Docker build)."""

@@ -26,6 +26,7 @@ USER_AGENT = "polyserve-client/0.1"
 RETRY_STATUSES = frozenset({429, 503})
 METHODS = ("routing", "mu", "full")
 TASK_ID_RE = re.compile(r"^[a-z0-9][a-z0-9._-]{0,63}$")
+MIX_RE = re.compile(r"^mix:[a-z0-9._=,+-]{3,720}$")
 _CONNECT_ERRORS = (httpx.ConnectError, httpx.ConnectTimeout)
 
 
@@ -106,6 +107,17 @@ def check_task_id(task: str) -> str:
     return task
 
 
+def check_model_id(task: str) -> str:
+    """A task id, or a mix ``mix:ID=W,...`` (checked in full by the server)."""
+    if isinstance(task, str) and task.startswith("mix:") and MIX_RE.fullmatch(task):
+        return task
+    return check_task_id(task)
+
+
+def similar_path(task: str) -> str:
+    return f"{task_path(task)}/similar"
+
+
 def _seg(value: str, what: str) -> str:
     """A URL path segment, percent-encoded so an id can never escape its route."""
     if not isinstance(value, str) or not value:
@@ -181,7 +193,7 @@ def generate_request(task: str, prompt: str, params: Mapping[str, Any], *, strea
         raise InvalidInput("prompt must be a string")
     if "stream" in params:
         raise InvalidInput("use generate_stream() to stream instead of passing stream=")
-    body = {"task": check_task_id(task), "prompt": prompt, **_drop_none(params), "stream": stream}
+    body = {"task": check_model_id(task), "prompt": prompt, **_drop_none(params), "stream": stream}
     return RequestSpec("POST", "/v1/generate", body)
 
 

@@ -133,6 +133,11 @@ class AsyncPolyserveClient:
     async def get_task(self, task: str) -> Task:
         return Task.from_json(await self._json(RequestSpec("GET", _core.task_path(task))))
 
+    async def similar_tasks(self, task: str, k: int = 5) -> list[tuple[str, float]]:
+        """The k tasks nearest to ``task`` by routing row, best first: (id, score)."""
+        items = _core.data_list(await self._json(RequestSpec("GET", _core.similar_path(task), params={"k": k})))
+        return [(str(item["id"]), float(item["score"])) for item in items]
+
     async def delete_task(self, task: str) -> None:
         await self._send(RequestSpec("DELETE", _core.task_path(task)))
 

@@ -248,6 +248,20 @@ def tasks_show(task_id: str, url: str, api_key: str | None, as_json: bool) -> No
     _echo_json(task.raw) if as_json else click.echo(fmt.task_details(task))
 
 
+@tasks.command("similar")
+@click.argument("task_id")
+@click.option("-k", "k", type=click.IntRange(1, 100), default=5, show_default=True, help="How many tasks.")
+@_common
+def tasks_similar(task_id: str, k: int, url: str, api_key: str | None, as_json: bool) -> None:
+    """The tasks nearest to TASK_ID by routing row (score: cosine in skill space)."""
+    with _session(url, api_key) as client:
+        found = client.similar_tasks(task_id, k)
+    if as_json:
+        _echo_json({"data": [{"id": t, "score": s} for t, s in found]})
+    else:
+        click.echo(fmt.table(["id", "score"], [(t, f"{s:.4f}") for t, s in found]) if found else "no other routed tasks")
+
+
 @click.group()
 def jobs() -> None:
     """Inspect and cancel training jobs."""

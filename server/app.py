@@ -16,7 +16,7 @@ from server import api_docs, openmp
 from server.errors import install_handlers
 from server.metrics import Metrics
 from server.middleware import BodyLimit, RequestMetrics
-from server.routes import generate, health, jobs, metrics, openai, tasks, tokenize, usage
+from server.routes import generate, health, jobs, metrics, openai, similar, tasks, tokenize, usage
 from server.runtime import Runtime
 from server.settings import Settings
 from server.tenants import Directory
@@ -69,7 +69,7 @@ def create_app(settings: Settings | None = None, *, backbone: Any = None) -> Fas
     api_docs.install(app, settings)
     if settings.admin_keys and not settings.api_keys:
         log.warning("POLYSERVE_ADMIN_KEYS without POLYSERVE_API_KEYS: inference routes are open")
-    for module in (health, metrics, generate, openai, tasks, jobs, usage, tokenize):
+    for module in (health, metrics, generate, openai, tasks, similar, jobs, usage, tokenize):
         app.include_router(module.router)
     app.add_middleware(BodyLimit, max_bytes=settings.max_body_bytes)
     app.add_middleware(RequestMetrics, metrics=metrics_)

@@ -2,8 +2,9 @@
 
     serve                                   server.serve_cli      (runs the HTTP server)
     train, adapt, eval, routing-plot        training.cli          (offline, on the store)
-    export, import-peft-poly, warm-cache,   adapters_store.cli    (interop, caches, other engines,
-    backbone-path, db upgrade, store copy                          the PostgreSQL schema, copies)
+    export, import-peft-poly, import-lora,  adapters_store.cli    (interop, caches, other engines,
+    warm-cache, backbone-path, db upgrade,                         the PostgreSQL schema, copies)
+    store copy
     generate, register, tasks, jobs         client.cli            (talk HTTP to a server)
 
 Modules imported here keep torch/transformers imports inside the command functions, so
@@ -19,7 +20,8 @@ import click
 COMMANDS = {
     "server.serve_cli": ["serve"],
     "training.cli": ["train", "adapt", "eval", "routing_plot"],
-    "adapters_store.cli": ["export", "import_peft_poly", "warm_cache", "backbone_path", "db", "store_group"],
+    "adapters_store.cli": ["export", "import_peft_poly", "import_lora", "warm_cache", "backbone_path", "db",
+                           "store_group"],
     "client.cli": ["generate", "register", "tasks", "jobs"],
 }
 

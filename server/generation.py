@@ -28,6 +28,7 @@ from fastapi.responses import StreamingResponse
 from starlette.requests import Request
 
 from adapters_store.errors import TaskNotFound
+from adapters_store.mix import MixError
 from server import tenants
 from server.engines.base import EngineStopped, QueueFull
 from server.engines.fair import TenantLimit
@@ -128,10 +129,12 @@ async def prepare(
         # the prompt is checked before any work for it (adapter resolution, decoding, tokenising)
         try:
             prompt_format = rt.registry.prompt_format(task, tenant)
-        except TaskNotFound:
-            raise ApiError(404, "not_found", f"task {task!r} not found", param="model") from None
+        except TaskNotFound as err:  # err.task: the task, or the mix member, not found
+            raise ApiError(404, "not_found", f"task {err.task!r} not found", param="model") from None
         except ValueError as err:
-            raise ApiError(422, "validation_error", f"task: {err}", param="task") from None
+            field = names.get("task", "task")
+            code = "invalid_mix" if isinstance(err, MixError) else None
+            raise ApiError(422, "validation_error", f"{field}: {err}", param=field, code=code) from None
         try:
             rendered = render(prompt_format)
         except ValueError as err:  # unknown prompt format, unrenderable messages
@@ -145,8 +148,12 @@ async def prepare(
                 raise too_long
         try:
             adapter = rt.registry.resolve(task, tenant)
-        except TaskNotFound:
-            raise ApiError(404, "not_found", f"task {task!r} not found", param="model") from None
+        except TaskNotFound as err:
+            raise ApiError(404, "not_found", f"task {err.task!r} not found", param="model") from None
+        except ValueError as err:
+            field = names.get("task", "task")
+            code = "invalid_mix" if isinstance(err, MixError) else None
+            raise ApiError(422, "validation_error", f"{field}: {err}", param=field, code=code) from None
         if isinstance(rendered, list):
             return adapter, rendered, rt.tokenizer.decode(rendered)
         ids = list(rt.tokenizer(rendered, add_special_tokens=special_tokens).input_ids)

@@ -8,12 +8,13 @@ Every request field falls in one of three groups (README "OpenAI compatibility" 
               logprobs, top_logprobs (chat), logprobs: int (completions), echo, presence_penalty,
               frequency_penalty, logit_bias, best_of 1; vLLM's extensions top_k,
               repetition_penalty, ignore_eos, min_tokens, stop_token_ids,
-              include_stop_str_in_output, skip_special_tokens, min_p, add_special_tokens
+              include_stop_str_in_output, skip_special_tokens, min_p, add_special_tokens;
+              response_format (text, json_object, json_schema: server.response_format)
   ignored     user, metadata, store, service_tier, prompt_cache_key, safety_identifier,
               parallel_tool_calls: they do not change the answer
   refused     (400 naming the field) suffix, best_of > 1, tools / functions, tool_choice and
-              function_call other than "none", response_format other than {"type": "text"}, a
-              `tool` message, more prompts than POLYSERVE_MAX_PROMPTS_PER_REQUEST, max_tokens 0
+              function_call other than "none", stop with a JSON response_format, a `tool`
+              message, more prompts than POLYSERVE_MAX_PROMPTS_PER_REQUEST, max_tokens 0
               without echo, and any field not listed here
               (OpenAI answers an unrecognised argument with 400 too)
 
@@ -29,8 +30,9 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-from adapters_store.ids import TASK_ID_PATTERN
+from adapters_store.mix import MAX_MIX_CHARS, MIX_SCHEMA_EXTRA, MODEL_ID_PATTERN
 from server.engines.request import GREEDY_TEMPERATURE
+from server.response_format import ResponseFormat
 from server.wire import Bool, Float, Int
 
 MIN_TEMPERATURE = 0.01
@@ -76,17 +78,11 @@ class StreamOptions(BaseModel):
     include_usage: Bool = False
 
 
-class ResponseFormat(BaseModel):
-    model_config = ConfigDict(extra="allow")
-
-    type: Literal["text"] = Field(description="only plain text is produced; json_object / json_schema are refused")
-
-
 class _Common(BaseModel):
     # numbers and booleans as JSON Schema says (server.wire): "5" is not an integer
     model_config = ConfigDict(extra="forbid")
 
-    model: str = Field(pattern=TASK_ID_PATTERN, max_length=64, description="a task id, or `base`",
+    model: str = Field(pattern=MODEL_ID_PATTERN, max_length=MAX_MIX_CHARS, json_schema_extra=MIX_SCHEMA_EXTRA, description="a task id, `base`, or a mix `mix:ID=W,...`",
                        examples=["base"])
     temperature: Float(ge=0.0, le=2.0) = 1.0
     top_p: Float(gt=0.0, le=1.0) = 1.0
@@ -144,6 +140,7 @@ class CompletionRequest(_Common):
     logprobs: Int(ge=0, le=MAX_LOGPROBS) | None = None
     best_of: Int(ge=1, le=1) | None = Field(default=None, description="only 1 (or null): no server-side ranking")
     suffix: str | None = Field(default=None, max_length=0, description="refused unless null or empty")
+    response_format: ResponseFormat | None = Field(default=None, description="text, json_object or json_schema")
 
     model_config = ConfigDict(json_schema_extra={"allOf": [
         {  # max_tokens 0 scores the prompt: it needs echo

@@ -6,7 +6,7 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from adapters_store.ids import TASK_ID_PATTERN
+from adapters_store.mix import MAX_MIX_CHARS, MIX_SCHEMA_EXTRA, MODEL_ID_PATTERN
 from server.wire import Bool, Float, Int
 
 
@@ -18,7 +18,7 @@ class Usage(BaseModel):
 class GenerateRequest(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
-    task: str = Field(pattern=TASK_ID_PATTERN, max_length=64, examples=["base"])
+    task: str = Field(pattern=MODEL_ID_PATTERN, max_length=MAX_MIX_CHARS, json_schema_extra=MIX_SCHEMA_EXTRA, examples=["base"])
     prompt: str
     max_new_tokens: Int(ge=1) = Field(default=64, description="default: 64, or the server's limit if lower")
     temperature: Float(ge=0.0, le=100.0) = 0.0

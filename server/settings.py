@@ -150,6 +150,14 @@ class Settings(BaseSettings):
         return self
 
     @property
+    def store_dir(self) -> Path:
+        """The store's directory (a directory store only: a DSN has none)."""
+        location = self.store_location
+        if location.startswith(("postgresql://", "postgres://")):
+            raise ValueError("POLYSERVE_STORE is a PostgreSQL DSN, not a directory")
+        return Path(location)
+
+    @property
     def store_location(self) -> str:
         """The store: a postgresql:// DSN as given, or the directory with ~ expanded."""
         assert self.store is not None

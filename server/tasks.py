@@ -2,8 +2,7 @@
 
 The store on disk is the source of truth (other processes — `polyserve adapt`, the job runner —
 write there); the registry reads task records from it on demand and resolves a servable task to
-its materialised adapter through the cache tiers. Issue #5 adds create/delete/jobs on top:
-`register_listener` lets them refresh gauges, `forget` drops cached adapters of a changed task.
+its materialised adapter through the cache tiers. `forget` drops cached adapters of a changed task.
 """
 
 from __future__ import annotations
@@ -13,12 +12,15 @@ from typing import Any
 
 from adapters_store.errors import TaskNotFound
 from adapters_store.ids import RESERVED_TASK_IDS, validate_task_id
+from adapters_store.mix import is_mix
 from adapters_store.records import DEFAULT_PROMPT_FORMAT, TaskRecord
 from adapters_store.store import Store
 from server.adapters.cache import AdapterCache
 from server.adapters.types import Adapter
 from server.errors import ApiError
+from server.mixes import mix_prompt_format, resolve_mix
 from server.ownership import can_see
+from server.similar_index import RoutingIndex
 from server.tenants import Tenant
 
 BASE = "base"
@@ -39,6 +41,10 @@ class TaskRegistry:
         self.cache = cache
         self.metrics = metrics
         self._lock = threading.Lock()
+        # task search by routing row (GET /v1/tasks/{task}/similar)
+        self.routing_index = RoutingIndex(store, cache.info) if cache is not None else None
+        if self.routing_index is not None:
+            threading.Thread(target=self.routing_index.warm, name="polyserve-routing-index", daemon=True).start()
         self.refresh()
 
     @property
@@ -77,7 +83,10 @@ class TaskRegistry:
     def resolve(self, task: str, tenant: Tenant | None = None) -> Adapter | None:
         """The adapter a request for `task` runs with (None = the bare backbone).
         Raises ValueError (malformed id), TaskNotFound (404: also someone else's task),
-        TaskNotReady (409). Blocking."""
+        TaskNotReady (409). Blocking. A mix `mix:ID=W,...` resolves to its members' combined
+        adapter (server.mixes); every member must be visible to `tenant`."""
+        if is_mix(task):
+            return resolve_mix(self, task, tenant)
         validate_task_id(task)
         if task == BASE:
             return None
@@ -95,6 +104,8 @@ class TaskRegistry:
     def prompt_format(self, task: str, tenant: Tenant | None = None) -> str:
         """The prompt format `task` was trained with (`base`: the default one). Blocking.
         Raises ValueError (malformed id), TaskNotFound (also: `tenant` may not see it)."""
+        if is_mix(task):
+            return mix_prompt_format(self, task, tenant)
         validate_task_id(task)
         if task == BASE:
             return DEFAULT_PROMPT_FORMAT

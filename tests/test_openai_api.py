@@ -85,7 +85,7 @@ REFUSED = [
     ("chat", {"tools": [{"type": "function", "function": {"name": "f"}}]}, "tools"),
     ("chat", {"tool_choice": "auto"}, "tool_choice"),
     ("chat", {"functions": [{"name": "f"}]}, "functions"),
-    ("chat", {"response_format": {"type": "json_object"}}, "response_format.type"),
+    ("chat", {"response_format": {"type": "xml"}}, "response_format.type"),
     ("chat", {"top_logprobs": 2}, "top_logprobs"),
     ("chat", {"top_logprobs": 21, "logprobs": True}, "top_logprobs"),
     ("chat", {"messages": [{"role": "tool", "content": "x", "tool_call_id": "1"}]}, "messages.0.role"),

@@ -290,7 +290,8 @@ def eval_cmd(store_dir, tasks, split, n, seed, examples_file, mu, backbone, thre
 @click.option("--out", required=True, type=click.Path(dir_okay=False))
 @click.option("--tasks", default=None, help="comma-separated task ids (default: every routing task)")
 def routing_plot(store_dir, out, tasks) -> None:
-    """Task x skill heatmap with a task dendrogram, as a PNG."""
+    """Task x skill heatmap with a task dendrogram, as a PNG; beside it FILE.similar.json, each
+    task's 5 nearest tasks by routing row (as GET /v1/tasks/{task}/similar ranks them)."""
     import torch
 
     from training.plot import routing_plot as draw
@@ -307,4 +308,7 @@ def routing_plot(store_dir, out, tasks) -> None:
     path = draw(logits, [r.id for r in records], out, routing=info.spec.routing,
                 title=f"{info.backbone_name}: S={info.spec.n_skills}, h={info.spec.n_heads}, r={info.spec.rank}")
     click.echo(str(path))
+    from training.plot import write_nearest
+
+    click.echo(str(write_nearest(info, logits, [r.id for r in records], path)))
 eval = eval_cmd  # server.cli mounts `training.cli.eval`

@@ -15,19 +15,27 @@ only its mixing weights (L, h, S), a few KB instead of every layer's materialise
 routing rows. They go to L2 under their own key (suffix ":w"), so a replica that needs the
 materialised adapter (the vLLM engine) never finds a weights-only entry under its key. Plain-LoRA
 tasks (kind "lora") are materialised in both modes.
+
+get_mix(mix, records): a per-request mix of routed tasks (adapters_store.mix) goes through the same
+tiers under a key made of the mix and its members' versions ("...:mix:{digest}"); L3 sums the
+members' routing weights (their own entries, L1 first), and materialises the layers only where a
+task would be (routing_layers=True: one LoRA per distinct mix, as the vLLM engine needs).
 """
 
 from __future__ import annotations
 
+import hashlib
 import logging
 import threading
 import time
+from collections.abc import Callable
 from concurrent.futures import Future
 from typing import Any, Literal
 
 import torch
 
-from adapters_store.materialize import task_layers, task_weights
+from adapters_store.materialize import layers_from_weights, task_layers, task_weights
+from adapters_store.mix import Mix, mix_weights
 from adapters_store.records import InventoryInfo, TaskRecord
 from adapters_store.store import Store
 from server.adapters import codec, signing
@@ -75,6 +83,40 @@ class AdapterCache:
 
     def get(self, record: TaskRecord) -> Adapter:
         key = self.key(record)
+        kind = record.kind or "routing"
+        return self._get(key, record.id, kind, not self._weights_only(record),
+                         lambda: self.materialize(record, key))
+
+    def get_mix(self, mix: Mix, records: list[TaskRecord]) -> Adapter:
+        """The adapter of a mix of routed tasks (adapters_store.mix): records[i] is the record of
+        mix.tasks[i]. Keyed by the mix and every member's cache_version, so a changed member is a
+        new key; through the same tiers as a task (L1 -> L2 -> combine from the members)."""
+        if [r.id for r in records] != list(mix.tasks):
+            raise ValueError("mix members and records differ")
+        digest = hashlib.sha256(repr((mix.parts, [r.cache_version for r in records])).encode()).hexdigest()[:24]
+        key = adapter_key(self.prefix, self.fingerprint, self.info.version, "mix", digest)
+        key += "" if self.routing_layers else ":w"
+        return self._get(key, mix.canonical, "routing", self.routing_layers,
+                         lambda: self._materialize_mix(mix, records, key))
+
+    def _materialize_mix(self, mix: Mix, records: list[TaskRecord], key: str) -> Adapter:
+        started = time.perf_counter()
+        members = [self.get(r) for r in records]
+        if any(m.weights is None for m in members):
+            raise ValueError("a mix member has no routing weights")
+        with torch.no_grad():
+            stacked = torch.stack([m.weights.to(self.device, torch.float32) for m in members])  # type: ignore[union-attr]
+            weights = mix_weights(stacked, torch.tensor(mix.weights, dtype=torch.float64))
+            layers = []
+            if self.routing_layers:
+                layers = [(a.to(self.dtype).contiguous(), b.to(self.dtype).contiguous())
+                          for a, b in layers_from_weights(self.info, self.skills, weights)]
+        self._count("l3", "hit")
+        if self.metrics is not None:
+            self.metrics.materialize_seconds.observe(time.perf_counter() - started)
+        return Adapter(mix.canonical, key, "routing", layers, weights)
+
+    def _get(self, key: str, task: str, kind: str, layers: bool, compute: Callable[[], Adapter]) -> Adapter:
         adapter = self.l1.get(key)
         if adapter is not None:
             self._count("l1", "hit")
@@ -89,7 +131,7 @@ class AdapterCache:
         if not owner:
             return future.result()
         try:
-            adapter = self._load(record, key)
+            adapter = self._load(key, task, kind, layers, compute)
             self.l1.add(adapter)
             future.set_result(adapter)
             return adapter
@@ -100,8 +142,7 @@ class AdapterCache:
             with self._lock:
                 self._inflight.pop(key, None)
 
-    def _load(self, record: TaskRecord, key: str) -> Adapter:
-        kind = record.kind or "routing"
+    def _load(self, key: str, task: str, kind: str, layers: bool, compute: Callable[[], Adapter]) -> Adapter:
         if self.l2 is not None:
             data = self.l2.get(key)
             if isinstance(data, Exception):
@@ -112,15 +153,15 @@ class AdapterCache:
                 try:
                     if self.secret is not None:
                         data = signing.unseal(self.secret, key, data)
-                    adapter = codec.decode(data, key, record.id, kind, self.info, self.device, self.dtype,
-                                           layers=not self._weights_only(record))
+                    adapter = codec.decode(data, key, task, kind, self.info, self.device, self.dtype,
+                                           layers=layers)
                     self._count("l2", "hit")
                     return adapter
                 except ValueError as err:  # undecodable: a miss; drop it, recompute, overwrite
                     log.warning("dropping an undecodable L2 entry: %s", err)
                     self._count("l2", "corrupt")
                     self.l2.delete(key)
-        adapter = self.materialize(record, key)
+        adapter = compute()
         if self.l2 is not None:
             payload = codec.encode(adapter)
             self.l2.set(key, payload if self.secret is None else signing.seal(self.secret, key, payload))

@@ -82,6 +82,8 @@ class SamplingParams:
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
     min_p: float = 0.0
+    # structured output: ("json_object", "") or ("json_schema", the schema as JSON) (engines/grammar.py)
+    response_format: tuple[str, str] | None = None
 
     def __post_init__(self) -> None:
         if self.max_new_tokens < 1:

@@ -24,17 +24,27 @@ class RegisterRequest(BaseModel):
     in the route (and stated in the OpenAPI document, server.api_docs)."""
 
     # `retrieve` trains nothing: with it, `steps` must be absent or null (422 otherwise)
-    model_config = ConfigDict(extra="forbid", json_schema_extra={
-        "if": {"properties": {"method": {"const": "retrieve"}}, "required": ["method"]},
-        "then": {"properties": {"steps": {"type": "null"}}},
-    })
+    # lora: adapter and adapter_config are required, examples are not; any other method needs examples
+    model_config = ConfigDict(extra="forbid", json_schema_extra={"allOf": [
+        {"if": {"properties": {"method": {"const": "retrieve"}}, "required": ["method"]},
+         "then": {"properties": {"steps": {"type": "null"}}}},
+        {"if": {"properties": {"method": {"const": "lora"}}, "required": ["method"]},
+         "then": {"required": ["adapter", "adapter_config"],
+                  "properties": {"adapter": {"type": "string"}, "adapter_config": {"type": "object"}}},
+         "else": {"required": ["examples"], "properties": {"examples": {"type": "array"}}}},
+    ]})
 
     task: str = Field(pattern=TASK_ID_PATTERN, max_length=64, json_schema_extra={"not": {"enum": ["base"]}},
                       description="a new task id (`base` is reserved)")
-    examples: list[ExampleIn] = Field(min_length=1)
-    method: Literal["routing", "retrieve", "mu", "full"] = Field(
+    examples: list[ExampleIn] | None = Field(default=None, min_length=1, description="required, except with lora")
+    method: Literal["routing", "retrieve", "mu", "full", "lora"] = Field(
         "routing", description="routing: retrieve a starting row from the existing tasks, then train it; "
-        "retrieve: the retrieved row alone (no training, ready in seconds); mu / full: train a plain LoRA")
+        "retrieve: the retrieved row alone (no training, ready in seconds); mu / full: train a plain LoRA; "
+        "lora: import `adapter` + `adapter_config` (a PEFT LoRA) as a plain-LoRA task (server.lora_tasks)")
+    # method lora (bring your own LoRA): adapter_model.safetensors as base64, and its adapter_config.json
+    adapter: str | None = Field(default=None, description="lora: adapter_model.safetensors, base64")
+    adapter_config: dict[str, Any] | None = Field(default=None, description="lora: the adapter_config.json object")
+    project: Bool = Field(False, description="lora: replace the LoRA by its fitted routing row (kilobytes)")
     # numbers as JSON Schema says (server.wire): 5 or 5.0, never "5" or true
     steps: Int(ge=1, le=100_000) | None = None
     seed: Int(ge=0, lt=2**31) | None = None

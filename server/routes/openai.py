@@ -34,24 +34,27 @@ from server.openai_schemas import (
     effective_temperature,
     effective_top_p,
 )
+from server.response_format import format_spec
 from server.schemas import ModelList, ModelOut
 from server.tasks import BASE
 from training.prompt import strip_separator
 
 router = APIRouter(prefix="/v1", tags=["openai"], dependencies=[ApiKey])
 
-COMPLETION_NAMES = {"max_new_tokens": "max_tokens", "prompt_logprobs": "echo"}
-CHAT_NAMES = {"max_new_tokens": "max_tokens", "prompt_logprobs": "messages"}
+COMPLETION_NAMES = {"max_new_tokens": "max_tokens", "prompt_logprobs": "echo", "task": "model"}
+CHAT_NAMES = {"max_new_tokens": "max_tokens", "prompt_logprobs": "messages", "task": "model"}
 
 
 def _params(rt: Any, body: CompletionRequest | ChatRequest, max_tokens: int, names: dict[str, str], *,
-            logprobs: int | None, prompt_logprobs: int | None = None) -> SamplingParams:
+            logprobs: int | None, prompt_logprobs: int | None = None,
+            response_format: tuple[str, str] | None = None) -> SamplingParams:
     return generation.sampling(
         names, max_new_tokens=max_tokens, temperature=effective_temperature(body.temperature),
         top_p=effective_top_p(body.top_p), top_k=max(body.top_k, 0), seed=effective_seed(body.seed), stop=tuple(body.stop_list()), n=body.n,
         logprobs=logprobs, prompt_logprobs=prompt_logprobs, presence_penalty=body.presence_penalty,
         frequency_penalty=body.frequency_penalty, repetition_penalty=body.repetition_penalty,
-        logit_bias=body.bias_pairs(), **vllm_extensions(body, max_tokens, rt.settings.max_new_tokens))
+        logit_bias=body.bias_pairs(), response_format=response_format,
+        **vllm_extensions(body, max_tokens, rt.settings.max_new_tokens))
 
 
 def vllm_extensions(body: CompletionRequest | ChatRequest, max_tokens: int, limit: int) -> dict[str, Any]:
@@ -74,7 +77,8 @@ async def completions(body: CompletionRequest, request: Request, rt: RuntimeDep)
     max_tokens = min(16, rt.settings.max_new_tokens) if body.max_tokens is None else body.max_tokens
     if "max_tokens" not in body.model_fields_set:  # the default never exceeds the server's limit
         max_tokens = min(max_tokens, rt.settings.max_new_tokens)
-    params = _params(rt, body, max(max_tokens, 1), names, logprobs=body.logprobs, prompt_logprobs=echo_logprobs)
+    params = _params(rt, body, max(max_tokens, 1), names, logprobs=body.logprobs, prompt_logprobs=echo_logprobs,
+                     response_format=await format_spec(body.response_format, rt.tokenizer, stop=body.stop_list()))
     if max_tokens == 0:  # scoring: the one token the engine makes is dropped (openai_completions)
         params = dataclasses.replace(params, min_tokens=0)
     return await openai_completions.respond(body, request, rt, params, names)
@@ -99,7 +103,8 @@ async def chat_completions(body: ChatRequest, request: Request, rt: RuntimeDep):
     names = {**CHAT_NAMES, "max_new_tokens": "max_completion_tokens" if body.max_completion_tokens else "max_tokens",
              "logprobs": "top_logprobs" if body.top_logprobs else "logprobs"}
     k = body.top_logprobs or 0
-    params = _params(rt, body, max_tokens, names, logprobs=k if body.logprobs else None)
+    params = _params(rt, body, max_tokens, names, logprobs=k if body.logprobs else None,
+                     response_format=await format_spec(body.response_format, rt.tokenizer, stop=body.stop_list()))
     task_chat = body.model != BASE
     special = task_chat if body.add_special_tokens is None else body.add_special_tokens
     call = await generation.prepare(rt, body.model, _render_chat(rt, body), params, id_prefix="chatcmpl",

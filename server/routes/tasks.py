@@ -13,6 +13,7 @@ from server.api_docs import ERRORS
 from server.deps import AdminKey, ApiKey, RuntimeDep, SettingsDep
 from server.errors import ApiError
 from server.jobs.schemas import JobOut, RegisterRequest
+from server.lora_tasks import import_lora_task
 from server.routes.jobs import job_out
 from server.schemas import TaskList, TaskOut
 from server.tasks import BASE
@@ -54,7 +55,12 @@ async def get_task(task: str, rt: RuntimeDep) -> TaskOut:
 @router.post("/tasks", status_code=202, response_model=JobOut, dependencies=[AdminKey],
              responses=ERRORS["register"])
 async def register_task(body: RegisterRequest, rt: RuntimeDep, settings: SettingsDep) -> JobOut:
-    """Register a task from few-shot examples: 202 with the job that learns it."""
+    """Register a task from few-shot examples: 202 with the job that learns it. With method
+    `lora`: 201 with the imported task (server.lora_tasks)."""
+    if body.method == "lora":
+        return await import_lora_task(body, rt)
+    if body.examples is None:
+        raise ApiError(422, "validation_error", "examples: Field required", param="examples")
     if len(body.examples) > settings.max_examples_per_task:
         raise ApiError(422, "validation_error",
                        f"examples: at most {settings.max_examples_per_task} examples per task, got {len(body.examples)}",

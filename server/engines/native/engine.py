@@ -454,6 +454,12 @@ class NativeEngine:
             row.pending_logprobs.append(logprob)
         if row.sampler.processors is not None:
             row.sampler.processors.observe(token)
+        if row.sampler.grammar is not None:  # structured output: complete -> "stop"; cannot go on -> "length"
+            verdict = row.sampler.grammar.consume(token, token in self.eos_ids)
+            if verdict != "go":
+                done = verdict == "done" and token not in self.eos_ids
+                self._finish(row, "stop" if verdict == "done" else "length", row.detok.add(token) if done else "")
+                return False
         if stop_token(params, token, row.generated, self.eos_ids):
             # the stop token counts and is reported (logprobs), adds text only when asked to (vLLM)
             self._finish(row, "stop", row.detok.add(token) if params.include_stop_str_in_output else "")

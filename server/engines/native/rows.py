@@ -20,6 +20,7 @@ from typing import Any
 import torch
 
 from server.engines.native.detok import IncrementalDetokenizer
+from server.engines.native.grammar_mask import RowGrammar
 from server.engines.native.processors import RowProcessors
 from server.engines.native.sampling import RowSampler, Sampled, sample_tokens
 from server.engines.request import FinishReason, GenRequest, SamplingParams, TokenLogprob
@@ -71,6 +72,7 @@ def new_rows(req: GenRequest, tokenizer: Any, vocab: int, device: torch.device,
     """The n choices of a request: choice i of a seeded request samples with seed + i."""
     p = req.params
     procs = RowProcessors.build(p, req.prompt_ids, vocab, device, eos_ids)
+    grammar = RowGrammar.build(p.response_format, tokenizer) if p.response_format is not None else None
     rows = []
     for index in range(p.n):
         gen = None
@@ -78,7 +80,8 @@ def new_rows(req: GenRequest, tokenizer: Any, vocab: int, device: torch.device,
             seed = (p.seed + index) & SEED_MASK if p.seed is not None else secrets.randbits(63)
             gen = torch.Generator().manual_seed(seed)
         sampler = RowSampler(p.temperature, p.top_k, p.top_p, gen,
-                             None if procs is None else (procs if index == 0 else procs.fork()), p.logprobs, p.min_p)
+                             None if procs is None else (procs if index == 0 else procs.fork()), p.logprobs, p.min_p,
+                             None if grammar is None else (grammar if index == 0 else grammar.fork()))
         detok = IncrementalDetokenizer(tokenizer, req.prompt_ids, p.stop, skip_special_tokens=p.skip_special_tokens,
                                        include_stop=p.include_stop_str_in_output, min_tokens=p.min_tokens)
         rows.append(Row(req, detok, sampler, length=len(req.prompt_ids), index=index,

@@ -37,6 +37,7 @@ from server.engines.fair import TenantCaps, check_submit_caps
 from server.engines.request import FinalEvent, GenRequest, TokenEvent, TokenLogprob
 from server.engines.vllm.loras import LoraDirectories
 from server.engines.vllm.params import vllm_kwargs
+from server.engines.vllm.structured import structured_kwargs
 
 log = logging.getLogger("polyserve.engine.vllm")
 
@@ -233,7 +234,8 @@ class VllmEngine:
             if req.handle.cancelled.is_set():
                 raise asyncio.CancelledError
             lora = await self._lora_request(req.adapter)
-            params = VSamplingParams(**vllm_kwargs(req.params), output_kind=RequestOutputKind.DELTA)
+            params = VSamplingParams(**vllm_kwargs(req.params), **structured_kwargs(req.params),
+                                     output_kind=RequestOutputKind.DELTA)
             prompt = {"prompt_token_ids": list(req.prompt_ids)}
             async for out in self._llm.generate(prompt, params, request_id=req.id, lora_request=lora):
                 if first and self.metrics is not None:

@@ -15,13 +15,16 @@ import threading
 from pathlib import Path
 from typing import Any
 
+from adapters_store.mix import is_mix
 from adapters_store.peft_io import write_peft_lora
 from server.engines.vllm_resolver import lora_int_id
 
 
 def dir_name(task: str, key: str) -> str:
-    """A filesystem-safe, key-unique name: the task id (already a safe id) + a digest of the key."""
-    return f"{task}-{hashlib.sha256(key.encode()).hexdigest()[:16]}"
+    """A filesystem-safe, key-unique name: the task id (already a safe id; "mix" for a per-request
+    mix, whose key names it) + a digest of the key."""
+    stem = "mix" if is_mix(task) else task
+    return f"{stem}-{hashlib.sha256(key.encode()).hexdigest()[:16]}"
 
 
 class LoraDirectories:
