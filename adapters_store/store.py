@@ -384,4 +384,22 @@ class Store:
         return removed
 
     def list_jobs(self) -> list[dict[str, Any]]:
-        return [read_json(p) for p in sorted((self.root / "jobs").glob("job-*.json")) if not p.name.startswith(TMP_PREFIX)]
+        """Every readable job record. Another replica may prune a job between the listing and the
+        read (replicas starting together both prune): a file gone meanwhile is skipped, and an
+        unreadable one is logged and skipped, never an error that would stop a start-up."""
+        jobs = []
+        for path in sorted((self.root / "jobs").glob("job-*.json")):
+            if path.name.startswith(TMP_PREFIX):
+                continue
+            try:
+                data = read_json(path)
+            except FileNotFoundError:
+                continue
+            except (OSError, ValueError) as err:
+                log.warning("job record %s skipped: %s", path.name, type(err).__name__)
+                continue
+            if isinstance(data, dict) and isinstance(data.get("id"), str):
+                jobs.append(data)
+            else:
+                log.warning("job record %s skipped: not a job", path.name)
+        return jobs

@@ -384,7 +384,11 @@ class JobRunner:
         (the task record names it), else failed ("interrupted"). Returns their ids."""
         recovered = []
         for data in self.store.list_jobs():
-            job = Job.from_json(data)
+            try:
+                job = Job.from_json(data)
+            except (TypeError, ValueError):  # a record this version cannot read: never stop a start-up
+                log.warning("job record %r skipped: unreadable", data.get("id"))
+                continue
             if job.finished or job.id in self._jobs:
                 continue
             try:
