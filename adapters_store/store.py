@@ -20,6 +20,7 @@ locks, share such a store).
 from __future__ import annotations
 
 import fcntl
+import logging
 import os
 import shutil
 from collections.abc import Iterator
@@ -39,6 +40,8 @@ from adapters_store.records import InventoryInfo, TaskRecord
 from adapters_store.store_base import BaseStore, check_job_id, tensors_digest
 
 __all__ = ["Store", "tensors_digest"]
+
+log = logging.getLogger(__name__)
 
 
 def _same_file(f: Any, path: Path) -> bool:
@@ -221,14 +224,24 @@ class Store(BaseStore):
             return None
 
     def _job_dicts(self) -> list[dict[str, Any]]:
+        """Every readable job record. Another replica may prune a job between the listing and the
+        read (replicas starting together both prune): a file gone meanwhile is skipped, and an
+        unreadable one is logged and skipped, never an error that would stop a start-up."""
         jobs = []
         for path in sorted((self.root / "jobs").glob("job-*.json")):
             if path.name.startswith(TMP_PREFIX):
                 continue
             try:
-                jobs.append(read_json(path))
+                data = read_json(path)
             except FileNotFoundError:
-                continue  # pruned by another replica meanwhile
+                continue
+            except (OSError, ValueError) as err:
+                log.warning("job record %s skipped: %s", path.name, type(err).__name__)
+                continue
+            if isinstance(data, dict) and isinstance(data.get("id"), str):
+                jobs.append(data)
+            else:
+                log.warning("job record %s skipped: not a job", path.name)
         return jobs
 
     def _examples_path(self, job_id: str) -> Path:

@@ -67,8 +67,13 @@ EXAMPLES = [{"input": "a", "output": "b"}]
 
 
 def run_to_end(runner: JobRunner, limit: int = 100) -> int:
+    """Slices until the runner has nothing left; the job writes the engine thread hands off are
+    waited for before each slice (a disk that keeps up), so the count is the job's own slices."""
     n = 0
-    while runner.step():
+    while True:
+        runner.flush()
+        if not runner.step():
+            break
         n += 1
         assert n < limit
     return n
@@ -113,6 +118,7 @@ def test_cancel_running_and_queued(store):
     assert not store.has_task("t2")
     runner.cancel(first.id)
     runner.step()
+    runner.flush()  # the end of the job is written by the I/O thread
     assert runner.get(first.id).status == "cancelled" and made[0].cancelled
     assert not store.has_task("t1")
     assert runner.step() is False
@@ -131,7 +137,8 @@ def test_recover_marks_orphaned_jobs_interrupted(store):
     runner, _ = make_runner(store, steps=10)
     job = runner.submit("t", EXAMPLES, method="routing", steps=10, seed=0)
     runner.step()
-    runner.step()  # running, persisted
+    runner.step()  # running
+    runner.flush()  # persisted
     # "crash": the process dies; its flock vanishes with it. Simulate by dropping the runner's lock.
     runner._release_lock(job.id)
     fresh, _ = make_runner(store)
@@ -168,6 +175,7 @@ def test_recover_never_overwrites_a_job_that_finished_after_the_listing(store, m
     runner, _ = make_runner(store, steps=2)
     job = runner.submit("t", EXAMPLES, method="routing", steps=2, seed=0)
     runner.step()
+    runner.flush()
     stale = [store.get_job(job.id)]  # the listing: still running
     assert stale[0]["status"] == "running"
     run_to_end(runner)
@@ -309,6 +317,7 @@ def test_no_file_or_redis_io_under_the_runner_lock(store):
     finally:
         release.set()
         worker.join(10)
+    runner.flush()
     assert Job.from_json(store.get_job(job.id)).status == "succeeded"
 
 
@@ -329,6 +338,7 @@ def test_serve_early_version_survives_a_crash_but_is_not_the_jobs_result(store):
     runner.step()
     early = FakeResult(tensors={"logits": torch.full((1, 1, 2), 2.0)}, metrics={"method": "retrieve"})
     runner.commit_early(runner._jobs[job.id], early)
+    runner.flush()
     record = store.get_task("t")
     assert record.status == "ready" and record.version == 1 and record.source["stage"] == "early"
     assert runner.get(job.id).live_version == 1

@@ -12,6 +12,13 @@ and at most every `persist_every` seconds while running; the task's registry ent
 it (`Store.hold_job`: an fcntl lock in a directory store, an advisory lock on its own connection in
 PostgreSQL; both end with the process), so `recover()` (at start-up, any replica) can tell a job
 whose process died — claim free, status not terminal — and mark it failed with reason "interrupted".
+
+The engine thread never writes a file, takes a store lock or talks to Redis: `step()` hands every
+job write (progress, transitions, the commit under the task's lock, the end of a job and its
+notifications) to one I/O thread, in order. While such a hand-off is unfinished, `step()` waits
+for it at most BUILD_WAIT and otherwise returns at once, so a store lock held elsewhere or a slow
+disk delays the job, never decoding. (What it still reads on that thread is one `stat` per slice:
+whether another replica left a cancel marker.)
 """
 
 from __future__ import annotations
@@ -77,6 +84,10 @@ class JobRunner:
                                            initializer=openmp.one_thread)  # no OpenMP pool beside the engine's
         self._cancel_requested: set[str] = set()
         self._last_persist = 0.0
+        # job writes handed off by the engine thread (step), one at a time, in order
+        self._io_pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="polyserve-job-io",
+                                           initializer=openmp.one_thread)
+        self._busy: Future | None = None  # the last hand-off step() must see done before going on
 
     # -- bookkeeping ------------------------------------------------------------------------
     def _persist(self, job: Job) -> None:
@@ -163,9 +174,39 @@ class JobRunner:
         return self.get(job_id)
 
     # -- the slice the engine runs ------------------------------------------------------------
+    def _offload(self, fn: Callable[[], None]) -> bool:
+        """Hand `fn` (file writes, locks, notifications) to the I/O thread; step() goes on only
+        once it is done. Waits for it at most BUILD_WAIT. Returns True (work was done)."""
+        self._busy = self._io_pool.submit(fn)
+        wait([self._busy], timeout=BUILD_WAIT)
+        return True
+
+    def _write_later(self, job: Job) -> None:
+        """The job's state, written by the I/O thread (in order with the other hand-offs)."""
+        self._io_pool.submit(_logged, self._persist, job)
+
+    def _finish_later(self, job: Job, status: str, error: dict[str, str] | None = None) -> bool:
+        def finish() -> None:
+            with self._lock:
+                self._finish(job, status, error)
+            self._settle()
+
+        return self._offload(finish)
+
+    def flush(self, timeout: float | None = None) -> None:
+        """Wait until every hand-off so far is done (tests, shutdown)."""
+        self._io_pool.submit(lambda: None).result(timeout)
+
     def step(self) -> bool:
         """Run one slice of the current job (starting the next queued one if needed).
         Returns True if any work was done (or a job is being prepared)."""
+        if self._busy is not None:  # a commit or the end of a job is being written
+            wait([self._busy], timeout=BUILD_WAIT)
+            if not self._busy.done():
+                return True
+            if self._busy.exception() is not None:
+                log.error("a job's writes failed", exc_info=self._busy.exception())
+            self._busy = None
         with self._lock:
             if self._current is None and self._starting is None:
                 if not self._queue:
@@ -179,10 +220,7 @@ class JobRunner:
                 job, adaptation = self._current
                 start = False
         if start and self.store.cancel_requested(job.id):  # cancelled through another replica
-            with self._lock:
-                self._finish(job, "cancelled")
-            self._settle()
-            return True
+            return self._finish_later(job, "cancelled")
         if start:  # reading examples, tokenising, loading candidates: off the engine thread
             future = self._builder.submit(self._build, job)
             with self._lock:
@@ -197,21 +235,16 @@ class JobRunner:
                 adaptation = future.result()
             except Exception as err:
                 log.exception("job %s failed to start", job.id)
-                with self._lock:
-                    self._finish(job, "failed", error=public_error("adaptation_error", err))
-                self._settle()
-                return True
+                return self._finish_later(job, "failed", public_error("adaptation_error", err))
             with self._lock:
                 job.transition("running")
                 self._current = (job, adaptation)
-            self._persist(job)
+            self._write_later(job)
         if job.id in self._cancel_requested or self.store.cancel_requested(job.id):
             adaptation.cancel()
             with self._lock:
                 self._current = None
-                self._finish(job, "cancelled")
-            self._settle()
-            return True
+            return self._finish_later(job, "cancelled")
         try:
             more = adaptation.step()
             if not more:
@@ -220,11 +253,9 @@ class JobRunner:
             log.exception("job %s failed", job.id)
             with self._lock:
                 self._current = None
-                self._finish(job, "failed", error=public_error("adaptation_error", err))
-            self._settle()
-            return True
+            return self._finish_later(job, "failed", public_error("adaptation_error", err))
         if not more:
-            self._commit(job, result)
+            return self._offload(lambda: self._commit(job, result))
         return True
 
     def _build(self, job: Job) -> AdaptationLike:
@@ -245,7 +276,7 @@ class JobRunner:
             if due:
                 self._last_persist = time.monotonic()
         if due:
-            self._persist(job)
+            self._write_later(job)
 
     def _commit(self, job: Job, result: Any) -> None:
         """Write the learned weights (the task's commit point), then mark the job succeeded; under
@@ -265,7 +296,11 @@ class JobRunner:
 
     def commit_early(self, job: Job, result: Any) -> None:
         """serve_early: the retrieved routing becomes the task's first version, servable at once,
-        while training goes on (called from the job's slice, on the engine thread)."""
+        while training goes on (called from the job's slice, on the engine thread: the commit
+        itself is written by the I/O thread, before the job's final commit)."""
+        self._io_pool.submit(_logged, self._commit_early, job, result)
+
+    def _commit_early(self, job: Job, result: Any) -> None:
         with self.store.task_lock(job.task):
             if not self._still_ours(job):
                 return  # deleted or cancelled meanwhile: the final commit discards the rest
@@ -349,7 +384,11 @@ class JobRunner:
         (the task record names it), else failed ("interrupted"). Returns their ids."""
         recovered = []
         for data in self.store.list_jobs():
-            job = Job.from_json(data)
+            try:
+                job = Job.from_json(data)
+            except (TypeError, ValueError):  # a record this version cannot read: never stop a start-up
+                log.warning("job record %r skipped: unreadable", data.get("id"))
+                continue
             if job.finished or job.id in self._jobs:
                 continue
             hold = self.store.hold_job(job.id)  # a live owner would hold it
@@ -374,6 +413,14 @@ class JobRunner:
             recovered.append(job.id)
             self.on_task_changed(job.task)
         return recovered
+
+
+def _logged(fn: Callable[..., None], *args: Any) -> None:
+    """An I/O hand-off nobody waits for: its failure is logged (the job's own state says the rest)."""
+    try:
+        fn(*args)
+    except Exception:
+        log.exception("a job's background write failed")
 
 
 def _mark_task_not_ready(store: Store, job: Job, status: str, error: dict[str, str] | None) -> None:
