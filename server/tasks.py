@@ -8,9 +8,10 @@ its materialised adapter through the cache tiers. `forget` drops cached adapters
 from __future__ import annotations
 
 import threading
+from collections import OrderedDict
 from typing import Any
 
-from adapters_store.errors import TaskNotFound
+from adapters_store.errors import StoreUnavailable, TaskNotFound
 from adapters_store.ids import RESERVED_TASK_IDS, validate_task_id
 from adapters_store.mix import is_mix
 from adapters_store.records import DEFAULT_PROMPT_FORMAT, TaskRecord
@@ -24,6 +25,7 @@ from server.similar_index import RoutingIndex
 from server.tenants import Tenant
 
 BASE = "base"
+HELD_RECORDS = 4096  # records kept for serving through a store outage (a few hundred bytes each)
 
 
 class TaskNotReady(ApiError):
@@ -41,6 +43,9 @@ class TaskRegistry:
         self.cache = cache
         self.metrics = metrics
         self._lock = threading.Lock()
+        # the last record each recently served task ran with: while the store is unreachable these
+        # tasks keep serving (their adapters are in memory); anything else answers 503
+        self._held: OrderedDict[str, TaskRecord] = OrderedDict()
         # task search by routing row (GET /v1/tasks/{task}/similar)
         self.routing_index = RoutingIndex(store, cache.info) if cache is not None else None
         if self.routing_index is not None:
@@ -76,6 +81,28 @@ class TaskRegistry:
             raise TaskNotFound(task)
         return record
 
+    def _serving_record(self, task: str) -> TaskRecord:
+        """The record a request for `task` runs with: the store's, or, while the store is
+        unreachable, the one this replica last served it with (else StoreUnavailable -> 503)."""
+        try:
+            record = self.store.get_task(task)
+        except StoreUnavailable:
+            with self._lock:
+                held = self._held.get(task)
+            if held is None:
+                raise
+            return held
+        except TaskNotFound:
+            with self._lock:
+                self._held.pop(task, None)
+            raise
+        with self._lock:
+            self._held[task] = record
+            self._held.move_to_end(task)
+            while len(self._held) > HELD_RECORDS:
+                self._held.popitem(last=False)
+        return record
+
     def servable(self, record: TaskRecord) -> bool:
         return (record.status == "ready" and self.cache is not None
                 and record.inventory_version in (None, self.inventory_version))
@@ -90,7 +117,7 @@ class TaskRegistry:
         validate_task_id(task)
         if task == BASE:
             return None
-        record = self.store.get_task(task)
+        record = self._serving_record(task)
         if not can_see(record, tenant, isolated=self.isolated):
             raise TaskNotFound(task)
         if record.status != "ready":
@@ -109,13 +136,15 @@ class TaskRegistry:
         validate_task_id(task)
         if task == BASE:
             return DEFAULT_PROMPT_FORMAT
-        record = self.store.get_task(task)
+        record = self._serving_record(task)
         if not can_see(record, tenant, isolated=self.isolated):
             raise TaskNotFound(task)
         return record.prompt_format
 
     def forget(self, task: str) -> int:
         """A task changed or went away: drop its cached adapters and refresh the gauge."""
+        with self._lock:
+            self._held.pop(task, None)
         dropped = self.cache.forget(task) if self.cache is not None else 0
         self.refresh()
         return dropped

@@ -148,8 +148,8 @@ def _allow_connections(dsn: str, allow: bool) -> None:
 
 def test_database_gone_answers_503_store_unavailable_then_recovers_by_itself(tmp_path):
     """The database stops taking connections under a running server (every session ended, as in a
-    restart): what the replica holds keeps serving, a store read answers 503 store_unavailable,
-    and once the database is back the same request succeeds with no restart."""
+    restart): a task the replica holds keeps serving, one it never read and a task read answer
+    503 store_unavailable, and once the database is back the same requests succeed with no restart."""
     src = build_store(tmp_path / "dir")
     with temp_database() as dsn:
         assert _cli("store", "copy", "--from", str(src.root), "--to", dsn).returncode == 0
@@ -160,6 +160,10 @@ def test_database_gone_answers_503_store_unavailable_then_recovers_by_itself(tmp
             assert before.status_code == 200
             _allow_connections(dsn, False)
             try:
+                held = c.post("/v1/generate", json=body)  # alpha's adapter is in memory: it keeps serving
+                assert held.status_code == 200 and held.json()["text"] == before.json()["text"]
+                cold = c.post("/v1/generate", json={**body, "task": "gamma"})  # never read: needs the store
+                assert cold.status_code == 503 and cold.json()["error"]["type"] == "store_unavailable"
                 down = c.get("/v1/tasks/beta")
                 assert down.status_code == 503 and down.json()["error"]["type"] == "store_unavailable"
                 assert "Retry-After" in down.headers
