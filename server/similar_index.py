@@ -21,6 +21,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -108,8 +109,9 @@ class RoutingIndex:
     def __len__(self) -> int:
         return len(self._ids)
 
-    def similar(self, task: str, k: int) -> list[tuple[str, float]]:
-        """The k tasks nearest to `task` by routing row, best first: (id, exact score).
+    def similar(self, task: str, k: int, visible: Callable[[TaskRecord], bool] | None = None) -> list[tuple[str, float]]:
+        """The k tasks nearest to `task` by routing row, best first: (id, exact score); with
+        `visible`, only tasks whose record passes it (a tenant's own and shared tasks).
         Raises TaskNotFound, NotRouted. Blocking (stats the store, reads a few rows)."""
         with self._lock:
             stale = time.monotonic() - self._refreshed_at >= self.max_staleness
@@ -123,8 +125,13 @@ class RoutingIndex:
                                 "(a plain LoRA, not ready, or another inventory)")
             ids, matrix = self._ids, self._matrix
             query = ids.index(task)
-            shortlist = top_k(matrix @ matrix[query], max(k, self.shortlist), exclude=query)
-            candidates = [(ids[i], self._entries[ids[i]].record) for i, _ in shortlist]
+            scores = matrix @ matrix[query]
+            if visible is not None:
+                hidden = [i for i, other in enumerate(ids)
+                          if (rec := self._entries[other].record) is None or not visible(rec)]
+                scores[hidden] = -float("inf")
+            shortlist = top_k(scores, max(k, self.shortlist), exclude=query)
+            candidates = [(ids[i], self._entries[ids[i]].record) for i, score in shortlist if score != -float("inf")]
         exact_query = self._exact(entry.record)
         scored = []
         for other, record in candidates:

@@ -98,6 +98,24 @@ def test_another_tenants_task_is_absent_for_bob(owned):
     assert r.status_code == 200, r.text
 
 
+def test_another_tenants_task_is_absent_from_models_similar_and_tokenize(owned):
+    """The OpenAI model list and lookup, task search and vLLM's utility routes see ownership too:
+    bob neither finds alice's task nor learns its id from another task's neighbours."""
+    _, c, _ = owned
+    bob, alice = auth(BOB), auth(ALICE)
+    assert "alice-task" not in [m["id"] for m in c.get("/v1/models", headers=bob).json()["data"]]
+    assert "alice-task" in [m["id"] for m in c.get("/v1/models", headers=alice).json()["data"]]
+    assert c.get("/v1/models/alice-task", headers=bob).status_code == 404
+    assert c.get("/v1/models/alice-task", headers=alice).status_code == 200
+    assert c.get("/v1/tasks/alice-task/similar", headers=bob).status_code == 404
+    for key, sees in ((BOB, False), (ALICE, True)):
+        near = c.get("/v1/tasks/alpha/similar?k=100", headers=auth(key))
+        assert near.status_code == 200, near.text
+        assert ("alice-task" in [t["id"] for t in near.json()["data"]]) is sees
+    assert c.post("/tokenize", json={"model": "alice-task", "prompt": "hi"}, headers=bob).status_code == 404
+    assert c.post("/tokenize", json={"model": "alice-task", "prompt": "hi"}, headers=alice).status_code == 200
+
+
 def test_shipped_tasks_are_shared_by_everyone(owned):
     _, c, _ = owned
     for key in (ALICE, BOB):

@@ -21,7 +21,7 @@ from typing import Any
 
 from fastapi import APIRouter, Request
 
-from server import chat, generation, openai_completions
+from server import chat, generation, openai_completions, tenants
 from server.api_docs import OPENAI_ERRORS, SSE_200
 from server.deps import ApiKey, RuntimeDep
 from server.engines.request import FinalEvent, SamplingParams
@@ -161,7 +161,7 @@ def _model(rt: Any, record: Any = None) -> ModelOut:
 
 @router.get("/models", response_model=ModelList, responses=OPENAI_ERRORS["read"])
 async def models(rt: RuntimeDep) -> ModelList:
-    records = await asyncio.to_thread(rt.registry.list)
+    records = await asyncio.to_thread(rt.registry.list, tenants.current())
     return ModelList(data=[_model(rt), *(_model(rt, r) for r in records if rt.registry.servable(r))])
 
 
@@ -171,7 +171,7 @@ async def model(model: str, rt: RuntimeDep) -> ModelOut:
     if model == BASE:
         return _model(rt)
     try:
-        record = await asyncio.to_thread(rt.registry.get, model)
+        record = await asyncio.to_thread(rt.registry.get, model, tenants.current())
     except (ValueError, KeyError):
         record = None
     if record is None or not rt.registry.servable(record):

@@ -11,9 +11,11 @@ from pydantic import BaseModel
 
 from adapters_store.errors import TaskNotFound
 from adapters_store.ids import validate_task_id
+from server import tenants
 from server.api_docs import ERRORS
 from server.deps import ApiKey, RuntimeDep
 from server.errors import ApiError
+from server.ownership import can_see
 from server.similar_index import NotRouted
 
 router = APIRouter(prefix="/v1", tags=["tasks"], dependencies=[ApiKey])
@@ -42,8 +44,16 @@ async def similar_tasks(task: str, rt: RuntimeDep,
     index = rt.registry.routing_index
     if index is None:
         raise ApiError(409, "conflict", "no skill inventory is loaded: tasks have no routing rows")
+    tenant = tenants.current()
+
+    def find() -> list[tuple[str, float]]:
+        rt.registry.get(task, tenant)  # someone else's task is not found
+        if not rt.registry.isolated or tenant is None or tenant.admin:
+            return index.similar(task, k)
+        return index.similar(task, k, visible=lambda record: can_see(record, tenant, isolated=True))
+
     try:
-        found = await asyncio.to_thread(index.similar, task, k)
+        found = await asyncio.to_thread(find)
     except TaskNotFound:
         raise ApiError(404, "not_found", f"task {task!r} not found", param="task") from None
     except NotRouted as err:

@@ -17,7 +17,7 @@ from typing import Any
 
 from fastapi import APIRouter
 
-from server import chat
+from server import chat, tenants
 from server.api_docs import OPENAI_ERRORS
 from server.deps import ApiKey, RuntimeDep
 from server.errors import ApiError
@@ -44,14 +44,15 @@ def version() -> str:
 
 def _prompt_format(rt: Any, model: str) -> str:
     """The model's prompt format; 404 unless it is `base` or a servable task. Blocking."""
+    tenant = tenants.current()  # someone else's task is not found
     if model != BASE:
         try:
-            record = rt.registry.get(model)
+            record = rt.registry.get(model, tenant)
         except (ValueError, KeyError):
             record = None
         if record is None or not rt.registry.servable(record):
             raise ApiError(404, "not_found", f"model {model[:64]!r} not found", param="model")
-    return rt.registry.prompt_format(model)
+    return rt.registry.prompt_format(model, tenant)
 
 
 def _max_model_len(rt: Any) -> int:
