@@ -16,8 +16,8 @@ from typing import Annotated
 from pydantic import BaseModel, ConfigDict, Field
 
 from adapters_store.ids import TASK_ID_PATTERN
-from server.openai_schemas import ChatMessage
-from server.wire import Bool, Int
+from server.openai_schemas import ChatMessage, TokenId
+from server.wire import Bool
 
 MAX_DETOKENIZE_TOKENS = 1 << 16
 Model = Annotated[str, Field(default="base", pattern=TASK_ID_PATTERN, max_length=64,
@@ -56,7 +56,7 @@ class DetokenizeRequest(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
     model: Model = "base"
-    tokens: list[Int(ge=0)] = Field(max_length=MAX_DETOKENIZE_TOKENS, description="token ids of the vocabulary")
+    tokens: list[TokenId] = Field(max_length=MAX_DETOKENIZE_TOKENS, description="token ids of the vocabulary")
 
 
 class DetokenizeResponse(BaseModel):

@@ -184,6 +184,24 @@ def test_a_polyserve_server_on_the_vllm_engine(tmp_path):
                 model="rev-words", prompt="Input: one two three\nOutput:", max_tokens=16, temperature=0, stream=True))
             assert streamed == expected[("rev-words", "one two three")]
 
+            # what vLLM's own clients send, on this engine too: a batch of prompts, scoring,
+            # vLLM's sampling extensions, /tokenize
+            prompts = ["Input: cat dog 3\nOutput:", "Input: one two three\nOutput:"]
+            one = c.post("/v1/completions", json={"model": "caesar", "prompt": prompts[1], "max_tokens": 16,
+                                                  "temperature": 0}).json()
+            batch = c.post("/v1/completions", json={"model": "caesar", "prompt": prompts, "max_tokens": 16,
+                                                    "temperature": 0}).json()
+            assert [ch["text"] for ch in batch["choices"]] == [done.choices[0].text, one["choices"][0]["text"]]
+            scored = c.post("/v1/completions", json={"model": "caesar", "prompt": prompts[0], "max_tokens": 0,
+                                                     "echo": True, "logprobs": 1}).json()
+            lp = scored["choices"][0]["logprobs"]["token_logprobs"]
+            assert scored["usage"]["completion_tokens"] == 0 and lp[0] is None and len(lp) == scored["usage"]["prompt_tokens"]
+            fixed = c.post("/v1/completions", json={"model": "caesar", "prompt": prompts[0], "max_tokens": 24,
+                                                    "min_tokens": 24, "temperature": 0, "min_p": 0.05}).json()
+            assert fixed["usage"]["completion_tokens"] == 24  # no EOS before min_tokens
+            tokens = c.post("/tokenize", json={"model": "caesar", "prompt": prompts[0]}).json()
+            assert tokens["count"] == scored["usage"]["prompt_tokens"]
+
             # register under the vLLM engine (adaptation on the Hugging Face copy), serve, delete
             examples = [{"input": f"{a} {b}", "output": f"{b} {a}"} for a, b in
                         [("cat", "dog"), ("red", "blue"), ("one", "two"), ("sun", "moon"), ("up", "down"),

@@ -1,7 +1,8 @@
 """OpenAI-compatible endpoints. `model` is a task id or `base`.
 
     POST /v1/completions       the prompt verbatim (OpenAI semantics), the tokenizer's own
-                               specials (BOS...) added as its config says
+                               specials (BOS...) added as its config says; one prompt or a
+                               batch, scoring with max_tokens 0 (server.openai_completions)
     POST /v1/chat/completions  base: the backbone's chat template; a task: the conversation
                                rendered into the task's training prompt format (server.chat)
     GET  /v1/models, /v1/models/{model}
