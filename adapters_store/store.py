@@ -190,6 +190,15 @@ class Store(BaseStore):
         if previous and previous.file and previous.file != record.file:
             (directory / previous.file).unlink(missing_ok=True)
 
+    def put_record(self, record: TaskRecord) -> TaskRecord:
+        """The contract's put_record without the store-wide lock: a record alone is one atomic
+        rename, and callers decide about an id under `task_lock`, so a registration's placeholder
+        never waits for another process's write (which may hold the store lock for a long time)."""
+        validate_task_id(record.id)
+        data = self._read_record(record.id)
+        self._commit_task(record, None, TaskRecord.from_json(data) if data else None)
+        return record
+
     def _remove_task(self, task: str) -> None:
         directory = self._task_dir(task)
         # Remove the commit point first: a crash afterwards leaves only unreferenced files.

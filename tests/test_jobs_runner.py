@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import subprocess
 import sys
+import threading
 import time
 from dataclasses import dataclass, field
 
@@ -209,10 +210,35 @@ def test_a_cancel_marker_from_another_replica_stops_queued_and_running_jobs(stor
     other = Store(store.root)  # another process's view of the same store
     other.request_cancel(running.id)
     other.request_cancel(queued.id)
+    assert runner.check_cancels() == 2  # what the poll thread does between steps
     run_to_end(runner)
     assert runner.get(running.id).status == "cancelled" and made[0].cancelled and made[0].done == 1
     assert runner.get(queued.id).status == "cancelled" and len(made) == 1  # never started
     assert not store.has_task("t1") and not store.has_task("t2")
+
+
+def test_step_never_reads_cancel_markers_and_the_poll_thread_finds_them(store, monkeypatch):
+    """The engine thread's step() reads no cancel marker (a store read that a slow disk or a
+    database outage would turn into a decoding stall); the runner's poll thread reads them and
+    the next step stops the job."""
+    runner, made = make_runner(store, steps=10_000)
+    runner.cancel_poll_seconds = 0.05
+    job = runner.submit("t1", EXAMPLES, method="routing", steps=10_000, seed=0)
+    readers: set[str] = set()
+    real = store.cancel_requested
+    monkeypatch.setattr(store, "cancel_requested",
+                        lambda job_id: (readers.add(threading.current_thread().name), real(job_id))[1])
+    runner.step()
+    Store(store.root).request_cancel(job.id)
+    deadline = time.time() + 10
+    while runner.get(job.id).status != "cancelled":
+        assert time.time() < deadline, "the poll thread never saw the marker"
+        runner.step()
+        time.sleep(0.01)
+    runner.flush()
+    assert threading.current_thread().name not in readers
+    assert readers == {"polyserve-job-cancels"}
+    assert made[0].cancelled and not store.has_task("t1")
 
 
 KILL_CHILD = r"""
@@ -343,6 +369,7 @@ def test_serve_early_version_survives_a_crash_but_is_not_the_jobs_result(store):
     assert record.status == "ready" and record.version == 1 and record.source["stage"] == "early"
     assert runner.get(job.id).live_version == 1
     runner.step()
+    runner.flush()  # a dead process writes nothing later: let this one's hand-offs land first
     runner._release_lock(job.id)  # the "crash"
     fresh, _ = make_runner(store)
     assert fresh.recover() == [job.id]

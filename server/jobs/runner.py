@@ -17,8 +17,8 @@ The engine thread never writes a file, takes a store lock or talks to Redis: `st
 job write (progress, transitions, the commit under the task's lock, the end of a job and its
 notifications) to one I/O thread, in order. While such a hand-off is unfinished, `step()` waits
 for it at most BUILD_WAIT and otherwise returns at once, so a store lock held elsewhere or a slow
-disk delays the job, never decoding. (What it still reads on that thread is one `stat` per slice:
-whether another replica left a cancel marker.)
+disk delays the job, never decoding. Another replica's cancel markers are read by a poll thread
+(`check_cancels`, every `cancel_poll_seconds`) into memory, where `step()` looks.
 """
 
 from __future__ import annotations
@@ -65,6 +65,7 @@ class JobRunner:
         on_task_changed: Callable[[str], None] = lambda task: None,
         on_job_finished: Callable[[Job], None] = lambda job: None,
         persist_every: float = 0.5,
+        cancel_poll_seconds: float = 0.2,
     ) -> None:
         self.store = store
         self.make_adaptation = make_adaptation
@@ -72,6 +73,7 @@ class JobRunner:
         self.on_task_changed = on_task_changed
         self.on_job_finished = on_job_finished
         self.persist_every = persist_every
+        self.cancel_poll_seconds = cancel_poll_seconds
         self._lock = threading.Lock()  # in-memory state only: no file or Redis I/O under it
         self._io: dict[str, threading.Lock] = {}  # per job: its file writes in order
         self._done: list[tuple[Job, str, dict[str, str] | None]] = []  # finished, not yet settled
@@ -88,6 +90,8 @@ class JobRunner:
         self._io_pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="polyserve-job-io",
                                            initializer=openmp.one_thread)
         self._busy: Future | None = None  # the last hand-off step() must see done before going on
+        # another replica's cancel markers are read by this thread, never by step() (the engine's)
+        self._poller: threading.Thread | None = None
 
     # -- bookkeeping ------------------------------------------------------------------------
     def _persist(self, job: Job) -> None:
@@ -148,6 +152,7 @@ class JobRunner:
                   n_examples=len(examples), owner=self.replica_id, serve_early=serve_early, tenant=tenant)
         job.add_event("status", f"job queued: {len(examples)} examples, method {method}")
         self._hold_lock(job.id)
+        self._start_poller()
         self.store.put_job_examples(job.id, examples)
         self._persist(job)
         now = time.time()
@@ -193,6 +198,46 @@ class JobRunner:
 
         return self._offload(finish)
 
+    def check_cancels(self) -> int:
+        """Read the store's cancel markers of this runner's unfinished jobs (left by a cancel or a
+        delete through another replica) into memory, where step() looks. Returns how many are
+        newly seen. Runs on the poll thread; a store that cannot be read is tried again next poll."""
+        with self._lock:
+            ids = [job_id for job_id, job in self._jobs.items()
+                   if not job.finished and job_id not in self._cancel_requested]
+        seen = 0
+        for job_id in ids:
+            try:
+                marked = self.store.cancel_requested(job_id)
+            except Exception as err:  # noqa: BLE001 - a store outage delays a cancel, nothing more
+                log.warning("cancel markers not read: %s", type(err).__name__)
+                return seen
+            if marked:
+                with self._lock:
+                    self._cancel_requested.add(job_id)
+                seen += 1
+        return seen
+
+    def _start_poller(self) -> None:
+        with self._lock:
+            if self._poller is not None:
+                return
+            self._poller = threading.Thread(target=self._poll_loop, name="polyserve-job-cancels", daemon=True)
+        self._poller.start()
+
+    def _poll_loop(self) -> None:
+        openmp.one_thread()
+        while True:
+            time.sleep(self.cancel_poll_seconds)
+            with self._lock:
+                idle = all(job.finished for job in self._jobs.values())
+            if not idle:
+                self.check_cancels()
+
+    def _cancelled_elsewhere(self, job: Job) -> bool:
+        with self._lock:
+            return job.id in self._cancel_requested
+
     def flush(self, timeout: float | None = None) -> None:
         """Wait until every hand-off so far is done (tests, shutdown)."""
         self._io_pool.submit(lambda: None).result(timeout)
@@ -219,7 +264,7 @@ class JobRunner:
             else:
                 job, adaptation = self._current
                 start = False
-        if start and self.store.cancel_requested(job.id):  # cancelled through another replica
+        if start and self._cancelled_elsewhere(job):  # cancelled here, or through another replica
             return self._finish_later(job, "cancelled")
         if start:  # reading examples, tokenising, loading candidates: off the engine thread
             future = self._builder.submit(self._build, job)
@@ -240,7 +285,7 @@ class JobRunner:
                 job.transition("running")
                 self._current = (job, adaptation)
             self._write_later(job)
-        if job.id in self._cancel_requested or self.store.cancel_requested(job.id):
+        if self._cancelled_elsewhere(job):
             adaptation.cancel()
             with self._lock:
                 self._current = None
