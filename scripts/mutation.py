@@ -99,7 +99,7 @@ def results(name: str) -> dict:
         counts[status] = counts.get(status, 0) + 1
     survivors = []
     for key, code in sorted(codes.items()):
-        if STATUS.get(code, "suspicious") in ("survived", "no tests", "suspicious", "timeout", "segfault"):
+        if STATUS.get(code, "suspicious") in ("survived", "no tests", "suspicious", "segfault"):
             diff = subprocess.run([mutmut(), "show", key], cwd=work, capture_output=True, text=True,
                                   check=False).stdout
             survivors.append({"mutant": key, "status": STATUS.get(code, "suspicious"), "diff": diff.strip()})
