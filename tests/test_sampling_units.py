@@ -211,6 +211,21 @@ def test_sample_rows_falls_back_row_by_row_and_fails_only_the_row_that_fails_alo
     assert out.logprobs[:3] == [None, None, None] and out.logprobs[3].token_id == want[3]
 
 
+def test_new_rows_give_each_choice_the_requests_stop_strings_and_logprobs_state(tokenizer):
+    """Each choice's detokenizer knows the prompt and the stop strings; pending logprobs are a
+    list only when logprobs were asked for (None otherwise: no logprobs field is sent)."""
+    prompt = list(tokenizer("say: ", add_special_tokens=False).input_ids)
+    params = SamplingParams(n=2, stop=("xy",), logprobs=1)
+    rows = new_rows(GenRequest(prompt, params), tokenizer, 259, torch.device("cpu"))
+    for row in rows:
+        assert row.pending_logprobs == []
+        for t in tokenizer("axyb", add_special_tokens=False).input_ids:
+            row.detok.add(t)
+        assert row.detok.stopped
+    plain = new_rows(GenRequest(prompt, SamplingParams()), tokenizer, 259, torch.device("cpu"))
+    assert plain[0].pending_logprobs is None
+
+
 def test_describe_names_the_error_type_and_stays_short():
     assert describe(ValueError("bad row")) == "ValueError: bad row"
     long = describe(RuntimeError("x" * 1000))
