@@ -316,3 +316,22 @@ def test_codec_decodes_into_the_asked_dtype_and_names_what_it_cannot_read(env):
     torch.testing.assert_close(back.layers[0][0], adapter.layers[0][0].double())
     with pytest.raises(ValueError, match=r"cached adapter 'k': not a safetensors file \(SafetensorError\)"):
         codec.decode(b"not safetensors at all", "k", "alpha", "routing", info, torch.device("cpu"), torch.float32)
+
+
+def test_decoded_adapter_carries_the_callers_names_and_an_entry_describes_itself(env):
+    """decode returns the task, key and kind it was asked for (a plain-LoRA entry has no routing
+    weights); an entry's safetensors header names its key, task and kind for whoever inspects Redis."""
+    import json as _json
+    import struct
+
+    store, _, info, _ = env
+    adapter = make_cache(env).materialize(store.get_task("beta"))
+    plain = Adapter("beta", "key-lora", "lora", adapter.layers, None)
+    data = codec.encode(plain)
+    back = codec.decode(data, "key-lora", "beta", "lora", info, torch.device("cpu"), torch.float32)
+    assert (back.task, back.key, back.kind, back.weights) == ("beta", "key-lora", "lora", None)
+    routed = codec.decode(codec.encode(adapter), "key-r", "beta", "routing", info, torch.device("cpu"), torch.float32)
+    assert (routed.task, routed.key, routed.kind) == ("beta", "key-r", "routing")
+    (size,) = struct.unpack("<Q", data[:8])
+    header = _json.loads(data[8 : 8 + size])
+    assert header["__metadata__"] == {"key": "key-lora", "task": "beta", "kind": "lora"}

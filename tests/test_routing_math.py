@@ -6,7 +6,7 @@ import pytest
 import torch
 from torch.testing import assert_close
 
-from adapters_store.batched import apply_gathered, apply_skill_space
+from adapters_store.batched import apply_gathered, apply_skill_space, stack_skills
 from adapters_store.combine import (
     check_heads,
     from_peft_lora,
@@ -253,3 +253,24 @@ def test_gathered_table_shared_by_rows():
     y = apply_gathered(x, A_tab, B_tab, torch.tensor([1, 0, 1]), 1.0)
     assert_close(y[0], x[0] @ A_tab[1] @ B_tab[1])
     assert_close(y[1], x[1] @ A_tab[0] @ B_tab[0])
+
+
+@pytest.mark.parametrize("G", [1, 3], ids=["one-table", "gathered"])
+def test_batched_paths_run_in_the_inputs_dtype_whatever_the_tables(G):
+    """float32 tables and skills applied to float64 activations: each path casts them to x's
+    dtype (a mixed-dtype bmm raises) and equals the float64 computation."""
+    N, T, h, S, d_in, d_out, r = 3, 2, 2, 4, 8, 6, 2
+    A, B = torch.randn(h, S, d_in // h, r), torch.randn(h, S, r, d_out // h)
+    w = eval_weights(torch.randn(N, h, S))
+    x = torch.randn(N, T, d_in, dtype=torch.float64)
+    A_tab, B_tab = materialize_many(A, B, w[:G])
+    index = torch.arange(N) % G
+    got = apply_gathered(x, A_tab, B_tab, index, 0.5)
+    want = apply_gathered(x, A_tab.double(), B_tab.double(), index, 0.5)
+    assert got.dtype == torch.float64
+    assert_close(got, want)
+    skill = apply_skill_space(x, A, B, w, 0.5)
+    assert skill.dtype == torch.float64
+    assert_close(skill, apply_skill_space(x, A.double(), B.double(), w.double(), 0.5))
+    for default, one in zip(stack_skills(A, B), stack_skills(A, B, 1.0), strict=True):  # default scale 1
+        assert torch.equal(default, one)

@@ -183,6 +183,49 @@ def test_sample_rows_samples_the_batch_in_one_call(monkeypatch):
     assert calls == [(3, 3)] and out.tokens == logits.argmax(-1).tolist() and out.errors == [None] * 3
 
 
+def test_sample_rows_falls_back_row_by_row_and_fails_only_the_row_that_fails_alone(monkeypatch, caplog):
+    """The batched call raised: each row is sampled alone, in order; a row whose own sampling
+    raises gets token -1 and an error naming the failure, the others their tokens."""
+    import server.engines.native.rows as rows_module
+
+    real = rows_module.sample_tokens
+    seen = []
+
+    def flaky(logits, samplers):
+        seen.append(logits.shape[0])
+        if len(samplers) > 1 or samplers[0] is bad:
+            raise RuntimeError("kernel exploded")
+        return real(logits, samplers)
+
+    monkeypatch.setattr(rows_module, "sample_tokens", flaky)
+    logits = torch.randn(4, V, generator=torch.Generator().manual_seed(7))
+    samplers = [RowSampler(0.0, 0, 1.0, None, None, 2 if i == 3 else None) for i in range(4)]
+    bad = samplers[1]
+    with caplog.at_level("ERROR", logger="polyserve.engine"):
+        out = sample_rows([SimpleNamespace(sampler=s) for s in samplers], logits)  # type: ignore[arg-type]
+    assert "batched sampling failed; sampling row by row" in caplog.text
+    assert seen == [4, 1, 1, 1, 1]
+    want = logits.argmax(-1).tolist()
+    assert out.tokens == [want[0], -1, want[2], want[3]]
+    assert out.errors == [None, "sampling failed: RuntimeError: kernel exploded", None, None]
+    assert out.logprobs[:3] == [None, None, None] and out.logprobs[3].token_id == want[3]
+
+
+def test_new_rows_give_each_choice_the_requests_stop_strings_and_logprobs_state(tokenizer):
+    """Each choice's detokenizer knows the prompt and the stop strings; pending logprobs are a
+    list only when logprobs were asked for (None otherwise: no logprobs field is sent)."""
+    prompt = list(tokenizer("say: ", add_special_tokens=False).input_ids)
+    params = SamplingParams(n=2, stop=("xy",), logprobs=1)
+    rows = new_rows(GenRequest(prompt, params), tokenizer, 259, torch.device("cpu"))
+    for row in rows:
+        assert row.pending_logprobs == []
+        for t in tokenizer("axyb", add_special_tokens=False).input_ids:
+            row.detok.add(t)
+        assert row.detok.stopped
+    plain = new_rows(GenRequest(prompt, SamplingParams()), tokenizer, 259, torch.device("cpu"))
+    assert plain[0].pending_logprobs is None
+
+
 def test_describe_names_the_error_type_and_stays_short():
     assert describe(ValueError("bad row")) == "ValueError: bad row"
     long = describe(RuntimeError("x" * 1000))
@@ -318,6 +361,20 @@ def test_find_culprits_finds_exactly_the_rows_that_fail_alone(n, culprits):
     assert find_culprits(range(n), probe) == culprits
     if len(culprits) == 1 and n > 1:
         assert len(probes) <= 2 * math.ceil(math.log2(n))  # bisection, not one probe per row
+
+
+@pytest.mark.parametrize("culprit", [True, False])
+def test_find_culprits_never_probes_an_empty_subset(culprit):
+    """One row: one probe of that row (an empty forward is not a probe: a step needs an item)."""
+    probes: list[list[int]] = []
+
+    def probe(rows):
+        assert rows, "probed an empty subset"
+        probes.append(rows)
+        return not culprit
+
+    assert find_culprits([5], probe) == ([5] if culprit else [])
+    assert probes == [[5]]
 
 
 def test_find_culprits_returns_none_when_only_a_combination_fails():
