@@ -75,7 +75,7 @@ def main() -> None:
         config, tensors = read_dir(tmp / task)
         exported = convert(config, tensors, info, backbone_aliases(info))
         ref = task_layers(info, skills, "routing", store.load_weights(record))
-        same = all(torch.allclose(a, c, atol=1e-5) and torch.allclose(b, d, atol=1e-5)
+        same = all(torch.allclose(a.float(), c.float(), atol=1e-5) and torch.allclose(b.float(), d.float(), atol=1e-5)
                    for (a, b), (c, d) in zip(ref, layers_of(info, exported), strict=True))
         for variant, lora in (("export", exported), ("rank-4", truncate(exported, list(info.layer_names), 4))):
             em_before = evaluate_task(rm, layers_of(info, lora), bb.tokenizer, exs)["exact_match"]

@@ -188,3 +188,29 @@ def test_vllm_gets_the_format_as_its_structured_outputs(monkeypatch):
     kwargs = structured_kwargs(SamplingParams(response_format=SPEC))
     assert kwargs["structured_outputs"].kw == {"json": SCHEMA}
     assert structured_kwargs(SamplingParams()) == {}
+
+
+# -- the engine's verdicts ---------------------------------------------------------------------
+@pytest.mark.parametrize(("verdicts", "reason", "tokens"), [
+    (["go", "go", "done"], "stop", 3),     # the grammar is complete: "stop", the last token's text kept
+    (["go", "dead"], "length", 2),          # it cannot go on validly: "length", never "stop"
+    (["go"] * 10, "length", 6),             # max_new_tokens first: "length"
+], ids=["done", "dead", "max-tokens"])
+def test_engine_ends_a_constrained_row_by_its_grammar(tiny_base, tokenizer, one_thread, monkeypatch,
+                                                      verdicts, reason, tokens):
+    from server.engines.native import grammar_mask
+    from server.engines.native.engine import NativeEngine
+    from tests.engine_utils import run
+
+    script = iter(verdicts)
+    monkeypatch.setattr(grammar_mask.RowGrammar, "consume", lambda self, token, eos: next(script))
+    engine = NativeEngine(tiny_base, tokenizer)
+    engine.start()
+    try:
+        (choice,) = run(engine, tokenizer, "hello", SamplingParams(max_new_tokens=6, response_format=("json_object", ""),
+                                                                  logprobs=0))
+    finally:
+        engine.stop()
+    assert choice.final.finish_reason == reason and choice.final.completion_tokens == tokens
+    if reason == "stop":
+        assert choice.text == tokenizer.decode(choice.tokens)  # the completing token's text is sent
