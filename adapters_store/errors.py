@@ -27,6 +27,10 @@ class TaskExists(StoreError):
     pass
 
 
+class TaskLimit(StoreError):
+    """The store holds as many tasks as it may (POLYSERVE_MAX_TASKS)."""
+
+
 class FingerprintMismatch(StoreError):
     pass
 

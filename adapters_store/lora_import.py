@@ -157,11 +157,17 @@ def backbone_aliases(info: InventoryInfo) -> tuple[str, ...]:
 
 
 def import_lora(store, task: str, config: dict[str, Any], tensors: dict[str, torch.Tensor], *,
-                source: dict[str, Any] | None = None, method: str = "lora-import"):
+                source: dict[str, Any] | None = None, method: str = "lora-import", owner: str | None = None,
+                shared: bool = False, max_tasks: int | None = None):
     """Register the LoRA as the plain-LoRA task `task` (a new id); returns its TaskRecord.
-    Raises ImportRefused, ValueError (bad id), TaskExists."""
-    from adapters_store.errors import TaskExists
+    `owner`/`shared`: who may see it (None: everyone, as for shipped tasks), written with the
+    placeholder the weights then replace, so the task is never visible to others in between.
+    Raises ImportRefused, ValueError (bad id), TaskExists, TaskLimit (`max_tasks` reached)."""
+    import time
+
+    from adapters_store.errors import TaskExists, TaskLimit
     from adapters_store.ids import validate_new_task_id
+    from adapters_store.records import TaskRecord
 
     validate_new_task_id(task)
     info = store.inventory_info()
@@ -169,6 +175,12 @@ def import_lora(store, task: str, config: dict[str, Any], tensors: dict[str, tor
     with store.task_lock(task):
         if store.has_task(task):
             raise TaskExists(f"task {task!r} already exists")
+        if max_tasks is not None and len(store.task_stamps()) >= max_tasks:
+            raise TaskLimit(f"this store already holds {max_tasks} tasks (POLYSERVE_MAX_TASKS); delete one first")
         meta = {"peft_r": int(config["r"]), "peft_alpha": config.get("lora_alpha", 8),
                 "base_model": str(config.get("base_model_name_or_path"))[:200], **(source or {})}
+        if owner is not None or shared:
+            now = time.time()
+            store.put_record(TaskRecord(id=task, method=method, status="training", version=0, created_at=now,
+                                        updated_at=now, owner=owner, shared=shared))
         return store.put_lora(task, lora, method=method, source=meta)

@@ -19,9 +19,11 @@ from typing import Any
 
 from fastapi.responses import JSONResponse
 
-from adapters_store.errors import TaskExists
+from adapters_store.errors import TaskExists, TaskLimit
 from adapters_store.lora_import import ImportRefused, import_lora
+from server import tenants
 from server.errors import ApiError
+from server.ownership import owner_of_new_task
 
 # what JSON Schema cannot say: the bytes are not a LoRA this store can serve
 CODE = "invalid_adapter"
@@ -51,16 +53,21 @@ async def import_lora_task(body: Any, rt: Any) -> JSONResponse:
     if rt.registry.cache is None:
         raise ApiError(409, "conflict", "no skill inventory is loaded: a LoRA cannot be imported")
 
+    caller = tenants.current()
+
     def work() -> dict[str, Any]:
         tensors = _tensors(body.adapter)
         try:
             record = import_lora(rt.registry.store, body.task, body.adapter_config, tensors,
-                                 source={"imported_from": "POST /v1/tasks"})
+                                 source={"imported_from": "POST /v1/tasks"}, owner=owner_of_new_task(caller),
+                                 shared=bool(body.shared), max_tasks=rt.settings.max_tasks)
         except ImportRefused as err:
             raise ApiError(422, "validation_error", f"adapter_config: {err}", param="adapter_config",
                            code=CODE) from None
         except TaskExists as err:
             raise ApiError(409, "conflict", str(err), param="task") from None
+        except TaskLimit as err:
+            raise ApiError(409, "task_limit", str(err), param="task") from None
         except ValueError as err:  # the id (reserved)
             raise ApiError(422, "validation_error", f"task: {err}", param="task") from None
         report: dict[str, Any] = {"kind": "lora", "params": record.params}
@@ -69,6 +76,6 @@ async def import_lora_task(body: Any, rt: Any) -> JSONResponse:
 
             report["project"] = project_task(rt.registry.store, record.id)
         rt.registry.forget(record.id)
-        return {"task": task_out(rt.registry.get(record.id)).model_dump(), "import": report}
+        return {"task": task_out(rt.registry.get(record.id, caller)).model_dump(), "import": report}
 
     return JSONResponse(status_code=201, content=await asyncio.to_thread(work))

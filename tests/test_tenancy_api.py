@@ -241,3 +241,20 @@ def test_a_record_without_owner_reads_as_shared():
     record = TaskRecord.from_json({"id": "old", "method": "mhr", "status": "ready", "version": 1,
                                    "created_at": 0.0, "updated_at": 0.0})
     assert record.owner is None and not record.shared
+
+
+def test_an_imported_lora_belongs_to_its_importer(owned):
+    """POST /v1/tasks with method lora records the caller as the owner, like a registration:
+    another tenant neither sees nor uses it."""
+    from tests.test_lora_import import peft_lora, upload
+
+    srv, c, _ = owned
+    info = srv.runtime.store.inventory_info()
+    cfg, tensors = peft_lora(info, r=2, alpha=2.0)
+    r = c.post("/v1/tasks", json=upload(info, cfg, tensors, "alice-lora"), headers=auth(ALICE))
+    assert r.status_code == 201, r.text
+    assert srv.runtime.store.get_task("alice-lora").owner == "alice"
+    body = {"task": "alice-lora", "prompt": "w1 x1", "max_new_tokens": 4}
+    assert c.post("/v1/generate", json=body, headers=auth(BOB)).status_code == 404
+    assert c.get("/v1/tasks/alice-lora", headers=auth(BOB)).status_code == 404
+    assert c.post("/v1/generate", json=body, headers=auth(ALICE)).status_code == 200
