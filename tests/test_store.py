@@ -12,21 +12,8 @@ from torch.testing import assert_close
 
 from adapters_store import atomic
 from adapters_store.errors import StoreError
-from adapters_store.spec import InventorySpec
 from adapters_store.store import Store
-
-NAMES = ["m.layers.0.q_proj", "m.layers.0.v_proj"]
-DIMS = [(8, 8), (8, 4)]
-SPEC = InventorySpec(n_skills=3, n_heads=2, rank=2, target_modules=("q_proj", "v_proj"))
-
-
-def skills(seed: int = 0) -> dict[str, torch.Tensor]:
-    g = torch.Generator().manual_seed(seed)
-    out = {}
-    for name, (d_in, d_out) in zip(NAMES, DIMS, strict=True):
-        out[f"{name}.A"] = torch.randn(2, 3, d_in // 2, 2, generator=g)
-        out[f"{name}.B"] = torch.randn(2, 3, 2, d_out // 2, generator=g)
-    return out
+from tests.test_store_contract import DIMS, NAMES, SPEC, skills
 
 
 @pytest.fixture
