@@ -14,6 +14,8 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
+from safetensors.torch import load as st_load
+
 from adapters_store.errors import StoreError
 from adapters_store.records import TaskRecord
 from adapters_store.store_base import TERMINAL_JOB_STATES, BaseStore, tensors_digest
@@ -90,11 +92,8 @@ def verify_copy(src: BaseStore, dst: BaseStore) -> None:
         copied = dst.get_task(record.id)
         if copied != record:
             raise StoreError(f"verification failed: task {record.id!r} differs after the copy")
-        if record.file:
-            from safetensors.torch import load as st_load
-
-            if tensors_digest(st_load(dst.weights_bytes(copied, ready_only=False))) != record.digest:
-                raise StoreError(f"verification failed: task {record.id!r}'s weights do not match its digest")
+        if record.file and tensors_digest(st_load(dst.weights_bytes(copied, ready_only=False))) != record.digest:
+            raise StoreError(f"verification failed: task {record.id!r}'s weights do not match its digest")
     theirs = {j["id"]: j for j in dst.list_jobs()}
     for job in src.list_jobs():
         if job.get("status") in TERMINAL_JOB_STATES and theirs.get(job["id"]) != job:

@@ -4,9 +4,10 @@ embedded default)."""
 from __future__ import annotations
 
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-from adapters_store.store import Store
-from adapters_store.store_base import BaseStore
+if TYPE_CHECKING:  # torch and safetensors load only when a store is opened (Settings imports is_dsn)
+    from adapters_store.store_base import BaseStore
 
 
 def is_dsn(location: str | Path) -> bool:
@@ -20,4 +21,6 @@ def open_store(location: str | Path, *, cache_dir: str | Path | None = None) -> 
         from adapters_store.pg_store import PostgresStore  # psycopg only where a DSN is used
 
         return PostgresStore(str(location), cache_dir=cache_dir)
+    from adapters_store.store import Store
+
     return Store(Path(location).expanduser())

@@ -12,6 +12,8 @@ from typing import Annotated, Any, Literal
 from pydantic import Field, field_validator, model_validator
 from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
 
+from adapters_store.stores import is_dsn
+
 
 def switch(value: str) -> bool | None:
     """An auto/on/off setting as None (decide by the machine) / True / False."""
@@ -153,7 +155,7 @@ class Settings(BaseSettings):
     def store_dir(self) -> Path:
         """The store's directory (a directory store only: a DSN has none)."""
         location = self.store_location
-        if location.startswith(("postgresql://", "postgres://")):
+        if is_dsn(location):
             raise ValueError("POLYSERVE_STORE is a PostgreSQL DSN, not a directory")
         return Path(location)
 
@@ -161,7 +163,7 @@ class Settings(BaseSettings):
     def store_location(self) -> str:
         """The store: a postgresql:// DSN as given, or the directory with ~ expanded."""
         assert self.store is not None
-        if self.store.startswith(("postgresql://", "postgres://")):
+        if is_dsn(self.store):
             return self.store
         return str(Path(self.store).expanduser())
 
