@@ -22,6 +22,8 @@ from typing import Any
 import torch
 from torch import nn
 
+from adapters_store.home import polyserve_home
+
 DEFAULT_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 DEFAULT_CACHE_NAME = "smollm2-135m-instruct-q4_1"
 DEFAULT_NAME = "SmolLM2-135M-Instruct"  # the backbone_name a store built on the default records
@@ -39,10 +41,6 @@ class Backbone:
     @property
     def device(self) -> torch.device:
         return next(self.model.parameters()).device
-
-
-def polyserve_home() -> Path:
-    return Path(os.environ.get("POLYSERVE_HOME", Path.home() / ".cache" / "polyserve"))
 
 
 def default_gguf_path() -> Path:

@@ -8,11 +8,7 @@ from pathlib import Path
 
 import click
 
-
-def default_store() -> str:
-    home = Path(os.environ.get("POLYSERVE_HOME", Path.home() / ".cache" / "polyserve"))
-    return os.environ.get("POLYSERVE_STORE", str(home / "store"))
-
+from adapters_store.home import default_store, polyserve_home
 
 store_option = click.option(
     "--store", "store_dir", default=default_store, show_default="$POLYSERVE_STORE",
@@ -82,10 +78,6 @@ def import_peft_poly(src: str, names: str | None, replace: bool, store_dir: str,
                f"r={info.spec.rank}) and {len(tasks)} tasks into {store_dir}")
 
 
-def _home() -> Path:
-    return Path(os.environ.get("POLYSERVE_HOME", Path.home() / ".cache" / "polyserve")).expanduser()
-
-
 @click.group()
 def db() -> None:
     """The PostgreSQL store's schema."""
@@ -134,8 +126,8 @@ def store_copy(src: str, dst: str) -> None:
     if src == dst:
         raise click.UsageError("--from and --to name the same store")
     try:
-        source = open_store(src, cache_dir=_home() / "inventories")
-        target = open_store(dst, cache_dir=_home() / "inventories")
+        source = open_store(src, cache_dir=polyserve_home() / "inventories")
+        target = open_store(dst, cache_dir=polyserve_home() / "inventories")
         with tqdm(total=len(source.task_stamps()), unit="task", desc="copying", disable=None) as bar:
             report = copy_store(source, target, progress=bar.update)
     except StoreError as err:
@@ -161,7 +153,7 @@ def import_lora(src: str, task: str, project: bool, store_dir: str) -> None:
     from adapters_store.stores import open_store
 
     try:
-        store = open_store(store_dir, cache_dir=_home() / "inventories")
+        store = open_store(store_dir, cache_dir=polyserve_home() / "inventories")
         config, tensors = read_dir(src)
         record = do_import(store, task, config, tensors, source={"imported_from": str(Path(src).resolve())})
         report = {"task": record.id, "kind": record.kind, "version": record.version, "params": record.params}

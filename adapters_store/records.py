@@ -9,7 +9,7 @@ from adapters_store.spec import InventorySpec
 
 TaskStatus = Literal["ready", "training", "failed"]
 AdapterKind = Literal["routing", "lora"]
-# training.prompt.PROMPT_FORMAT: the format every task so far was trained with (and the default
+# adapters_store.prompt.PROMPT_FORMAT: the format every task so far was trained with (and the default
 # for records written before the field existed)
 DEFAULT_PROMPT_FORMAT = "input-output"
 

@@ -28,11 +28,11 @@ from server import openmp
 # isort: split
 import torch
 
+from adapters_store.prompt import format_prompt
 from server.engines.request import GenRequest, SamplingParams
 from server.metrics import Metrics
 from server.runtime import Runtime
 from server.settings import Settings
-from training.prompt import format_prompt
 from training.suite import build_suite, examples
 
 

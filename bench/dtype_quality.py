@@ -25,6 +25,7 @@ import torch
 
 from adapters_store.backbone import load_backbone
 from adapters_store.inject import RoutedModel
+from adapters_store.prompt import format_prompt
 from adapters_store.store import Store
 from server.adapters.cache import AdapterCache
 from server.adapters.l1 import L1Cache
@@ -32,7 +33,6 @@ from server.engines.native.engine import NativeEngine
 from server.engines.request import GenRequest, SamplingParams
 from training.default_inventory import install_default_inventory
 from training.evaluate import exact
-from training.prompt import format_prompt
 from training.suite import build_suite, examples
 
 CHAT = ["What is the capital of France?", "Name three colours.", "Write a haiku about the sea.",

@@ -32,11 +32,11 @@ import httpx
 import torch
 from local_server import polyserve_server
 
+from adapters_store.prompt import format_prompt
 from server.engines.request import GenRequest, SamplingParams
 from server.metrics import Metrics
 from server.runtime import Runtime
 from server.settings import Settings
-from training.prompt import format_prompt
 from training.suite import build_suite, random_input
 
 

@@ -28,7 +28,7 @@ import server  # noqa: F401  (before torch: OpenMP spin defaults, server/openmp.
 import torch
 
 from adapters_store.backbone import load_backbone
-from server.engines.native.executor import serving_dtype
+from server.engines.dtype import serving_dtype
 from server.engines.native.llama import LlamaExecutor
 from server.engines.native.step import Item, StepBatch
 

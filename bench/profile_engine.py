@@ -33,8 +33,8 @@ from serve_bench import build_inventory, workload
 from adapters_store.backbone import load_backbone
 from server.adapters.cache import AdapterCache
 from server.adapters.l1 import L1Cache
+from server.engines.dtype import serving_dtype
 from server.engines.native.engine import NativeEngine
-from server.engines.native.executor import serving_dtype
 from server.engines.request import GenRequest, RequestHandle, SamplingParams
 from server.settings import switch
 

@@ -27,7 +27,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import httpx
 from local_server import polyserve_server
 
-from adapters_store.backbone import polyserve_home
+from adapters_store.home import polyserve_home
 from adapters_store.store import Store
 from training.default_inventory import install_default_inventory
 from training.suite import build_suite, examples

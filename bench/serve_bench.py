@@ -49,15 +49,15 @@ import torch
 
 from adapters_store.backbone import load_backbone
 from adapters_store.inject import RoutedModel
+from adapters_store.prompt import format_prompt
 from adapters_store.spec import ATTENTION_TARGETS, InventorySpec
 from adapters_store.store import Store
 from server.adapters.cache import AdapterCache
 from server.adapters.l1 import L1Cache
+from server.engines.dtype import serving_dtype
 from server.engines.native.engine import NativeEngine as Engine
-from server.engines.native.executor import serving_dtype
 from server.engines.request import FinalEvent, GenRequest, RequestHandle, SamplingParams
 from server.settings import switch
-from training.prompt import format_prompt
 
 WORDS = ["cat", "dog", "tree", "river", "stone", "cloud", "apple", "seven", "blue", "quick", "lamp", "music", "paper", "garden", "window", "orange", "silver", "market", "engine", "rabbit", "ocean", "winter", "bridge", "candle", "forest"]
 

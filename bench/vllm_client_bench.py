@@ -140,7 +140,8 @@ def main() -> None:
     ap.add_argument("--out", type=Path, default=Path("/tmp/vllm-client-bench"))
     args = ap.parse_args()
 
-    from adapters_store.backbone import hf_dir, polyserve_home
+    from adapters_store.backbone import hf_dir
+    from adapters_store.home import polyserve_home
     from adapters_store.store import Store
     from training.default_inventory import install_default_inventory
 

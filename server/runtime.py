@@ -25,6 +25,7 @@ from server.adapters.l1 import L1Cache
 from server.adapters.l2 import RedisTier
 from server.adapters.signing import cache_secret
 from server.engines import Engine, build_engine
+from server.engines.dtype import backbone_dtype, dtype_name
 from server.engines.request import GenRequest, SamplingParams
 from server.metrics import Metrics
 from server.settings import Settings
@@ -75,7 +76,7 @@ class Runtime:
         threads = threads or settings.threads or torch.get_num_threads()
         openmp.use_threads(threads)
         log.info("torch threads: %d; OpenMP spin: %s", threads, openmp.state())
-        bb = backbone or load_backbone(settings.backbone, device=settings.device, dtype=settings.backbone_dtype)
+        bb = backbone or load_backbone(settings.backbone, device=settings.device, dtype=dtype_name(backbone_dtype(settings.device, settings.dtype)))
         store = open_store(settings.store_location, cache_dir=settings.home.expanduser() / "inventories")
         _maybe_install_default_inventory(store, settings.backbone)
         routed, cache, l2 = None, None, None

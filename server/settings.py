@@ -12,6 +12,7 @@ from typing import Annotated, Any, Literal
 from pydantic import Field, field_validator, model_validator
 from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
 
+from adapters_store.home import polyserve_home
 from adapters_store.stores import is_dsn
 
 
@@ -20,22 +21,17 @@ def switch(value: str) -> bool | None:
     return {"auto": None, "on": True, "off": False}[value]
 
 
-def _default_home() -> Path:
-    return Path.home() / ".cache" / "polyserve"
-
-
 class Settings(BaseSettings):
     # hide_input_in_errors: a refused setting is never echoed (keys, secrets, URLs with passwords)
     model_config = SettingsConfigDict(env_prefix="POLYSERVE_", extra="ignore", hide_input_in_errors=True)
 
-    home: Path = Field(default_factory=_default_home)
+    home: Path = Field(default_factory=polyserve_home)
     store: str | None = None  # a directory (default: $POLYSERVE_HOME/store) or a postgresql:// DSN
     backbone: str = "default"  # "default" | "tiny" | a local HF directory
     engine: Literal["native", "vllm"] = "native"  # the data plane (server.engines)
     device: str = "cpu"
     threads: int | None = Field(default=None, ge=1)  # torch intra-op threads (None = torch's default)
-    # serving dtype: auto = bfloat16 on CUDA, on CPUs with AMX, and on AVX512_BF16 CPUs where a start-up probe
-    # measures it >= 1.25x float32; float32 elsewhere (engines/native/executor.py)
+    # serving dtype: float32 | bfloat16 | float16, or auto (the machine decides: server/engines/dtype.py)
     dtype: str | None = None
     # vllm engine: other vLLM engine arguments as a JSON object, e.g. {"tensor_parallel_size": 2}
     vllm_args: Annotated[dict[str, Any], NoDecode] = Field(default_factory=dict)
@@ -166,19 +162,3 @@ class Settings(BaseSettings):
         if is_dsn(self.store):
             return self.store
         return str(Path(self.store).expanduser())
-
-    @property
-    def serving_dtype(self) -> str:
-        """What the engine computes in: the setting, or auto (engines/native/executor.auto_dtype:
-        bf16 on CUDA and AMX CPUs, on AVX512_BF16 CPUs where a probe measures it faster, else fp32)."""
-        if self.dtype is not None:
-            return self.dtype
-        from server.engines.native.executor import auto_dtype
-
-        return str(auto_dtype(self.device)[0]).removeprefix("torch.")
-
-    @property
-    def backbone_dtype(self) -> str:
-        """The loaded Hugging Face model's dtype (adaptation jobs train on it): float32 on CPU (the
-        native engine keeps its own copy in the serving dtype), the serving dtype elsewhere."""
-        return "float32" if self.device == "cpu" else self.serving_dtype

@@ -8,13 +8,13 @@ from types import SimpleNamespace
 
 import pytest
 
+from adapters_store.prompt import format_prompt
 from server import generation
 from server.chat import render_for_task, task_input
 from server.engines.request import GenRequest, RequestHandle, SamplingParams, TokenLogprob
 from server.errors import ApiError, error_payload, openai_error, scrub
 from server.openai_format import TokenText, chat_logprobs, completion_logprobs, usage
 from server.openai_schemas import ChatMessage, effective_temperature
-from training.prompt import format_prompt
 
 
 class StubEngine:

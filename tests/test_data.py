@@ -7,8 +7,8 @@ import json
 import pytest
 
 from adapters_store.ids import RESERVED_TASK_IDS, TASK_ID_RE, validate_new_task_id, validate_task_id
+from adapters_store.prompt import PROMPT_TEMPLATE, format_prompt, format_target, strip_separator
 from training.data import DataError, Example, group_by_task, load_jsonl, split_examples, write_jsonl
-from training.prompt import PROMPT_TEMPLATE, format_prompt, format_target, strip_separator
 
 # --- task ids ---------------------------------------------------------------------------------
 

@@ -6,7 +6,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from server.engines.native.executor import build_executor, serving_dtype
+from server.engines.dtype import serving_dtype
+from server.engines.native.executor import build_executor
 from server.engines.native.llama import unsupported
 from server.engines.native.step import Item, StepBatch
 
@@ -142,28 +143,28 @@ def test_serving_dtype_setting():
 
 
 def test_auto_dtype_reads_the_cpu_and_probes_only_avx512_bf16_without_amx(monkeypatch):
-    from server.engines.native import executor
+    from server.engines import dtype as dtypes
 
     def no_probe():
         raise AssertionError("probed")
 
     def cpu(amx, bf16, speedup=None):
-        monkeypatch.setattr(executor, "cpu_has_amx", lambda: amx)
-        monkeypatch.setattr(executor, "cpu_has_avx512_bf16", lambda: bf16)
-        monkeypatch.setattr(executor, "cpu_bf16_speedup", no_probe if speedup is None else lambda: speedup)
-        return executor.auto_dtype("cpu")
+        monkeypatch.setattr(dtypes, "cpu_has_amx", lambda: amx)
+        monkeypatch.setattr(dtypes, "cpu_has_avx512_bf16", lambda: bf16)
+        monkeypatch.setattr(dtypes, "cpu_bf16_speedup", no_probe if speedup is None else lambda: speedup)
+        return dtypes.auto_dtype("cpu")
 
     assert cpu(amx=True, bf16=True)[0] == torch.bfloat16
     assert cpu(amx=False, bf16=False)[0] == torch.float32
     dtype, why = cpu(amx=False, bf16=True, speedup=1.62)
     assert dtype == torch.bfloat16 and "1.62x" in why
     assert cpu(amx=False, bf16=True, speedup=0.8)[0] == torch.float32
-    assert cpu(amx=False, bf16=True, speedup=executor.BF16_PROBE_MIN)[0] == torch.bfloat16
-    assert executor.auto_dtype("meta")[0] == torch.float32
+    assert cpu(amx=False, bf16=True, speedup=dtypes.BF16_PROBE_MIN)[0] == torch.bfloat16
+    assert dtypes.auto_dtype("meta")[0] == torch.float32
 
 
 def test_the_bf16_probe_times_both_dtypes():
-    from server.engines.native.executor import cpu_bf16_speedup
+    from server.engines.dtype import cpu_bf16_speedup
 
     ratio = cpu_bf16_speedup(d_in=64, d_out=128, rows=4, rounds=3, calls=2)  # small: a smoke test of the path
     assert 0 < ratio < float("inf")

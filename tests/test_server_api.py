@@ -263,7 +263,7 @@ def test_api_keys(tmp_path):
 def test_generate_returns_the_answer_without_the_format_separator(client):
     """/v1/generate = /v1/completions on the formatted prompt, minus the one separator space
     that training puts between "Output:" and the answer (streamed or not)."""
-    from training.prompt import format_prompt, strip_separator
+    from adapters_store.prompt import format_prompt, strip_separator
 
     for i in range(4):
         b = body(i)

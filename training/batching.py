@@ -20,8 +20,8 @@ from typing import Any, Literal
 
 import torch
 
+from adapters_store.prompt import format_prompt, format_target
 from training.data import Example
-from training.prompt import format_prompt, format_target
 
 IGNORE = -100
 DEFAULT_MAX_LENGTH = 128

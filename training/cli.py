@@ -11,16 +11,13 @@ from pathlib import Path
 
 import click
 
+from adapters_store import home
+
 STORE_HELP = "store directory (default: $POLYSERVE_STORE or $POLYSERVE_HOME/store)"
 
 
 def default_store() -> Path:
-    import os
-
-    if os.environ.get("POLYSERVE_STORE"):
-        return Path(os.environ["POLYSERVE_STORE"]).expanduser()
-    home = Path(os.environ.get("POLYSERVE_HOME", Path.home() / ".cache" / "polyserve")).expanduser()
-    return home / "store"
+    return Path(home.default_store()).expanduser()
 
 
 def _threads(n: int | None) -> None:

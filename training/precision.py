@@ -27,29 +27,13 @@ import functools
 import statistics
 import time
 from collections.abc import Iterator
-from pathlib import Path
 
 import torch
 
+from adapters_store.hardware import cpu_has_amx, cpu_has_avx512_bf16
+
 AUTOCAST_CHOICES = ("auto", "bf16", "none")
 TRAIN_PROBE_MIN = 1.8  # bf16 autocast on AVX512_BF16 CPUs where the probe measures at least this
-
-
-def cpu_has_amx() -> bool:
-    """The CPU has AMX tiles (and the OS lets torch use them)."""
-    probe = getattr(torch.cpu, "_is_amx_tile_supported", None)
-    try:
-        return bool(probe()) if probe is not None else False
-    except RuntimeError:
-        return False
-
-
-def cpu_has_avx512_bf16() -> bool:
-    try:
-        return any(line.startswith("flags") and " avx512_bf16" in line
-                   for line in Path("/proc/cpuinfo").read_text().splitlines())
-    except OSError:
-        return False
 
 
 @functools.cache

@@ -9,6 +9,8 @@ from __future__ import annotations
 from typing import Any
 
 from server.engines.base import Engine, EngineStopped, QueueFull
+from server.engines.dtype import dtype_name, serving_dtype
+from server.settings import switch
 
 __all__ = ["Engine", "EngineStopped", "QueueFull", "build_engine"]
 
@@ -20,8 +22,6 @@ def build_engine(settings: Any, backbone: Any, routed: Any, metrics: Any, invent
     InventoryInfo (the vLLM engine writes tasks as PEFT LoRAs of that shape)."""
     if settings.engine == "native":
         from server.engines.native.engine import NativeEngine
-        from server.engines.native.executor import serving_dtype
-        from server.settings import switch
 
         return NativeEngine(
             backbone.model, backbone.tokenizer, routed, max_batch_rows=settings.max_batch_rows,
@@ -67,7 +67,7 @@ def _vllm_engine(settings: Any, backbone: Any, metrics: Any, inventory: Any) -> 
     return VllmEngine(
         str(hf_dir(settings.backbone)), backbone.tokenizer, lora_root=str(settings.home / "vllm-loras"),
         inventory=inventory, max_batch_rows=settings.max_batch_rows, max_batch_tokens=settings.max_batch_tokens,
-        max_queue=settings.max_queue, dtype=settings.serving_dtype, metrics=metrics, extra_args=settings.vllm_args,
+        max_queue=settings.max_queue, dtype=dtype_name(serving_dtype(settings.device, settings.dtype)), metrics=metrics, extra_args=settings.vllm_args,
         background_threads=max(1, round(threads * settings.background_share)),
         max_model_len=min(settings.max_batch_tokens,
                           int(getattr(backbone.model.config, "max_position_embeddings", 0) or settings.max_batch_tokens)),

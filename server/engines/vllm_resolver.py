@@ -168,9 +168,10 @@ def register() -> None:
 
     if RESOLVER_NAME in LoRAResolverRegistry.get_supported_resolvers():
         return
-    home = Path(os.environ.get("POLYSERVE_HOME", Path.home() / ".cache" / "polyserve"))
-    store = os.environ.get("POLYSERVE_STORE", str(home / "store"))
-    inner = StoreResolver(store, home / "vllm-loras", os.environ.get("POLYSERVE_REDIS_URL") or None,
+    from adapters_store.home import default_store, polyserve_home
+
+    store = default_store()
+    inner = StoreResolver(store, polyserve_home() / "vllm-loras", os.environ.get("POLYSERVE_REDIS_URL") or None,
                           os.environ.get("POLYSERVE_REDIS_PREFIX", "polyserve"))
     LoRAResolverRegistry.register_resolver(RESOLVER_NAME, _resolver_class()(inner))
     log.info("polyserve LoRA resolver registered for the store %s", store)

@@ -1,7 +1,7 @@
 """POST /v1/generate: polyserve's own endpoint (applies the task's training prompt format, the
 one its record names, with the tokenizer's own specials as training encoded it).
 
-The model answers after the format's separator (training.prompt.TARGET_SEPARATOR); the text
+The model answers after the format's separator (adapters_store.prompt.TARGET_SEPARATOR); the text
 returned, streamed or not, is the answer without it. A failure after the stream started ends it
 with `data: {"error": {...}}` and `data: [DONE]` (server.generation).
 """
@@ -13,13 +13,13 @@ from collections.abc import AsyncIterator
 
 from fastapi import APIRouter, Request
 
+from adapters_store.prompt import format_prompt_as, strip_separator
 from server import generation
 from server.api_docs import ERRORS, SSE_200
 from server.deps import ApiKey, RuntimeDep
 from server.engines.request import FinalEvent
 from server.openai_schemas import effective_seed, effective_temperature, effective_top_p
 from server.schemas import GenerateRequest, GenerateResponse, Usage
-from training.prompt import format_prompt_as, strip_separator
 
 router = APIRouter(prefix="/v1", tags=["generate"], dependencies=[ApiKey])
 

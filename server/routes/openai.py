@@ -22,6 +22,7 @@ from typing import Any
 
 from fastapi import APIRouter, Request
 
+from adapters_store.prompt import strip_separator
 from server import chat, generation, openai_completions, tenants
 from server.api_docs import OPENAI_ERRORS, SSE_200
 from server.deps import ApiKey, RuntimeDep
@@ -38,7 +39,6 @@ from server.openai_schemas import (
 from server.response_format import format_spec
 from server.schemas import ModelList, ModelOut
 from server.tasks import BASE
-from training.prompt import strip_separator
 
 router = APIRouter(prefix="/v1", tags=["openai"], dependencies=[ApiKey])
 
