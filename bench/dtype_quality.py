@@ -27,8 +27,8 @@ from adapters_store.backbone import load_backbone
 from adapters_store.inject import RoutedModel
 from adapters_store.prompt import format_prompt
 from adapters_store.store import Store
-from server.adapters.cache import AdapterCache
-from server.adapters.l1 import L1Cache
+from server.adapter_cache.cache import AdapterCache
+from server.adapter_cache.l1 import L1Cache
 from server.engines.native.engine import NativeEngine
 from server.engines.request import GenRequest, SamplingParams
 from training.default_inventory import install_default_inventory

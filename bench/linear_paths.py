@@ -22,7 +22,7 @@ import server  # noqa: F401  (before torch: OpenMP spin defaults, server/openmp.
 import torch
 
 from adapters_store.backbone import load_backbone
-from server.engines.native.llama import LlamaExecutor
+from server.engines.native.llama import LlamaRunner
 from server.engines.native.step import Item, StepBatch
 
 PATHS = {"float32 dense": (torch.float32, False), "float32 packed": (torch.float32, True),
@@ -41,14 +41,14 @@ def main() -> None:
     bb = load_backbone("default")
     gen = torch.Generator().manual_seed(0)
     prompts = [torch.randint(100, 20000, (args.context,), generator=gen).tolist() for _ in range(args.rows)]
-    executors = {name: LlamaExecutor(bb.model, dtype=dt, slots=args.rows, packed=packed)
+    runners = {name: LlamaRunner(bb.model, dtype=dt, slots=args.rows, packed=packed)
                  for name, (dt, packed) in PATHS.items()}
     prefill = StepBatch.build([Item(s, 0, tuple(p)) for s, p in enumerate(prompts)])
     decode = StepBatch.build([Item(s, args.context, (42,)) for s in range(args.rows)])
     times: dict[str, tuple[list[float], list[float]]] = {name: ([], []) for name in PATHS}
     tokens = {}
     for _ in range(args.repeats):
-        for name, ex in executors.items():
+        for name, ex in runners.items():
             t = time.perf_counter()
             ex.forward(prefill)
             times[name][0].append(time.perf_counter() - t)

@@ -1,6 +1,6 @@
 """What routed adapters add to one native-engine forward, by kind of step, interleaved in one process.
 
-One Llama executor of the default backbone (serving dtype), a random inventory of the shipped
+One Llama runner of the default backbone (serving dtype), a random inventory of the shipped
 shape (S=8 skills, h=8 heads, rank 8, q/k/v/o), every slot holding a different routed task.
 Times, per step kind, the forward with adapters off (every row base), with the decode rows' LoRA
 in the native kernel, and as torch ops:
@@ -29,7 +29,7 @@ import torch
 
 from adapters_store.backbone import load_backbone
 from server.engines.dtype import serving_dtype
-from server.engines.native.llama import LlamaExecutor
+from server.engines.native.llama import LlamaRunner
 from server.engines.native.step import Item, StepBatch
 
 TARGETS = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj")
@@ -57,9 +57,9 @@ def main() -> None:
             names.append(f"model.layers.{i}.{t}")
             skills.append((torch.randn(8, 8, lin.in_features // 8, 8, generator=gen) * 0.05,
                            torch.randn(8, 8, 8, lin.out_features // 8, generator=gen) * 0.05))
-    executors = {mode: LlamaExecutor(bb.model, dtype=dtype, slots=args.rows, adapted=names, rank=8, scale=1 / 8,
+    runners = {mode: LlamaRunner(bb.model, dtype=dtype, slots=args.rows, adapted=names, rank=8, scale=1 / 8,
                                      skills=skills, lora_kernel=mode) for mode in ("on", "off")}
-    for ex in executors.values():
+    for ex in runners.values():
         for slot in range(args.rows):
             ex.set_adapter(slot, None)
     prompts = [tuple(torch.randint(100, 20000, (args.context,), generator=gen).tolist()) for _ in range(args.rows)]
@@ -71,10 +71,10 @@ def main() -> None:
         "prefill": StepBatch.build([Item(0, 0, chunk)]),
         "prompts": StepBatch.build([Item(s, 0, p[: args.short]) for s, p in enumerate(prompts)]),
     }
-    for ex in executors.values():
+    for ex in runners.values():
         ex.forward(StepBatch.build([Item(s, 0, p) for s, p in enumerate(prompts)]))
 
-    def routed(ex: LlamaExecutor, on: bool) -> None:
+    def routed(ex: LlamaRunner, on: bool) -> None:
         for slot in range(args.rows):
             if on:
                 w = torch.softmax(torch.randn(len(names), 8, 8, generator=torch.Generator().manual_seed(slot)), -1)
@@ -86,7 +86,7 @@ def main() -> None:
     times: dict[tuple[str, str], list[float]] = {}
     for _ in range(args.repeats):
         for label, (kernel, on) in modes.items():
-            ex = executors[kernel]
+            ex = runners[kernel]
             routed(ex, on)
             for kind, batch in steps.items():
                 ex.forward(batch)

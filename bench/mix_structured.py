@@ -38,8 +38,8 @@ from adapters_store.backbone import load_backbone
 from adapters_store.inject import RoutedModel
 from adapters_store.mix import parse_mix
 from adapters_store.store import Store
-from server.adapters.cache import AdapterCache
-from server.adapters.l1 import L1Cache
+from server.adapter_cache.cache import AdapterCache
+from server.adapter_cache.l1 import L1Cache
 from server.engines.native.engine import NativeEngine
 from server.engines.request import FinalEvent, GenRequest, SamplingParams
 from training.default_inventory import install_default_inventory
@@ -160,10 +160,10 @@ def admission(engine: NativeEngine, store: Store, cache: AdapterCache, tasks: li
             resolve_m.append(time.perf_counter() - t)
             with torch.inference_mode():
                 t = time.perf_counter()
-                engine.executor.set_adapter(0, single)
+                engine.runner.set_adapter(0, single)
                 write_t.append(time.perf_counter() - t)
                 t = time.perf_counter()
-                engine.executor.set_adapter(0, mixed)
+                engine.runner.set_adapter(0, mixed)
                 write_m.append(time.perf_counter() - t)
 
     openmp.in_fresh_thread(one)

@@ -1,7 +1,7 @@
 """Where the native engine's time goes on the serving workload of bench/serve_bench.py.
 
 Drives NativeEngine.step() in this thread (no engine thread, no HTTP) under cProfile and splits
-the wall time of the whole run into buckets (the executor's forwards, of which the LoRA work,
+the wall time of the whole run into buckets (the runner's forwards, of which the LoRA work,
 adapter tables written at admission, slot moves, sampling, detokenisation + events, the rest);
 then profiles `--op-steps` decode steps at full batch with torch.profiler and lists the top
 operators.
@@ -31,8 +31,8 @@ import torch
 from serve_bench import build_inventory, workload
 
 from adapters_store.backbone import load_backbone
-from server.adapters.cache import AdapterCache
-from server.adapters.l1 import L1Cache
+from server.adapter_cache.cache import AdapterCache
+from server.adapter_cache.l1 import L1Cache
 from server.engines.dtype import serving_dtype
 from server.engines.native.engine import NativeEngine
 from server.engines.request import GenRequest, RequestHandle, SamplingParams
@@ -41,7 +41,7 @@ from server.settings import switch
 # (bucket, file suffix, function name, nested): cumulative time of these functions; nested ones
 # are inside an earlier bucket and not added to the total
 BUCKETS = [
-    ("forwards (executor)", "native/llama.py", "forward", False),
+    ("forwards (runner)", "native/llama.py", "forward", False),
     ("  of which LoRA", "native/slot_lora.py", "apply", True),
     ("  of which attention", "native/attention.py", "slot_attention", True),
     ("step layout (StepBatch.build)", "native/step.py", "build", False),
@@ -119,9 +119,9 @@ def main() -> None:
     wall = time.perf_counter() - started
     tokens = sum(r.handle.events[-1].completion_tokens for r in reqs)
     stats = pstats.Stats(prof)
-    ex = engine.executor
+    ex = engine.runner
     print(f"{args.backbone}, {'base' if args.base else f'{args.tasks} tasks'}, {args.requests} requests, "
-          f"{ex.name} executor, {ex.dtype}, packed {getattr(ex, 'packed', False)}, {args.max_step_tokens} tokens a step, "
+          f"{ex.name} runner, {ex.dtype}, packed {getattr(ex, 'packed', False)}, {args.max_step_tokens} tokens a step, "
           f"{args.batch} rows, {args.threads} threads: {tokens} tokens in {wall:.1f} s = {tokens / wall:.1f} tok/s "
           f"(under cProfile), {engine.steps} steps")
     rows = [(label, cumulative(stats, suffix, name), nested) for label, suffix, name, nested in BUCKETS]

@@ -52,8 +52,8 @@ from adapters_store.inject import RoutedModel
 from adapters_store.prompt import format_prompt
 from adapters_store.spec import ATTENTION_TARGETS, InventorySpec
 from adapters_store.store import Store
-from server.adapters.cache import AdapterCache
-from server.adapters.l1 import L1Cache
+from server.adapter_cache.cache import AdapterCache
+from server.adapter_cache.l1 import L1Cache
 from server.engines.dtype import serving_dtype
 from server.engines.native.engine import NativeEngine as Engine
 from server.engines.request import FinalEvent, GenRequest, RequestHandle, SamplingParams

@@ -27,8 +27,8 @@ import torch
 from serve_bench import build_inventory, workload
 
 from adapters_store.backbone import load_backbone
-from server.adapters.cache import AdapterCache
-from server.adapters.l1 import L1Cache
+from server.adapter_cache.cache import AdapterCache
+from server.adapter_cache.l1 import L1Cache
 from server.engines.dtype import serving_dtype
 from server.engines.native.engine import NativeEngine
 from server.engines.request import GenRequest, RequestHandle, SamplingParams
@@ -45,7 +45,7 @@ def timed(stats: dict, key: str, fn):
 
 
 def run_mode(engine: NativeEngine, jobs, adapters, tokenizer, base: bool) -> dict:
-    ex = engine.executor
+    ex = engine.runner
     stats: dict = {}
     forward = ex.forward
 

@@ -68,8 +68,8 @@ def run_polyserve(args, jobs: list[dict]) -> None:
     from serve_bench import TimedHandle
 
     from adapters_store.store import Store
-    from server.adapters.cache import AdapterCache
-    from server.adapters.l1 import L1Cache
+    from server.adapter_cache.cache import AdapterCache
+    from server.adapter_cache.l1 import L1Cache
     from server.engines.request import FinalEvent, GenRequest, SamplingParams
     from server.engines.vllm.engine import VllmEngine
 

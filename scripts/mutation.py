@@ -41,9 +41,9 @@ MODULES: dict[str, tuple[str, list[str]]] = {
                  "tests/test_peft_oracle.py", "tests/test_refine.py"]),
     "batched": ("adapters_store/batched.py", ["tests/test_routing_math.py", "tests/test_routed_model.py"]),
     "atomic": ("adapters_store/atomic.py", ["tests/test_store.py"]),
-    "codec": ("server/adapters/codec.py", ["tests/test_cache_tiers.py"]),
-    # the slot tables' unit tests and both executors against the routed model (compaction included)
-    "slot_lora": ("server/engines/native/slot_lora.py", ["tests/test_slots.py", "tests/test_executor.py"]),
+    "codec": ("server/adapter_cache/codec.py", ["tests/test_cache_tiers.py"]),
+    # the slot tables' unit tests and both runners against the routed model (compaction included)
+    "slot_lora": ("server/engines/native/slot_lora.py", ["tests/test_slots.py", "tests/test_model_runner.py"]),
     "rows": ("server/engines/native/rows.py", ["tests/test_sampling_units.py", "tests/test_engine_features.py"]),
     "isolate": ("server/engines/native/isolate.py", ["tests/test_sampling_units.py", "tests/test_engine_faults.py"]),
     "ledger": ("server/engines/native/ledger.py", ["tests/test_sampling_units.py", "tests/test_engine_faults.py"]),

@@ -13,7 +13,7 @@ from typing import Any
 
 from adapters_store.mix import Mix, MixError, parse_mix
 from adapters_store.records import TaskRecord
-from server.adapters.types import Adapter
+from server.adapter_cache.types import Adapter
 
 
 def mix_records(registry: Any, mix: Mix, tenant: Any = None) -> list[TaskRecord]:

@@ -19,11 +19,11 @@ from adapters_store.inject import RoutedModel
 from adapters_store.store_base import BaseStore as Store
 from adapters_store.stores import open_store
 from server import openmp
-from server.adapters.breaker import CircuitBreaker
-from server.adapters.cache import AdapterCache
-from server.adapters.l1 import L1Cache
-from server.adapters.l2 import RedisTier
-from server.adapters.signing import cache_secret
+from server.adapter_cache.breaker import CircuitBreaker
+from server.adapter_cache.cache import AdapterCache
+from server.adapter_cache.l1 import L1Cache
+from server.adapter_cache.l2 import RedisTier
+from server.adapter_cache.signing import cache_secret
 from server.engines import Engine, build_engine
 from server.engines.dtype import backbone_dtype, dtype_name
 from server.engines.request import GenRequest, SamplingParams

@@ -18,7 +18,7 @@ def serve(host: str, port: int, store_dir: str | None, backbone: str | None, log
 
     import uvicorn
 
-    from server.app import create_app
+    from server.api.app import create_app
     from server.settings import Settings
 
     overrides = {k: v for k, v in {"store": store_dir, "backbone": backbone}.items() if v is not None}

@@ -1,7 +1,7 @@
 """Process settings: one pydantic-settings object read from POLYSERVE_* environment variables.
 
 Model/adapter hyper-parameters live in dataclasses (adapters_store.spec); wire schemas live in
-server.schemas. Nothing here is CPU-specific: device and dtype come from the environment.
+server.api.schemas. Nothing here is CPU-specific: device and dtype come from the environment.
 """
 
 from __future__ import annotations
@@ -35,7 +35,7 @@ class Settings(BaseSettings):
     dtype: str | None = None
     # vllm engine: other vLLM engine arguments as a JSON object, e.g. {"tensor_parallel_size": 2}
     vllm_args: Annotated[dict[str, Any], NoDecode] = Field(default_factory=dict)
-    # native engine: the executor's linears packed once for oneDNN (auto = on CPU where oneDNN has the ops)
+    # native engine: the runner's linears packed once for oneDNN (auto = on CPU where oneDNN has the ops)
     packed_weights: Literal["auto", "on", "off"] = "auto"
     # native engine: llama = its own fused forward (Llama-family), hf = the model's forward on flat steps
     native_executor: Literal["auto", "llama", "hf"] = "auto"
@@ -53,7 +53,7 @@ class Settings(BaseSettings):
     redis_breaker_failures: int = Field(default=3, ge=1)
     redis_breaker_cooldown: float = Field(default=10.0, gt=0)
     api_keys: Annotated[list[str], NoDecode] = Field(default_factory=list)
-    # task/job mutation keys (server.deps: the rule when only one of the two lists is set)
+    # task/job mutation keys (server.api.deps: the rule when only one of the two lists is set)
     admin_keys: Annotated[list[str], NoDecode] = Field(default_factory=list)
     # server-side deadline of one generation, queueing included: 504 / a stream's error event
     request_timeout_seconds: float = Field(default=600.0, gt=0)
@@ -87,7 +87,7 @@ class Settings(BaseSettings):
     tenant_kv_share: float = Field(default=1.0, gt=0, le=1)
     tenant_fairness: bool = True  # off: one first-come-first-served queue, no per-tenant caps
     max_tasks: int | None = Field(default=None, ge=1)  # registered tasks in the store; beyond: 409 task_limit
-    # L2 entries carry an HMAC under this secret, shared by the replicas (server/adapters/l2.py)
+    # L2 entries carry an HMAC under this secret, shared by the replicas (server/adapter_cache/l2.py)
     cache_secret: str | None = None
     # serving a non-loopback address with no key at all needs this (server/exposure.py)
     allow_unauthenticated: bool = False

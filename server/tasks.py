@@ -16,9 +16,9 @@ from adapters_store.ids import RESERVED_TASK_IDS, validate_task_id
 from adapters_store.mix import is_mix
 from adapters_store.records import DEFAULT_PROMPT_FORMAT, TaskRecord
 from adapters_store.store import Store
-from server.adapters.cache import AdapterCache
-from server.adapters.types import Adapter
-from server.errors import ApiError
+from server.adapter_cache.cache import AdapterCache
+from server.adapter_cache.types import Adapter
+from server.api.errors import ApiError
 from server.mixes import mix_prompt_format, resolve_mix
 from server.ownership import can_see
 from server.similar_index import RoutingIndex

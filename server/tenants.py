@@ -12,7 +12,7 @@ With no keys configured at all, every request is the tenant `default` (nothing c
 tenant is first come, first served, and owns nothing exclusively).
 
 The caller's tenant travels with the request in a context variable (`current()`), set by the
-auth dependency (server.deps) in the request's own task, so the generation path, the
+auth dependency (server.api.deps) in the request's own task, so the generation path, the
 registration path and the engine submit see it without every route threading it through.
 """
 

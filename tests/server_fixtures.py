@@ -101,7 +101,7 @@ def live_server(settings: Any, backbone: Backbone | None = None) -> Iterator[Liv
     import httpx
     import uvicorn
 
-    from server.app import create_app
+    from server.api.app import create_app
 
     app = create_app(settings, backbone=backbone)
     port = free_port()

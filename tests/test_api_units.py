@@ -9,12 +9,12 @@ from types import SimpleNamespace
 import pytest
 
 from adapters_store.prompt import format_prompt
-from server import generation
-from server.chat import render_for_task, task_input
+from server.api import generation
+from server.api.chat import render_for_task, task_input
+from server.api.errors import ApiError, error_payload, openai_error, scrub
+from server.api.openai_format import TokenText, chat_logprobs, completion_logprobs, usage
+from server.api.openai_schemas import ChatMessage, effective_temperature
 from server.engines.request import GenRequest, RequestHandle, SamplingParams, TokenLogprob
-from server.errors import ApiError, error_payload, openai_error, scrub
-from server.openai_format import TokenText, chat_logprobs, completion_logprobs, usage
-from server.openai_schemas import ChatMessage, effective_temperature
 
 
 class StubEngine:
@@ -165,8 +165,8 @@ def test_tiny_top_p_keeps_the_same_single_token():
     keeps exactly the most likely token, as any top_p below its probability does."""
     import torch
 
+    from server.api.openai_schemas import effective_top_p
     from server.engines.native.sampling import apply_top_p
-    from server.openai_schemas import effective_top_p
 
     logits = torch.randn(50_000, generator=torch.Generator().manual_seed(0))
     kept = apply_top_p(logits, effective_top_p(5e-324))
@@ -193,7 +193,7 @@ def test_token_bytes_of_a_byte_level_tokenizer():
 def test_below_pattern_matches_exactly_the_ids_below_n(n):
     import re
 
-    from server.api_docs import below_pattern
+    from server.api.api_docs import below_pattern
 
     pattern = re.compile(below_pattern(n))
     probe = range(min(n + 200, 200_000))

@@ -9,9 +9,9 @@ import re
 import httpx
 import pytest
 
-from server.api_docs import api_routes, dependency_calls
-from server.app import create_app
-from server.deps import require_admin_key, require_api_key
+from server.api.api_docs import api_routes, dependency_calls
+from server.api.app import create_app
+from server.api.deps import require_admin_key, require_api_key
 from tests.server_fixtures import build_store, live_server, settings_for, tiny_backbone
 
 OPEN = {"/health", "/ready", "/metrics"}

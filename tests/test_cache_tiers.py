@@ -7,12 +7,12 @@ import secrets
 import pytest
 import torch
 
-from server.adapters import codec
-from server.adapters.breaker import CircuitBreaker
-from server.adapters.cache import AdapterCache
-from server.adapters.l1 import L1Cache
-from server.adapters.l2 import RedisTier, adapter_key
-from server.adapters.types import Adapter
+from server.adapter_cache import codec
+from server.adapter_cache.breaker import CircuitBreaker
+from server.adapter_cache.cache import AdapterCache
+from server.adapter_cache.l1 import L1Cache
+from server.adapter_cache.l2 import RedisTier, adapter_key
+from server.adapter_cache.types import Adapter
 from server.metrics import Metrics
 from tests.server_fixtures import build_store, put_task, tiny_backbone
 

@@ -7,8 +7,8 @@ import time
 import pytest
 import torch
 
-from server.adapters.cache import AdapterCache
-from server.adapters.l1 import L1Cache
+from server.adapter_cache.cache import AdapterCache
+from server.adapter_cache.l1 import L1Cache
 from server.engines.base import QueueFull
 from server.engines.native.engine import NativeEngine as Engine
 from server.engines.request import FinalEvent, GenRequest, SamplingParams, TokenEvent
@@ -64,10 +64,10 @@ def jobs8():
                          ids=["llama", "llama-chunked", "llama-torch-lora", "hf", "hf-chunked"])
 def test_mixed_batch_equals_solo_greedy(setup, kind, step_tokens, lora_kernel):
     """Rows of different tasks (and base) in one forward give each row its solo answer, on both
-    executors, with the decode rows' LoRA in the native kernel (where it builds) and as torch ops;
+    runners, with the decode rows' LoRA in the native kernel (where it builds) and as torch ops;
     with 12 tokens a step, prompts are prefilled in chunks beside decoding rows."""
     bb, _, adapters = setup
-    engine = make_engine(setup, executor_kind=kind, max_step_tokens=step_tokens, max_batch_rows=8,
+    engine = make_engine(setup, runner_kind=kind, max_step_tokens=step_tokens, max_batch_rows=8,
                          lora_kernel=lora_kernel)
     try:
         solo = [run(engine, bb.tokenizer, [job], adapters)[0] for job in jobs8()]
@@ -104,12 +104,12 @@ def test_base_rows_moved_into_finished_tasks_slots_keep_their_solo_answer(setup,
         return GenRequest(ids, SamplingParams(max_new_tokens=tokens, ignore_eos=True), adapters[task], task)
 
     def alone(job) -> str:
-        engine = Engine(bb.model, bb.tokenizer, rm, executor_kind=kind, max_batch_rows=4)
+        engine = Engine(bb.model, bb.tokenizer, rm, runner_kind=kind, max_batch_rows=4)
         return step_until_done(engine, [engine.submit(request(*job))])[0]
 
     jobs = [("first", "alpha", 2), ("second", "beta", 3), ("the base row", "base", 14), ("last", "gamma", 14)]
     solo = [alone(job) for job in jobs]
-    engine = Engine(bb.model, bb.tokenizer, rm, executor_kind=kind, max_batch_rows=4)
+    engine = Engine(bb.model, bb.tokenizer, rm, runner_kind=kind, max_batch_rows=4)
     reqs = [engine.submit(request(*job)) for job in jobs]
     def slots() -> dict[str, int]:
         return {r.req.task: r.slot for r in engine.rows}
@@ -216,14 +216,14 @@ def test_row_and_token_budgets_bound_the_batch(setup, rows, tokens, expect_rows)
     bb, _, adapters = setup
     engine = make_engine(setup, max_batch_rows=rows, max_batch_tokens=tokens)
     seen = []
-    orig = engine.executor.forward
+    orig = engine.runner.forward
 
     def spy(batch):
         reqs = [r.req for r in engine.rows] + [p.req for p in engine.prefills]
         seen.append((engine.running, sum(r.budget_tokens for r in reqs), len(batch.items)))
         return orig(batch)
 
-    engine.executor.forward = spy
+    engine.runner.forward = spy
     try:
         out = run(engine, bb.tokenizer, jobs8(), adapters, SamplingParams(max_new_tokens=40, ignore_eos=True))
     finally:

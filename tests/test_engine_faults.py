@@ -25,17 +25,17 @@ PROMPTS = ["hello world", "a", "the quick brown fox", "0123456789", "xyz", "poly
 
 
 class Poisoned:
-    """The executor's forward, except: it raises (after running, so the KV slots have already been
+    """The runner's forward, except: it raises (after running, so the KV slots have already been
     written: the engine must not commit them) if any item of the step holds a token of
     `raise_on`, and returns NaN logits for the items holding a token of `nan_on`.
     `fail(batch, decode)` adds other failures (decode: the step extends rows rather than only
     prefilling prompts)."""
 
     def __init__(self, engine, raise_on=(), nan_on=(), fail=None) -> None:
-        self.forward = engine.executor.forward
+        self.forward = engine.runner.forward
         self.raise_on, self.nan_on, self.fail = set(raise_on), set(nan_on), fail
         self.decodes = 0
-        engine.executor.forward = self
+        engine.runner.forward = self
 
     def __call__(self, batch):
         decode = any(it.start > 0 and len(it.tokens) == 1 for it in batch.items)

@@ -101,15 +101,15 @@ def test_n_choices_with_penalties_equal_their_solo_runs(engine, tokenizer, field
 
 
 def spy_forwards(engine) -> list:
-    """Record every step batch the engine's executor runs."""
+    """Record every step batch the engine's runner runs."""
     seen = []
-    forward = engine.executor.forward
+    forward = engine.runner.forward
 
     def spy(batch):
         seen.append(batch)
         return forward(batch)
 
-    engine.executor.forward = spy
+    engine.runner.forward = spy
     return seen
 
 
@@ -173,13 +173,13 @@ def run_by_hand(eng, tok, prompt: str, params: SamplingParams):
 def test_admission_counts_every_choice_as_a_row(tiny_base, tokenizer, one_thread):
     eng = NativeEngine(tiny_base, tokenizer, max_batch_rows=4)
     seen = []
-    forward = eng.executor.forward
+    forward = eng.runner.forward
 
     def spy(batch):
         seen.append(eng.running)
         return forward(batch)
 
-    eng.executor.forward = spy
+    eng.runner.forward = spy
     with pytest.raises(ValueError, match="n: 5 choices"):
         submit(eng, tokenizer, "x", dataclasses.replace(GREEDY, n=5))
     reqs = [submit(eng, tokenizer, p, dataclasses.replace(GREEDY, n=3)) for p in ("one", "two")]

@@ -29,6 +29,6 @@ def test_keyless_non_loopback_is_refused_unless_allowed():
 def test_the_serve_command_stops_before_loading_anything(monkeypatch):
     for name in ("POLYSERVE_API_KEYS", "POLYSERVE_ADMIN_KEYS", "POLYSERVE_ALLOW_UNAUTHENTICATED"):
         monkeypatch.delenv(name, raising=False)
-    monkeypatch.setattr("server.app.create_app", lambda *a, **k: pytest.fail("the app was built"))
+    monkeypatch.setattr("server.api.app.create_app", lambda *a, **k: pytest.fail("the app was built"))
     result = CliRunner().invoke(serve, ["--host", "0.0.0.0", "--port", "1"])
     assert result.exit_code == 2 and "refusing to serve 0.0.0.0 with no API key" in result.output

@@ -1,4 +1,4 @@
-"""L2 entries are authenticated (server/adapters/signing.py): a forged entry (a well-formed adapter
+"""L2 entries are authenticated (server/adapter_cache/signing.py): a forged entry (a well-formed adapter
 written to Redis by someone without the secret), an altered one, or a valid one moved under
 another task's key is a counted corrupt miss, served from the store and overwritten."""
 
@@ -9,9 +9,9 @@ import os
 import pytest
 import torch
 
-from server.adapters import codec, signing
-from server.adapters.cache import AdapterCache
-from server.adapters.l1 import L1Cache
+from server.adapter_cache import codec, signing
+from server.adapter_cache.cache import AdapterCache
+from server.adapter_cache.l1 import L1Cache
 from tests.test_cache_tiers import counter, env, redis_tier  # noqa: F401 - fixtures
 
 SECRET = b"replicas-share-this"

@@ -88,8 +88,8 @@ def test_the_mixed_adapter_is_the_weighted_sum_of_the_adapters():
 
 # -- the cache tiers ---------------------------------------------------------------------------
 def make_cache(store, routing_layers: bool):
-    from server.adapters.cache import AdapterCache
-    from server.adapters.l1 import L1Cache
+    from server.adapter_cache.cache import AdapterCache
+    from server.adapter_cache.l1 import L1Cache
 
     info, skills = store.load_inventory()
     return AdapterCache(store, info, skills, fingerprint="fp", device=torch.device("cpu"), dtype=torch.float32,

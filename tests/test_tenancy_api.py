@@ -11,10 +11,10 @@ import httpx
 import pytest
 
 from adapters_store.records import TaskRecord
-from server import generation
+from server.api import generation
+from server.api.errors import ApiError
 from server.engines.fair import TenantLimit
 from server.engines.request import GenRequest, RequestHandle, SamplingParams
-from server.errors import ApiError
 from server.metrics import Metrics
 from server.settings import Settings
 from server.tenants import Directory, parse_entry

@@ -21,11 +21,10 @@ from safetensors.torch import load_file
 
 from adapters_store.combine import from_peft_lora
 from adapters_store.peft_io import PREFIX
-from server.adapters.types import Adapter
+from server.adapter_cache.types import Adapter
 from server.engines.request import SamplingParams
-from server.engines.vllm.loras import LoraDirectories, dir_name
+from server.engines.vllm.lora_dirs import LoraDirectories, dir_name, lora_int_id
 from server.engines.vllm.params import vllm_kwargs
-from server.engines.vllm_resolver import lora_int_id
 from tests.server_fixtures import build_store, free_port, require_vllm_and_backbone, settings_for
 
 ROOT = Path(__file__).resolve().parents[1]

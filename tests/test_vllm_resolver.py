@@ -1,4 +1,4 @@
-"""The vLLM LoRA resolver plugin (server/engines/vllm_resolver.py).
+"""The vLLM LoRA resolver plugin (server/engines/vllm/resolver.py).
 
 StoreResolver (what the plugin does, without vLLM): tiny model saved as a real Hugging Face
 directory, real store, real Redis. Then, where a vLLM environment exists (`make vllm-env`), vLLM's
@@ -23,7 +23,8 @@ from adapters_store.combine import from_peft_lora
 from adapters_store.materialize import task_layers
 from adapters_store.peft_io import PREFIX
 from adapters_store.tiny import tiny_llama
-from server.engines.vllm_resolver import StoreResolver, lora_int_id
+from server.engines.vllm.lora_dirs import dir_name, lora_int_id
+from server.engines.vllm.resolver import StoreResolver
 from tests.server_fixtures import build_store, free_port, put_task, redis_up, require_vllm_and_backbone
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -51,7 +52,9 @@ def test_a_ready_task_becomes_a_peft_directory_equal_to_the_served_adapter(serve
     assert not isinstance(found, str), found
     path, lora_id = found
     record = store.get_task("alpha")
-    assert path.name == f"alpha-{record.version}-{record.digest}" and lora_id == lora_int_id(path.name)
+    key = (f"polyserve:v1:{store.inventory_info().backbone_fingerprint}:{store.inventory_info().version}:"
+           f"alpha:{record.cache_version}")
+    assert path.name == dir_name("alpha", key) and lora_id == lora_int_id(path.name)
     config = json.loads((path / "adapter_config.json").read_text())
     assert config["peft_type"] == "LORA" and config["base_model_name_or_path"] == str(served_dir)
     info, skills = store.load_inventory()

@@ -28,7 +28,7 @@ def build_engine(settings: Any, backbone: Any, routed: Any, metrics: Any, invent
             max_batch_tokens=settings.max_batch_tokens, max_prefill_rows=settings.max_prefill_rows,
             max_queue=settings.max_queue, max_step_tokens=settings.max_step_tokens, metrics=metrics,
             background_share=settings.background_share, dtype=serving_dtype(settings.device, settings.dtype),
-            executor_kind=settings.native_executor,
+            runner_kind=settings.native_executor,
             packed_weights=switch(settings.packed_weights),
             static_decode=switch(settings.static_decode), threads=threads, lora_kernel=settings.lora_kernel,
             caps=tenant_caps(settings),

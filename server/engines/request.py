@@ -219,7 +219,7 @@ class GenRequest:
 
     prompt_ids: list[int]
     params: SamplingParams
-    adapter: Any = None  # server.adapters.types.Adapter | None (None = base)
+    adapter: Any = None  # server.adapter_cache.types.Adapter | None (None = base)
     task: str = "base"
     id: str = field(default_factory=new_request_id)
     handle: RequestHandle = field(default_factory=lambda: RequestHandle(None))

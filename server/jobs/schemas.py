@@ -7,7 +7,7 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field
 
 from adapters_store.ids import TASK_ID_PATTERN
-from server.wire import Bool, Int
+from server.api.wire import Bool, Int
 
 MAX_FIELD_CHARS = 4096
 
@@ -21,7 +21,7 @@ class ExampleIn(BaseModel):
 
 class RegisterRequest(BaseModel):
     """POST /v1/tasks. The upper bounds of the example count and of `steps` are settings, checked
-    in the route (and stated in the OpenAPI document, server.api_docs)."""
+    in the route (and stated in the OpenAPI document, server.api.api_docs)."""
 
     # `retrieve` trains nothing: with it, `steps` must be absent or null (422 otherwise)
     # lora: adapter and adapter_config are required, examples are not; any other method needs examples
@@ -40,12 +40,12 @@ class RegisterRequest(BaseModel):
     method: Literal["routing", "retrieve", "mu", "full", "lora"] = Field(
         "routing", description="routing: retrieve a starting row from the existing tasks, then train it; "
         "retrieve: the retrieved row alone (no training, ready in seconds); mu / full: train a plain LoRA; "
-        "lora: import `adapter` + `adapter_config` (a PEFT LoRA) as a plain-LoRA task (server.lora_tasks)")
+        "lora: import `adapter` + `adapter_config` (a PEFT LoRA) as a plain-LoRA task (server.api.lora_tasks)")
     # method lora (bring your own LoRA): adapter_model.safetensors as base64, and its adapter_config.json
     adapter: str | None = Field(default=None, description="lora: adapter_model.safetensors, base64")
     adapter_config: dict[str, Any] | None = Field(default=None, description="lora: the adapter_config.json object")
     project: Bool = Field(False, description="lora: replace the LoRA by its fitted routing row (kilobytes)")
-    # numbers as JSON Schema says (server.wire): 5 or 5.0, never "5" or true
+    # numbers as JSON Schema says (server.api.wire): 5 or 5.0, never "5" or true
     steps: Int(ge=1, le=100_000) | None = None
     seed: Int(ge=0, lt=2**31) | None = None
     serve_early: Bool = Field(False, description="serve the retrieved starting routing at once (a first version) "

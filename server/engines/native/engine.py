@@ -49,10 +49,10 @@ import torch
 from server import openmp
 from server.engines.base import EngineStopped, QueueFull, check_fits
 from server.engines.fair import FairQueue, TenantCaps, TenantLimit, check_caps, in_flight
-from server.engines.native.executor import Executor, build_executor
 from server.engines.native.isolate import find_culprits
 from server.engines.native.ledger import FinalLedger, answer_unadmitted
 from server.engines.native.logprobs import prompt_chunk_logprobs
+from server.engines.native.model_runner import ModelRunner, build_model_runner
 from server.engines.native.rows import Row, describe, new_rows, sample_rows, stop_token
 from server.engines.native.slots import SlotPool
 from server.engines.native.step import Item, StepBatch
@@ -85,7 +85,7 @@ class NativeEngine:
         self, model: torch.nn.Module, tokenizer: Any, routed_model: Any = None, *,
         max_batch_rows: int = 32, max_batch_tokens: int = 16384, max_prefill_rows: int = 16,
         max_queue: int = 256, max_step_tokens: int = 256, metrics: Any = None, background_share: float = 0.2,
-        dtype: torch.dtype | None = None, executor: Executor | None = None, executor_kind: str = "auto",
+        dtype: torch.dtype | None = None, runner: ModelRunner | None = None, runner_kind: str = "auto",
         packed_weights: bool | None = None, threads: int | None = None, static_decode: bool | None = None,
         lora_kernel: str = "auto", caps: TenantCaps | None = None,
     ) -> None:
@@ -101,18 +101,18 @@ class NativeEngine:
         self.max_prefill_rows, self.max_queue = max_prefill_rows, max_queue
         self.max_step_tokens = max_step_tokens
         self.metrics = metrics
-        self.executor = executor or build_executor(model, routed_model, slots=max_batch_rows, dtype=dtype,
-                                                   kind=executor_kind, packed=packed_weights,
+        self.runner = runner or build_model_runner(model, routed_model, slots=max_batch_rows, dtype=dtype,
+                                                   kind=runner_kind, packed=packed_weights,
                                                    static_decode=static_decode, lora_kernel=lora_kernel)
-        self.device = self.executor.device
-        lora = getattr(self.executor, "lora", None)
-        log.info("native engine: %s executor, %s, %d slots, %d tokens per step, LoRA %s", self.executor.name,
-                 str(self.executor.dtype).removeprefix("torch."), max_batch_rows, max_step_tokens,
+        self.device = self.runner.device
+        lora = getattr(self.runner, "lora", None)
+        log.info("native engine: %s runner, %s, %d slots, %d tokens per step, LoRA %s", self.runner.name,
+                 str(self.runner.dtype).removeprefix("torch."), max_batch_rows, max_step_tokens,
                  "none" if lora is None else "in the native kernel" if lora.kernel is not None else "as torch ops")
         self.pool = SlotPool(max_batch_rows)
         self.eos_ids = _eos_ids(model, tokenizer)
-        self.vocab_size = self.executor.vocab_size
-        self.max_positions = self.executor.max_positions
+        self.vocab_size = self.runner.vocab_size
+        self.max_positions = self.runner.max_positions
         self.rows: list[Row] = []  # decoding
         self.prefills: list[Prefill] = []  # admitted, prompt not complete (admission order)
         self.ledger = FinalLedger()  # choices admitted and not yet answered
@@ -180,7 +180,7 @@ class NativeEngine:
         short slice of work (say < 100 ms) and returns True while it has more to do. At most one
         slice runs between two steps (round-robin over tasks); with no requests in flight slices
         run back to back. It runs outside inference_mode, on the Hugging Face model (the
-        executor's weights are its own copy, so nothing it does changes serving)."""
+        runner's weights are its own copy, so nothing it does changes serving)."""
         with self._cond:
             self._background.append(fn)
             self._cond.notify_all()
@@ -237,7 +237,7 @@ class NativeEngine:
             if items:
                 self._run_step(items, owners)
             if not self._in_flight():
-                self.executor.idle()
+                self.runner.idle()
         self._serve_debt = max(0.0, self._serve_debt - (time.perf_counter() - started))
         self._gauges()
 
@@ -300,7 +300,7 @@ class NativeEngine:
             if req.params.prompt_logprobs is not None:
                 prefill.prompt_lp = [None]
             try:
-                self.executor.set_adapter(prefill.slots[0], req.adapter)
+                self.runner.set_adapter(prefill.slots[0], req.adapter)
             except Exception as err:  # noqa: BLE001 - a bad adapter fails its request only
                 log.warning("request %s: adapter not usable: %s", req.id, describe(err))
                 self._fail_prefill(prefill, f"adapter not usable: {describe(err)}")
@@ -342,14 +342,14 @@ class NativeEngine:
     def _forward_isolating(self, batch: StepBatch, owners: list[Row | Prefill]):
         """(batch, owners, logits) of the items that ran, after failing those that fail alone."""
         try:
-            return batch, owners, self.executor.forward(batch)
+            return batch, owners, self.runner.forward(batch)
         except Exception as err:  # noqa: BLE001 - isolate the items that make it fail
             first = err
         log.warning("forward of %d items failed (%s); isolating", len(owners), describe(first))
 
         def probe(subset: list[int]) -> bool:
             try:
-                self.executor.forward(batch.subset(subset))
+                self.runner.forward(batch.subset(subset))
                 return True
             except Exception:  # noqa: BLE001 - a probe's failure is its answer
                 return False
@@ -362,7 +362,7 @@ class NativeEngine:
             return None
         batch, owners = batch.subset(keep), [owners[j] for j in keep]
         try:
-            return batch, owners, self.executor.forward(batch)
+            return batch, owners, self.runner.forward(batch)
         except Exception as again:  # noqa: BLE001 - not about single items: these cannot go on together
             log.error("forward failed again without a single culprit: %s", describe(again))
             for owner in owners:
@@ -409,7 +409,7 @@ class NativeEngine:
         choices = new_rows(req, self.tokenizer, self.vocab_size, self.device, prefill.prompt_lp, self.eos_ids)
         length = len(req.prompt_ids)
         for slot in prefill.slots[1:]:
-            self.executor.copy_slot(prefill.slots[0], slot, length)
+            self.runner.copy_slot(prefill.slots[0], slot, length)
         # nothing below raises: the prefill's slots now belong to its rows
         self.prefills.remove(prefill)
         for row, slot in zip(choices, prefill.slots, strict=True):
@@ -527,13 +527,13 @@ class NativeEngine:
                 continue
             src, dst, holder = move
             if isinstance(holder, Row):
-                self.executor.copy_slot(src, dst, holder.length)
+                self.runner.copy_slot(src, dst, holder.length)
                 holder.slot = dst
             else:
                 assert isinstance(holder, Prefill)
                 k = holder.slots.index(src)
                 if k == 0:
-                    self.executor.copy_slot(src, dst, holder.done)
+                    self.runner.copy_slot(src, dst, holder.done)
                 holder.slots[k] = dst
 
     def _fail_all(self, message: str, reason: FinishReason = "cancelled") -> None:

@@ -16,7 +16,7 @@ frozen weights are copied into the serving dtype, the linears that read one inpu
         x       += down(silu(gate) * up) with gate|up one GEMM, LoRA on both
     logits = lm_head(rms_norm(x[logit_index]))             only the positions asked for (fp32)
 
-`unsupported(model)` says why a model cannot run here (the engine then uses hf_executor.py, the
+`unsupported(model)` says why a model cannot run here (the engine then uses hf_runner.py, the
 same flat batches through the model's own forward); a start-up self-test compares the two.
 """
 
@@ -71,11 +71,11 @@ def _base(module: nn.Module) -> nn.Module:
 
 
 def unsupported(model: nn.Module) -> str | None:
-    """Why this model cannot run on the flat Llama executor, or None when it can."""
+    """Why this model cannot run on the flat Llama runner, or None when it can."""
     cfg = getattr(model, "config", None)
     kind = getattr(cfg, "model_type", None)
     if kind not in ARCHITECTURES:
-        return f"model_type {kind!r} (the flat executor runs {', '.join(ARCHITECTURES)})"
+        return f"model_type {kind!r} (the flat runner runs {', '.join(ARCHITECTURES)})"
     if getattr(cfg, "hidden_act", "silu") != "silu":
         return f"hidden_act {cfg.hidden_act!r}"
     window = getattr(cfg, "sliding_window", None)
@@ -172,7 +172,7 @@ class _Layer:
             self.gate_up = _fused([mlp.gate_proj, mlp.up_proj], dtype, packed)
 
 
-class LlamaExecutor:
+class LlamaRunner:
     """The flat-batch forward over a slot KV cache and per-slot LoRA tables (see module doc)."""
 
     name = "llama"
@@ -189,7 +189,7 @@ class LlamaExecutor:
         the native CPU kernel (lora_kernel.py): auto | on | off. The KV cache and the adapter tables get one spare slot for padding."""
         reason = unsupported(model)
         if reason is not None:
-            raise ValueError(f"the flat Llama executor cannot run this model: {reason}")
+            raise ValueError(f"the flat Llama runner cannot run this model: {reason}")
         cfg = model.config
         self.device = next(model.parameters()).device
         self.dtype = dtype

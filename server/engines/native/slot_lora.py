@@ -1,6 +1,6 @@
 """Per-slot LoRA tables: each row's adapter, written once into its KV slot's tables.
 
-The executor fuses linears that read the same input (q/k/v -> "qkv", gate/up -> "gate_up"), and
+The runner fuses linears that read the same input (q/k/v -> "qkv", gate/up -> "gate_up"), and
 the routed LoRA is fused the same way. For group g of layer l, slot s holds
 
     A[l][g][s]  (d_in, m*r)       the members' A_t side by side
@@ -22,7 +22,7 @@ Writing a row's tables:
                             once, per group member, straight into the slot (no materialised
                             adapter anywhere: the adapter cache keeps only routing rows)
     write(slot, layers)     a plain LoRA (per linear (A_t, B_t)), e.g. a task trained with "mu"
-A group kind laid out the same way in every layer (the Llama executor's) is one buffer
+A group kind laid out the same way in every layer (the Llama runner's) is one buffer
 (L, slots, ...), so a write, copy or clear of a slot is a few ops whatever the number of layers.
 """
 
@@ -268,7 +268,7 @@ class SlotLoRA:
 
 
 def write_adapter(lora: SlotLoRA | None, slot: int, adapter) -> None:
-    """The row in `slot` runs with `adapter` (server.adapters.types.Adapter; None = base): a routed
+    """The row in `slot` runs with `adapter` (server.adapter_cache.types.Adapter; None = base): a routed
     task from its routing weights, a plain LoRA from its layers."""
     if adapter is None:
         if lora is not None:

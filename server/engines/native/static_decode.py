@@ -49,7 +49,7 @@ class _Bucket:
 
 
 class StaticDecode:
-    """Padded, fixed-shape decode steps for `forward(static_batch)` (the executor's compute, which
+    """Padded, fixed-shape decode steps for `forward(static_batch)` (the runner's compute, which
     must not allocate KV or sync with the host)."""
 
     def __init__(self, forward: Callable[[StepBatch], torch.Tensor], *, spare_slot: int, largest: int,

@@ -5,7 +5,7 @@ CUDA graphs, tensor parallelism through POLYSERVE_VLLM_ARGS).
 
     submit(req)       -> a coroutine on the engine's own asyncio loop (a thread):
                          adapter (already resolved by L1 -> Redis -> store) -> PEFT directory
-                         written once per cache key (loras.py) -> LoRARequest(stable id)
+                         written once per cache key (lora_dirs.py) -> LoRARequest(stable id)
                          `base` -> no LoRA
                          AsyncLLM.generate(token ids, DELTA outputs) -> TokenEvents, one
                          FinalEvent per choice, whatever happens (errors become error finals)
@@ -35,7 +35,7 @@ from typing import Any
 from server.engines.base import EngineStopped, QueueFull, check_fits
 from server.engines.fair import TenantCaps, check_submit_caps
 from server.engines.request import FinalEvent, GenRequest, TokenEvent, TokenLogprob
-from server.engines.vllm.loras import LoraDirectories
+from server.engines.vllm.lora_dirs import LoraDirectories
 from server.engines.vllm.params import vllm_kwargs
 from server.engines.vllm.structured import structured_kwargs
 

@@ -1,0 +1,77 @@
+"""The FastAPI app: a thin shell. `create_app(settings)`; the lifespan builds the Runtime
+(backbone, store, caches, engine, warm-up) off the event loop, so /health answers at once and
+/ready turns 200 when the backbone is loaded and warmed up."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from concurrent.futures import ThreadPoolExecutor
+from contextlib import asynccontextmanager
+from typing import Any
+
+from fastapi import FastAPI
+
+from server import openmp
+from server.api import api_docs
+from server.api.errors import install_handlers
+from server.api.middleware import BodyLimit, RequestMetrics
+from server.api.routes import generate, health, jobs, metrics, openai, similar, tasks, tokenize, usage
+from server.metrics import Metrics
+from server.runtime import Runtime
+from server.settings import Settings
+from server.tenants import Directory
+
+log = logging.getLogger("polyserve")
+
+
+def create_app(settings: Settings | None = None, *, backbone: Any = None) -> FastAPI:
+    """backbone: an already loaded adapters_store.backbone.Backbone (tests), else settings.backbone."""
+    settings = settings or Settings()
+    metrics_ = Metrics()
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI):
+        # the engine's thread count, read before any helper thread sets 1 (server/openmp.py)
+        import torch
+
+        threads = settings.threads or torch.get_num_threads()
+        # threads of the default executor (adapter resolution, store reads) never start an OpenMP
+        # pool: the engine thread's is the only one (server/openmp.py)
+        asyncio.get_running_loop().set_default_executor(
+            ThreadPoolExecutor(thread_name_prefix="polyserve-io", initializer=openmp.one_thread))
+
+        async def load() -> None:
+            try:
+                # start-up runs in a thread that ends (its OpenMP pool with it)
+                app.state.runtime = await asyncio.to_thread(openmp.in_fresh_thread, Runtime.build, settings,
+                                                            metrics_, backbone, threads)
+                log.info("polyserve ready")
+            except Exception as err:  # surfaced by /ready (the kind only: messages may hold paths)
+                log.exception("start-up failed")
+                app.state.load_error = type(err).__name__
+
+        loader = asyncio.create_task(load())
+        try:
+            yield
+        finally:
+            loader.cancel()
+            if app.state.runtime is not None:
+                await asyncio.to_thread(app.state.runtime.close)
+                app.state.runtime = None
+
+    app = FastAPI(title="polyserve", version="0.1.0", lifespan=lifespan)
+    app.state.settings = settings
+    app.state.metrics = metrics_
+    app.state.runtime = None
+    app.state.load_error = None
+    app.state.tenants = Directory(settings.api_keys, settings.admin_keys)  # names, weights, keys
+    install_handlers(app)
+    api_docs.install(app, settings)
+    if settings.admin_keys and not settings.api_keys:
+        log.warning("POLYSERVE_ADMIN_KEYS without POLYSERVE_API_KEYS: inference routes are open")
+    for module in (health, metrics, generate, openai, tasks, similar, jobs, usage, tokenize):
+        app.include_router(module.router)
+    app.add_middleware(BodyLimit, max_bytes=settings.max_body_bytes)
+    app.add_middleware(RequestMetrics, metrics=metrics_)
+    return app

@@ -1,0 +1,101 @@
+"""Dependencies, declared once as Annotated aliases."""
+
+from __future__ import annotations
+
+from typing import Annotated
+
+from fastapi import Depends, Request, Security
+from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
+
+from server.api.errors import ApiError
+from server.metrics import Metrics
+from server.runtime import Runtime
+from server.settings import Settings
+from server.tenants import ANONYMOUS, DEFAULT, Directory, Tenant, set_current
+
+
+def get_settings(request: Request) -> Settings:
+    return request.app.state.settings
+
+
+def get_metrics(request: Request) -> Metrics:
+    return request.app.state.metrics
+
+
+def get_runtime(request: Request) -> Runtime:
+    rt = request.app.state.runtime
+    if rt is None:
+        raise ApiError(503, "unavailable", "server is starting: backbone not loaded yet", {"Retry-After": "5"})
+    return rt
+
+
+SettingsDep = Annotated[Settings, Depends(get_settings)]
+MetricsDep = Annotated[Metrics, Depends(get_metrics)]
+RuntimeDep = Annotated[Runtime, Depends(get_runtime)]
+
+
+bearer = HTTPBearer(auto_error=False, scheme_name="bearer",
+                    description="POLYSERVE_API_KEYS (inference) or POLYSERVE_ADMIN_KEYS (everything)")
+BearerDep = Annotated[HTTPAuthorizationCredentials | None, Security(bearer)]
+
+
+def get_tenants(request: Request) -> Directory:
+    directory = getattr(request.app.state, "tenants", None)
+    if directory is None:  # an app built before tenants existed in its state (tests build apps freely)
+        settings = request.app.state.settings
+        directory = request.app.state.tenants = Directory(settings.api_keys, settings.admin_keys)
+    return directory
+
+
+def _identify(request: Request, tenant: Tenant) -> None:
+    set_current(tenant)
+    request.state.tenant = tenant.name  # the metrics middleware labels requests_total with it
+
+
+def _token(creds: HTTPAuthorizationCredentials | None) -> str:
+    if creds is None or not creds.credentials.strip():
+        raise ApiError(401, "unauthorized", "missing bearer API key", {"WWW-Authenticate": "Bearer"})
+    return creds.credentials.strip()
+
+
+def _open_caller(directory: Directory, creds: HTTPAuthorizationCredentials | None) -> Tenant:
+    """An open route's caller: the tenant of a valid key if one was sent, else anonymous (admin
+    only when no key is configured at all: then nothing is anyone's)."""
+    token = creds.credentials.strip() if creds is not None else ""
+    tenant = directory.lookup(token) if token else None
+    return tenant or (ANONYMOUS if not directory.configured else Tenant(DEFAULT))
+
+
+# async: the tenant is set in the request's own task (server.tenants.current), which a sync
+# dependency, run in a worker thread, could not do
+async def require_api_key(request: Request, settings: SettingsDep, creds: BearerDep) -> None:
+    """Inference and read routes: with POLYSERVE_API_KEYS set they need `Authorization: Bearer
+    <key>` with one of the API keys or one of the admin keys. Sets the caller's tenant."""
+    directory = get_tenants(request)
+    if not directory.has_api_keys:
+        _identify(request, _open_caller(directory, creds))
+        return
+    tenant = directory.lookup(_token(creds))
+    if tenant is None:
+        raise ApiError(401, "unauthorized", "invalid API key", {"WWW-Authenticate": "Bearer"})
+    _identify(request, tenant)
+
+
+async def require_admin_key(request: Request, settings: SettingsDep, creds: BearerDep) -> None:
+    """Task and job mutation (POST/DELETE /v1/tasks, job cancel): with POLYSERVE_ADMIN_KEYS set only
+    an admin key (an API key answers 403); with only POLYSERVE_API_KEYS set any API key; open
+    when neither is set. Sets the caller's tenant."""
+    directory = get_tenants(request)
+    if not directory.configured:
+        _identify(request, ANONYMOUS)
+        return
+    tenant = directory.lookup(_token(creds))
+    if tenant is None:
+        raise ApiError(401, "unauthorized", "invalid API key", {"WWW-Authenticate": "Bearer"})
+    if directory.has_admin_keys and not tenant.admin:
+        raise ApiError(403, "forbidden", "this API key may not change tasks or jobs (needs an admin key)")
+    _identify(request, tenant)
+
+
+ApiKey = Depends(require_api_key)
+AdminKey = Depends(require_admin_key)

@@ -1,0 +1,331 @@
+"""Shared request path of every generating endpoint (polyserve's own and OpenAI's):
+
+    prepare:  resolve the task's adapter (cache tiers) + render + tokenise, off the event loop;
+              limits -> 413 / context_length_exceeded (prompt), 422 (max tokens, n, stop,
+              logit_bias), 404/409 (task); starts the request's deadline
+    submit:   into the engine's bounded queue -> 429 with Retry-After when full; an engine that
+              refuses a sampling field (ValueError "field: ...") -> 400 naming the request field
+    collect:  await every choice's final event; a client that disconnects cancels the row
+    events:   async iterator of engine events for streaming; closing it cancels the row
+    stream:   the SSE response; a failure after the first byte ends it with an error event
+              `data: {"error": {...}}` then `data: [DONE]` (vLLM's convention; never a fake "stop")
+
+Deadline: POLYSERVE_REQUEST_TIMEOUT_SECONDS from arrival, queueing included. On expiry the row
+is cancelled and the answer is 504 `timeout` (not streamed) or the stream's error event.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import re
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass, field, fields
+from typing import Any
+
+from fastapi.responses import StreamingResponse
+from starlette.requests import Request
+
+from adapters_store.errors import TaskNotFound
+from adapters_store.mix import MixError
+from server import tenants
+from server.api.errors import ApiError, error_payload
+from server.engines.base import EngineStopped, QueueFull
+from server.engines.fair import TenantLimit
+from server.engines.request import (
+    FinalEvent,
+    GenRequest,
+    RequestHandle,
+    SamplingParams,
+    TokenEvent,
+    TokenLogprob,
+    new_request_id,
+)
+from server.runtime import Runtime
+
+log = logging.getLogger("polyserve.api")
+
+SAMPLING_FIELDS = frozenset(f.name for f in fields(SamplingParams))
+_FIELD_PREFIX = re.compile(r"^\s*([a-z_]+)\b")
+
+
+@dataclass
+class Call:
+    """A prepared request: what the engine runs, plus what the route needs to answer."""
+
+    req: GenRequest
+    deadline: float  # event-loop time
+    prompt_text: str
+    names: dict[str, str]  # SamplingParams field -> request field (for error messages)
+    usage: Any = None  # server.usage.UsageLedger, once submitted: completions are counted there
+
+
+@dataclass
+class Choice:
+    index: int
+    text: str = ""
+    logprobs: list[TokenLogprob] = field(default_factory=list)
+    final: FinalEvent | None = None
+
+
+def vocab_size(rt: Runtime) -> int:
+    config = getattr(rt.backbone.model, "config", None)
+    return int(getattr(config, "vocab_size", 0) or len(rt.tokenizer))
+
+
+def engine_param(err: ValueError, names: dict[str, str]) -> str | None:
+    """The request field an engine's ValueError is about: its `param` attribute, else a leading
+    SamplingParams field name ("n: not supported ..."), mapped to the route's field name."""
+    name = getattr(err, "param", None)
+    if name is None:
+        match = _FIELD_PREFIX.match(str(err))
+        name = match.group(1) if match and match.group(1) in SAMPLING_FIELDS else None
+    return names.get(name, name) if name else None
+
+
+def sampling(names: dict[str, str], **values) -> SamplingParams:
+    """SamplingParams, its ValueErrors as 422 naming the request field."""
+    try:
+        return SamplingParams(**values)
+    except ValueError as err:
+        param = engine_param(err, names)
+        raise ApiError(422, "validation_error", str(err), param=param) from None
+
+
+async def prepare(
+    rt: Runtime, task: str, render: Callable[[str], str | list[int]], params: SamplingParams, *,
+    id_prefix: str = "gen", names: dict[str, str] | None = None, prompt_field: str = "prompt",
+    special_tokens: bool = True,
+) -> Call:
+    """Validate against the limits, resolve the adapter, render (given the task's prompt format)
+    and tokenise; returns an unsubmitted request. special_tokens: add the tokenizer's own specials
+    (BOS...) as its config says, the way training encodes prompts; False for chat templates,
+    which carry their own."""
+    loop = asyncio.get_running_loop()
+    s = rt.settings
+    deadline = loop.time() + s.request_timeout_seconds
+    names = names or {}
+    tokens_field = names.get("max_new_tokens", "max_new_tokens")
+    if params.max_new_tokens > s.max_new_tokens:
+        raise ApiError(422, "validation_error", f"{tokens_field}: must be <= {s.max_new_tokens}", param=tokens_field)
+    if params.n > s.max_n:
+        raise ApiError(422, "validation_error", f"n: must be <= {s.max_n}", param="n")
+    if len(params.stop) > s.max_stop_strings:
+        raise ApiError(422, "validation_error", f"stop: at most {s.max_stop_strings} stop strings", param="stop")
+    vocab = vocab_size(rt)
+    bad = [t for t, _ in params.logit_bias if t >= vocab]
+    if bad:
+        raise ApiError(422, "validation_error", f"logit_bias: token id {bad[0]} is not in the vocabulary "
+                       f"(ids < {vocab})", param="logit_bias")
+    bad = [t for t in params.stop_token_ids if t >= vocab]
+    if bad:
+        raise ApiError(422, "validation_error", f"stop_token_ids: token id {bad[0]} is not in the vocabulary "
+                       f"(ids < {vocab})", param="stop_token_ids")
+    too_long = ApiError(413, "too_large", "", param=prompt_field, code="context_length_exceeded")
+    tenant = tenants.current()
+
+    def work() -> tuple[object, list[int], str]:
+        # the prompt is checked before any work for it (adapter resolution, decoding, tokenising)
+        try:
+            prompt_format = rt.registry.prompt_format(task, tenant)
+        except TaskNotFound as err:  # err.task: the task, or the mix member, not found
+            raise ApiError(404, "not_found", f"task {err.task!r} not found", param="model") from None
+        except ValueError as err:
+            field = names.get("task", "task")
+            code = "invalid_mix" if isinstance(err, MixError) else None
+            raise ApiError(422, "validation_error", f"{field}: {err}", param=field, code=code) from None
+        try:
+            rendered = render(prompt_format)
+        except ValueError as err:  # unknown prompt format, unrenderable messages
+            raise ApiError(400, "invalid_request", str(err), param=prompt_field) from None
+        if isinstance(rendered, list):
+            check_token_ids(rendered, vocab, s.max_prompt_tokens, prompt_field)
+        else:
+            check_text(rendered, prompt_field)
+            if len(rendered) > 16 * s.max_prompt_tokens + 1024:  # cheap bound before tokenising
+                too_long.message = f"{prompt_field} is longer than max_prompt_tokens={s.max_prompt_tokens}"
+                raise too_long
+        try:
+            adapter = rt.registry.resolve(task, tenant)
+        except TaskNotFound as err:
+            raise ApiError(404, "not_found", f"task {err.task!r} not found", param="model") from None
+        except ValueError as err:
+            field = names.get("task", "task")
+            code = "invalid_mix" if isinstance(err, MixError) else None
+            raise ApiError(422, "validation_error", f"{field}: {err}", param=field, code=code) from None
+        if isinstance(rendered, list):
+            return adapter, rendered, rt.tokenizer.decode(rendered)
+        ids = list(rt.tokenizer(rendered, add_special_tokens=special_tokens).input_ids)
+        return adapter, ids, rendered
+
+    adapter, ids, text = await asyncio.to_thread(work)
+    if not ids:
+        raise ApiError(422, "validation_error", f"{prompt_field}: must not be empty", param=prompt_field)
+    if any(t >= vocab for t in ids):
+        raise ApiError(422, "validation_error", f"{prompt_field}: token ids must be < {vocab}", param=prompt_field)
+    if len(ids) > s.max_prompt_tokens:
+        too_long.message = f"{prompt_field} has {len(ids)} tokens, the limit is {s.max_prompt_tokens}"
+        raise too_long
+    req = GenRequest(ids, params, adapter, task, id=new_request_id(id_prefix), handle=RequestHandle(loop),
+                     tenant=tenant.name)
+    return Call(req, deadline, text, names)
+
+
+def check_token_ids(ids: list, vocab: int, max_tokens: int, field: str) -> None:
+    """A token-id prompt, before anything reads it: its length, then every id an int in
+    [0, vocab) (a huge integer is just out of range here, never an overflow further on)."""
+    if len(ids) > max_tokens:
+        raise ApiError(413, "too_large", f"{field} has {len(ids)} tokens, the limit is {max_tokens}", param=field,
+                       code="context_length_exceeded")
+    bad = next((i for i, t in enumerate(ids) if type(t) is not int or not 0 <= t < vocab), None)
+    if bad is not None:
+        raise ApiError(422, "validation_error", f"{field}: token id at position {bad} is not in [0, {vocab})",
+                       param=field)
+
+
+def check_text(text: str, field: str) -> None:
+    """Text a tokenizer can take: JSON may carry an unpaired UTF-16 surrogate (\\ud800), which
+    is no Unicode character (the tokenizer would fail on it)."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as err:
+        raise ApiError(400, "invalid_request", f"{field}: holds an unpaired UTF-16 surrogate at position "
+                       f"{err.start}", param=field) from None
+
+
+def submit(rt: Runtime, call: Call) -> Call:
+    req = call.req
+    call.usage = usage = getattr(rt, "usage", None)  # a Runtime has one; unit tests' stand-ins may not
+    try:
+        rt.engine.submit(req)
+    except TenantLimit as err:
+        if err.permanent:  # this request alone exceeds its tenant's cap: it can never run
+            raise ApiError(422, "validation_error", str(err), param="n" if err.limit == "rows" else None) from None
+        if usage is not None:
+            usage.refused(req.tenant, req.task)
+        rt.metrics.tenant_refused.labels(tenant=req.tenant, limit=err.limit).inc()
+        raise ApiError(429, "overloaded", f"{err} ({err.limit} limit); retry after {err.retry_after}s",
+                       {"Retry-After": str(err.retry_after)}) from None
+    except QueueFull as err:
+        if usage is not None:
+            usage.refused(req.tenant, req.task)
+        raise ApiError(429, "overloaded", str(err), {"Retry-After": str(err.retry_after)}) from None
+    except EngineStopped:
+        raise ApiError(503, "unavailable", "server is shutting down") from None
+    except ValueError as err:
+        param = engine_param(err, call.names)
+        if param is not None:  # a sampling field this engine does not honour
+            raise ApiError(400, "unsupported", str(err), param=param, code="unsupported_parameter") from None
+        raise ApiError(413, "too_large", str(err), code="context_length_exceeded") from None
+    if usage is not None:
+        usage.request(req.tenant, req.task, len(req.prompt_ids))
+    return call
+
+
+def _count(call: Call, final: FinalEvent) -> None:
+    if call.usage is not None:
+        call.usage.completion(call.req.tenant, call.req.task, final.completion_tokens)
+
+
+def check(final: FinalEvent) -> FinalEvent:
+    """A final event that carries an error becomes the ApiError the client sees."""
+    if final.error is None:
+        return final
+    if final.finish_reason == "cancelled" and "shutting down" in final.error:
+        raise ApiError(503, "unavailable", "server is shutting down")
+    log.error("generation failed in the engine: %s", final.error)
+    raise ApiError(500, "internal_error", "generation failed in the engine (details in the server log)")
+
+
+def _timeout(call: Call) -> ApiError:
+    call.req.handle.cancel()
+    return ApiError(504, "timeout", "the generation did not finish within the server's deadline "
+                    "(POLYSERVE_REQUEST_TIMEOUT_SECONDS)")
+
+
+async def _watch_disconnect(request: Request, req: GenRequest) -> None:
+    while True:
+        message = await request.receive()
+        if message["type"] == "http.disconnect":
+            req.handle.cancel()
+            return
+
+
+def _absorb(choices: list[Choice], event: TokenEvent | FinalEvent) -> Choice:
+    choice = choices[event.index]
+    choice.text += event.text
+    choice.logprobs.extend(event.logprobs or ())
+    if isinstance(event, FinalEvent):
+        choice.final = check(event)
+    return choice
+
+
+async def collect(request: Request, call: Call) -> list[Choice]:
+    """Wait for every choice's whole answer; a disconnect cancels the row (finish 'cancelled')."""
+    req = call.req
+    choices = [Choice(i) for i in range(req.params.n)]
+    watcher = asyncio.create_task(_watch_disconnect(request, req))
+    try:
+        async with asyncio.timeout_at(call.deadline):
+            async for event in req.handle:
+                if isinstance(event, FinalEvent):
+                    _count(call, event)
+                _absorb(choices, event)
+    except TimeoutError:
+        raise _timeout(call) from None
+    finally:
+        watcher.cancel()
+        req.handle.cancel()  # no-op once finished
+    if any(c.final is None for c in choices):
+        raise AssertionError("engine closed a handle without a final event per choice")
+    return choices
+
+
+async def events(request: Request, call: Call) -> AsyncIterator[TokenEvent | FinalEvent]:
+    """Engine events of a streaming request (a failed final event raises ApiError); leaving
+    early (disconnect) or the deadline cancels the row."""
+    req = call.req
+    watcher = asyncio.create_task(_watch_disconnect(request, req))
+    loop = asyncio.get_running_loop()
+    it = aiter(req.handle)
+    try:
+        while True:
+            try:
+                event = await asyncio.wait_for(anext(it), timeout=max(0.0, call.deadline - loop.time()))
+            except StopAsyncIteration:
+                return
+            except TimeoutError:
+                raise _timeout(call) from None
+            if isinstance(event, FinalEvent):
+                _count(call, event)
+                check(event)
+            yield event
+    finally:
+        watcher.cancel()
+        req.handle.cancel()
+
+
+def sse(data: str) -> bytes:
+    return f"data: {data}\n\n".encode()
+
+
+def stream_response(request: Request, chunks: AsyncIterator[bytes]) -> StreamingResponse:
+    """SSE response; an error after the stream started becomes an error event, then [DONE]."""
+    path = request.url.path
+
+    async def guarded() -> AsyncIterator[bytes]:
+        try:
+            async for chunk in chunks:
+                yield chunk
+        except ApiError as err:
+            _, body = error_payload(path, err.status, err.type, err.message, err.param, err.code)
+        except Exception:  # a bug: logged, answered in general terms
+            log.exception("stream failed")
+            _, body = error_payload(path, 500, "internal_error", "internal server error")
+        else:
+            return
+        yield sse(json.dumps(body))
+        yield sse("[DONE]")
+
+    return StreamingResponse(guarded(), media_type="text/event-stream", headers={"Cache-Control": "no-cache"})

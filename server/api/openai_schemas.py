@@ -1,0 +1,221 @@
+"""Wire schemas of the OpenAI-compatible endpoints (/v1/completions, /v1/chat/completions).
+
+Every request field falls in one of three groups (README "OpenAI compatibility" says the same):
+
+  supported   model, prompt (a string, a token-id list, or a list of either: one row per prompt),
+              messages (text content), max_tokens (0 with echo: score the prompt),
+              max_completion_tokens, temperature, top_p, n, stop, seed, stream, stream_options,
+              logprobs, top_logprobs (chat), logprobs: int (completions), echo, presence_penalty,
+              frequency_penalty, logit_bias, best_of 1; vLLM's extensions top_k,
+              repetition_penalty, ignore_eos, min_tokens, stop_token_ids,
+              include_stop_str_in_output, skip_special_tokens, min_p, add_special_tokens;
+              response_format (text, json_object, json_schema: server.api.response_format)
+  ignored     user, metadata, store, service_tier, prompt_cache_key, safety_identifier,
+              parallel_tool_calls: they do not change the answer
+  refused     (400 naming the field) suffix, best_of > 1, tools / functions, tool_choice and
+              function_call other than "none", stop with a JSON response_format, a `tool`
+              message, more prompts than POLYSERVE_MAX_PROMPTS_PER_REQUEST, max_tokens 0
+              without echo, and any field not listed here
+              (OpenAI answers an unrecognised argument with 400 too)
+
+Numeric rules (vLLM's): a temperature below 1e-5 is greedy; one in [1e-5, 0.01) is raised to 0.01; a top_p below 1e-6 is raised to 1e-6 (the
+same answer: the most likely token alone); repetition_penalty is at least 0.01; top_k -1 (vLLM's "off") is 0; logit_bias keys
+are token ids of the backbone's vocabulary (checked against it in the route), values in [-100, 100];
+min_tokens above the request's max tokens is that many (every token is generated).
+"""
+
+from __future__ import annotations
+
+from typing import Annotated, Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+from adapters_store.mix import MAX_MIX_CHARS, MIX_SCHEMA_EXTRA, MODEL_ID_PATTERN
+from server.api.response_format import ResponseFormat
+from server.api.wire import Bool, Float, Int
+from server.engines.request import GREEDY_TEMPERATURE
+
+MIN_TEMPERATURE = 0.01
+GREEDY_BELOW = GREEDY_TEMPERATURE  # the engines' threshold (vLLM's _SAMPLING_EPS)
+MIN_TOP_P = 1e-6
+MAX_LOGPROBS = 20
+MAX_STOP_CHARS = 256
+MAX_LOGIT_BIAS = 300
+
+NonEmpty = Annotated[str, Field(min_length=1)]
+StopString = Annotated[str, Field(min_length=1, max_length=MAX_STOP_CHARS)]
+TokenId = Int(ge=0)
+TokenIds = Annotated[list[TokenId], Field(min_length=1)]
+MAX_PROMPTS = 1024  # the schema's bound; POLYSERVE_MAX_PROMPTS_PER_REQUEST is the server's (the OpenAPI bound)
+MAX_STOP_TOKEN_IDS = 64
+Prompts = Annotated[list[NonEmpty], Field(min_length=1, max_length=MAX_PROMPTS)]
+PromptsOfIds = Annotated[list[TokenIds], Field(min_length=1, max_length=MAX_PROMPTS)]
+BIAS_KEY = r"^(0|[1-9][0-9]{0,8})$"
+BiasKey = Annotated[str, Field(pattern=BIAS_KEY)]
+
+
+def effective_seed(value: int | None) -> int | None:
+    return None if value is None else value % 2**63
+
+
+def effective_top_p(value: float) -> float:
+    """(0, MIN_TOP_P) is raised to MIN_TOP_P: the same answer (the most likely token alone; its
+    probability is at least 1 / vocabulary size > MIN_TOP_P), but no float32 underflow to 0."""
+    return max(value, MIN_TOP_P)
+
+
+def effective_temperature(value: float) -> float:
+    """vLLM's rule: below GREEDY_BELOW is greedy (0, as the engine treats it too); the rest of
+    (0, MIN_TEMPERATURE) is raised to MIN_TEMPERATURE."""
+    if value < GREEDY_BELOW:
+        return 0.0
+    return max(value, MIN_TEMPERATURE)
+
+
+class StreamOptions(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    include_usage: Bool = False
+
+
+class _Common(BaseModel):
+    # numbers and booleans as JSON Schema says (server.api.wire): "5" is not an integer
+    model_config = ConfigDict(extra="forbid")
+
+    model: str = Field(pattern=MODEL_ID_PATTERN, max_length=MAX_MIX_CHARS, json_schema_extra=MIX_SCHEMA_EXTRA, description="a task id, `base`, or a mix `mix:ID=W,...`",
+                       examples=["base"])
+    temperature: Float(ge=0.0, le=2.0) = 1.0
+    top_p: Float(gt=0.0, le=1.0) = 1.0
+    top_k: Int(ge=-1) = Field(default=0, description="extension (vLLM): 0 or -1 = off")
+    n: Int(ge=1) = Field(default=1, description="choices; the maximum is POLYSERVE_MAX_N")
+    stop: StopString | list[StopString] | None = None
+    seed: Int() | None = Field(default=None, description="any integer (used modulo 2**63); choice i samples "
+                             "with seed + i")
+    stream: Bool = False
+    stream_options: StreamOptions | None = None
+    presence_penalty: Float(ge=-2.0, le=2.0) = 0.0
+    frequency_penalty: Float(ge=-2.0, le=2.0) = 0.0
+    repetition_penalty: Float(ge=0.01, le=2.0) = Field(default=1.0, description="extension (vLLM)")
+    logit_bias: dict[BiasKey, Float(ge=-100.0, le=100.0)] | None = Field(
+        default=None, max_length=MAX_LOGIT_BIAS, json_schema_extra={"propertyNames": {"pattern": BIAS_KEY}},
+        description="token id (as a string, below the vocabulary size) -> bias")
+    # ignored: they do not change the answer
+    user: str | None = Field(default=None, max_length=256, description="ignored")
+    metadata: dict[str, str] | None = Field(default=None, description="ignored")
+    store: Bool | None = Field(default=None, description="ignored")
+    service_tier: str | None = Field(default=None, max_length=64, description="ignored")
+    prompt_cache_key: str | None = Field(default=None, max_length=256, description="ignored")
+    safety_identifier: str | None = Field(default=None, max_length=256, description="ignored")
+    # vLLM's sampling extensions (server.engines.request.SamplingParams says what each does)
+    ignore_eos: Bool = Field(default=False, description="extension (vLLM): EOS does not end a choice")
+    min_tokens: Int(ge=0) = Field(default=0, description="extension (vLLM): no EOS / stop token / stop string "
+                                  "before this many tokens (at most the request's max tokens)")
+    stop_token_ids: list[TokenId] | None = Field(default=None, max_length=MAX_STOP_TOKEN_IDS,
+                                                 description="extension (vLLM): token ids that end a choice")
+    include_stop_str_in_output: Bool = Field(default=False, description="extension (vLLM)")
+    skip_special_tokens: Bool = Field(default=True, description="extension (vLLM)")
+    min_p: Float(ge=0.0, le=1.0) = Field(default=0.0, description="extension (vLLM)")
+    add_special_tokens: Bool | None = Field(
+        default=None, description="extension (vLLM): add the tokenizer's specials (BOS...) to the prompt; "
+        "default: completions and chat with a task yes, chat with base no (its template has them)")
+
+    def stop_list(self) -> list[str]:
+        if self.stop is None:
+            return []
+        return [self.stop] if isinstance(self.stop, str) else list(self.stop)
+
+    def stop_ids(self) -> tuple[int, ...]:
+        return tuple(dict.fromkeys(self.stop_token_ids or ()))
+
+    def bias_pairs(self) -> tuple[tuple[int, float], ...]:
+        return tuple(sorted((int(k), float(v)) for k, v in (self.logit_bias or {}).items()))
+
+
+class CompletionRequest(_Common):
+    prompt: NonEmpty | Prompts | TokenIds | PromptsOfIds = Field(
+        description="a string or a list of token ids, or a list of prompts of either kind (each its own row; "
+        "choice index = prompt index x n + choice)")
+    max_tokens: Int(ge=0) | None = Field(default=16, description="0 with echo: the prompt's logprobs, nothing generated")
+    echo: Bool = False
+    logprobs: Int(ge=0, le=MAX_LOGPROBS) | None = None
+    best_of: Int(ge=1, le=1) | None = Field(default=None, description="only 1 (or null): no server-side ranking")
+    suffix: str | None = Field(default=None, max_length=0, description="refused unless null or empty")
+    response_format: ResponseFormat | None = Field(default=None, description="text, json_object or json_schema")
+
+    model_config = ConfigDict(json_schema_extra={"allOf": [
+        {  # max_tokens 0 scores the prompt: it needs echo
+            "if": {"properties": {"max_tokens": {"const": 0}}, "required": ["max_tokens"]},
+            "then": {"properties": {"echo": {"const": True}}, "required": ["echo"]}},
+        {  # streaming echoes the prompt without its logprobs (they come with the last event)
+            "if": {"properties": {"stream": {"const": True}, "echo": {"const": True}}, "required": ["stream", "echo"]},
+            "then": {"properties": {"logprobs": {"type": "null"}}}},
+    ]})
+
+    @model_validator(mode="after")
+    def _zero_needs_echo(self) -> CompletionRequest:
+        if self.max_tokens == 0 and not self.echo:
+            raise ValueError("max_tokens: 0 needs echo: true (it scores the prompt)")
+        return self
+
+    def prompt_values(self) -> list[str | list[int]]:
+        """Every prompt, as text or as token ids."""
+        value = self.prompt
+        if isinstance(value, str):
+            return [value]
+        if all(isinstance(v, int) for v in value):
+            return [list(value)]  # type: ignore[arg-type]
+        return [v if isinstance(v, str) else list(v) for v in value]  # type: ignore[misc]
+
+    def prompt_value(self) -> str | list[int]:
+        """The first prompt (the whole request when it has one)."""
+        return self.prompt_values()[0]
+
+
+class TextPart(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    type: Literal["text"] = Field(description="only text parts (images, audio, files are refused)")
+    text: str
+
+
+class ChatMessage(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    role: Literal["system", "user", "assistant", "developer"]
+    content: str | list[TextPart]
+    name: str | None = Field(default=None, max_length=64, description="ignored")
+
+    def text(self) -> str:
+        if isinstance(self.content, str):
+            return self.content
+        return "".join(part.text for part in self.content)
+
+
+class ChatRequest(_Common):
+    messages: list[ChatMessage] = Field(min_length=1)
+    max_tokens: Int(ge=1) | None = None
+    max_completion_tokens: Int(ge=1) | None = None
+    logprobs: Bool = False
+    top_logprobs: Int(ge=0, le=MAX_LOGPROBS) | None = None
+    response_format: ResponseFormat | None = None
+    tools: list[Any] | None = Field(default=None, max_length=0, description="refused unless empty")
+    functions: list[Any] | None = Field(default=None, max_length=0, description="refused unless empty")
+    tool_choice: Literal["none"] | None = Field(default=None, description="only \"none\"")
+    function_call: Literal["none"] | None = Field(default=None, description="only \"none\"")
+    parallel_tool_calls: Bool | None = Field(default=None, description="ignored")
+
+    model_config = ConfigDict(json_schema_extra={"allOf": [
+        {  # top_logprobs needs logprobs: true
+            "if": {"properties": {"top_logprobs": {"type": "integer"}}, "required": ["top_logprobs"]},
+            "then": {"properties": {"logprobs": {"const": True}}, "required": ["logprobs"]}},
+        {  # a task answers the last user message (server.api.chat): there must be one
+            "if": {"properties": {"model": {"not": {"const": "base"}}}},
+            "then": {"properties": {"messages": {"contains": {
+                "type": "object", "properties": {"role": {"const": "user"}}, "required": ["role"]}}}}},
+    ]})
+
+    @model_validator(mode="after")
+    def _top_logprobs(self) -> ChatRequest:
+        if self.top_logprobs is not None and not self.logprobs:
+            raise ValueError("top_logprobs: needs logprobs: true")
+        return self

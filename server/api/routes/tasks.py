@@ -1,0 +1,97 @@
+"""GET /v1/tasks, GET /v1/tasks/{task}, POST /v1/tasks (register from examples), DELETE /v1/tasks/{task}."""
+
+from __future__ import annotations
+
+import asyncio
+
+from fastapi import APIRouter, Response
+
+from adapters_store.ids import RESERVED_TASK_IDS, validate_task_id
+from adapters_store.records import TaskRecord
+from server import tenants
+from server.api.api_docs import ERRORS
+from server.api.deps import AdminKey, ApiKey, RuntimeDep, SettingsDep
+from server.api.errors import ApiError
+from server.api.lora_tasks import import_lora_task
+from server.api.routes.jobs import job_out
+from server.api.schemas import TaskList, TaskOut
+from server.jobs.schemas import JobOut, RegisterRequest
+from server.tasks import BASE
+
+router = APIRouter(prefix="/v1", tags=["tasks"], dependencies=[ApiKey])
+
+
+def task_out(record: TaskRecord) -> TaskOut:
+    return TaskOut(
+        id=record.id, status=record.status, method=record.method, version=record.version,
+        created_at=record.created_at, updated_at=record.updated_at, params=record.params, kind=record.kind,
+        inventory_version=record.inventory_version, job_id=record.job_id, error=record.error,
+        metrics=record.metrics,
+    )
+
+
+def base_out(rt) -> TaskOut:
+    return TaskOut(id=BASE, status="ready", method="base", version=0, created_at=rt.started_at,
+                   updated_at=rt.started_at, params=0, kind=None)
+
+
+@router.get("/tasks", response_model=TaskList, responses=ERRORS["read"])
+async def list_tasks(rt: RuntimeDep) -> TaskList:
+    records = await asyncio.to_thread(rt.registry.list, tenants.current())
+    return TaskList(data=[task_out(r) for r in records])
+
+
+@router.get("/tasks/{task}", response_model=TaskOut, responses=ERRORS["lookup"])
+async def get_task(task: str, rt: RuntimeDep) -> TaskOut:
+    try:
+        validate_task_id(task)
+    except ValueError as err:
+        raise ApiError(404, "not_found", f"task: {err}") from None
+    if task == BASE:
+        return base_out(rt)
+    return task_out(await asyncio.to_thread(rt.registry.get, task, tenants.current()))
+
+
+@router.post("/tasks", status_code=202, response_model=JobOut, dependencies=[AdminKey],
+             responses=ERRORS["register"])
+async def register_task(body: RegisterRequest, rt: RuntimeDep, settings: SettingsDep) -> JobOut:
+    """Register a task from few-shot examples: 202 with the job that learns it. With method
+    `lora`: 201 with the imported task (server.api.lora_tasks)."""
+    if body.method == "lora":
+        return await import_lora_task(body, rt)
+    if body.examples is None:
+        raise ApiError(422, "validation_error", "examples: Field required", param="examples")
+    if len(body.examples) > settings.max_examples_per_task:
+        raise ApiError(422, "validation_error",
+                       f"examples: at most {settings.max_examples_per_task} examples per task, got {len(body.examples)}",
+                       param="examples")
+    if body.steps is not None and body.method == "retrieve":
+        raise ApiError(422, "validation_error", "steps: retrieve takes no optimisation steps", param="steps")
+    if body.steps is not None and body.steps > settings.max_job_steps:
+        raise ApiError(422, "validation_error", f"steps: at most {settings.max_job_steps}, got {body.steps}",
+                       param="steps")
+    if body.task in RESERVED_TASK_IDS:
+        raise ApiError(422, "validation_error", f"task: {body.task!r} is reserved", param="task")
+    caller = tenants.current()
+    if body.shared and not caller.admin:
+        raise ApiError(403, "forbidden", "shared: only an admin key may register a task every tenant can use",
+                       param="shared")
+    examples = [e.model_dump() for e in body.examples]
+    try:
+        job = await asyncio.to_thread(rt.registration.submit, body.task, examples, body.method, body.steps, body.seed,
+                                      serve_early=body.serve_early, tenant=caller, shared=body.shared)
+    except RuntimeError as err:
+        raise ApiError(409, "conflict", str(err)) from None
+    return job_out(job)
+
+
+@router.delete("/tasks/{task}", status_code=204, dependencies=[AdminKey], responses=ERRORS["delete"])
+async def delete_task(task: str, rt: RuntimeDep) -> Response:
+    try:
+        validate_task_id(task)
+    except ValueError as err:
+        raise ApiError(404, "not_found", f"task: {err}") from None
+    if task in RESERVED_TASK_IDS:
+        raise ApiError(409, "conflict", f"task {task!r} is the bare backbone and cannot be deleted")
+    await asyncio.to_thread(rt.registration.delete, task, tenants.current())
+    return Response(status_code=204)

@@ -1,0 +1,94 @@
+"""Wire schemas of polyserve's own API (pydantic); never internal objects."""
+
+from __future__ import annotations
+
+from typing import Annotated, Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from adapters_store.mix import MAX_MIX_CHARS, MIX_SCHEMA_EXTRA, MODEL_ID_PATTERN
+from server.api.wire import Bool, Float, Int
+
+
+class Usage(BaseModel):
+    prompt_tokens: int
+    completion_tokens: int
+
+
+class GenerateRequest(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    task: str = Field(pattern=MODEL_ID_PATTERN, max_length=MAX_MIX_CHARS, json_schema_extra=MIX_SCHEMA_EXTRA, examples=["base"])
+    prompt: str
+    max_new_tokens: Int(ge=1) = Field(default=64, description="default: 64, or the server's limit if lower")
+    temperature: Float(ge=0.0, le=100.0) = 0.0
+    top_p: Float(gt=0.0, le=1.0) = 1.0
+    top_k: Int(ge=0) = 0
+    stop: list[Annotated[str, Field(min_length=1, max_length=256)]] = Field(default_factory=list)
+    seed: Int() | None = Field(default=None, description="any integer (used modulo 2**63)")
+    stream: Bool = False
+
+
+class GenerateResponse(BaseModel):
+    id: str
+    task: str
+    text: str
+    finish_reason: Literal["stop", "length", "cancelled"]
+    usage: Usage
+
+
+class TaskOut(BaseModel):
+    id: str
+    status: Literal["ready", "training", "failed"]
+    method: str
+    version: int
+    created_at: float
+    updated_at: float
+    params: int
+    kind: str | None = None
+    inventory_version: str | None = None
+    job_id: str | None = None
+    error: str | None = None
+    metrics: dict[str, Any] = Field(default_factory=dict)
+
+
+class TaskList(BaseModel):
+    data: list[TaskOut]
+
+
+class ErrorDetail(BaseModel):
+    """polyserve's error: `param` names the offending field, `code` a stable reason (or null)."""
+
+    type: str
+    message: str
+    param: str | None = None
+    code: str | None = None
+
+
+class ErrorResponse(BaseModel):
+    error: ErrorDetail
+
+
+class OpenAIErrorDetail(BaseModel):
+    message: str
+    type: str = Field(description="invalid_request_error | authentication_error | rate_limit_error | server_error")
+    param: str | None = None
+    code: str | None = None
+
+
+class OpenAIErrorResponse(BaseModel):
+    error: OpenAIErrorDetail
+
+
+class ModelOut(BaseModel):
+    id: str
+    object: Literal["model"] = "model"
+    created: int
+    owned_by: str
+    root: str | None = Field(default=None, description="the backbone")
+    parent: str | None = Field(default=None, description="`base` for a task")
+
+
+class ModelList(BaseModel):
+    object: Literal["list"] = "list"
+    data: list[ModelOut]

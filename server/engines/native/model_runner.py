@@ -1,0 +1,76 @@
+"""The model side of the native engine: what runs one flat step (step.StepBatch), and which one.
+
+    llama.LlamaRunner   Llama-family decoders (llama, mistral without a sliding window, qwen2):
+                          the engine's own forward, fused and packed linears, the serving dtype
+    hf_runner.HFRunner every other Hugging Face decoder: its own forward on the flat batch, its
+                          attention routed to the slot cache; the model's dtype
+
+Both keep a slot KV cache and per-slot LoRA tables (slots.py, slot_lora.py) and run the same
+steps; the engine does not know which one it drives.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any, Protocol
+
+import torch
+
+from server.engines.native.step import StepBatch
+
+log = logging.getLogger("polyserve.engine")
+
+KINDS = ("auto", "llama", "hf")
+
+
+class ModelRunner(Protocol):
+    name: str
+    device: torch.device
+    dtype: torch.dtype
+    vocab_size: int
+    max_positions: int | None
+
+    def forward(self, batch: StepBatch) -> torch.Tensor:
+        """Logits (R, V) float32 at batch.logit_index; writes the items' K/V into their slots."""
+        ...
+
+    def set_adapter(self, slot: int, adapter: Any) -> None:
+        """The row in `slot` runs with `adapter` (None = base); raises if it cannot."""
+        ...
+
+    def copy_slot(self, src: int, dst: int, length: int) -> None: ...
+
+    def idle(self) -> None: ...
+
+
+def build_model_runner(model: torch.nn.Module, routed: Any = None, *, slots: int, dtype: torch.dtype | None = None,
+                   kind: str = "auto", packed: bool | None = None, static_decode: bool | None = None,
+                   lora_kernel: str = "auto") -> ModelRunner:
+    """kind auto: the Llama runner where it can run the model, else the HF one. dtype None: the
+    model's own. routed: the RoutedModel (its adapted linears get per-slot LoRA tables).
+    lora_kernel: the decode rows' LoRA in the native CPU kernel (lora_kernel.py): auto | on | off."""
+    from server.engines.native.hf_runner import HFRunner
+    from server.engines.native.llama import LlamaRunner, unsupported
+
+    if kind not in KINDS:
+        raise ValueError(f"runner must be one of {', '.join(KINDS)}, got {kind!r}")
+    model_dtype = next(model.parameters()).dtype
+    dtype = dtype or model_dtype
+    reason = unsupported(model)
+    if kind == "llama" and reason is not None:
+        raise ValueError(f"the Llama runner cannot run this model: {reason}")
+    if kind == "llama" or (kind == "auto" and reason is None):
+        adapted = list(routed.names) if routed is not None else None
+        spec = routed.spec if routed is not None else None
+        skills = [(layer.lora_A.detach(), layer.lora_B.detach()) for layer in routed.layers] if routed else None
+        return LlamaRunner(model, dtype=dtype, slots=slots, packed=packed, adapted=adapted,
+                             rank=spec.rank if spec else 0, scale=spec.scale if spec else 1.0, skills=skills,
+                             static_decode=static_decode, lora_kernel=lora_kernel)
+    if reason is not None:
+        log.info("native engine: the model's own forward (%s)", reason)
+    if dtype != model_dtype:
+        log.warning("native engine: the model's own forward serves in the dtype it was loaded in (%s), not %s",
+                    model_dtype, dtype)
+    runner = HFRunner(model, routed, slots=slots, lora_kernel=lora_kernel)
+    runner.check(list(range(1, min(17, runner.vocab_size))))
+    return runner
