@@ -24,6 +24,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from adapters_store.backbone import load_backbone
+from server.engines.native.config import EngineConfig
 from server.engines.native.engine import NativeEngine
 from server.engines.request import GenRequest, SamplingParams
 
@@ -44,9 +45,7 @@ def variants(max_new: int) -> dict[str, SamplingParams]:
 
 
 def time_steps(bb, rows: int, params: SamplingParams, steps: int, prompt_len: int) -> float:
-    engine = NativeEngine(bb.model, bb.tokenizer, None, max_batch_rows=rows, max_prefill_rows=rows,
-                          max_batch_tokens=rows * (prompt_len + params.max_new_tokens),
-                          max_step_tokens=rows * (prompt_len + 1) + 1)  # every prompt in the first step
+    engine = NativeEngine(bb.model, bb.tokenizer, None, EngineConfig(max_batch_rows=rows, max_prefill_rows=rows, max_batch_tokens=rows * (prompt_len + params.max_new_tokens), max_step_tokens=rows * (prompt_len + 1) + 1))  # every prompt in the first step
     prompt = [int(t) % 200 + 10 for t in range(prompt_len)]
     for _ in range(rows):
         engine.submit(GenRequest(list(prompt), params))

@@ -29,6 +29,7 @@ from adapters_store.prompt import format_prompt
 from adapters_store.store import Store
 from server.adapter_cache.cache import AdapterCache
 from server.adapter_cache.l1 import L1Cache
+from server.engines.native.config import EngineConfig
 from server.engines.native.engine import NativeEngine
 from server.engines.request import GenRequest, SamplingParams
 from training.default_inventory import install_default_inventory
@@ -84,9 +85,7 @@ def main() -> None:
                       add_special_tokens=False).input_ids), None, 16) for c in CHAT]
     out = {}
     for dtype in (torch.float32, torch.bfloat16):
-        engine = openmp.in_fresh_thread(lambda d=dtype: NativeEngine(
-            bb.model, tok, rm, dtype=d, threads=args.threads, max_batch_rows=args.batch, max_batch_tokens=1 << 20,
-            max_queue=1 << 16))
+        engine = openmp.in_fresh_thread(lambda d=dtype: NativeEngine(bb.model, tok, rm, EngineConfig(dtype=d, threads=args.threads, max_batch_rows=args.batch, max_batch_tokens=1 << 20, max_queue=1 << 16)))
         engine.start()
         try:
             out[dtype] = (run(engine, jobs), run(engine, chat))

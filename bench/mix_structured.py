@@ -40,6 +40,7 @@ from adapters_store.mix import parse_mix
 from adapters_store.store import Store
 from server.adapter_cache.cache import AdapterCache
 from server.adapter_cache.l1 import L1Cache
+from server.engines.native.config import EngineConfig
 from server.engines.native.engine import NativeEngine
 from server.engines.request import FinalEvent, GenRequest, SamplingParams
 from training.default_inventory import install_default_inventory
@@ -112,8 +113,7 @@ def main() -> None:
     half = [FORMAT if i % 2 else None for i in range(len(jobs))]
 
     def start() -> NativeEngine:
-        eng = NativeEngine(bb.model, bb.tokenizer, routed, max_batch_rows=args.batch, max_batch_tokens=1 << 20,
-                           max_prefill_rows=args.batch, max_queue=1 << 16, threads=args.threads)
+        eng = NativeEngine(bb.model, bb.tokenizer, routed, EngineConfig(max_batch_rows=args.batch, max_batch_tokens=1 << 20, max_prefill_rows=args.batch, max_queue=1 << 16, threads=args.threads))
         eng.start()
         return eng
 

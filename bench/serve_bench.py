@@ -55,6 +55,7 @@ from adapters_store.store import Store
 from server.adapter_cache.cache import AdapterCache
 from server.adapter_cache.l1 import L1Cache
 from server.engines.dtype import serving_dtype
+from server.engines.native.config import EngineConfig
 from server.engines.native.engine import NativeEngine as Engine
 from server.engines.request import FinalEvent, GenRequest, RequestHandle, SamplingParams
 from server.settings import switch
@@ -302,10 +303,10 @@ def main() -> None:
 
     def engine_run(serving: torch.dtype, name: str, lora_kernel: str = "auto", **kw) -> dict:
         def start() -> Engine:
-            eng = Engine(bb.model, bb.tokenizer, rm, max_batch_rows=args.batch, max_batch_tokens=1 << 20,
-                         max_prefill_rows=args.batch, max_queue=1 << 16, max_step_tokens=args.max_step_tokens,
-                         dtype=serving, packed_weights=packed, threads=args.threads,
-                         static_decode=switch(args.static_decode), lora_kernel=lora_kernel)
+            eng = Engine(bb.model, bb.tokenizer, rm, EngineConfig(
+                max_batch_rows=args.batch, max_batch_tokens=1 << 20, max_prefill_rows=args.batch, max_queue=1 << 16,
+                max_step_tokens=args.max_step_tokens, dtype=serving, packed_weights=packed, threads=args.threads,
+                static_decode=switch(args.static_decode), lora_kernel=lora_kernel))
             eng.start()
             return eng
 

@@ -10,6 +10,7 @@ import torch
 from server.adapter_cache.cache import AdapterCache
 from server.adapter_cache.l1 import L1Cache
 from server.engines.base import QueueFull
+from server.engines.native.config import EngineConfig
 from server.engines.native.engine import NativeEngine as Engine
 from server.engines.request import FinalEvent, GenRequest, SamplingParams, TokenEvent
 from tests.server_fixtures import TASKS, build_store, tiny_backbone
@@ -33,9 +34,10 @@ def setup(tmp_path_factory):
     return bb, rm, adapters
 
 
-def make_engine(setup, **kw) -> Engine:
+def make_engine(setup, **config) -> Engine:
+    """A started engine on the setup's backbone; `config`: EngineConfig fields."""
     bb, rm, _ = setup
-    engine = Engine(bb.model, bb.tokenizer, rm, **kw)
+    engine = Engine(bb.model, bb.tokenizer, rm, EngineConfig(**config))
     engine.start()
     return engine
 
@@ -104,12 +106,12 @@ def test_base_rows_moved_into_finished_tasks_slots_keep_their_solo_answer(setup,
         return GenRequest(ids, SamplingParams(max_new_tokens=tokens, ignore_eos=True), adapters[task], task)
 
     def alone(job) -> str:
-        engine = Engine(bb.model, bb.tokenizer, rm, runner_kind=kind, max_batch_rows=4)
+        engine = Engine(bb.model, bb.tokenizer, rm, EngineConfig(runner_kind=kind, max_batch_rows=4))
         return step_until_done(engine, [engine.submit(request(*job))])[0]
 
     jobs = [("first", "alpha", 2), ("second", "beta", 3), ("the base row", "base", 14), ("last", "gamma", 14)]
     solo = [alone(job) for job in jobs]
-    engine = Engine(bb.model, bb.tokenizer, rm, runner_kind=kind, max_batch_rows=4)
+    engine = Engine(bb.model, bb.tokenizer, rm, EngineConfig(runner_kind=kind, max_batch_rows=4))
     reqs = [engine.submit(request(*job)) for job in jobs]
     def slots() -> dict[str, int]:
         return {r.req.task: r.slot for r in engine.rows}
@@ -188,7 +190,7 @@ def test_cancel_frees_the_row_within_a_step(setup):
 
 def test_queue_full_raises_with_retry_after(setup):
     bb, rm, _ = setup
-    engine = Engine(bb.model, bb.tokenizer, rm, max_queue=2)  # not started: nothing drains
+    engine = Engine(bb.model, bb.tokenizer, rm, EngineConfig(max_queue=2))  # not started: nothing drains
     p = SamplingParams(max_new_tokens=4)
     engine.submit(GenRequest([1, 2], p))
     engine.submit(GenRequest([1, 2], p))

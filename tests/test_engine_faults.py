@@ -16,6 +16,7 @@ import pytest
 
 from server.engines.base import EngineStopped
 from server.engines.native import engine as engine_module
+from server.engines.native.config import EngineConfig
 from server.engines.native.engine import NativeEngine
 from server.engines.request import GenRequest, RequestHandle, SamplingParams, TokenEvent
 from tests.engine_utils import submit, wait_all
@@ -70,9 +71,10 @@ def ids(tok, text: str) -> list[int]:
     return list(tok(text, add_special_tokens=False).input_ids)
 
 
-def engine_with(model, tokenizer, **kw) -> NativeEngine:
-    """An engine on `model`, not started (so everything submitted before start joins one batch)."""
-    return NativeEngine(model, tokenizer, **kw)
+def engine_with(model, tokenizer, **config) -> NativeEngine:
+    """An engine on `model`, not started (so everything submitted before start joins one batch);
+    `config`: EngineConfig fields."""
+    return NativeEngine(model, tokenizer, config=EngineConfig(**config))
 
 
 def run_together(eng, tokenizer, bad: GenRequest, position: int = 3):

@@ -11,6 +11,7 @@ import pytest
 import torch
 from transformers import LogitsProcessor, LogitsProcessorList
 
+from server.engines.native.config import EngineConfig
 from server.engines.native.engine import NativeEngine
 from server.engines.request import GenRequest, SamplingParams
 from tests.engine_utils import choices, run, submit, wait_all
@@ -141,7 +142,7 @@ def test_cancel_during_prefill_stops_the_prefill_at_the_next_step(tiny_base, tok
     """A request cancelled while its prompt is still prefilling (8 tokens a step, 300 to go) runs
     no further chunk, sends no token, and every choice gets one cancelled final. Stepped by hand:
     the engine thread never runs, so which step sees the cancel is fixed."""
-    eng = NativeEngine(tiny_base, tokenizer, max_batch_rows=4, max_step_tokens=8)
+    eng = NativeEngine(tiny_base, tokenizer, None, EngineConfig(max_batch_rows=4, max_step_tokens=8))
     seen = spy_forwards(eng)
     prompt = [(7 * i) % 250 + 3 for i in range(300)]
     req = eng.submit(GenRequest(prompt, SamplingParams(max_new_tokens=8, ignore_eos=True, n=2)))
@@ -171,7 +172,7 @@ def run_by_hand(eng, tok, prompt: str, params: SamplingParams):
 
 
 def test_admission_counts_every_choice_as_a_row(tiny_base, tokenizer, one_thread):
-    eng = NativeEngine(tiny_base, tokenizer, max_batch_rows=4)
+    eng = NativeEngine(tiny_base, tokenizer, None, EngineConfig(max_batch_rows=4))
     seen = []
     forward = eng.runner.forward
 
@@ -222,7 +223,7 @@ def test_eos_token_is_counted_and_reported(engine, tokenizer):
 @pytest.mark.parametrize("step_tokens", [256, 7], ids=["one-chunk", "chunked"])
 def test_prompt_logprobs_equal_a_plain_forward(tiny_base, tokenizer, one_thread, step_tokens):
     ids = ids_of(tokenizer, "the quick brown fox")
-    engine = NativeEngine(tiny_base, tokenizer, max_step_tokens=step_tokens, max_batch_rows=4)
+    engine = NativeEngine(tiny_base, tokenizer, None, EngineConfig(max_step_tokens=step_tokens, max_batch_rows=4))
     seen = spy_forwards(engine)
     asking = dataclasses.replace(GREEDY, max_new_tokens=4, prompt_logprobs=2, n=2)
     reqs = [submit(engine, tokenizer, ids, asking), submit(engine, tokenizer, "other", GREEDY)]

@@ -12,6 +12,7 @@ import pytest
 
 from adapters_store.tiny import tiny_llama, tiny_tokenizer
 from server.engines.fair import TenantCaps
+from server.engines.native.config import EngineConfig
 from server.engines.native.engine import NativeEngine
 from server.engines.request import FinalEvent, GenRequest, SamplingParams
 from server.metrics import Metrics
@@ -31,8 +32,7 @@ def model():
 
 def engine(model, caps: TenantCaps) -> NativeEngine:
     m, tok = model
-    return NativeEngine(m, tok, max_batch_rows=ROWS, max_batch_tokens=4096, max_step_tokens=64, caps=caps,
-                        metrics=Metrics())
+    return NativeEngine(m, tok, None, EngineConfig(max_batch_rows=ROWS, max_batch_tokens=4096, max_step_tokens=64, caps=caps), metrics=Metrics())
 
 
 def tokens_per_step(eng: NativeEngine) -> float:

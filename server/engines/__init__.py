@@ -10,7 +10,6 @@ from typing import Any
 
 from server.engines.base import Engine, EngineStopped, QueueFull
 from server.engines.dtype import dtype_name, serving_dtype
-from server.settings import switch
 
 __all__ = ["Engine", "EngineStopped", "QueueFull", "build_engine"]
 
@@ -21,18 +20,11 @@ def build_engine(settings: Any, backbone: Any, routed: Any, metrics: Any, invent
     routed: the RoutedModel on backbone.model (None without an inventory); inventory: its
     InventoryInfo (the vLLM engine writes tasks as PEFT LoRAs of that shape)."""
     if settings.engine == "native":
+        from server.engines.native.config import EngineConfig
         from server.engines.native.engine import NativeEngine
 
-        return NativeEngine(
-            backbone.model, backbone.tokenizer, routed, max_batch_rows=settings.max_batch_rows,
-            max_batch_tokens=settings.max_batch_tokens, max_prefill_rows=settings.max_prefill_rows,
-            max_queue=settings.max_queue, max_step_tokens=settings.max_step_tokens, metrics=metrics,
-            background_share=settings.background_share, dtype=serving_dtype(settings.device, settings.dtype),
-            runner_kind=settings.native_executor,
-            packed_weights=switch(settings.packed_weights),
-            static_decode=switch(settings.static_decode), threads=threads, lora_kernel=settings.lora_kernel,
-            caps=tenant_caps(settings),
-        )
+        return NativeEngine(backbone.model, backbone.tokenizer, routed,
+                            EngineConfig.from_settings(settings, threads=threads), metrics=metrics)
     if settings.engine == "vllm":
         return _vllm_engine(settings, backbone, metrics, inventory)
     raise ValueError(f"unknown engine {settings.engine!r} (known: native, vllm)")

@@ -3,9 +3,10 @@
     loop:
         one background slice (if any, and if within its time share)   add_background_task(fn)
         cancelled rows and prefills leave; their KV slots are freed
-        admit waiting requests (rows, KV-token and step-token budgets): each takes n KV slots and
-            its adapter is written into the first slot's LoRA tables (slot_lora.py)
-        one step = one forward (step.py) over
+        admit waiting requests (scheduler.py: fair order; rows, KV-token and step-token budgets):
+            each takes n KV slots and its adapter is written into the first slot's LoRA tables
+            (slot_lora.py)
+        one step = one forward (step.py) over what the scheduler plans:
             every decoding row (one token each)                           rows of all tasks
             + prompt chunks of admitted requests, within max_step_tokens  chunked prefill
         a request whose prompt is complete forks its slot into its n choices, samples their
@@ -41,19 +42,20 @@ import threading
 import time
 from collections import deque
 from collections.abc import Callable
-from dataclasses import dataclass
 from typing import Any
 
 import torch
 
 from server import openmp
 from server.engines.base import EngineStopped, QueueFull, check_fits
-from server.engines.fair import FairQueue, TenantCaps, TenantLimit, check_caps, in_flight
+from server.engines.fair import TenantLimit, check_caps
+from server.engines.native.config import EngineConfig
 from server.engines.native.isolate import find_culprits
 from server.engines.native.ledger import FinalLedger, answer_unadmitted
 from server.engines.native.logprobs import prompt_chunk_logprobs
 from server.engines.native.model_runner import ModelRunner, build_model_runner
 from server.engines.native.rows import Row, describe, new_rows, sample_rows, stop_token
+from server.engines.native.scheduler import Prefill, Scheduler
 from server.engines.native.slots import SlotPool
 from server.engines.native.step import Item, StepBatch
 from server.engines.request import FinalEvent, FinishReason, GenRequest, TokenEvent, TokenLogprob
@@ -61,64 +63,38 @@ from server.engines.request import FinalEvent, FinishReason, GenRequest, TokenEv
 log = logging.getLogger("polyserve.engine")
 
 
-@dataclass(eq=False)
-class Prefill:
-    """An admitted request whose prompt is not all in its KV slot yet."""
-
-    req: GenRequest
-    slots: list[int]  # n slots: slots[0] receives the prompt, the others wait for the forked choices
-    done: int = 0  # prompt tokens already in slots[0]
-    prompt_lp: list[TokenLogprob | None] | None = None
-    failed: bool = False
-
-    @property
-    def remaining(self) -> int:
-        return len(self.req.prompt_ids) - self.done
-
-
 class NativeEngine:
     """The embedded engine (server.engines.base.Engine)."""
 
     name = "native"
 
-    def __init__(
-        self, model: torch.nn.Module, tokenizer: Any, routed_model: Any = None, *,
-        max_batch_rows: int = 32, max_batch_tokens: int = 16384, max_prefill_rows: int = 16,
-        max_queue: int = 256, max_step_tokens: int = 256, metrics: Any = None, background_share: float = 0.2,
-        dtype: torch.dtype | None = None, runner: ModelRunner | None = None, runner_kind: str = "auto",
-        packed_weights: bool | None = None, threads: int | None = None, static_decode: bool | None = None,
-        lora_kernel: str = "auto", caps: TenantCaps | None = None,
-    ) -> None:
-        if not 0 < background_share <= 1:
-            raise ValueError(f"background_share must be in (0, 1], got {background_share}")
-        if max_step_tokens <= max_batch_rows:
-            raise ValueError(f"max_step_tokens ({max_step_tokens}) must exceed max_batch_rows ({max_batch_rows}): "
-                             "a step holds every decoding row's token and room for prompt chunks")
-        self.background_share = background_share
+    def __init__(self, model: torch.nn.Module, tokenizer: Any, routed_model: Any = None,
+                 config: EngineConfig | None = None, *, metrics: Any = None, runner: ModelRunner | None = None) -> None:
+        cfg = self.config = config or EngineConfig()
+        self.background_share = cfg.background_share
         self._serve_debt = 0.0  # seconds of serving owed before the next background slice
         self.tokenizer = tokenizer
-        self.max_rows, self.max_tokens = max_batch_rows, max_batch_tokens
-        self.max_prefill_rows, self.max_queue = max_prefill_rows, max_queue
-        self.max_step_tokens = max_step_tokens
+        self.max_rows, self.max_tokens = cfg.max_batch_rows, cfg.max_batch_tokens
         self.metrics = metrics
-        self.runner = runner or build_model_runner(model, routed_model, slots=max_batch_rows, dtype=dtype,
-                                                   kind=runner_kind, packed=packed_weights,
-                                                   static_decode=static_decode, lora_kernel=lora_kernel)
+        self.runner = runner or build_model_runner(model, routed_model, slots=cfg.max_batch_rows, dtype=cfg.dtype,
+                                                   kind=cfg.runner_kind, packed=cfg.packed_weights,
+                                                   static_decode=cfg.static_decode, lora_kernel=cfg.lora_kernel)
         self.device = self.runner.device
         lora = getattr(self.runner, "lora", None)
         log.info("native engine: %s runner, %s, %d slots, %d tokens per step, LoRA %s", self.runner.name,
-                 str(self.runner.dtype).removeprefix("torch."), max_batch_rows, max_step_tokens,
+                 str(self.runner.dtype).removeprefix("torch."), cfg.max_batch_rows, cfg.max_step_tokens,
                  "none" if lora is None else "in the native kernel" if lora.kernel is not None else "as torch ops")
-        self.pool = SlotPool(max_batch_rows)
+        self.pool = SlotPool(cfg.max_batch_rows)
         self.eos_ids = _eos_ids(model, tokenizer)
         self.vocab_size = self.runner.vocab_size
         self.max_positions = self.runner.max_positions
         self.rows: list[Row] = []  # decoding
         self.prefills: list[Prefill] = []  # admitted, prompt not complete (admission order)
         self.ledger = FinalLedger()  # choices admitted and not yet answered
-        # waiting requests, one FIFO per tenant, admitted by fair share (fair.py)
-        self.caps = caps or TenantCaps()
-        self._waiting = FairQueue(self.caps, max_queue=max_queue, max_rows=max_batch_rows, max_tokens=max_batch_tokens)
+        # waiting requests, one FIFO per tenant, admitted by fair share (scheduler.py, fair.py)
+        self.caps = cfg.caps
+        self.scheduler = Scheduler(cfg)
+        self._waiting = self.scheduler.waiting
         self._cond = threading.Condition()
         self._background: deque[Callable[[], bool]] = deque()
         self._stop = False
@@ -128,7 +104,7 @@ class NativeEngine:
         self._avg_request_s = 1.0
         # the engine thread's torch threads (default: the constructing thread's); the process's only
         # OpenMP pool (server/openmp.py)
-        self.threads = threads or torch.get_num_threads()
+        self.threads = cfg.threads or torch.get_num_threads()
 
     # -- public API (any thread) -----------------------------------------------------------------
     def start(self) -> None:
@@ -233,7 +209,7 @@ class NativeEngine:
         with torch.inference_mode():
             self._drop_cancelled()
             self._admit()
-            items, owners = self._schedule()
+            items, owners = self.scheduler.plan_step(self.rows, self.prefills)
             if items:
                 self._run_step(items, owners)
             if not self._in_flight():
@@ -267,32 +243,16 @@ class NativeEngine:
 
     # -- admission -----------------------------------------------------------------------------
     def _admit(self) -> None:
-        """Pop what fits: rows (n per request), KV positions (budget_tokens), and no more prompt
-        tokens waiting for prefill than one step takes; each request takes its n slots."""
-        tokens = sum(len(r.req.prompt_ids) + r.req.params.max_new_tokens for r in self.rows)
-        tokens += sum(p.req.budget_tokens for p in self.prefills)
-        pending = sum(p.remaining for p in self.prefills)
-        budget = max(1, self.max_step_tokens - len(self.rows))
-        admitted: list[GenRequest] = []
+        """The scheduler picks what fits; each admitted request's adapter goes into its first slot."""
         with self._cond:
-            picker = self._waiting.begin(in_flight(
-                [(r.req.tenant, 1, len(r.req.prompt_ids) + r.req.params.max_new_tokens) for r in self.rows]
-                + [(p.req.tenant, p.req.params.n, p.req.budget_tokens) for p in self.prefills]))
-            while self._waiting and pending < budget and len(admitted) < self.max_prefill_rows:
-                req = picker.next(self.max_rows - self.running, self.max_tokens - tokens)
-                if req is None:
-                    break
-                self.ledger.open(req)
-                tokens += req.budget_tokens
-                pending += len(req.prompt_ids)
-                admitted.append(req)
-                prefill = Prefill(req, [])
-                prefill.slots = self.pool.take(prefill, req.params.n)
-                self.prefills.append(prefill)
-            for req in picker.cancelled:
-                answer_unadmitted(req, "cancelled")
+            admission = self.scheduler.admit(self.rows, self.prefills, self.pool)
+        for req in admission.cancelled:
+            answer_unadmitted(req, "cancelled")
+        for prefill in admission.admitted:
+            self.ledger.open(prefill.req)
+            self.prefills.append(prefill)
         now = time.perf_counter()
-        for prefill in self.prefills[len(self.prefills) - len(admitted):]:
+        for prefill in admission.admitted:
             req = prefill.req
             if self.metrics is not None:
                 self.metrics.queue_wait.observe(now - req.arrival)
@@ -305,27 +265,6 @@ class NativeEngine:
                 log.warning("request %s: adapter not usable: %s", req.id, describe(err))
                 self._fail_prefill(prefill, f"adapter not usable: {describe(err)}")
         self._release_failed()
-
-    def _schedule(self) -> tuple[list[Item], list[Row | Prefill]]:
-        """Every decoding row's next token, then prompt chunks (admission order) while the step's
-        token budget lasts."""
-        items: list[Item] = []
-        owners: list[Row | Prefill] = []
-        for row in self.rows:
-            items.append(Item(row.slot, row.length, (row.last_token,)))
-            owners.append(row)
-        budget = self.max_step_tokens - len(items)
-        for prefill in self.prefills:
-            if budget <= 0:
-                break
-            prompt = prefill.req.prompt_ids
-            size = min(prefill.remaining, budget)
-            last = prefill.done + size == len(prompt)
-            wanted = "all" if prefill.prompt_lp is not None else "last" if last else "none"
-            items.append(Item(prefill.slots[0], prefill.done, tuple(prompt[prefill.done : prefill.done + size]), wanted))
-            owners.append(prefill)
-            budget -= size
-        return items, owners
 
     # -- one step ------------------------------------------------------------------------------
     def _run_step(self, items: list[Item], owners: list[Row | Prefill]) -> None:

@@ -1,0 +1,68 @@
+"""The native engine's configuration: its budgets and how its model runner is built, in one value.
+
+    max_batch_rows     KV slots: rows (choices) in flight at once
+    max_batch_tokens   KV tokens in flight: prompt + max_new_tokens of every admitted request
+    max_prefill_rows   requests admitted in one step
+    max_queue          waiting requests beyond which submit answers QueueFull (429)
+    max_step_tokens    tokens in one forward: every decoding row's next token + prompt chunks
+    background_share   share of engine time background slices (registration) may take under load
+    dtype, runner_kind, packed_weights, static_decode, lora_kernel
+                       the model runner (model_runner.build_model_runner)
+    threads            the engine thread's torch threads (None: the constructing thread's count)
+    caps               per-tenant caps and weights (server/engines/fair.py)
+
+`from_settings` maps the POLYSERVE_* settings onto it; tests and benchmarks build one directly.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from server.engines.fair import TenantCaps
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    max_batch_rows: int = 32
+    max_batch_tokens: int = 16384
+    max_prefill_rows: int = 16
+    max_queue: int = 256
+    max_step_tokens: int = 256
+    background_share: float = 0.2
+    dtype: torch.dtype | None = None
+    runner_kind: str = "auto"
+    packed_weights: bool | None = None
+    static_decode: bool | None = None
+    lora_kernel: str = "auto"
+    threads: int | None = None
+    caps: TenantCaps = field(default_factory=TenantCaps)
+
+    def __post_init__(self) -> None:
+        if not 0 < self.background_share <= 1:
+            raise ValueError(f"background_share must be in (0, 1], got {self.background_share}")
+        for name in ("max_batch_rows", "max_batch_tokens", "max_prefill_rows", "max_queue", "max_step_tokens"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be at least 1, got {getattr(self, name)}")
+        if self.max_step_tokens <= self.max_batch_rows:
+            raise ValueError(f"max_step_tokens ({self.max_step_tokens}) must exceed max_batch_rows "
+                             f"({self.max_batch_rows}): a step holds every decoding row's token and room for "
+                             "prompt chunks")
+
+    @classmethod
+    def from_settings(cls, settings: Any, *, threads: int | None = None) -> EngineConfig:
+        """The engine the POLYSERVE_* settings describe (server/settings.py)."""
+        from server.engines import tenant_caps
+        from server.engines.dtype import serving_dtype
+        from server.settings import switch
+
+        return cls(
+            max_batch_rows=settings.max_batch_rows, max_batch_tokens=settings.max_batch_tokens,
+            max_prefill_rows=settings.max_prefill_rows, max_queue=settings.max_queue,
+            max_step_tokens=settings.max_step_tokens, background_share=settings.background_share,
+            dtype=serving_dtype(settings.device, settings.dtype), runner_kind=settings.native_executor,
+            packed_weights=switch(settings.packed_weights), static_decode=switch(settings.static_decode),
+            lora_kernel=settings.lora_kernel, threads=threads, caps=tenant_caps(settings),
+        )
