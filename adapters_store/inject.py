@@ -2,9 +2,6 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterator
-from contextlib import contextmanager
-
 import torch
 from torch import nn
 
@@ -158,12 +155,3 @@ class RoutedModel:
     def _stack(self, layers: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
         return (torch.stack([self.layers[i].lora_A for i in layers]),
                 torch.stack([self.layers[i].lora_B for i in layers]))
-
-    @contextmanager
-    def using_weights(self, weights: torch.Tensor | None) -> Iterator[None]:
-        previous = self.batch.plan
-        self.set_weights(weights)
-        try:
-            yield
-        finally:
-            self.batch.set(previous)

@@ -4,7 +4,7 @@ in one process; both under bf16 autocast. The eval loss must come out the same i
 
     .venv/bin/python bench/adapt_bf16_copies.py --store /tmp/shipped_store --rounds 3 --threads 2
 
-(--store: a store with the shipped inventory, e.g. made by training.default_inventory.install_default_inventory)
+(--store: a store with the shipped inventory, e.g. made by training.shipped_inventory.install_default_inventory)
 """
 
 from __future__ import annotations

@@ -6,7 +6,7 @@ round loads its store's skills).
 
     .venv/bin/python bench/adapt_inventories.py --store /tmp/old_store --also /tmp/new_store --rounds 3 --threads 2
 
-(each store: one made by training.default_inventory.install_default_inventory, from a checkout's
+(each store: one made by training.shipped_inventory.install_default_inventory, from a checkout's
 training/default_inventory/)
 """
 

@@ -6,7 +6,7 @@ linear). Retrieval runs once; every setting starts from its row.
     .venv/bin/python bench/adapt_trained_share.py --store /tmp/shipped_store --settings 1.0:30,0.5:30,0.5:40 \
         --rounds 3 --threads 2
 
-(--store: a store with the shipped inventory, e.g. made by training.default_inventory.install_default_inventory)
+(--store: a store with the shipped inventory, e.g. made by training.shipped_inventory.install_default_inventory)
 """
 
 from __future__ import annotations

@@ -32,8 +32,8 @@ from server.adapter_cache.l1 import L1Cache
 from server.engines.native.config import EngineConfig
 from server.engines.native.engine import NativeEngine
 from server.engines.request import GenRequest, SamplingParams
-from training.default_inventory import install_default_inventory
 from training.evaluate import exact
+from training.shipped_inventory import install_default_inventory
 from training.suite import build_suite, examples
 
 CHAT = ["What is the capital of France?", "Name three colours.", "Write a haiku about the sea.",

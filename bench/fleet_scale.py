@@ -56,7 +56,7 @@ def main() -> None:
             info, skills = src.inventory_bytes()
             store.import_inventory(info, skills)
         else:
-            from training.default_inventory import install_default_inventory
+            from training.shipped_inventory import install_default_inventory
 
             install_default_inventory(store)
         info = store.inventory_info()

@@ -9,7 +9,7 @@ First the combine alone (+ its backward into the routing row), then whole routin
 
     .venv/bin/python bench/materialize_one_task.py --store /tmp/shipped_store --rounds 4 --threads 2
 
-(--store: a store with the shipped inventory, e.g. made by training.default_inventory.install_default_inventory)
+(--store: a store with the shipped inventory, e.g. made by training.shipped_inventory.install_default_inventory)
 """
 
 from __future__ import annotations

@@ -43,7 +43,7 @@ from server.adapter_cache.l1 import L1Cache
 from server.engines.native.config import EngineConfig
 from server.engines.native.engine import NativeEngine
 from server.engines.request import FinalEvent, GenRequest, SamplingParams
-from training.default_inventory import install_default_inventory
+from training.shipped_inventory import install_default_inventory
 
 SCHEMA = {"type": "object", "properties": {"words": {"type": "array", "items": {"type": "string", "maxLength": 12},
                                                      "maxItems": 6}}, "required": ["words"]}

@@ -29,7 +29,7 @@ from local_server import polyserve_server
 
 from adapters_store.home import polyserve_home
 from adapters_store.store import Store
-from training.default_inventory import install_default_inventory
+from training.shipped_inventory import install_default_inventory
 from training.suite import build_suite, examples
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -30,7 +30,7 @@ from adapters_store.materialize import task_weights
 from adapters_store.similar import rank_exact
 from adapters_store.store import Store
 from server.similar_index import RoutingIndex
-from training.default_inventory import PACKAGE_DIR as DEFAULT_INVENTORY_DIR
+from training.shipped_inventory import PACKAGE_DIR as DEFAULT_INVENTORY_DIR
 
 
 def build(root: Path, n_tasks: int, noise: float, seed: int) -> Store:

@@ -143,7 +143,7 @@ def main() -> None:
     from adapters_store.backbone import hf_dir
     from adapters_store.home import polyserve_home
     from adapters_store.store import Store
-    from training.default_inventory import install_default_inventory
+    from training.shipped_inventory import install_default_inventory
 
     if not args.vllm_python.is_file():
         raise SystemExit(f"no vLLM environment at {args.vllm_python}: `make vllm-env`")

@@ -18,7 +18,7 @@ from urllib.parse import quote
 
 import httpx
 
-from .errors import ConnectionFailed, InvalidInput, PolyserveError, error_from_response, parse_retry_after
+from .errors import ConnectionFailed, InvalidInput, PolyserveError, parse_retry_after
 from .types import Generation, Job, JobEvent, Task
 
 DEFAULT_URL = "http://127.0.0.1:8000"
@@ -160,13 +160,6 @@ def retry_delay(
     ):
         return None
     return backoff * (1 << attempt)
-
-
-def check_response(response: httpx.Response) -> httpx.Response:
-    """Raise the typed error for a non-2xx ``response`` (which must have been read)."""
-    if response.is_success:
-        return response
-    raise error_from_response(response)
 
 
 def json_body(response: httpx.Response) -> Any:

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-from collections.abc import Iterable, Iterator
 
 from .errors import PolyserveError, error_from_payload
 from .types import StreamChunk
@@ -87,13 +86,3 @@ class ChunkParser:
         if not (self.done or self._finished):
             raise PolyserveError(None, "incomplete_stream", "the stream ended before its final event")
         return chunks
-
-
-def iter_chunks(lines: Iterable[str]) -> Iterator[StreamChunk]:
-    """Decode SSE ``lines`` into chunks until ``data: [DONE]`` (or the end of the stream)."""
-    parser = ChunkParser()
-    for line in lines:
-        yield from parser.feed(line)
-        if parser.done:
-            return
-    yield from parser.close()

@@ -20,4 +20,4 @@ nice -n 5 .venv/bin/polyserve train --suite procedural --steps 2000 "${COMMON[@]
 .venv/bin/python scripts/wide_suite.py --pairs 100 --triples 92 --out "$STORE.wide_suite.jsonl"
 nice -n 5 .venv/bin/polyserve train --suite "$STORE.wide_suite.jsonl" --steps 1200 "${COMMON[@]}" \
   --init-from "$STORE.stage1" --store "$STORE" "${@:2}"
-.venv/bin/python -m training.default_inventory --from-store "$STORE"
+.venv/bin/python -m training.shipped_inventory --from-store "$STORE"

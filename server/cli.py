@@ -33,16 +33,9 @@ def main() -> None:
 
 
 for module_name, names in COMMANDS.items():
-    try:
-        module = importlib.import_module(module_name)
-    except ModuleNotFoundError as err:  # a package under construction must not break the others
-        if err.name != module_name:
-            raise
-        continue
+    module = importlib.import_module(module_name)
     for attr in names:
-        command = getattr(module, attr, None)
-        if isinstance(command, click.Command):
-            main.add_command(command)
+        main.add_command(getattr(module, attr))
 
 
 if __name__ == "__main__":

@@ -40,7 +40,7 @@ def _maybe_install_default_inventory(store: Store, backbone_spec: str) -> bool:
     if backbone_spec != "default" or store.has_inventory() or store.task_stamps():
         return False
     try:
-        from training.default_inventory import install_default_inventory  # type: ignore[import-not-found]
+        from training.shipped_inventory import install_default_inventory  # type: ignore[import-not-found]
     except ImportError:
         log.info("no shipped default inventory; serving `base` only until one is trained")
         return False

@@ -143,7 +143,7 @@ def redis_up(url: str = REDIS_URL) -> bool:
 def shipped_inventory_available() -> bool:
     """Whether training/default_inventory/ holds the shipped inventory (the slow tests need it)."""
     try:
-        from training.default_inventory import default_inventory_available
+        from training.shipped_inventory import default_inventory_available
     except ImportError:
         return False
     return default_inventory_available()

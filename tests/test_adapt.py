@@ -236,7 +236,7 @@ def test_routing_adaptation_on_the_default_backbone_and_inventory(tmp_path):
     from 16 examples runs within the interactive budget and does not hurt the held-out loss."""
     import time
 
-    from training.default_inventory import default_inventory_available, install_default_inventory
+    from training.shipped_inventory import default_inventory_available, install_default_inventory
 
     if not default_inventory_available():
         pytest.skip("no default inventory shipped in training/default_inventory/")

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import json
 
-from training.default_inventory import PACKAGE_DIR
 from training.far_heldout import (
     FAR_BOUND,
     FAR_HELDOUT,
@@ -15,6 +14,7 @@ from training.far_heldout import (
     nearest,
     wide_suite,
 )
+from training.shipped_inventory import PACKAGE_DIR
 from training.suite import build_suite, parse_task, probe_inputs
 
 

@@ -113,8 +113,8 @@ def test_lm_eval_harness_matches_polyserve_eval(tmp_path):
     from adapters_store.materialize import task_layers
     from adapters_store.store import Store
     from training.cli import _routed, eval_cmd
-    from training.default_inventory import install_default_inventory
     from training.evaluate import evaluate_task
+    from training.shipped_inventory import install_default_inventory
     from training.suite import examples as suite_examples
     from training.suite import parse_task
 

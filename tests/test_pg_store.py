@@ -61,7 +61,7 @@ def test_db_upgrade_refuses_a_directory_and_a_newer_schema(tmp_path):
 INSTALLER = r"""
 import sys
 from adapters_store.stores import open_store
-from training.default_inventory import install_default_inventory
+from training.shipped_inventory import install_default_inventory
 print(install_default_inventory(open_store(sys.argv[1]), source=sys.argv[2]), flush=True)
 """
 

@@ -15,11 +15,11 @@ from click.testing import CliRunner
 from adapters_store.backbone import Backbone, fingerprint
 from adapters_store.spec import InventorySpec
 from adapters_store.store import Store
+from training.batch_sampling import draw_candidates, draw_rows, most_uncertain, task_probabilities
 from training.batching import IGNORE, collate, collate_prompts, encode_example, position_ids
 from training.data import Example
 from training.evaluate import heldout_loss
 from training.routing_table import FIXED, RoutingTable, method_shape
-from training.sampling import draw_candidates, draw_rows, most_uncertain, task_probabilities
 from training.suite import examples, parse_task
 from training.trainer import TrainConfig, Trainer, build_optimizer, lr_multiplier
 from training.zstats import discreteness, sparsity, usage, z_stats
@@ -294,7 +294,7 @@ def test_routing_plot_writes_a_png(tmp_path):
 
 
 def test_install_default_inventory_copies_once(tiny_model, tokenizer, tmp_path):
-    from training.default_inventory import export_store, install_default_inventory
+    from training.shipped_inventory import export_store, install_default_inventory
 
     trainer = Trainer(config("mhr", steps=2), backbone(tiny_model, tokenizer), toy_tasks(4), Store(tmp_path / "a"))
     trainer.run(progress=False)

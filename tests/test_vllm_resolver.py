@@ -125,7 +125,7 @@ def test_vllms_own_server_answers_a_store_task_through_the_plugin(tmp_path):
     python = require_vllm_and_backbone()
     from adapters_store.backbone import hf_dir
     from adapters_store.store import Store
-    from training.default_inventory import install_default_inventory
+    from training.shipped_inventory import install_default_inventory
 
     store = Store(tmp_path / "store")
     install_default_inventory(store)

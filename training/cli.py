@@ -32,7 +32,7 @@ def _open_store(path: str | None, *, install_default: bool = False):  # -> Store
 
     store = Store(Path(path).expanduser() if path else default_store())
     if install_default and not store.has_inventory():
-        from training.default_inventory import install_default_inventory
+        from training.shipped_inventory import install_default_inventory
 
         install_default_inventory(store)
     return store

@@ -34,6 +34,7 @@ from adapters_store.inject import RoutedModel
 from adapters_store.spec import ATTENTION_TARGETS, InventorySpec
 from adapters_store.store import Store
 from training import checkpoint as ckpt
+from training.batch_sampling import SAMPLINGS, draw_candidates, draw_rows, most_uncertain
 from training.batching import DEFAULT_MAX_LENGTH, collate, encode_all
 from training.data import Example
 from training.distributed import (
@@ -48,7 +49,6 @@ from training.distributed import (
 from training.loss import normalised_entropy, target_logits, token_loss
 from training.precision import AUTOCAST_CHOICES, resolve_autocast
 from training.routing_table import METHODS, RoutingTable, method_shape
-from training.sampling import SAMPLINGS, draw_candidates, draw_rows, most_uncertain
 
 
 @dataclass

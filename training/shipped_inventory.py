@@ -5,7 +5,7 @@
 
 (the store layout, with the training tasks' routing rows). `install_default_inventory(store)`
 copies it into a working store (any backend) that has no inventory; nothing is ever written into the
-package directory at run time. `python -m training.default_inventory --from-store DIR` refreshes
+package directory at run time. `python -m training.shipped_inventory --from-store DIR` refreshes
 the package data from a freshly trained store (a development step, see
 scripts/train_default_inventory.sh).
 """
