@@ -61,14 +61,14 @@ lint: install
 	$(VENV)/bin/mypy
 
 bench: install
-	$(PY) bench/serve_bench.py
+	$(PY) -m bench.serve_bench
 
 # Mutation testing of the modules where a silent bug costs most (scripts/mutation.py, mutmut):
 # CPU-heavy, minutes per module, not part of `make test`. One module: make mutation MODULES=codec
 .PHONY: mutation
 MODULES ?=
 mutation: install
-	nice -n 10 $(PY) scripts/mutation.py $(MODULES)
+	nice -n 10 $(PY) -m scripts.mutation $(MODULES)
 
 clean:
 	rm -rf $(VENV) .pytest_cache .ruff_cache .mypy_cache *.egg-info

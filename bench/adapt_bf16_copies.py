@@ -2,22 +2,17 @@
 and without bf16 copies of the frozen weights (training.precision.FrozenBf16Weights), alternating
 in one process; both under bf16 autocast. The eval loss must come out the same in every run.
 
-    .venv/bin/python bench/adapt_bf16_copies.py --store /tmp/shipped_store --rounds 3 --threads 2
+    .venv/bin/python -m bench.adapt_bf16_copies --store /tmp/shipped_store --rounds 3 --threads 2
 
 (--store: a store with the shipped inventory, e.g. made by training.shipped_inventory.install_default_inventory)
 """
 
 from __future__ import annotations
 
-import sys
-from pathlib import Path
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import server  # noqa: F401  (before torch: OpenMP spin defaults, server/openmp.py)
 
 # isort: split
-from adaptation_setup import load, parser, run_to_end
-
+from bench.adaptation_setup import load, parser, run_to_end
 from training.adapt import Adaptation
 
 

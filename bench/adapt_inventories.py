@@ -4,7 +4,7 @@ one process: what an inventory change costs a registration, with the host's drif
 over the stores. The inventories must have the same shape (they share one routed model; each
 round loads its store's skills).
 
-    .venv/bin/python bench/adapt_inventories.py --store /tmp/old_store --also /tmp/new_store --rounds 3 --threads 2
+    .venv/bin/python -m bench.adapt_inventories --store /tmp/old_store --also /tmp/new_store --rounds 3 --threads 2
 
 (each store: one made by training.shipped_inventory.install_default_inventory, from a checkout's
 training/default_inventory/)
@@ -13,17 +13,14 @@ training/default_inventory/)
 from __future__ import annotations
 
 import statistics
-import sys
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import server  # noqa: F401  (before torch: OpenMP spin defaults, server/openmp.py)
 
 # isort: split
-from adaptation_setup import load, parser, run_to_end
-
 from adapters_store.store import Store
+from bench.adaptation_setup import load, parser, run_to_end
 from training.adapt import Adaptation
 from training.retrieve import MAX_CANDIDATES, Retrieval
 

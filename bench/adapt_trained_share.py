@@ -3,7 +3,7 @@ inventory, timed for several (trained share, steps) settings, alternating in one
 training only the top share of the routing row saves (a backward pass stops at the first trained
 linear). Retrieval runs once; every setting starts from its row.
 
-    .venv/bin/python bench/adapt_trained_share.py --store /tmp/shipped_store --settings 1.0:30,0.5:30,0.5:40 \
+    .venv/bin/python -m bench.adapt_trained_share --store /tmp/shipped_store --settings 1.0:30,0.5:30,0.5:40 \
         --rounds 3 --threads 2
 
 (--store: a store with the shipped inventory, e.g. made by training.shipped_inventory.install_default_inventory)
@@ -12,15 +12,11 @@ linear). Retrieval runs once; every setting starts from its row.
 from __future__ import annotations
 
 import statistics
-import sys
-from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import server  # noqa: F401  (before torch: OpenMP spin defaults, server/openmp.py)
 
 # isort: split
-from adaptation_setup import load, parser, run_to_end
-
+from bench.adaptation_setup import load, parser, run_to_end
 from training.adapt import Adaptation
 from training.retrieve import retrieve
 

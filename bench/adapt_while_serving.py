@@ -7,7 +7,7 @@ Measures, in one process:
   3. the same registration on an idle server: wall time (target <= 30 s on 2 cores),
   4. the registered task's exact match on its test split vs zero-shot μ (all-zero routing logits).
 
-    .venv/bin/python bench/adapt_while_serving.py --clients 8 --k 16 --json /tmp/adapt.json [--method retrieve]
+    .venv/bin/python -m bench.adapt_while_serving --clients 8 --k 16 --json /tmp/adapt.json [--method retrieve]
 """
 
 from __future__ import annotations
@@ -15,13 +15,11 @@ from __future__ import annotations
 import argparse
 import json
 import random
-import sys
 import tempfile
 import threading
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import server  # noqa: F401  (before torch: OpenMP spin defaults, server/openmp.py)
 from server import openmp
 

@@ -2,8 +2,8 @@
 per sampling variant, side by side in one process. Drives NativeEngine.step() directly (no
 thread, no HTTP): N requests are admitted and prefilled, then `--steps` decode steps are timed.
 
-    flock -x /tmp/polyserve-cpu.lock .venv/bin/python bench/decode_step.py --backbone tiny
-    flock -x /tmp/polyserve-cpu.lock .venv/bin/python bench/decode_step.py --backbone default --steps 20
+    flock -x /tmp/polyserve-cpu.lock .venv/bin/python -m bench.decode_step --backbone tiny
+    flock -x /tmp/polyserve-cpu.lock .venv/bin/python -m bench.decode_step --backbone default --steps 20
 
 Variants (all rows of a batch use the same one): greedy (the common path: one vectorised argmax),
 and, when the engine supports them, sampled, greedy+penalties, greedy+logprobs(5).
@@ -17,11 +17,8 @@ import dataclasses
 import statistics
 import sys
 import time
-from pathlib import Path
 
 import torch
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from adapters_store.backbone import load_backbone
 from server.engines.native.config import EngineConfig

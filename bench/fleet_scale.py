@@ -1,7 +1,7 @@
 """A replica on the PostgreSQL store with many tasks: how long a new replica takes to be ready,
 how long /v1/models takes, and one task's resolution (record read + cache) after warm-up.
 
-    python bench/fleet_scale.py --tasks 10000 [--backbone tiny|default] [--requests 2000]
+    python -m bench.fleet_scale --tasks 10000 [--backbone tiny|default] [--requests 2000]
 
 It creates a throwaway database on the local PostgreSQL (dropped at the end), installs the
 inventory of a tiny test store (or the shipped one with --backbone default), adds --tasks

@@ -6,7 +6,7 @@
 #
 # The native engine replays CUDA graphs of its decode steps (server/engines/native/static_decode.py);
 # `bench/gpu_bench.sh default --static-decode off` measures it without them, and
-# `.venv/bin/python bench/profile_engine.py --device cuda --dtype bfloat16 --batch 64 --requests 128`
+# `.venv/bin/python -m bench.profile_engine --device cuda --dtype bfloat16 --batch 64 --requests 128`
 # prints the kernel launches per step.
 #
 #   bench/gpu_bench.sh [BACKBONE] [more serve_bench arguments]

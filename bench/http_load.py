@@ -7,7 +7,7 @@ HTTP (/v1/generate, httpx). Reports completion tokens/s and request latency p50/
 the ratio: what the HTTP layer, the event loop and the server's threads cost (the server keeps one
 OpenMP pool, the engine thread's: server/openmp.py).
 
-    .venv/bin/python bench/http_load.py --clients 16 --seconds 30 --threads 2
+    .venv/bin/python -m bench.http_load --clients 16 --seconds 30 --threads 2
 """
 
 from __future__ import annotations
@@ -16,23 +16,20 @@ import argparse
 import asyncio
 import os
 import random
-import sys
 import tempfile
 import threading
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-sys.path.insert(0, str(Path(__file__).resolve().parent))
 import server  # noqa: F401  (before torch: OpenMP spin defaults, server/openmp.py)
 from server import openmp
 
 # isort: split
 import httpx
 import torch
-from local_server import polyserve_server
 
 from adapters_store.prompt import format_prompt
+from bench.local_server import polyserve_server
 from server.engines.request import GenRequest, SamplingParams
 from server.metrics import Metrics
 from server.runtime import Runtime

@@ -4,18 +4,15 @@ weight re-packed every call) / packed once for oneDNN. One decode step of `--row
 `--context` positions and one prefill of `--rows` x `--context` tokens each; greedy tokens of the
 decode step are compared with float32 dense.
 
-    .venv/bin/python bench/linear_paths.py --rows 16 --context 100 --threads 2
+    .venv/bin/python -m bench.linear_paths --rows 16 --context 100 --threads 2
 """
 
 from __future__ import annotations
 
 import argparse
 import statistics
-import sys
 import time
-from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import server  # noqa: F401  (before torch: OpenMP spin defaults, server/openmp.py)
 
 # isort: split

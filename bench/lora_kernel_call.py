@@ -3,7 +3,7 @@ inventory's fused groups (q|k|v: 576 -> 576+192+192, three members; o: 576 -> 57
 tables and rows, for decode rows of distinct slots and for runs of one slot's tokens (a prompt
 chunk). Microseconds per call and per row, medians of --repeats rounds of --calls calls.
 
-    .venv/bin/python bench/lora_kernel_call.py --threads 2
+    .venv/bin/python -m bench.lora_kernel_call --threads 2
 
 Run from an earlier commit's tree to compare kernels (the calling convention is unchanged since
 the kernel first shipped).
@@ -13,11 +13,8 @@ from __future__ import annotations
 
 import argparse
 import statistics
-import sys
 import time
-from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import server  # noqa: F401  (before torch: OpenMP spin defaults, server/openmp.py)
 
 # isort: split

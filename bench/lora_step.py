@@ -10,18 +10,15 @@ in the native kernel, and as torch ops:
     prefill  one prompt chunk of --chunk tokens
     prompts  --rows prompts of --short tokens each (a step that admits many short prompts)
 
-    .venv/bin/python bench/lora_step.py --threads 2 --dtype bfloat16
+    .venv/bin/python -m bench.lora_step --threads 2 --dtype bfloat16
 """
 
 from __future__ import annotations
 
 import argparse
 import statistics
-import sys
 import time
-from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import server  # noqa: F401  (before torch: OpenMP spin defaults, server/openmp.py)
 
 # isort: split

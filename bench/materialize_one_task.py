@@ -7,7 +7,7 @@ step and held-out evaluation of a registration runs), two ways, alternating in o
 First the combine alone (+ its backward into the routing row), then whole routing adaptations
 (the default recipe, no retrieval) on the shipped inventory; both must give the same eval loss.
 
-    .venv/bin/python bench/materialize_one_task.py --store /tmp/shipped_store --rounds 4 --threads 2
+    .venv/bin/python -m bench.materialize_one_task --store /tmp/shipped_store --rounds 4 --threads 2
 
 (--store: a store with the shipped inventory, e.g. made by training.shipped_inventory.install_default_inventory)
 """
@@ -15,21 +15,18 @@ First the combine alone (+ its backward into the routing row), then whole routin
 from __future__ import annotations
 
 import statistics
-import sys
 import time
 from collections.abc import Callable
-from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import server  # noqa: F401  (before torch: OpenMP spin defaults, server/openmp.py)
 
 # isort: split
 import torch
-from adaptation_setup import load, parser, run_to_end
 
 from adapters_store.combine import materialize_many
 from adapters_store.inject import RoutedModel
 from adapters_store.routing import eval_weights
+from bench.adaptation_setup import load, parser, run_to_end
 from training.adapt import Adaptation
 
 STACKED = RoutedModel._materialize_one

@@ -12,7 +12,7 @@ rows and the inter-token latency (ITL) of its unconstrained and constrained rows
 Then the admission-time pieces alone, alternating per request: resolving the adapter (L1 hit;
 a mix's first resolve combines its members' rows) and writing a row's tables (set_adapter).
 
-    .venv/bin/python bench/mix_structured.py --requests 32 --rounds 2 --threads 1
+    .venv/bin/python -m bench.mix_structured --requests 32 --rounds 2 --threads 1
 """
 
 from __future__ import annotations
@@ -21,23 +21,21 @@ import argparse
 import itertools
 import json
 import statistics
-import sys
 import tempfile
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import server  # noqa: F401  (before torch: OpenMP spin defaults, server/openmp.py)
 from server import openmp
 
 # isort: split
 import torch
-from serve_bench import TimedHandle, pct, workload
 
 from adapters_store.backbone import load_backbone
 from adapters_store.inject import RoutedModel
 from adapters_store.mix import parse_mix
 from adapters_store.store import Store
+from bench.serve_bench import TimedHandle, pct, workload
 from server.adapter_cache.cache import AdapterCache
 from server.adapter_cache.l1 import L1Cache
 from server.engines.native.config import EngineConfig

@@ -7,7 +7,7 @@ Each setting runs in its own process (libgomp reads its environment once, at loa
      pool threads than CPUs, libgomp throttles spinning);
   3. CPU seconds the process burns over 2 s of idling after each (a pool that never sleeps shows here).
 
-    .venv/bin/python bench/openmp_spin.py [--threads 2] [--repeats 3]
+    .venv/bin/python -m bench.openmp_spin [--threads 2] [--repeats 3]
 """
 
 from __future__ import annotations

@@ -6,8 +6,8 @@ adapter tables written at admission, slot moves, sampling, detokenisation + even
 then profiles `--op-steps` decode steps at full batch with torch.profiler and lists the top
 operators.
 
-    flock -x /tmp/polyserve-cpu.lock .venv/bin/python bench/profile_engine.py --threads 2
-    .venv/bin/python bench/profile_engine.py --backbone tiny --requests 8   # a quick smoke run
+    flock -x /tmp/polyserve-cpu.lock .venv/bin/python -m bench.profile_engine --threads 2
+    .venv/bin/python -m bench.profile_engine --backbone tiny --requests 8   # a quick smoke run
 
 Adapters on (routed rows of --tasks tasks) unless --base.
 """
@@ -17,20 +17,17 @@ from __future__ import annotations
 import argparse
 import cProfile
 import pstats
-import sys
 import tempfile
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-sys.path.insert(0, str(Path(__file__).resolve().parent))
 import server  # noqa: F401  (before torch: OpenMP spin defaults, server/openmp.py)
 
 # isort: split
 import torch
-from serve_bench import build_inventory, workload
 
 from adapters_store.backbone import load_backbone
+from bench.serve_bench import build_inventory, workload
 from server.adapter_cache.cache import AdapterCache
 from server.adapter_cache.l1 import L1Cache
 from server.engines.dtype import serving_dtype

@@ -5,7 +5,7 @@ client's interval, until it finishes) on an idle server. Reports, per method, th
 each path (the server's: the job's own finished_at - created_at) and the adaptation's own seconds
 (the job's / the CLI's metrics): what the server adds to a registration.
 
-    .venv/bin/python bench/registration_paths.py --methods routing,retrieve --repeats 2 --threads 2
+    .venv/bin/python -m bench.registration_paths --methods routing,retrieve --repeats 2 --threads 2
 """
 
 from __future__ import annotations
@@ -21,14 +21,11 @@ import tempfile
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-
 import httpx
-from local_server import polyserve_server
 
 from adapters_store.home import polyserve_home
 from adapters_store.store import Store
+from bench.local_server import polyserve_server
 from training.shipped_inventory import install_default_inventory
 from training.suite import build_suite, examples
 

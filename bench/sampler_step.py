@@ -1,11 +1,11 @@
 """Time of the native engine's sampler alone (sampling.sample_tokens on random (N, V) logits), per
 variant, side by side in one process; optionally against an older tree's sampler.
 
-    flock -x /tmp/polyserve-cpu.lock .venv/bin/python bench/sampler_step.py --vocab 49152 --rows 1 16 32
+    flock -x /tmp/polyserve-cpu.lock .venv/bin/python -m bench.sampler_step --vocab 49152 --rows 1 16 32
 
     # before/after: the sampler of another commit, loaded from an exported tree
     git archive e820ff5 | tar -x -C /tmp/base
-    flock -x /tmp/polyserve-cpu.lock .venv/bin/python bench/sampler_step.py --baseline /tmp/base
+    flock -x /tmp/polyserve-cpu.lock .venv/bin/python -m bench.sampler_step --baseline /tmp/base
 
 A baseline tree exposing `choose_tokens(logits, greedy, temperature, top_k, top_p, generators)`
 (the sampler before n/logprobs/penalties) is timed for the greedy and sampled variants.
@@ -18,14 +18,11 @@ from __future__ import annotations
 import argparse
 import importlib.util
 import statistics
-import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
 
 import torch
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from server.engines.native.processors import RowProcessors
 from server.engines.native.sampling import RowSampler, sample_tokens

@@ -18,7 +18,7 @@ All requests arrive at t=0 (offline). Output lengths are fixed per request (EOS 
 variant produces the same useful tokens; for (c) a batch runs until its longest request is done.
 Reports output tokens/s, TTFT and inter-token latency p50/p99, and the ratios.
 
-    .venv/bin/python bench/serve_bench.py --tasks 64 --requests 64 --threads 1
+    .venv/bin/python -m bench.serve_bench --tasks 64 --requests 64 --threads 1
 
 With no shipped default inventory (training/default_inventory/inventory.json) the script builds
 a random inventory of the same shape (S=8, h=8, r=8, attention targets) in a temp store.
@@ -35,12 +35,10 @@ import os
 import random
 import statistics
 import subprocess
-import sys
 import tempfile
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import server  # noqa: F401  (before torch: OpenMP spin defaults, server/openmp.py)
 from server import openmp
 
@@ -250,10 +248,11 @@ def run_vllm(args, v: str, store: Store, jobs: list[tuple[str, str, int]], tmp: 
     mode = "lora" if v in "eE" else "polyserve" if v in "gG" else "base"
     dtype = "float32" if v in "efg" else "bfloat16"
     env = {**os.environ, "OMP_NUM_THREADS": str(args.threads), "VLLM_CPU_KVCACHE_SPACE": "2"}
-    cmd = [str(args.vllm_python), str(Path(__file__).with_name("vllm_peer.py")), "--jobs", str(spec),
+    cmd = [str(args.vllm_python), "-m", "bench.vllm_peer", "--jobs", str(spec),
            "--model", model, "--loras", str(loras), "--mode", mode, "--dtype", dtype, "--batch", str(args.batch),
            "--store", str(store.root)]
-    out = subprocess.run(cmd, env=env, capture_output=True, text=True, check=False)
+    out = subprocess.run(cmd, env=env, capture_output=True, text=True, check=False,
+                         cwd=Path(__file__).resolve().parents[1])  # the repository root: bench is a package there
     lines = [ln for ln in out.stdout.splitlines() if ln.startswith("{")]
     if out.returncode != 0 or not lines:
         raise SystemExit(f"vLLM variant {v} failed ({out.returncode}):\n{out.stderr[-3000:]}")

@@ -8,7 +8,7 @@ inventory. Measured: the warm-up (the index reads every task; a server starts it
 the index's memory, and recall@k of the shortlist against the exact ranking (brute force over
 every row in memory).
 
-    .venv/bin/python bench/similar_tasks.py --tasks 10000 --queries 50 --out /tmp/similar-bench
+    .venv/bin/python -m bench.similar_tasks --tasks 10000 --queries 50 --out /tmp/similar-bench
 """
 
 from __future__ import annotations
@@ -16,11 +16,9 @@ from __future__ import annotations
 import argparse
 import shutil
 import statistics
-import sys
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import server  # noqa: F401  (before torch: OpenMP spin defaults, server/openmp.py)
 
 # isort: split

@@ -1,7 +1,7 @@
 """Backbone load time in a fresh process, from the dequantised safetensors cache under
 POLYSERVE_HOME (the first load ever dequantises the GGUF and is not measured here).
 
-    .venv/bin/python bench/startup.py --repeats 5
+    .venv/bin/python -m bench.startup --repeats 5
 
 Prints each load's seconds and the median. Timings live here, not in tests: a shared CI CPU
 makes any fixed bound either flaky or meaningless.

@@ -7,26 +7,23 @@ slot moves (`copy_slot`) and the rest of the loop. Modes run interleaved in one 
     t  routed rows, the LoRA as torch ops (POLYSERVE_LORA_KERNEL=off)
     b  adapters off
 
-    .venv/bin/python bench/step_split.py --modes atbatb --dtype bfloat16
+    .venv/bin/python -m bench.step_split --modes atbatb --dtype bfloat16
 """
 
 from __future__ import annotations
 
 import argparse
-import sys
 import tempfile
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-sys.path.insert(0, str(Path(__file__).resolve().parent))
 import server  # noqa: F401  (before torch: OpenMP spin defaults, server/openmp.py)
 
 # isort: split
 import torch
-from serve_bench import build_inventory, workload
 
 from adapters_store.backbone import load_backbone
+from bench.serve_bench import build_inventory, workload
 from server.adapter_cache.cache import AdapterCache
 from server.adapter_cache.l1 import L1Cache
 from server.engines.dtype import serving_dtype

@@ -12,7 +12,7 @@ applies):
             server: generated tokens per second over the window, read from the server's own
             polyserve_generation_tokens_total (both tenants, finished or not)
 
-    flock /tmp/bench.lock .venv/bin/python bench/tenant_fairness.py --rounds 2 --seconds 60
+    flock /tmp/bench.lock .venv/bin/python -m bench.tenant_fairness --rounds 2 --seconds 60
 """
 
 from __future__ import annotations
@@ -21,15 +21,12 @@ import argparse
 import asyncio
 import json
 import statistics
-import sys
 import tempfile
 import time
-from pathlib import Path
-
-sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import httpx
-from local_server import polyserve_server
+
+from bench.local_server import polyserve_server
 
 KEYS = {"flood": "flood-key", "small": "small-key"}
 FLOOD_PROMPT = "Write a long, detailed story about a lighthouse keeper and the sea, chapter by chapter."

@@ -4,7 +4,7 @@ resolver plugin (the same store, the same task ids), one after the other in one 
 alternating. Full stacks against full stacks: each server is a subprocess answering HTTP.
 
     make vllm-env   # .venv-vllm: vLLM (CPU wheel) + polyserve; the client and vLLM's server run there
-    flock /tmp/bench.lock .venv/bin/python bench/vllm_client_bench.py --tasks 48 --num-prompts 64 \\
+    flock /tmp/bench.lock .venv/bin/python -m bench.vllm_client_bench --tasks 48 --num-prompts 64 \\
         --max-concurrency 16 --input-len 32 --output-len 64 --threads 2 --rounds 1
 
 The client is `vllm bench serve` itself: its argument parser and main (vllm.benchmarks.serve),
@@ -29,7 +29,6 @@ from pathlib import Path
 import httpx
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
 
 CLIENT = """
 import sys

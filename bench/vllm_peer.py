@@ -6,7 +6,7 @@ variant (g), polyserve's own vLLM engine (`--mode polyserve --store DIR`): the s
 to server.engines.vllm.engine.VllmEngine (AsyncLLM) at t=0; the tasks' PEFT directories are
 written before the clock starts (steady state, as (e) exports them beforehand).
 
-    .venv-vllm/bin/python bench/vllm_peer.py --jobs jobs.json --model DIR --loras DIR \
+    .venv-vllm/bin/python -m bench.vllm_peer --jobs jobs.json --model DIR --loras DIR \
         --mode lora --dtype float32 --batch 16
 
 jobs.json: [{"task", "prompt", "out"}, ...]. Prints one JSON line: tokens, seconds, tok/s.
@@ -57,17 +57,13 @@ def main() -> None:
 
 def run_polyserve(args, jobs: list[dict]) -> None:
     import itertools
-    import sys
     import tempfile
 
     import torch
     from transformers import AutoTokenizer
 
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-    sys.path.insert(0, str(Path(__file__).resolve().parent))
-    from serve_bench import TimedHandle
-
     from adapters_store.store import Store
+    from bench.serve_bench import TimedHandle
     from server.adapter_cache.cache import AdapterCache
     from server.adapter_cache.l1 import L1Cache
     from server.engines.request import FinalEvent, GenRequest, SamplingParams

@@ -7,7 +7,7 @@ routing row retrieved from the store's tasks (training.retrieve, no gradient ste
 trains a routing row from that retrieved row. Writes results incrementally as JSON (one record
 per task x seed x method).
 
-    .venv/bin/python scripts/compare_methods.py --store /tmp/default_store --tasks 4 --seeds 0,1,2 \
+    .venv/bin/python -m scripts.compare_methods --store /tmp/default_store --tasks 4 --seeds 0,1,2 \
         --k 16 --n-test 16 --methods mu0,routing,mu,full --out /tmp/compare.json
 """
 

@@ -1,7 +1,7 @@
 """Choose the far held-out set (training/far_heldout.py FAR_HELDOUT) and print how far each task is.
 
-    PYTHONPATH=. .venv/bin/python scripts/far_heldout.py            # the choice, and the pinned set's figures
-    PYTHONPATH=. .venv/bin/python scripts/far_heldout.py --check    # exit 1 unless the pinned set is the choice
+    .venv/bin/python -m scripts.far_heldout            # the choice, and the pinned set's figures
+    .venv/bin/python -m scripts.far_heldout --check    # exit 1 unless the pinned set is the choice
 
 How the set is chosen (deterministic; ~15 s on 2 cores):
 1. the candidates: every composition of 1-3 primitives that build_suite could draw (the shortest

@@ -24,7 +24,7 @@ train() {  # METHOD [extra args]: the default inventory's recipe (RESULTS.md §1
 }
 
 compare() {  # LABEL METHODS: held-out tasks, reduced protocol of RESULTS.md §3
-  $BIN/python scripts/compare_methods.py --store "$OUT/$1" --label "$1" --tasks 4 --seeds 0,1,2 --k 16 \
+  $BIN/python -m scripts.compare_methods --store "$OUT/$1" --label "$1" --tasks 4 --seeds 0,1,2 --k 16 \
     --n-test 16 --methods "$2" --threads 1 --out "$OUT/compare_$1.json"
 }
 
@@ -39,8 +39,8 @@ wait
 ( compare mhr mu0,routing && compare shared mu && evaluate mhr && evaluate shared && evaluate random-mu ) &
 ( compare poly routing && evaluate poly && evaluate private && evaluate hyper && compare mhr mu,full ) &
 wait
-.venv/bin/python scripts/summarise_compare.py "$OUT"/compare_*.json > "$OUT/heldout.md"
-.venv/bin/python scripts/summarise_multitask.py mhr="$OUT/eval_mhr.json" poly="$OUT/eval_poly.json" \
+.venv/bin/python -m scripts.summarise_compare "$OUT"/compare_*.json > "$OUT/heldout.md"
+.venv/bin/python -m scripts.summarise_multitask mhr="$OUT/eval_mhr.json" poly="$OUT/eval_poly.json" \
   shared="$OUT/eval_shared.json" private="$OUT/eval_private.json" random-mu="$OUT/eval_random-mu.json" \
   hyper="$OUT/eval_hyper.json" > "$OUT/multitask.md"
 cat "$OUT/heldout.md" "$OUT/multitask.md"

@@ -1,6 +1,6 @@
 """Mutation testing of the modules where a silent bug costs most (mutmut, pinned in the dev extra).
 
-    python scripts/mutation.py [MODULE ...]      all modules when none is named (`make mutation`)
+    python -m scripts.mutation [MODULE ...]      all modules when none is named (`make mutation`)
 
 For each module, in its own work directory `.mutation/<module>/` (git-ignored):
     a pyproject.toml holding only that module's mutmut and pytest configuration; the packages and

@@ -1,7 +1,7 @@
 """Copy a store with its inventory's routing heads refined (adapters_store.refine): every task
 serves the same LoRA; routing-only adaptation on the copy learns finer rows (docs/RESULTS.md 9.9).
 
-    .venv/bin/python scripts/refine_heads.py --from-store /tmp/shipped_store --to-store /tmp/h32_store --heads 32
+    .venv/bin/python -m scripts.refine_heads --from-store /tmp/shipped_store --to-store /tmp/h32_store --heads 32
 """
 
 from __future__ import annotations

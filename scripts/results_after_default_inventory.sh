@@ -11,11 +11,11 @@ RUN="nice -n 5 .venv/bin"
 $RUN/polyserve routing-plot --store "$STORE" --out docs/routing.png
 # few-shot on held-out tasks: zero-shot mu and MHR-z first (all tasks and seeds), then MHR-mu, then MHR full
 for methods in mu0,routing mu full; do
-  $RUN/python scripts/compare_methods.py --store "$STORE" --label mhr --tasks 4 --seeds 0,1,2 --k 16 \
+  $RUN/python -m scripts.compare_methods --store "$STORE" --label mhr --tasks 4 --seeds 0,1,2 --k 16 \
     --n-test 16 --methods "$methods" --out "$OUT/compare.json"
   if [ "$methods" = "mu0,routing" ]; then
     # multitask accuracy of the pre-trained routing rows on the 48 training tasks (test split)
     $RUN/polyserve eval --store "$STORE" --n 16 --split test --threads 2 --json-out "$OUT/eval_train.json" > /dev/null
   fi
 done
-.venv/bin/python scripts/summarise_compare.py "$OUT/compare.json" > "$OUT/compare.md"
+.venv/bin/python -m scripts.summarise_compare "$OUT/compare.json" > "$OUT/compare.md"

@@ -1,6 +1,6 @@
 """Markdown tables from scripts/compare_methods.py output: mean (and std over seeds) per method.
 
-    .venv/bin/python scripts/summarise_compare.py /tmp/compare.json [more.json ...]
+    .venv/bin/python -m scripts.summarise_compare /tmp/compare.json [more.json ...]
 
 Several files (e.g. one per inventory) are merged; columns are "inventory/method".
 """

@@ -1,6 +1,6 @@
 """Markdown table of multitask accuracy per pre-training method, from `polyserve eval --json-out`.
 
-    .venv/bin/python scripts/summarise_multitask.py mhr=/tmp/m300/eval_mhr.json poly=/tmp/m300/eval_poly.json ...
+    .venv/bin/python -m scripts.summarise_multitask mhr=/tmp/m300/eval_mhr.json poly=/tmp/m300/eval_poly.json ...
 
 Each argument is LABEL=EVAL.json. Tasks are grouped by how many primitives they compose
 (task ids of the procedural suite join primitives with ".").

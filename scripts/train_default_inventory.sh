@@ -17,7 +17,7 @@ COMMON=(--method mhr --skills 8 --heads 8 --rank 8 --batch-size 16 --lr-routing 
         --backbone default --autocast bf16 --save-dtype bfloat16 --checkpoint-every 200 --threads 2)
 export OMP_WAIT_POLICY=PASSIVE
 nice -n 5 .venv/bin/polyserve train --suite procedural --steps 2000 "${COMMON[@]}" --store "$STORE.stage1" "${@:2}"
-.venv/bin/python scripts/wide_suite.py --pairs 100 --triples 92 --out "$STORE.wide_suite.jsonl"
+.venv/bin/python -m scripts.wide_suite --pairs 100 --triples 92 --out "$STORE.wide_suite.jsonl"
 nice -n 5 .venv/bin/polyserve train --suite "$STORE.wide_suite.jsonl" --steps 1200 "${COMMON[@]}" \
   --init-from "$STORE.stage1" --store "$STORE" "${@:2}"
 .venv/bin/python -m training.shipped_inventory --from-store "$STORE"

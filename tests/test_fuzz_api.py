@@ -1,6 +1,6 @@
 """Schema-based fuzzing (schemathesis, every check) against a live server finds nothing: no 500,
 no response outside the OpenAPI document, no schema-valid request refused, no invalid request
-accepted, auth enforced, 405 with Allow (issue 11). bench/fuzz_api.py runs bigger budgets."""
+accepted, auth enforced, 405 with Allow tests/tools/fuzz_api.py runs bigger budgets."""
 
 from __future__ import annotations
 
@@ -13,18 +13,15 @@ import pytest
 
 from tests.test_openai_api import engine_supports
 
-ROOT = Path(__file__).resolve().parents[1]
-
 if importlib.util.find_spec("schemathesis") is None or shutil.which(
         "schemathesis", path=str(Path(sys.executable).parent)) is None:
     pytest.skip("schemathesis is in the test extra", allow_module_level=True)
 
 
 def fuzz_module():
-    spec = importlib.util.spec_from_file_location("fuzz_api", ROOT / "bench" / "fuzz_api.py")
-    module = importlib.util.module_from_spec(spec)  # type: ignore[arg-type]
-    spec.loader.exec_module(module)  # type: ignore[union-attr]
-    return module
+    from tests.tools import fuzz_api
+
+    return fuzz_api
 
 
 def test_fuzzer_finds_nothing():

@@ -5,27 +5,17 @@ hot path the whole time. Own redis-server / sockets on free ports: the shared Re
 
 from __future__ import annotations
 
-import importlib.util
 import shutil
 import time
 from concurrent.futures import ThreadPoolExecutor
-from pathlib import Path
 
 import httpx
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from tests.server_fixtures import TASKS, build_store, free_port, live_server, settings_for, tiny_backbone
+from tests.tools import chaos  # the same misbehaving Redis as `python -m tests.tools.chaos`
 
-
-def _chaos_module():
-    spec = importlib.util.spec_from_file_location("chaos", Path(__file__).resolve().parents[1] / "bench" / "chaos.py")
-    module = importlib.util.module_from_spec(spec)  # type: ignore[arg-type]
-    spec.loader.exec_module(module)  # type: ignore[union-attr]
-    return module
-
-
-chaos = _chaos_module()  # the same misbehaving Redis as bench/chaos.py
 black_hole, slow_proxy, start_redis = chaos.black_hole, chaos.slow_proxy, chaos.start_redis
 
 

@@ -24,7 +24,7 @@ def server(tmp_path_factory):
     store.put_record(TaskRecord(id="pending", method="routing", status="training", version=0,
                                 created_at=time.time(), updated_at=time.time()))
     # float32: concurrent == sequential is asserted bit for bit; a bfloat16 GEMM's rounding depends on
-    # how many rows share it (bench/dtype_quality.py measures what that changes)
+    # how many rows share it (scripts/dtype_quality.py measures what that changes)
     settings = settings_for(root, max_prompt_tokens=256, max_new_tokens=512, max_body_bytes=64 * 1024,
                             dtype="float32")
     with live_server(settings, tiny_backbone()) as srv:

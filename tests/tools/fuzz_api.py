@@ -1,14 +1,14 @@
 """Schema-based fuzzing of the HTTP API: schemathesis (`--checks all`) against a live server.
 
-    python bench/fuzz_api.py                         # in-process server (tiny backbone), ~1-2 min
-    python bench/fuzz_api.py --max-examples 60       # bigger budget (>= 1,000 generated requests)
-    python bench/fuzz_api.py --url http://127.0.0.1:8000 --key K --admin-key A   # a running server
+    python -m tests.tools.fuzz_api                         # in-process server (tiny backbone), ~1-2 min
+    python -m tests.tools.fuzz_api --max-examples 60       # bigger budget (>= 1,000 generated requests)
+    python -m tests.tools.fuzz_api --url http://127.0.0.1:8000 --key K --admin-key A   # a running server
 
 Without --url it starts polyserve in this process on a free loopback port: tiny random backbone,
 a random skill inventory with four tasks, API and admin keys set (so the auth checks run), small
 limits so that generations stay short. It prints one JSON line: the exit status of schemathesis,
 the number of requests it sent, and its failures; the exit code is schemathesis's (0 = nothing
-found). `run_fuzz()` is the same as a function (tests/test_fuzz_api.py, bench/chaos.py).
+found). `run_fuzz()` is the same as a function (tests/test_fuzz_api.py, tests/tools/chaos.py).
 """
 
 from __future__ import annotations
@@ -24,8 +24,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
+ROOT = Path(__file__).resolve().parents[2]
 
 KEY, ADMIN_KEY = "fuzz-inference-key", "fuzz-admin-key"
 CONFIG = Path(__file__).with_name("schemathesis.toml")
@@ -69,7 +68,7 @@ def run_fuzz(url: str | None = None, key: str = ADMIN_KEY, *, max_examples: int 
     with tempfile.TemporaryDirectory(prefix="polyserve-fuzz-") as tmp:
         tmp_path = Path(tmp)
         report = report or tmp_path / "events.ndjson"
-        # our positive-data check replaces schemathesis's (bench/fuzz_checks.py says why)
+        # our positive-data check replaces schemathesis's (tests/tools/fuzz_checks.py says why)
         env = {**os.environ, "NO_COLOR": "1", "SCHEMATHESIS_HOOKS": "fuzz_checks",
                "PYTHONPATH": os.pathsep.join([str(Path(__file__).parent), os.environ.get("PYTHONPATH", "")])}
         exclude_checks = ("positive_data_acceptance", *exclude_checks)

@@ -6,8 +6,8 @@
     burst         600 simultaneous requests -> status histogram, server RSS before / after
     sigterm       SIGTERM with 16 requests in flight -> every request 200 or 503, none hangs
 
-    .venv/bin/python bench/chaos.py                       # tiny backbone, ~1-2 minutes
-    .venv/bin/python bench/chaos.py --backbone default    # the real default backbone
+    .venv/bin/python -m tests.tools.chaos                       # tiny backbone, ~1-2 minutes
+    .venv/bin/python -m tests.tools.chaos --backbone default    # the real default backbone
 
 The shared Redis at 127.0.0.1:6379 is never touched. Prints one line per scenario and a verdict.
 """
@@ -33,8 +33,7 @@ from pathlib import Path
 
 import httpx
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
+ROOT = Path(__file__).resolve().parents[2]
 
 
 # -- misbehaving Redis ---------------------------------------------------------------------------

@@ -1,4 +1,4 @@
-"""schemathesis hooks for bench/fuzz_api.py (loaded through SCHEMATHESIS_HOOKS).
+"""schemathesis hooks for tests/tools/fuzz_api.py (loaded through SCHEMATHESIS_HOOKS).
 
 `polyserve_positive_data_acceptance` is schemathesis's positive_data_acceptance (a request the
 schema accepts must not be refused) with one exception no JSON Schema can state: a prompt longer

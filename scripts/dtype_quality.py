@@ -6,17 +6,15 @@ format, no special tokens), and the plain backbone on chat prompts.
 Reports exact match per dtype, the share of answers identical between the two, and the
 backbone's own agreement (greedy 16 tokens).
 
-    .venv/bin/python bench/dtype_quality.py --examples 8 --threads 2
+    .venv/bin/python -m scripts.dtype_quality --examples 8 --threads 2
 """
 
 from __future__ import annotations
 
 import argparse
-import sys
 import tempfile
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import server  # noqa: F401  (before torch: OpenMP spin defaults, server/openmp.py)
 from server import openmp
 

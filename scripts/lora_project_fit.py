@@ -10,18 +10,16 @@ Per shipped task, two LoRAs are imported (adapters_store.lora_import) and projec
 Columns: fit error (relative Frobenius error of the updates) at μ and at the fit, exact match of
 the routed task, of the imported LoRA (before) and of the fitted row (after), and of μ.
 
-    .venv/bin/python bench/lora_project_fit.py --tasks caesar,double,dedupe.sum --n 16 --steps 300
+    .venv/bin/python -m scripts.lora_project_fit --tasks caesar,double,dedupe.sum --n 16 --steps 300
 """
 
 from __future__ import annotations
 
 import argparse
-import sys
 import tempfile
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import server  # noqa: F401  (before torch: OpenMP spin defaults, server/openmp.py)
 
 # isort: split

@@ -5,16 +5,15 @@ greedy outputs on 16 test inputs, each compared with the outputs of every orderi
 the task's primitives: a prediction that equals one of them is a mis-routed composition (a
 primitive skipped or the order swapped); one that equals none is an execution error.
 
-    .venv/bin/python bench/failure_modes.py --store /tmp/shipped_store rev-words.caesar rev-words.double
+    .venv/bin/python -m scripts.failure_modes --store /tmp/shipped_store rev-words.caesar rev-words.double
 """
 
 from __future__ import annotations
 
 import itertools
 
-from adaptation_setup import load, parser
-
 from adapters_store.materialize import task_layers
+from bench.adaptation_setup import load, parser
 from training.adapt import adapt
 from training.evaluate import exact, generate
 from training.retrieve import MAX_CANDIDATES, retrieve
