@@ -43,7 +43,7 @@ class Metrics:
         self.tasks_registered = Gauge(P + "tasks_registered", "Tasks in the registry.", registry=r)
         self.jobs = Counter(P + "jobs", "Adaptation jobs by final status.", ["status"], registry=r)
         self.redis_errors = Counter(P + "redis_errors", "Redis calls that failed or timed out.", registry=r)
-        # issue #5: wall time of successful adaptation jobs (seconds to minutes)
+        # a registration takes seconds (retrieve) to minutes (a loaded host, many steps): buckets span both
         self.adaptation_seconds = Histogram(P + "adaptation_seconds", "Wall time of successful adaptation jobs.",
                                             buckets=(1, 2.5, 5, 10, 20, 30, 60, 120, 300, 600, 1800, 3600),
                                             registry=r)

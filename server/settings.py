@@ -43,7 +43,7 @@ class Settings(BaseSettings):
     static_decode: Literal["auto", "on", "off"] = "auto"
     # native engine: the rows' LoRA in a C++ kernel built on first use with g++ (auto = where it
     # builds, else torch ops; on = fail where it does not; off = torch ops; engines/native/lora_kernel.py).
-    # bench/serve_bench.py: 1.11x the torch ops' throughput end to end (BENCHMARKS.md, stop 21)
+    # auto: faster end to end than torch ops where it builds (BENCHMARKS.md, "The LoRA kernel")
     lora_kernel: Literal["auto", "on", "off"] = "auto"
     redis_url: str | None = None  # unset = no L2 cache
     redis_prefix: str = "polyserve"

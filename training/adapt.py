@@ -42,13 +42,12 @@ from training.precision import FrozenBf16Weights, resolve_autocast
 from training.routing_table import INIT, row_weights
 
 ADAPT_METHODS = ("routing", "mu", "full")
-# Routing: batches of 4 at lr 0.3 from a sweep on 4 held-out compositions (docs/RESULTS.md section
-# 9.2: 20 x 4 beat 10 x 8 at the same cost; lr 1 and 3 lowered the loss but lost exact match).
-# 15 steps: on the shipped (two-stage) inventory, the issue-13 protocol (16 held-out tasks, 3 seeds,
-# retrieval first; docs/RESULTS.md 9.10) gives exact match 0.620 at 15 steps, 0.630 at 20, 0.646 at
-# 30, and 15 keep a registration through the server within 15 s on the slower of the 2-core hosts
-# measured (30 took 23 s there). mu / full: chosen on a training task of the suite (never a
-# held-out one).
+# Routing: batches of 4 at lr 0.3 from a sweep on held-out compositions: smaller batches and more
+# steps beat larger ones at the same examples seen and cost; a higher lr lowered the loss but lost
+# exact match. 15 steps: within about one seed's spread of 30 steps' exact match at about half the
+# time, which keeps a registration through the server within 15 s on the 2-core hosts measured
+# (docs/RESULTS.md; docs/history/registration-recipes.md). mu / full: chosen on a training task of
+# the suite (never a held-out one).
 DEFAULTS: dict[str, dict[str, float]] = {
     "routing": {"steps": 15, "lr": 0.3, "batch_size": 4},
     "mu": {"steps": 40, "lr": 3e-3, "batch_size": 8},

@@ -1,23 +1,17 @@
 """Whether training runs under bf16 autocast ("auto"): on CUDA with bf16, on CPUs with AMX, and on
 CPUs with AVX512_BF16 (no AMX) where a probe measures bf16 far faster.
 
-A CPU's bf16 claims say little about a training step, and AVX512_BF16 CPUs disagree:
+A CPU's bf16 claims say little about a training step, and AVX512_BF16 CPUs disagree: on one of
+this project's machines whole routing steps ran about as fast in bf16 as in float32 and a probe
+near its bar flipped between processes; on another, bf16 registered tasks much faster with the same
+exact match (docs/history/dtype.md has the figures).
 
-- one of this project's 2-core AVX512_BF16 machines ran routing-adaptation steps (4 examples) at
-  0.87x to 1.2x the speed of float32 (4 pairs), while its one-linear-block probe measured 1.2-2.9x
-  and the choice it made flipped between processes;
-- another (AMD EPYC, 2 cores) registered a task (retrieval + 30 steps of 4, 4 held-out tasks) in
-  11.4 s with bf16 autocast against 17.7 s in float32, the same exact match (0.328 both,
-  `scripts/compare_methods.py --tasks 4 --seeds 0 --methods routing-r --autocast bf16|none`), and
-  this module's probe (a frozen linear's forward + backward on 16 rows) measured 2.31-2.48x in
-  three processes.
-
-On AVX2-only CPUs bf16 is emulated (a step 82 s against 4 s). Where AMX tiles exist, oneDNN runs
-bf16 GEMMs on them. So "auto": bf16 on CUDA with bf16 support and on CPUs with AMX; on
-AVX512_BF16 CPUs without AMX, bf16 where the probe (`cpu_bf16_train_speedup`, once per process,
-~0.3 s) measures at least TRAIN_PROBE_MIN = 1.8x: a whole step gains less than its linears (1.55x
-for 2.3-2.5x on the EPYC), so the bar is high, well above the 1.2x the first machine's steps
-reached; float32 elsewhere. "bf16" and "none" force it.
+On AVX2-only CPUs bf16 is emulated (far slower). Where AMX tiles exist, oneDNN runs bf16 GEMMs on
+them. So "auto": bf16 on CUDA with bf16 support and on CPUs with AMX; on AVX512_BF16 CPUs without
+AMX, bf16 where the probe (`cpu_bf16_train_speedup`, a frozen linear's forward + backward on 16
+rows, once per process, ~0.3 s) measures at least TRAIN_PROBE_MIN = 1.8x: a whole step gains less
+than its linears, so the bar is high, well above what the first machine's whole steps reached;
+float32 elsewhere. "bf16" and "none" force it.
 """
 
 from __future__ import annotations
@@ -83,8 +77,8 @@ class FrozenBf16Weights:
     """bf16 copies of a model's frozen float32 linear weights, in place only inside `applied()`.
 
     Under bf16 autocast every linear casts its float32 weight to bf16 in every forward: autocast
-    caches casts only for weights that require grad, and a backbone's are frozen. On a 2-core EPYC
-    that was ~10% of a routing step (~2,200 casts a step; docs/RESULTS.md 9.7). The copies hold the
+    caches casts only for weights that require grad, and a backbone's are frozen: ~2,200 casts a
+    routing step, a tenth of its time on a 2-core EPYC (docs/history/dtype.md). The copies hold the
     values autocast computes (round to nearest), so every loss is bit-equal with or without them.
     They are made at the first `applied()` and kept until `release()`: 2 bytes a parameter of the
     linears (~270 MB for the default backbone) for the life of one adaptation. Swap

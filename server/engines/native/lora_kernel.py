@@ -1,20 +1,16 @@
 """A step's per-row LoRA on a CPU as one native call (lora_rows.cpp) instead of torch ops: the
-decode rows and the tokens of every prompt chunk (until stop 22, chunks over 32 tokens ran as two
-GEMMs each; the kernel measured cheaper at 45 and 128 tokens too).
+decode rows and the tokens of every prompt chunk (long chunks too: cheaper than two GEMMs a chunk).
 
 With torch, a fused group's per-row LoRA is two bmm over the rows' tables plus casts (2-4 ops of
 ~30-40 us each at 16 rows), and the bmm reads the zeros of the block-diagonal B. The kernel reads
 only each member's block, in the tables' dtype (so they can be bfloat16 like the serving weights),
-sums in float32, and adds into `out` in place: one call per group. Measured by bench/lora_step.py
-(bf16, 16 routed rows, medians of 9, AMD EPYC 2 cores): the LoRA's share of a decode step 3.8%
-with the kernel against 11.7% as torch ops; of a 240-token prefill 3.7% against 14.0% (bf16
-tables there, float32 + casts with torch ops).
+sums in float32, and adds into `out` in place: one call per group, so the LoRA's share of a step
+falls well below the torch ops' (bench/lora_step.py).
 
 On by default where it builds (POLYSERVE_LORA_KERNEL=auto). The rows are shared out over the
-calling thread's OpenMP team (torch's own libgomp, lora_rows.cpp). End to end, bench/serve_bench.py
-with three interleaved triples: 1.11x the throughput of the same engine with torch ops; against
-adapters off 0.92 with the kernel, 0.83 without (BENCHMARKS.md, "The LoRA kernel on by default").
-The single-threaded kernel of the session before had measured 1.00 and 0.87 there.
+calling thread's OpenMP team (torch's own libgomp, lora_rows.cpp): single-threaded beside the
+engine's spinning OpenMP worker it gained nothing end to end. Figures: BENCHMARKS.md ("The LoRA
+kernel"); what was tried: docs/history/lora-kernel.md.
 
 The source is compiled once per machine with the system C++ compiler (g++ -O3 -march=native
 -fopenmp) into $POLYSERVE_HOME/kernels/, keyed by the source, the flags, the compiler and the CPU,

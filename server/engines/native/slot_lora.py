@@ -256,8 +256,8 @@ class SlotLoRA:
         if self.kernel is None:
             return SlotLoRAStep(self, n, gather, chunks)
         # the kernel takes the decode rows and every chunk's tokens in one call per group (a chunk's
-        # tables stay in cache across its tokens): cheaper than two GEMMs a chunk at 45 and 128
-        # tokens too (bench/lora_step.py --chunk 45|128, BENCHMARKS.md "Every prompt chunk in the kernel")
+        # tables stay in cache across its tokens): cheaper than two GEMMs a chunk for long chunks too
+        # (bench/lora_step.py --chunk 45|128; docs/history/lora-kernel.md)
         if not chunks:
             return SlotLoRAStep(self, n, gather, [])
         rows = list(range(n)) + [t for offset, length, _ in chunks for t in range(offset, offset + length)]

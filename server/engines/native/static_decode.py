@@ -1,5 +1,6 @@
-"""Decode steps with static shapes, replayed as CUDA graphs (the GPU's decode is launch-bound:
-BENCHMARKS.md measured 5.7 ms of GPU work against ~66 ms issuing 2,231 kernel launches per step).
+"""Decode steps with static shapes, replayed as CUDA graphs (a small model's decode on a GPU is
+launch-bound: the CPU takes an order of magnitude longer to issue a step's kernels than the GPU to
+run them; BENCHMARKS.md, "The native engine on a GPU").
 
 A decode-only step of n rows runs as a bucket of B >= n rows (`bucket`): the B - n padding rows
 feed token 0 into the spare slot (the KV cache's last slot, which no row ever gets) and their
