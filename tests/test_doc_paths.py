@@ -104,7 +104,7 @@ def test_a_made_up_path_is_caught(tmp_path: Path) -> None:
     doc = tmp_path / "made_up.md"
     doc.write_text(
         "The plan lives in `server/engine/lora_plan.py:40`; see also [plot](nowhere.png) and "
-        "server/app.py.\n",
+        "server/api/app.py.\n",
         encoding="utf-8",
     )
     assert missing_paths(doc) == ["nowhere.png", "server/engine/lora_plan.py"]
