@@ -27,6 +27,7 @@ from __future__ import annotations
 import math
 import re
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -44,7 +45,7 @@ MAX_MIX_CHARS = len(MIX_PREFIX) + MAX_MIX_PARTS * (64 + 1 + 30 + 1)
 # named twice, `base` in a mix) is refused by parse_mix (the OpenAPI document states it as a `not`)
 MODEL_ID_PATTERN = rf"^({_ID}|mix:{_PART}(,{_PART}){{0,{MAX_MIX_PARTS - 1}}})$"
 MIX_REFUSED_PATTERN = r"^mix:(?:.*,)?(base=|([a-z0-9][a-z0-9._-]*)=[^,]*,(?:.*,)?\2=)"
-MIX_SCHEMA_EXTRA = {"not": {"pattern": MIX_REFUSED_PATTERN}}
+MIX_SCHEMA_EXTRA: dict[str, Any] = {"not": {"pattern": MIX_REFUSED_PATTERN}}
 _WEIGHT_RE = re.compile(WEIGHT_PATTERN)
 
 

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 import click
 
 
@@ -21,7 +23,8 @@ def serve(host: str, port: int, store_dir: str | None, backbone: str | None, log
     from server.api.app import create_app
     from server.settings import Settings
 
-    overrides = {k: v for k, v in {"store": store_dir, "backbone": backbone}.items() if v is not None}
+    overrides: dict[str, Any] = {k: v for k, v in {"store": store_dir, "backbone": backbone}.items()
+                                 if v is not None}
     settings = Settings(**overrides)
     from server.exposure import exposure_error
 

@@ -15,7 +15,7 @@ from adapters_store.errors import StoreUnavailable, TaskNotFound
 from adapters_store.ids import RESERVED_TASK_IDS, validate_task_id
 from adapters_store.mix import is_mix
 from adapters_store.records import DEFAULT_PROMPT_FORMAT, TaskRecord
-from adapters_store.store import Store
+from adapters_store.store_base import BaseStore as Store
 from server.adapter_cache.cache import AdapterCache
 from server.adapter_cache.types import Adapter
 from server.api.errors import ApiError

@@ -40,6 +40,14 @@ def test_the_store_secret_is_made_once_and_private(tmp_path):
     assert signing.cache_secret("configured", tmp_path) == b"configured"
 
 
+def test_a_postgres_store_needs_a_configured_secret():
+    """A PostgreSQL store has no directory to keep a generated secret in (it has no `root`):
+    the error names the setting, not an AttributeError."""
+    assert signing.cache_secret("configured", None) == b"configured"
+    with pytest.raises(ValueError, match="POLYSERVE_CACHE_SECRET"):
+        signing.cache_secret(None, None)
+
+
 @pytest.mark.redis
 @pytest.mark.parametrize("attack", ["forged", "altered", "other-task", "unsealed"])
 def test_an_entry_not_sealed_by_a_replica_is_a_counted_corrupt_miss(env, redis_tier, attack):  # noqa: F811

@@ -194,6 +194,7 @@ class Adaptation:
                 assert self.row is not None
                 return {"logits": self.row.detach().to("cpu", copy=True)}
             out: dict[str, torch.Tensor] = {}
+            pairs: list[tuple[torch.Tensor, ...]]  # (A_t, B_t) per layer
             if self.method == "mu":
                 pairs = [(A[0], B[0]) for A, B in zip(self.A, self.B)]
             else:

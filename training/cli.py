@@ -203,6 +203,7 @@ def adapt(task, examples_file, method, init, steps, lr, batch_size, seed, store_
 
     candidates = store.routing_rows(limit=MAX_CANDIDATES, exclude=task) \
         if method == "retrieve" or (method == "routing" and init == "retrieve") else {}
+    job: Retrieval | RetrievedAdaptation | Adaptation
     if method == "retrieve":
         job = Retrieval(rm, info, candidates, examples, bb.tokenizer, seed=seed)
     elif candidates:

@@ -9,7 +9,7 @@ The adapter is given as
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, cast
 
 import torch
 
@@ -60,7 +60,7 @@ def generate(rm: RoutedModel, adapter: Adapter, tokenizer: Any, inputs: Sequence
         chunk = list(inputs[i : i + batch_size])
         batch = collate_prompts(tokenizer, chunk)
         set_plan(rm, adapter, len(chunk))
-        ids = rm.model.generate(
+        ids = cast(Any, rm.model).generate(  # torch types the attribute Tensor | Module
             input_ids=batch.input_ids, attention_mask=batch.attention_mask, max_new_tokens=max_new_tokens,
             do_sample=False, num_beams=1, pad_token_id=pad, eos_token_id=tokenizer.eos_token_id,
         )

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -35,8 +36,9 @@ def target_logits(model: nn.Module, batch: Batch, whole_model: bool = False) -> 
     batch = batch.to(next(model.parameters()).device)
     labels = batch.labels
     keep = labels[:, 1:] != IGNORE  # (N, T-1)
-    decoder = model.get_decoder() if hasattr(model, "get_decoder") else None
-    head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+    hf: Any = model  # a transformers model: its methods are found by name (torch types them Tensor | Module)
+    decoder = hf.get_decoder() if hasattr(hf, "get_decoder") else None
+    head = hf.get_output_embeddings() if hasattr(hf, "get_output_embeddings") else None
     if decoder is not None and head is not None and decoder is not model and not whole_model:
         hidden = decoder(
             input_ids=batch.input_ids, attention_mask=batch.attention_mask, use_cache=False

@@ -134,6 +134,7 @@ class Retrieval:
                 t = target_logits(self.rm.model, collate(chunk, self.pad))
                 loss_sum = torch.nn.functional.cross_entropy(t.logits, t.targets, reduction="sum")
             (loss_sum / self.n_target).backward()
+        assert w.grad is not None  # w requires grad and the loss depends on it
         self.grad += w.grad.detach().float().cpu()
         self.mu_train_loss += float(loss_sum.detach()) / self.n_target
         self.pos += len(chunk)

@@ -37,7 +37,7 @@ import torch
 from adapters_store.materialize import layers_from_weights, task_layers, task_weights
 from adapters_store.mix import Mix, mix_weights
 from adapters_store.records import InventoryInfo, TaskRecord
-from adapters_store.store import Store
+from adapters_store.store_base import BaseStore as Store
 from server.adapter_cache import codec, signing
 from server.adapter_cache.l1 import L1Cache
 from server.adapter_cache.l2 import RedisTier, adapter_key

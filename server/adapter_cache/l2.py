@@ -9,7 +9,7 @@ count in redis_errors_total), and a circuit breaker skips Redis while it is know
 from __future__ import annotations
 
 import logging
-from typing import Any
+from typing import Any, cast
 
 from server.adapter_cache.breaker import CircuitBreaker
 
@@ -49,7 +49,7 @@ class RedisTier:
             self._failed("get", err)
             return err
         self.breaker.record_success()
-        return value
+        return cast(bytes | None, value)  # no decode_responses: Redis answers bytes
 
     def set(self, key: str, data: bytes) -> bool:
         if not self.breaker.allow():

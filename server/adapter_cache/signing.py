@@ -40,10 +40,13 @@ def unseal(secret: bytes, key: str, data: bytes) -> bytes:
     return payload
 
 
-def cache_secret(configured: str | None, store_root: str | Path) -> bytes:
-    """POLYSERVE_CACHE_SECRET, else the store's own secret (created once, atomically)."""
+def cache_secret(configured: str | None, store_root: str | Path | None) -> bytes:
+    """POLYSERVE_CACHE_SECRET, else the store's own secret (created once, atomically); store_root:
+    a directory store's root (None: a PostgreSQL store, which has no directory to keep it in)."""
     if configured:
         return configured.encode()
+    if store_root is None:
+        raise ValueError("POLYSERVE_CACHE_SECRET must be set when a PostgreSQL store is used with Redis")
     path = Path(store_root) / "cache-secret"
     try:
         return path.read_bytes()

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import logging
 import re
+from collections.abc import Mapping
 from typing import Any
 
 from fastapi import FastAPI, Request
@@ -128,7 +129,7 @@ def validation_message(err: RequestValidationError) -> tuple[str, str | None]:
     return "; ".join(msgs), first
 
 
-def allowed_methods(app: Any, scope: dict) -> list[str]:
+def allowed_methods(app: Any, scope: Mapping[str, Any]) -> list[str]:
     """Every method some route serves at this scope's path (for the Allow header of a 405)."""
     methods: set[str] = set()
     path = scope.get("path", "")

@@ -15,6 +15,7 @@ Logprobs are clamped to >= -9999.0 (OpenAI's floor; JSON has no -Infinity).
 
 from __future__ import annotations
 
+import builtins
 import math
 from collections.abc import Sequence
 from typing import Any
@@ -74,7 +75,7 @@ class TokenText:
             out = self._bytes[token_id] = self._compute(token_id)
         return out
 
-    def _compute(self, token_id: int) -> bytes:
+    def _compute(self, token_id: int) -> builtins.bytes:  # `bytes` in this class is the method
         if self._byte_level and token_id not in self._special:
             piece = self.tokenizer.convert_ids_to_tokens(token_id)
             if isinstance(piece, str) and all(ch in BYTE_DECODER for ch in piece):

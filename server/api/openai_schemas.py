@@ -32,7 +32,7 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from adapters_store.mix import MAX_MIX_CHARS, MIX_SCHEMA_EXTRA, MODEL_ID_PATTERN
 from server.api.response_format import ResponseFormat
-from server.api.wire import Bool, Float, Int
+from server.api.wire import Bool, Number
 from server.engines.request import GREEDY_TEMPERATURE
 
 MIN_TEMPERATURE = 0.01
@@ -44,7 +44,7 @@ MAX_LOGIT_BIAS = 300
 
 NonEmpty = Annotated[str, Field(min_length=1)]
 StopString = Annotated[str, Field(min_length=1, max_length=MAX_STOP_CHARS)]
-TokenId = Int(ge=0)
+TokenId = Annotated[int, Field(ge=0), Number]
 TokenIds = Annotated[list[TokenId], Field(min_length=1)]
 MAX_PROMPTS = 1024  # the schema's bound; POLYSERVE_MAX_PROMPTS_PER_REQUEST is the server's (the OpenAPI bound)
 MAX_STOP_TOKEN_IDS = 64
@@ -84,19 +84,19 @@ class _Common(BaseModel):
 
     model: str = Field(pattern=MODEL_ID_PATTERN, max_length=MAX_MIX_CHARS, json_schema_extra=MIX_SCHEMA_EXTRA, description="a task id, `base`, or a mix `mix:ID=W,...`",
                        examples=["base"])
-    temperature: Float(ge=0.0, le=2.0) = 1.0
-    top_p: Float(gt=0.0, le=1.0) = 1.0
-    top_k: Int(ge=-1) = Field(default=0, description="extension (vLLM): 0 or -1 = off")
-    n: Int(ge=1) = Field(default=1, description="choices; the maximum is POLYSERVE_MAX_N")
+    temperature: Annotated[float, Field(ge=0.0, le=2.0), Number] = 1.0
+    top_p: Annotated[float, Field(gt=0.0, le=1.0), Number] = 1.0
+    top_k: Annotated[int, Field(ge=-1), Number] = Field(default=0, description="extension (vLLM): 0 or -1 = off")
+    n: Annotated[int, Field(ge=1), Number] = Field(default=1, description="choices; the maximum is POLYSERVE_MAX_N")
     stop: StopString | list[StopString] | None = None
-    seed: Int() | None = Field(default=None, description="any integer (used modulo 2**63); choice i samples "
+    seed: Annotated[int, Number] | None = Field(default=None, description="any integer (used modulo 2**63); choice i samples "
                              "with seed + i")
     stream: Bool = False
     stream_options: StreamOptions | None = None
-    presence_penalty: Float(ge=-2.0, le=2.0) = 0.0
-    frequency_penalty: Float(ge=-2.0, le=2.0) = 0.0
-    repetition_penalty: Float(ge=0.01, le=2.0) = Field(default=1.0, description="extension (vLLM)")
-    logit_bias: dict[BiasKey, Float(ge=-100.0, le=100.0)] | None = Field(
+    presence_penalty: Annotated[float, Field(ge=-2.0, le=2.0), Number] = 0.0
+    frequency_penalty: Annotated[float, Field(ge=-2.0, le=2.0), Number] = 0.0
+    repetition_penalty: Annotated[float, Field(ge=0.01, le=2.0), Number] = Field(default=1.0, description="extension (vLLM)")
+    logit_bias: dict[BiasKey, Annotated[float, Field(ge=-100.0, le=100.0), Number]] | None = Field(
         default=None, max_length=MAX_LOGIT_BIAS, json_schema_extra={"propertyNames": {"pattern": BIAS_KEY}},
         description="token id (as a string, below the vocabulary size) -> bias")
     # ignored: they do not change the answer
@@ -108,13 +108,13 @@ class _Common(BaseModel):
     safety_identifier: str | None = Field(default=None, max_length=256, description="ignored")
     # vLLM's sampling extensions (server.engines.request.SamplingParams says what each does)
     ignore_eos: Bool = Field(default=False, description="extension (vLLM): EOS does not end a choice")
-    min_tokens: Int(ge=0) = Field(default=0, description="extension (vLLM): no EOS / stop token / stop string "
+    min_tokens: Annotated[int, Field(ge=0), Number] = Field(default=0, description="extension (vLLM): no EOS / stop token / stop string "
                                   "before this many tokens (at most the request's max tokens)")
     stop_token_ids: list[TokenId] | None = Field(default=None, max_length=MAX_STOP_TOKEN_IDS,
                                                  description="extension (vLLM): token ids that end a choice")
     include_stop_str_in_output: Bool = Field(default=False, description="extension (vLLM)")
     skip_special_tokens: Bool = Field(default=True, description="extension (vLLM)")
-    min_p: Float(ge=0.0, le=1.0) = Field(default=0.0, description="extension (vLLM)")
+    min_p: Annotated[float, Field(ge=0.0, le=1.0), Number] = Field(default=0.0, description="extension (vLLM)")
     add_special_tokens: Bool | None = Field(
         default=None, description="extension (vLLM): add the tokenizer's specials (BOS...) to the prompt; "
         "default: completions and chat with a task yes, chat with base no (its template has them)")
@@ -135,10 +135,10 @@ class CompletionRequest(_Common):
     prompt: NonEmpty | Prompts | TokenIds | PromptsOfIds = Field(
         description="a string or a list of token ids, or a list of prompts of either kind (each its own row; "
         "choice index = prompt index x n + choice)")
-    max_tokens: Int(ge=0) | None = Field(default=16, description="0 with echo: the prompt's logprobs, nothing generated")
+    max_tokens: Annotated[int, Field(ge=0), Number] | None = Field(default=16, description="0 with echo: the prompt's logprobs, nothing generated")
     echo: Bool = False
-    logprobs: Int(ge=0, le=MAX_LOGPROBS) | None = None
-    best_of: Int(ge=1, le=1) | None = Field(default=None, description="only 1 (or null): no server-side ranking")
+    logprobs: Annotated[int, Field(ge=0, le=MAX_LOGPROBS), Number] | None = None
+    best_of: Annotated[int, Field(ge=1, le=1), Number] | None = Field(default=None, description="only 1 (or null): no server-side ranking")
     suffix: str | None = Field(default=None, max_length=0, description="refused unless null or empty")
     response_format: ResponseFormat | None = Field(default=None, description="text, json_object or json_schema")
 
@@ -162,9 +162,10 @@ class CompletionRequest(_Common):
         value = self.prompt
         if isinstance(value, str):
             return [value]
+        # the ignores: mypy does not narrow `value` by all(), nor `v` to list[int] past it
         if all(isinstance(v, int) for v in value):
             return [list(value)]  # type: ignore[arg-type]
-        return [v if isinstance(v, str) else list(v) for v in value]  # type: ignore[misc]
+        return [v if isinstance(v, str) else list(v) for v in value]  # type: ignore[arg-type]
 
     def prompt_value(self) -> str | list[int]:
         """The first prompt (the whole request when it has one)."""
@@ -193,10 +194,10 @@ class ChatMessage(BaseModel):
 
 class ChatRequest(_Common):
     messages: list[ChatMessage] = Field(min_length=1)
-    max_tokens: Int(ge=1) | None = None
-    max_completion_tokens: Int(ge=1) | None = None
+    max_tokens: Annotated[int, Field(ge=1), Number] | None = None
+    max_completion_tokens: Annotated[int, Field(ge=1), Number] | None = None
     logprobs: Bool = False
-    top_logprobs: Int(ge=0, le=MAX_LOGPROBS) | None = None
+    top_logprobs: Annotated[int, Field(ge=0, le=MAX_LOGPROBS), Number] | None = None
     response_format: ResponseFormat | None = None
     tools: list[Any] | None = Field(default=None, max_length=0, description="refused unless empty")
     functions: list[Any] | None = Field(default=None, max_length=0, description="refused unless empty")

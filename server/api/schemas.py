@@ -7,7 +7,7 @@ from typing import Annotated, Any, Literal
 from pydantic import BaseModel, ConfigDict, Field
 
 from adapters_store.mix import MAX_MIX_CHARS, MIX_SCHEMA_EXTRA, MODEL_ID_PATTERN
-from server.api.wire import Bool, Float, Int
+from server.api.wire import Bool, Number
 
 
 class Usage(BaseModel):
@@ -20,12 +20,12 @@ class GenerateRequest(BaseModel):
 
     task: str = Field(pattern=MODEL_ID_PATTERN, max_length=MAX_MIX_CHARS, json_schema_extra=MIX_SCHEMA_EXTRA, examples=["base"])
     prompt: str
-    max_new_tokens: Int(ge=1) = Field(default=64, description="default: 64, or the server's limit if lower")
-    temperature: Float(ge=0.0, le=100.0) = 0.0
-    top_p: Float(gt=0.0, le=1.0) = 1.0
-    top_k: Int(ge=0) = 0
+    max_new_tokens: Annotated[int, Field(ge=1), Number] = Field(default=64, description="default: 64, or the server's limit if lower")
+    temperature: Annotated[float, Field(ge=0.0, le=100.0), Number] = 0.0
+    top_p: Annotated[float, Field(gt=0.0, le=1.0), Number] = 1.0
+    top_k: Annotated[int, Field(ge=0), Number] = 0
     stop: list[Annotated[str, Field(min_length=1, max_length=256)]] = Field(default_factory=list)
-    seed: Int() | None = Field(default=None, description="any integer (used modulo 2**63)")
+    seed: Annotated[int, Number] | None = Field(default=None, description="any integer (used modulo 2**63)")
     stream: Bool = False
 
 

@@ -4,14 +4,17 @@ pydantic's lax mode turns "5" and true into 5 (the schema says integer: both are
 JSON Schema), and its strict mode refuses 5.0 (an integer to JSON Schema). These types take the
 JSON Schema view: integers may be written 5 or 5.0, never "5" or true; booleans are true/false.
 
-    count: Int(ge=1, le=8) = 1        seed: Int() | None = None        stream: Bool = False
+    count: Annotated[int, Field(ge=1, le=8), Number] = 1    seed: Annotated[int, Number] | None = None
+    ratio: Annotated[float, Field(gt=0.0), Number] = 1.0   stream: Bool = False
+
+The bounds (Field) come before Number: in that order they reach the JSON Schema.
 """
 
 from __future__ import annotations
 
 from typing import Annotated, Any
 
-from pydantic import BeforeValidator, Field, Strict
+from pydantic import BeforeValidator, Strict
 
 
 def _number(value: Any) -> Any:
@@ -20,12 +23,5 @@ def _number(value: Any) -> Any:
     return value
 
 
-def Int(**constraints: Any) -> Any:
-    return Annotated[int, Field(**constraints), BeforeValidator(_number)]  # this order: JSON Schema bounds
-
-
-def Float(**constraints: Any) -> Any:
-    return Annotated[float, Field(**constraints), BeforeValidator(_number)]
-
-
+Number = BeforeValidator(_number)
 Bool = Annotated[bool, Strict()]

@@ -306,7 +306,7 @@ class JobRunner:
     def _build(self, job: Job) -> AdaptationLike:
         """On the builder thread: the job's examples and its adaptation (tokenised, ready)."""
         examples = self.store.get_job_examples(job.id)
-        return self.make_adaptation(job, examples, lambda p, j=job: self._progress(j, p))
+        return self.make_adaptation(job, examples, lambda p: self._progress(job, p))
 
     def _progress(self, job: Job, info: dict[str, Any]) -> None:
         with self._lock:
@@ -316,7 +316,8 @@ class JobRunner:
             numbers = {k: v for k, v in info.items() if isinstance(v, int | float) and not isinstance(v, bool)}
             job.metrics.update(numbers)
             if info.get("phase") == "eval":
-                job.add_event("metrics", f"step {info.get('step')}: eval loss {info.get('eval_loss')}", **numbers)
+                job.add_event("metrics", f"step {info.get('step')}: eval loss {info.get('eval_loss')}",
+                              "info", **numbers)
             due = time.monotonic() - self._last_persist >= self.persist_every
             if due:
                 self._last_persist = time.monotonic()

@@ -2,12 +2,12 @@
 
 from __future__ import annotations
 
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
 from adapters_store.ids import TASK_ID_PATTERN
-from server.api.wire import Bool, Int
+from server.api.wire import Bool, Number
 
 MAX_FIELD_CHARS = 4096
 
@@ -46,8 +46,8 @@ class RegisterRequest(BaseModel):
     adapter_config: dict[str, Any] | None = Field(default=None, description="lora: the adapter_config.json object")
     project: Bool = Field(False, description="lora: replace the LoRA by its fitted routing row (kilobytes)")
     # numbers as JSON Schema says (server.api.wire): 5 or 5.0, never "5" or true
-    steps: Int(ge=1, le=100_000) | None = None
-    seed: Int(ge=0, lt=2**31) | None = None
+    steps: Annotated[int, Field(ge=1, le=100_000), Number] | None = None
+    seed: Annotated[int, Field(ge=0, lt=2**31), Number] | None = None
     serve_early: Bool = Field(False, description="serve the retrieved starting routing at once (a first version) "
                               "while training goes on; the trained result becomes the next version. "
                               "`retrieve` is served as soon as it is done either way")

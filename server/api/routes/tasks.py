@@ -54,7 +54,7 @@ async def get_task(task: str, rt: RuntimeDep) -> TaskOut:
 
 @router.post("/tasks", status_code=202, response_model=JobOut, dependencies=[AdminKey],
              responses=ERRORS["register"])
-async def register_task(body: RegisterRequest, rt: RuntimeDep, settings: SettingsDep) -> JobOut:
+async def register_task(body: RegisterRequest, rt: RuntimeDep, settings: SettingsDep) -> JobOut | Response:
     """Register a task from few-shot examples: 202 with the job that learns it. With method
     `lora`: 201 with the imported task (server.api.lora_tasks)."""
     if body.method == "lora":

@@ -16,7 +16,7 @@ by `check` at start-up, which compares a short prompt with the model's plain for
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, cast
 
 import torch
 from torch import nn
@@ -40,7 +40,8 @@ def _attention(module: nn.Module, query: torch.Tensor, key: torch.Tensor, value:
     after rope -> ((1, T, heads, hd), None)."""
     ctx: _Context = kwargs["polyserve"]
     T, hd = query.shape[2], query.shape[3]
-    out = slot_attention(ctx.kv.k[module.layer_idx], ctx.kv.v[module.layer_idx], query[0].transpose(0, 1),
+    layer = cast(int, module.layer_idx)  # an int (torch types module attributes Tensor | Module)
+    out = slot_attention(ctx.kv.k[layer], ctx.kv.v[layer], query[0].transpose(0, 1),
                          key[0].transpose(0, 1), value[0].transpose(0, 1), ctx.batch, scale=scaling)
     return out.view(1, T, -1, hd), None
 
@@ -74,7 +75,7 @@ class HFRunner:
     name = "hf"
 
     def __init__(self, model: nn.Module, routed: Any = None, *, slots: int, lora_kernel: str = "auto") -> None:
-        cfg = model.config
+        cfg: Any = model.config  # a transformers config, read by name
         window = getattr(cfg, "sliding_window", None)
         if window is not None and getattr(cfg, "use_sliding_window", True) and window < (
                 getattr(cfg, "max_position_embeddings", 0) or window + 1):
@@ -87,7 +88,7 @@ class HFRunner:
         kv_heads = getattr(cfg, "num_key_value_heads", None) or heads
         head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // heads
         self.max_positions = int(getattr(cfg, "max_position_embeddings", 0) or 0) or None
-        self.vocab_size = int(model.get_output_embeddings().weight.shape[0])
+        self.vocab_size = int(cast(Any, model).get_output_embeddings().weight.shape[0])
         self.kv = SlotKV(cfg.num_hidden_layers, slots, kv_heads, head_dim, dtype=self.dtype, device=self.device)
         self.lora: SlotLoRA | None = None
         if routed is not None:
@@ -110,7 +111,7 @@ class HFRunner:
             index = batch.logit_index.new_zeros(1)  # the model wants >= 1 position; dropped below
         else:
             index = batch.logit_index
-        config = self.model.config
+        config: Any = self.model.config
         before = config._attn_implementation
         previous = self.routed.batch.plan if self.routed is not None else None
         try:

@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import functools
 import math
-from typing import Any
+from typing import Any, cast
 
 import torch
 import torch.nn.functional as F
@@ -70,9 +70,14 @@ def _base(module: nn.Module) -> nn.Module:
     return getattr(module, "base", module)
 
 
+def _linear(module: nn.Module) -> nn.Linear:
+    """_base(module), which unsupported() has checked is an nn.Linear."""
+    return cast(nn.Linear, _base(module))
+
+
 def unsupported(model: nn.Module) -> str | None:
     """Why this model cannot run on the flat Llama runner, or None when it can."""
-    cfg = getattr(model, "config", None)
+    cfg: Any = getattr(model, "config", None)  # a transformers config (not None past the model_type check)
     kind = getattr(cfg, "model_type", None)
     if kind not in ARCHITECTURES:
         return f"model_type {kind!r} (the flat runner runs {', '.join(ARCHITECTURES)})"
@@ -129,7 +134,7 @@ class Linear:
 def _fused(modules: list[nn.Module], dtype: torch.dtype, packed: bool,
            rows: list[torch.Tensor | None] | None = None) -> Linear:
     """One Linear over the modules' outputs side by side; rows[i] reorders module i's outputs."""
-    lins = [_base(m) for m in modules]
+    lins = [_linear(m) for m in modules]
     rows = rows or [None] * len(lins)
     weight = torch.cat([m.weight if r is None else m.weight[r] for m, r in zip(lins, rows, strict=True)])
     biases = [m.bias if m.bias is None or r is None else m.bias[r] for m, r in zip(lins, rows, strict=True)]
@@ -150,7 +155,8 @@ def interleave_halves(heads: int, head_dim: int) -> torch.Tensor:
 
 
 class _Layer:
-    def __init__(self, layer: nn.Module, dtype: torch.dtype, packed: bool, heads: int, kv_heads: int,
+    # layer: a transformers decoder layer, read by name (torch types its submodules Tensor | Module)
+    def __init__(self, layer: Any, dtype: torch.dtype, packed: bool, heads: int, kv_heads: int,
                  head_dim: int, fuse_mlp: bool) -> None:
         self.norm1 = layer.input_layernorm.weight.detach().to(dtype)
         self.eps1 = float(getattr(layer.input_layernorm, "variance_epsilon", getattr(layer.input_layernorm, "eps", 1e-6)))
@@ -190,18 +196,18 @@ class LlamaRunner:
         reason = unsupported(model)
         if reason is not None:
             raise ValueError(f"the flat Llama runner cannot run this model: {reason}")
-        cfg = model.config
+        cfg: Any = model.config  # a transformers config, read by name
         self.device = next(model.parameters()).device
         self.dtype = dtype
         if packed is None:
             packed = self.device.type == "cpu" and packing_available(dtype)
         self.packed = packed
-        self.heads = cfg.num_attention_heads
-        self.kv_heads = getattr(cfg, "num_key_value_heads", None) or self.heads
-        self.head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // self.heads
-        self.hidden = cfg.hidden_size
+        self.heads: int = cfg.num_attention_heads
+        self.kv_heads: int = getattr(cfg, "num_key_value_heads", None) or self.heads
+        self.head_dim: int = getattr(cfg, "head_dim", None) or cfg.hidden_size // self.heads
+        self.hidden: int = cfg.hidden_size
         self.max_positions = int(getattr(cfg, "max_position_embeddings", 0) or 0) or None
-        decoder = model.model
+        decoder: Any = model.model  # transformers modules, read by name
         groups = self._groups(model, adapted) if adapted else None
         mlp_adapted = groups is not None and any(row[2] is not None for row in groups)
         with torch.no_grad():
@@ -210,7 +216,7 @@ class LlamaRunner:
             self.embed = decoder.embed_tokens.weight.detach().to(dtype).contiguous()
             self.norm = decoder.norm.weight.detach().to(dtype)
             self.norm_eps = float(getattr(decoder.norm, "variance_epsilon", getattr(decoder.norm, "eps", 1e-6)))
-            head = model.get_output_embeddings()
+            head = cast(Any, model).get_output_embeddings()
             self.lm_head = Linear(head.weight, getattr(head, "bias", None), dtype, packed)
         self.vocab_size = self.lm_head.out_features
         rotary = decoder.rotary_emb
@@ -248,20 +254,20 @@ class LlamaRunner:
                  "self_attn.k_proj": interleave_halves(self.kv_heads, self.head_dim)}
         out: list[list[Group | None]] = []
         seen = 0
-        for layer in model.model.layers:
+        for layer in cast(Any, model).model.layers:
             prefix = names[id(layer)]
             row: list[Group | None] = []
             for _, members in GROUPS:
                 mods = [layer.get_submodule(m) for m in members]
                 start, found = 0, []
                 for name, mod in zip(members, mods, strict=True):
-                    width = _base(mod).out_features
+                    width = _linear(mod).out_features
                     qualified = f"{prefix}.{name}"
                     if qualified in index:
                         found.append(Member(index[qualified], start, width, order.get(name)))
                     start += width
                 seen += len(found)
-                row.append(Group(_base(mods[0]).in_features, start, tuple(found)) if found else None)
+                row.append(Group(_linear(mods[0]).in_features, start, tuple(found)) if found else None)
             out.append(row)
         if seen != len(adapted):
             raise ValueError(f"{len(adapted) - seen} adapted linears are not attention/MLP linears of the decoder")

@@ -43,8 +43,9 @@ _lock = threading.Lock()
 _loaded: dict[str, object] = {}  # "fn" -> the ctypes function, or "error" -> why not
 
 _I64, _PTR = ctypes.c_int64, ctypes.c_void_p
-_ARGTYPES = [_I64, _PTR, ctypes.c_int, _I64, _PTR, _PTR, ctypes.c_int, _I64, _I64, _PTR, _PTR, _PTR, ctypes.c_int, _I64,
-             _I64, _I64, _I64, _I64, _PTR, _PTR]
+_ARGTYPES: list[type[ctypes.c_int64 | ctypes.c_void_p | ctypes.c_int]] = [
+    _I64, _PTR, ctypes.c_int, _I64, _PTR, _PTR, ctypes.c_int, _I64, _I64, _PTR, _PTR, _PTR, ctypes.c_int, _I64,
+    _I64, _I64, _I64, _I64, _PTR, _PTR]
 
 
 def _cpu_key() -> str:

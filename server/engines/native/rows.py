@@ -110,6 +110,7 @@ def sample_rows(rows: list[Row], logits: torch.Tensor) -> Sampled:
 
 def vocab_size(model: torch.nn.Module) -> int:
     """Width of the logits (the LM head's rows; config.vocab_size when there is no head)."""
-    head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+    hf: Any = model  # a transformers model, read by name (torch types its attributes Tensor | Module)
+    head = hf.get_output_embeddings() if hasattr(hf, "get_output_embeddings") else None
     weight = getattr(head, "weight", None)
-    return int(weight.shape[0]) if weight is not None else int(model.config.vocab_size)
+    return int(weight.shape[0]) if weight is not None else int(hf.config.vocab_size)

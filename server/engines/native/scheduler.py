@@ -24,7 +24,7 @@ from typing import Any
 from server.engines.fair import FairQueue, in_flight
 from server.engines.native.config import EngineConfig
 from server.engines.native.slots import SlotPool
-from server.engines.native.step import Item
+from server.engines.native.step import Item, LogitsWanted
 from server.engines.request import GenRequest, TokenLogprob
 
 
@@ -94,7 +94,7 @@ class Scheduler:
             prompt = prefill.req.prompt_ids
             size = min(prefill.remaining, budget)
             last = prefill.done + size == len(prompt)
-            wanted = "all" if prefill.prompt_lp is not None else "last" if last else "none"
+            wanted: LogitsWanted = "all" if prefill.prompt_lp is not None else "last" if last else "none"
             items.append(Item(prefill.slots[0], prefill.done, tuple(prompt[prefill.done : prefill.done + size]), wanted))
             owners.append(prefill)
             budget -= size

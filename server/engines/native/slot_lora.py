@@ -29,6 +29,7 @@ A group kind laid out the same way in every layer (the Llama runner's) is one bu
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import cast
 
 import torch
 
@@ -110,7 +111,8 @@ class SlotLoRA:
         # the kernel's constant arguments per (layer, group): tables and member columns
         self.kernel = lora_kernel.load() if lora_kernel.resolve(kernel, self.device, dtype, rank) else None
         self.kernel_args: list[list[lora_kernel.TableArgs | None]] = [
-            [None if g is None else lora_kernel.TableArgs(a, b, g.members_columns(), rank, g.d_in, g.d_out)
+            [None if g is None else lora_kernel.TableArgs(  # a, b: set wherever g is
+                cast(torch.Tensor, a), cast(torch.Tensor, b), g.members_columns(), rank, g.d_in, g.d_out)
              for g, a, b in zip(layer, a_row, b_row, strict=True)]
             for layer, a_row, b_row in zip(groups, self.A, self.B, strict=True)] if self.kernel else []
         self.n_linears = sum(len(g.members) for layer in groups for g in layer if g is not None)

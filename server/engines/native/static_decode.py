@@ -59,7 +59,7 @@ class StaticDecode:
         self.capacity = capacity
         self.graphs = device.type == "cuda"
         self._buckets: dict[int, _Bucket] = {}
-        self._pool = None
+        self._pool: torch.cuda._POOL_HANDLE | None = None
         self.captures = 0
 
     def fits(self, batch: StepBatch) -> bool:
