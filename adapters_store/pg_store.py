@@ -208,6 +208,10 @@ class PostgresStore(BaseStore):
         for (record,) in self._all("SELECT record FROM tasks ORDER BY id"):
             yield record
 
+    def _read_records(self, tasks: list[str]) -> Iterator[tuple[str, dict[str, Any]]]:
+        """One query for them all; the record column only (weights stay in the table)."""
+        yield from self._all("SELECT id, record FROM tasks WHERE id = ANY(%s)", (tasks,))
+
     def _read_blob(self, record: TaskRecord) -> bytes:
         blob = self._one("SELECT weights FROM tasks WHERE id = %s AND record->>'file' = %s", (record.id, record.file))
         if blob is None:
