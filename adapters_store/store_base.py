@@ -121,6 +121,12 @@ class BaseStore(ABC):
         Backends whose locks leave nothing behind (PostgreSQL's advisory locks) have nothing to do."""
         return 0
 
+    def shared_secret(self, name: str) -> bytes | None:
+        """A random secret that every node of this store shares (e.g. the key that signs L2
+        entries), made by the first node that asks; None where the backend keeps none (the
+        directory store: a file under its root, shared with the directory, does)."""
+        return None
+
     def change_cursor(self) -> int | None:
         """A number that moves whenever any task changes, read in O(1), or None where the backend
         has none (then a re-scan compares `task_stamps`)."""

@@ -18,6 +18,7 @@ import hmac
 import os
 import secrets
 from pathlib import Path
+from typing import Any
 
 MAGIC = b"psa1"
 TAG_BYTES = 32
@@ -40,10 +41,15 @@ def unseal(secret: bytes, key: str, data: bytes) -> bytes:
     return payload
 
 
-def cache_secret(configured: str | None, store_root: str | Path) -> bytes:
-    """POLYSERVE_CACHE_SECRET, else the store's own secret (created once, atomically)."""
+def cache_secret(configured: str | None, store_root: str | Path, store: Any = None) -> bytes:
+    """POLYSERVE_CACHE_SECRET, else the store's own secret (created once, atomically): one the
+    store backend keeps (PostgreSQL: in the database, for nodes that share no directory), else a
+    file under the store's root."""
     if configured:
         return configured.encode()
+    kept = store.shared_secret("cache-secret") if store is not None else None
+    if kept is not None:
+        return kept
     path = Path(store_root) / "cache-secret"
     try:
         return path.read_bytes()

@@ -113,7 +113,8 @@ class StoreResolver:
 
         l2 = self._redis()
         key = adapter_key(self.redis_prefix, info.backbone_fingerprint, info.version, record.id, record.cache_version)
-        secret = signing.cache_secret(os.environ.get("POLYSERVE_CACHE_SECRET"), self.store.root) if l2 else b""
+        configured = os.environ.get("POLYSERVE_CACHE_SECRET")
+        secret = signing.cache_secret(configured, getattr(self.store, "root", ""), self.store) if l2 else b""
         if l2 is not None:
             data = l2.get(key)
             if isinstance(data, bytes):
