@@ -343,6 +343,8 @@ class PostgresStore(BaseStore):
             conn.execute("INSERT INTO store_meta (key, value) VALUES (%s, %s) ON CONFLICT (key) DO NOTHING",
                          (key, secrets.token_hex(32)))
             row = conn.execute("SELECT value FROM store_meta WHERE key = %s", (key,)).fetchone()
+        if row is None:
+            raise StoreError(f"no {name} in {self.location} right after writing it")
         return bytes.fromhex(row[0])
 
     # -- jobs -----------------------------------------------------------------------------
