@@ -61,10 +61,10 @@ class TaskSnapshot:
         """Every readable task's record, in id order (the list is shared: do not change it).
         Raises what the store raises when it cannot be read (StoreUnavailable -> 503)."""
         with self._lock:
-            with self._marked_lock:
-                marked, self._marked = self._marked, set()
             cursor = self.store.change_cursor()
             now = self._clock()
+            with self._marked_lock:
+                marked, self._marked = self._marked, set()
             if cursor is None or cursor != self._cursor:
                 self._cursor, self._moved_at, self._settled = cursor, now, False
             if marked or not self._settled:

@@ -198,3 +198,44 @@ def test_a_listing_never_reads_weights(location, monkeypatch):
             assert "weights" not in sql and "*" not in sql, sql
     finally:
         _close(store)
+
+
+class FailingOnce:
+    """A store whose next read fails (a database outage), then recovers."""
+
+    def __init__(self, store: BaseStore, where: str) -> None:
+        self.store, self.where, self.fail = store, where, False
+
+    def __getattr__(self, name: str):
+        attr = getattr(self.store, name)
+        if name == self.where and self.fail:
+            self.fail = False
+
+            def down(*_args, **_kwargs):
+                from adapters_store.errors import StoreUnavailable
+
+                raise StoreUnavailable("down")
+
+            return down
+        return attr
+
+
+@pytest.mark.parametrize("where", ["change_cursor", "task_stamps"])
+def test_a_mark_taken_while_the_store_is_down_is_not_lost(location, where):
+    store, writer = _open(location), _open(location)
+    clock = Clock()
+    try:
+        flaky = FailingOnce(store, where)
+        snap = TaskSnapshot(flaky, clock=clock)  # type: ignore[arg-type]
+        snap.records()
+        clock.now += SETTLE_SECONDS + 0.1
+        snap.records()
+        snap.mark("t02")
+        flaky.fail = True
+        with pytest.raises(Exception, match="down"):
+            snap.records()
+        before = snap.records_read
+        snap.records()  # the store is back: the mark was kept, so t02 is re-read
+        assert snap.records_read == before + 1
+    finally:
+        _close(store, writer)
