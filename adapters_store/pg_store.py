@@ -126,7 +126,6 @@ class PostgresStore(BaseStore):
             with self._pooled() as conn:
                 yield conn
         except (psycopg.OperationalError, PoolTimeout) as err:
-            self._down_until = time.monotonic() + DOWN_PROBE_SECONDS
             raise StoreUnavailable(f"PostgreSQL store {self.location}: {err}") from err
 
     @contextmanager
@@ -138,12 +137,21 @@ class PostgresStore(BaseStore):
         try:
             conn = pool.getconn(timeout=min(POOL_FIRST_WAIT, self.connect_timeout))
         except PoolTimeout:
-            psycopg.connect(self.dsn, connect_timeout=max(1, int(self.connect_timeout))).close()
-            conn = pool.getconn(timeout=self.connect_timeout)
+            try:
+                psycopg.connect(self.dsn, connect_timeout=max(1, int(self.connect_timeout))).close()
+                conn = pool.getconn(timeout=self.connect_timeout)
+            except (psycopg.OperationalError, PoolTimeout):
+                self._mark_down()
+                raise
         try:
             yield conn
         finally:
+            if conn.broken:  # the session was lost (a statement's own error leaves it usable)
+                self._mark_down()
             pool.putconn(conn)
+
+    def _mark_down(self) -> None:
+        self._down_until = time.monotonic() + DOWN_PROBE_SECONDS
 
     def _check_up(self) -> None:
         """After a failure: StoreUnavailable at once, except for one caller every
@@ -159,7 +167,7 @@ class PostgresStore(BaseStore):
             try:
                 psycopg.connect(self.dsn, connect_timeout=max(1, int(self.connect_timeout))).close()
             except psycopg.Error as err:
-                self._down_until = time.monotonic() + DOWN_PROBE_SECONDS
+                self._mark_down()
                 raise StoreUnavailable(f"PostgreSQL store {self.location}: {err}") from err
             # a fresh pool: the old one's connections are dead and its reconnection attempts are
             # in a backoff that grew with the outage (1, 2, 4 ... s); lent ones close when returned
