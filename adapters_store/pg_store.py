@@ -15,13 +15,18 @@ an advisory transaction lock. Every task change sends NOTIFY polyserve_tasks wit
 (`cache_dir`/<version>.safetensors), so a node that has only the DSN fetches them once.
 
 Connection failures surface as StoreUnavailable (the server answers 503 `store_unavailable`).
+While the database is down, calls fail at once instead of each waiting out the pool's timeout:
+after a failure, one direct connection attempt at most every DOWN_PROBE_SECONDS decides whether
+it is back (then the pool's dead connections are replaced); everything else fails fast meanwhile.
 """
 
 from __future__ import annotations
 
 import logging
 import re
+import secrets
 import threading
+import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -45,6 +50,8 @@ NOTIFY_CHANNEL = "polyserve_tasks"
 # advisory lock namespaces (the first of the two int4 keys): a decision about an id, a
 # read-modify-write of one task, a running job's claim, installing an inventory into an empty store
 _NS_DECIDE, _NS_TX, _NS_JOB, _NS_INSTALL = 7301, 7302, 7303, 7304
+DOWN_PROBE_SECONDS = 0.5
+POOL_FIRST_WAIT = 1.0
 
 
 def redact(dsn: str) -> str:
@@ -79,11 +86,10 @@ class PostgresStore(BaseStore):
         self.cache_dir = Path(cache_dir).expanduser() if cache_dir is not None else None
         self.connect_timeout = connect_timeout
         self._local = threading.local()
-        self._pool = ConnectionPool(
-            dsn, min_size=1, max_size=pool_size, open=False, timeout=connect_timeout,
-            kwargs={"autocommit": True, "connect_timeout": max(1, int(connect_timeout))},
-            check=ConnectionPool.check_connection, name="polyserve-store",
-        )
+        self._down_until: float | None = None  # the database failed: fail fast until then, then probe
+        self._probe_lock = threading.Lock()
+        self._pool_size = pool_size
+        self._pool = self._new_pool()
         try:
             self._pool.open(wait=True, timeout=connect_timeout)
         except PoolTimeout as err:
@@ -92,6 +98,13 @@ class PostgresStore(BaseStore):
         if migrate:
             with self._conn() as conn:
                 upgrade(conn)
+
+    def _new_pool(self) -> ConnectionPool:
+        return ConnectionPool(
+            self.dsn, min_size=1, max_size=self._pool_size, open=False, timeout=self.connect_timeout,
+            kwargs={"autocommit": True, "connect_timeout": max(1, int(self.connect_timeout))},
+            check=ConnectionPool.check_connection, name="polyserve-store",
+        )
 
     @property
     def location(self) -> str:
@@ -108,11 +121,64 @@ class PostgresStore(BaseStore):
         if held is not None:
             yield held
             return
+        self._check_up()
         try:
-            with self._pool.connection() as conn:
+            with self._pooled() as conn:
                 yield conn
         except (psycopg.OperationalError, PoolTimeout) as err:
             raise StoreUnavailable(f"PostgreSQL store {self.location}: {err}") from err
+
+    @contextmanager
+    def _pooled(self) -> Iterator[psycopg.Connection]:
+        """A pooled connection. No connection within POOL_FIRST_WAIT: the outage is found out by
+        one direct attempt (refused: OperationalError at once) rather than by waiting out the
+        pool's whole timeout; if the database answers, the pool was only busy: wait on."""
+        pool = self._pool
+        try:
+            conn = pool.getconn(timeout=min(POOL_FIRST_WAIT, self.connect_timeout))
+        except PoolTimeout:
+            try:
+                psycopg.connect(self.dsn, connect_timeout=max(1, int(self.connect_timeout))).close()
+                conn = pool.getconn(timeout=self.connect_timeout)
+            except (psycopg.OperationalError, PoolTimeout):
+                self._mark_down()
+                raise
+        try:
+            yield conn
+        finally:
+            if conn.broken:  # the session was lost (a statement's own error leaves it usable)
+                self._mark_down()
+            pool.putconn(conn)
+
+    def _mark_down(self) -> None:
+        self._down_until = time.monotonic() + DOWN_PROBE_SECONDS
+
+    def _check_up(self) -> None:
+        """After a failure: StoreUnavailable at once, except for one caller every
+        DOWN_PROBE_SECONDS, who tries one direct connection (refused: at once; a silent host:
+        the connect timeout). Back: the pool replaces its dead connections and calls go on."""
+        until = self._down_until
+        if until is None:
+            return
+        if time.monotonic() < until or not self._probe_lock.acquire(blocking=False):
+            raise StoreUnavailable(f"PostgreSQL store {self.location} is unreachable (retrying)")
+        try:
+            self._down_until = time.monotonic() + DOWN_PROBE_SECONDS  # the others fail fast meanwhile
+            try:
+                psycopg.connect(self.dsn, connect_timeout=max(1, int(self.connect_timeout))).close()
+            except psycopg.Error as err:
+                self._mark_down()
+                raise StoreUnavailable(f"PostgreSQL store {self.location}: {err}") from err
+            # a fresh pool: the old one's connections are dead and its reconnection attempts are
+            # in a backoff that grew with the outage (1, 2, 4 ... s); lent ones close when returned
+            fresh = self._new_pool()
+            fresh.open(wait=False)
+            old, self._pool = self._pool, fresh
+            old.close(timeout=0)
+            self._down_until = None
+            log.info("PostgreSQL store %s is reachable again", self.location)
+        finally:
+            self._probe_lock.release()
 
     @contextmanager
     def _bound(self) -> Iterator[psycopg.Connection]:
@@ -208,6 +274,10 @@ class PostgresStore(BaseStore):
         for (record,) in self._all("SELECT record FROM tasks ORDER BY id"):
             yield record
 
+    def _read_records(self, tasks: list[str]) -> Iterator[tuple[str, dict[str, Any]]]:
+        """One query for them all; the record column only (weights stay in the table)."""
+        yield from self._all("SELECT id, record FROM tasks WHERE id = ANY(%s)", (tasks,))
+
     def _read_blob(self, record: TaskRecord) -> bytes:
         blob = self._one("SELECT weights FROM tasks WHERE id = %s AND record->>'file' = %s", (record.id, record.file))
         if blob is None:
@@ -273,6 +343,17 @@ class PostgresStore(BaseStore):
             thread.join(timeout=2)
 
         return close
+
+    def shared_secret(self, name: str) -> bytes:
+        """Kept in store_meta under 'secret:<name>'; the first node's insert wins."""
+        key = f"secret:{name}"
+        with self._conn() as conn:
+            conn.execute("INSERT INTO store_meta (key, value) VALUES (%s, %s) ON CONFLICT (key) DO NOTHING",
+                         (key, secrets.token_hex(32)))
+            row = conn.execute("SELECT value FROM store_meta WHERE key = %s", (key,)).fetchone()
+        if row is None:
+            raise StoreError(f"no {name} in {self.location} right after writing it")
+        return bytes.fromhex(row[0])
 
     # -- jobs -----------------------------------------------------------------------------
     def _write_job(self, job: dict[str, Any]) -> None:

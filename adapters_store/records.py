@@ -83,10 +83,13 @@ class TaskRecord:
 
     @classmethod
     def from_json(cls, data: dict[str, Any]) -> TaskRecord:
-        names = {f.name for f in fields(cls)}
-        return cls(**{k: v for k, v in data.items() if k in names})
+        return cls(**{k: v for k, v in data.items() if k in _TASK_FIELDS})
 
     @property
     def cache_version(self) -> str:
         """Identifies the weights' content (for cache keys): never reused for other weights."""
         return f"{self.version}-{self.digest}"
+
+
+# the field names, worked out once (from_json runs for every record a listing or request reads)
+_TASK_FIELDS = frozenset(f.name for f in fields(TaskRecord))

@@ -22,6 +22,7 @@ from __future__ import annotations
 import fcntl
 import logging
 import os
+import secrets
 import shutil
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -217,6 +218,28 @@ class Store(BaseStore):
                     continue
                 stamps[entry.name] = (st.st_ino, st.st_mtime_ns)
         return stamps
+
+    def shared_secret(self, name: str) -> bytes:
+        """A file `name` under the root (mode 600, 32 random bytes), made once: the first process
+        to link its file in wins, the others read that one."""
+        path = self.root / name
+        try:
+            return path.read_bytes()
+        except FileNotFoundError:
+            pass
+        tmp = path.with_name(f".{name}.tmp-{os.getpid()}-{secrets.token_hex(4)}")
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+        with os.fdopen(fd, "wb") as f:
+            f.write(secrets.token_bytes(32))
+            f.flush()
+            os.fsync(f.fileno())
+        try:
+            os.link(tmp, path)
+        except FileExistsError:
+            pass
+        finally:
+            tmp.unlink(missing_ok=True)
+        return path.read_bytes()
 
     # -- jobs -----------------------------------------------------------------------------
     def _job_path(self, job_id: str) -> Path:

@@ -121,6 +121,11 @@ class BaseStore(ABC):
         Backends whose locks leave nothing behind (PostgreSQL's advisory locks) have nothing to do."""
         return 0
 
+    @abstractmethod
+    def shared_secret(self, name: str) -> bytes:
+        """A random secret that every node of this store shares (the key that signs L2 entries),
+        made once by the first node that asks and kept by the store."""
+
     def change_cursor(self) -> int | None:
         """A number that moves whenever any task changes, read in O(1), or None where the backend
         has none (then a re-scan compares `task_stamps`)."""
@@ -246,6 +251,27 @@ class BaseStore(ABC):
         if data is None:
             raise TaskNotFound(task)
         return TaskRecord.from_json(data)
+
+    def get_tasks(self, tasks: list[str]) -> dict[str, TaskRecord]:
+        """{id: record} for those of `tasks` that exist and are readable (a listing's re-read of
+        the tasks that changed: adapters_store/task_snapshot.py). Never reads weights."""
+        records = {}
+        for task, data in self._read_records(tasks):
+            try:
+                records[task] = TaskRecord.from_json(data)
+            except (ValueError, KeyError, TypeError):
+                continue  # unreadable entries are reported by `get_task`, not by listings
+        return records
+
+    def _read_records(self, tasks: list[str]) -> Iterator[tuple[str, dict[str, Any]]]:
+        """(id, record as stored) for those of `tasks` that exist; a backend may read them at once."""
+        for task in tasks:
+            try:
+                data = self._read_record(task)
+            except (OSError, ValueError):
+                continue  # removed meanwhile, or unreadable
+            if data is not None:
+                yield task, data
 
     def put_record(self, record: TaskRecord) -> TaskRecord:
         """Write a registry entry as is (e.g. status 'training' or 'failed' without weights)."""

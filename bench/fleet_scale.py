@@ -6,7 +6,8 @@ how long /v1/models takes, and one task's resolution (record read + cache) after
 It creates a throwaway database on the local PostgreSQL (dropped at the end), installs the
 inventory of a tiny test store (or the shipped one with --backbone default), adds --tasks
 synthetic routing rows, then starts `polyserve serve` as a new replica with an empty
-POLYSERVE_HOME/inventories and times: start -> /ready, GET /v1/models, and resolutions of random
+POLYSERVE_HOME/inventories and times: start -> /ready, GET /v1/models (the first after /ready, then
+--models-calls more), GET /v1/tasks, and resolutions of random
 tasks through the registry (TaskRegistry.resolve in the bench process, on its own store connection),
 plus one re-scan's cost. Prints one JSON line.
 """
@@ -85,13 +86,20 @@ def main() -> None:
             url = f"http://127.0.0.1:{port}"
             wait_process_ready(proc, url, timeout=300)
             ready_s = time.perf_counter() - t0
-            models = []
+            models, listed = [], []
             with httpx.Client(base_url=url, timeout=60) as c:
-                c.get("/v1/models").raise_for_status()  # warm-up
+                t = time.perf_counter()
+                c.get("/v1/models").raise_for_status()  # the first one after /ready (also a warm-up)
+                models_first = time.perf_counter() - t
                 for _ in range(args.models_calls):
                     t = time.perf_counter()
                     r = c.get("/v1/models")
                     models.append(time.perf_counter() - t)
+                    assert r.status_code == 200 and len(r.json()["data"]) >= args.tasks
+                for _ in range(args.models_calls):
+                    t = time.perf_counter()
+                    r = c.get("/v1/tasks")
+                    listed.append(time.perf_counter() - t)
                     assert r.status_code == 200 and len(r.json()["data"]) >= args.tasks
         finally:
             proc.terminate()
@@ -125,7 +133,9 @@ def main() -> None:
     print(json.dumps({
         "tasks": args.tasks, "backbone": args.backbone, "fill_seconds": round(fill_s, 1),
         "new_replica_ready_seconds": round(ready_s, 2),
+        "models_first_ms": round(models_first * 1e3, 1),
         "models_ms_p50": round(statistics.median(models) * 1e3, 1), "models_ms_max": round(max(models) * 1e3, 1),
+        "tasks_list_ms_p50": round(statistics.median(listed) * 1e3, 1),
         "resolve_ms_p50": round(_pct(times, 0.5) * 1e3, 3), "resolve_ms_p99": round(_pct(times, 0.99) * 1e3, 3),
         "quiet_rescan_ms": round(rescan_ms, 3), "full_stamps_read_ms": round(stamps_ms, 1),
     }))

@@ -101,9 +101,7 @@ class Runtime:
                     prefix=settings.redis_prefix, metrics=metrics,
                     # the native engine writes routed tasks' tables from their routing weights
                     routing_layers=settings.engine != "native",
-                    # root: a directory store's (a PostgreSQL store has none: cache_secret says so)
-                    secret=cache_secret(settings.cache_secret, getattr(store, "root", None))
-                    if l2 is not None else None,
+                    secret=cache_secret(settings.cache_secret, store) if l2 is not None else None,
                 )
         registry = TaskRegistry(store, cache, metrics,
                                 isolated=Directory(settings.api_keys, settings.admin_keys).isolated)

@@ -16,6 +16,7 @@ from adapters_store.ids import RESERVED_TASK_IDS, validate_task_id
 from adapters_store.mix import is_mix
 from adapters_store.records import DEFAULT_PROMPT_FORMAT, TaskRecord
 from adapters_store.store_base import BaseStore as Store
+from adapters_store.task_snapshot import TaskSnapshot
 from server.adapter_cache.cache import AdapterCache
 from server.adapter_cache.types import Adapter
 from server.api.errors import ApiError
@@ -46,6 +47,8 @@ class TaskRegistry:
         # the last record each recently served task ran with: while the store is unreachable these
         # tasks keep serving (their adapters are in memory); anything else answers 503
         self._held: OrderedDict[str, TaskRecord] = OrderedDict()
+        # every task's record in memory for listings, re-read only where a stamp changed
+        self.snapshot = TaskSnapshot(store)
         # task search by routing row (GET /v1/tasks/{task}/similar)
         self.routing_index = RoutingIndex(store, cache.info) if cache is not None else None
         if self.routing_index is not None:
@@ -57,15 +60,16 @@ class TaskRegistry:
         return self.cache.info.version if self.cache is not None else None
 
     def refresh(self) -> int:
-        """Re-read the store's task list; updates tasks_registered. Returns the count."""
-        count = len(self.store.task_stamps())
+        """Bring the snapshot of the task list up to date (at start: its first full read, so the
+        first listing is as fast as the next); updates tasks_registered. Returns the count."""
+        count = len(self.snapshot.records())
         if self.metrics is not None:
             self.metrics.tasks_registered.set(count)
         return count
 
     def list(self, tenant: Tenant | None = None) -> list[TaskRecord]:
-        """Every task `tenant` may see (None: all)."""
-        records = self.store.list_tasks()
+        """Every task `tenant` may see (None: all), from the snapshot (adapters_store/task_snapshot.py)."""
+        records = self.snapshot.records()
         if self.metrics is not None:
             self.metrics.tasks_registered.set(len(records))
         return [r for r in records if can_see(r, tenant, isolated=self.isolated)]
@@ -145,6 +149,7 @@ class TaskRegistry:
         """A task changed or went away: drop its cached adapters and refresh the gauge."""
         with self._lock:
             self._held.pop(task, None)
+        self.snapshot.mark(task)
         dropped = self.cache.forget(task) if self.cache is not None else 0
         self.refresh()
         return dropped

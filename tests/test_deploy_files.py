@@ -45,7 +45,8 @@ def test_compose_services(compose: dict[str, Any]) -> None:
     services = compose["services"]
     default = {name for name, svc in services.items() if not svc.get("profiles")}
     assert default == {"redis", "polyserve", "prometheus", "grafana"}
-    assert {n for n, s in services.items() if "replicas" in s.get("profiles", [])} == {"polyserve-2", "nginx"}
+    assert {n for n, s in services.items() if "replicas" in s.get("profiles", [])} == {
+        "postgres", "worker", "polyserve-2", "polyserve-3", "nginx"}
 
 
 def test_compose_redis_is_a_bounded_cache(compose: dict[str, Any]) -> None:
@@ -58,8 +59,12 @@ def test_compose_redis_is_a_bounded_cache(compose: dict[str, Any]) -> None:
     assert cmd[cmd.index("--save") + 1] in ("", '""')
 
 
-@pytest.mark.parametrize("name", ["polyserve", "polyserve-2"])
-def test_compose_replicas_share_store_and_redis(compose: dict[str, Any], name: str) -> None:
+FLEET = ("worker", "polyserve-2", "polyserve-3")  # the `replicas` profile: PostgreSQL, no shared volume
+POLYSERVES = ("polyserve", *FLEET)
+
+
+def test_compose_single_node_uses_its_store_volume_and_redis(compose: dict[str, Any]) -> None:
+    name = "polyserve"
     svc = compose["services"][name]
     assert svc["build"]["dockerfile"] == "docker/Dockerfile"
     assert (ROOT / svc["build"]["context"] / svc["build"]["dockerfile"]).is_file()
@@ -69,6 +74,49 @@ def test_compose_replicas_share_store_and_redis(compose: dict[str, Any], name: s
     assert "store:/data/store" in svc["volumes"] and "store" in compose["volumes"]
     assert "/ready" in " ".join(svc["healthcheck"]["test"])
     assert svc["depends_on"]["redis"]["condition"] == "service_healthy"
+
+
+def _dsn_with(value: str) -> str:
+    """A compose value with its ${VAR:?message} interpolations replaced, as compose would."""
+    return re.sub(r"\$\{[A-Z_]+:\?[^}]*\}", "secret", value)
+
+
+def test_compose_fleet_shares_nothing_but_postgres_and_redis(compose: dict[str, Any]) -> None:
+    """Issue 28: the replicas profile is a fleet on the PostgreSQL store, with a worker running
+    the jobs and serving replicas that only enqueue, and no volume shared between them."""
+    import psycopg
+
+    from adapters_store.stores import is_dsn
+
+    services = compose["services"]
+    pg = services["postgres"]
+    assert pg["image"].startswith("postgres:15") and "replicas" in pg["profiles"]
+    pg_env = pg["environment"]
+    assert pg_env["POSTGRES_PASSWORD"].startswith("${POSTGRES_PASSWORD:?")
+    assert [v.split(":")[0] for v in pg["volumes"]] == ["postgres-data"] and "postgres-data" in compose["volumes"]
+    assert "pg_isready" in pg["healthcheck"]["test"]
+    for name in FLEET:
+        svc = services[name]
+        env = svc["environment"]
+        store = env["POLYSERVE_STORE"]
+        assert "${POSTGRES_PASSWORD:?" in store  # the password from .env, never written here
+        dsn = psycopg.conninfo.conninfo_to_dict(_dsn_with(store))
+        assert is_dsn(_dsn_with(store))
+        assert (dsn["host"], dsn["port"], dsn["user"], dsn["dbname"]) == (
+            "postgres", "5432", pg_env["POSTGRES_USER"], pg_env["POSTGRES_DB"])
+        assert not svc.get("volumes"), f"{name} must share no volume"
+        assert svc["depends_on"]["postgres"]["condition"] == "service_healthy"
+        assert svc["depends_on"]["redis"]["condition"] == "service_healthy"
+        assert env["POLYSERVE_REDIS_URL"].endswith("@redis:6379/0")
+        assert svc["build"]["dockerfile"] == "docker/Dockerfile"
+    for name in ("polyserve-2", "polyserve-3"):
+        assert services[name]["environment"]["POLYSERVE_JOBS"] == "off"  # serving replicas only enqueue
+        assert "/ready" in " ".join(services[name]["healthcheck"]["test"])
+    worker = services["worker"]
+    assert worker["command"] == ["polyserve", "worker", "--port", "8001"]
+    assert worker["environment"]["POLYSERVE_JOBS"] != "off"
+    assert "http://127.0.0.1:8001/health" in " ".join(worker["healthcheck"]["test"])
+    assert not worker.get("ports")  # jobs only: nothing to publish
 
 
 def test_compose_bind_mounts_exist(compose: dict[str, Any]) -> None:
@@ -85,7 +133,7 @@ def test_nginx_balances_both_replicas(compose: dict[str, Any]) -> None:
     conf = (DOCKER / "nginx.conf").read_text()
     upstream = re.search(r"upstream polyserve \{(.*?)\}", conf, re.DOTALL)
     assert upstream is not None
-    assert re.findall(r"server\s+([\w.-]+:\d+)", upstream.group(1)) == ["polyserve:8000", "polyserve-2:8000"]
+    assert re.findall(r"server\s+([\w.-]+:\d+)", upstream.group(1)) == ["polyserve-2:8000", "polyserve-3:8000"]
     assert "proxy_buffering off" in conf  # SSE streams must not be buffered
     assert conf.count("{") == conf.count("}")
 
@@ -94,7 +142,7 @@ def test_prometheus_scrapes_the_replicas(compose: dict[str, Any]) -> None:
     config = load_yaml(DOCKER / "prometheus.yml")
     job = next(j for j in config["scrape_configs"] if j["job_name"] == "polyserve")
     targets = [t for group in job["static_configs"] for t in group["targets"]]
-    assert targets == ["polyserve:8000", "polyserve-2:8000"]
+    assert targets == ["polyserve:8000", "polyserve-2:8000", "polyserve-3:8000", "worker:8001"]
     assert job.get("metrics_path", "/metrics") == "/metrics"
     mounts = compose["services"]["prometheus"]["volumes"]
     assert "./docker/prometheus.yml:/etc/prometheus/prometheus.yml:ro" in mounts
@@ -223,7 +271,7 @@ def test_docker_compose_config_validates() -> None:
             timeout=60,
             cwd=ROOT,
             env={**os.environ, "POLYSERVE_API_KEYS": "test-key", "REDIS_PASSWORD": "test-redis",
-                 "GRAFANA_ADMIN_PASSWORD": "test-grafana"},
+                 "GRAFANA_ADMIN_PASSWORD": "test-grafana", "POSTGRES_PASSWORD": "test-postgres"},
         )
         assert done.returncode == 0, done.stderr
 
@@ -233,7 +281,7 @@ def test_compose_is_secure_by_default(compose: dict[str, Any]) -> None:
     for name, svc in compose["services"].items():
         for port in svc.get("ports", []):
             assert port.startswith("${POLYSERVE_BIND:-127.0.0.1}:"), (name, port)
-    for name in ("polyserve", "polyserve-2"):
+    for name in POLYSERVES:
         env = compose["services"][name]["environment"]
         assert env["POLYSERVE_API_KEYS"].startswith("${POLYSERVE_API_KEYS:?"), "compose must refuse to run keyless"
         assert env["POLYSERVE_ADMIN_KEYS"] == "${POLYSERVE_ADMIN_KEYS:-}"
@@ -245,7 +293,7 @@ def test_compose_redis_needs_the_password_from_env(compose: dict[str, Any]) -> N
     cmd = redis["command"]
     assert cmd[cmd.index("--requirepass") + 1].startswith("${REDIS_PASSWORD:?")
     assert redis["environment"]["REDISCLI_AUTH"].startswith("${REDIS_PASSWORD")  # its healthcheck's ping
-    for name in ("polyserve", "polyserve-2"):
+    for name in POLYSERVES:
         url = compose["services"][name]["environment"]["POLYSERVE_REDIS_URL"]
         assert url.startswith("redis://:${REDIS_PASSWORD:?") and url.endswith("@redis:6379/0")
 
@@ -260,8 +308,9 @@ def test_compose_env_script_generates_keys(tmp_path: Path) -> None:
     out = tmp_path / "env"
     subprocess.run(["bash", str(ROOT / "scripts/compose_env.sh"), str(out)], check=True, capture_output=True)
     values = dict(line.split("=", 1) for line in out.read_text().splitlines() if line and not line.startswith("#"))
-    assert set(values) == {"POLYSERVE_API_KEYS", "POLYSERVE_ADMIN_KEYS", "REDIS_PASSWORD", "GRAFANA_ADMIN_PASSWORD"}
-    assert all(len(v) >= 32 for v in values.values()) and len(set(values.values())) == 4
+    assert set(values) == {"POLYSERVE_API_KEYS", "POLYSERVE_ADMIN_KEYS", "REDIS_PASSWORD", "GRAFANA_ADMIN_PASSWORD",
+                           "POSTGRES_PASSWORD"}
+    assert all(len(v) >= 32 for v in values.values()) and len(set(values.values())) == 5
     assert out.stat().st_mode & 0o077 == 0
     before = out.read_text()
     subprocess.run(["bash", str(ROOT / "scripts/compose_env.sh"), str(out)], check=True, capture_output=True)

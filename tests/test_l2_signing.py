@@ -34,18 +34,15 @@ def test_seal_round_trip_and_what_it_refuses():
 
 
 def test_the_store_secret_is_made_once_and_private(tmp_path):
-    first = signing.cache_secret(None, tmp_path)
-    assert len(first) == 32 and signing.cache_secret(None, tmp_path) == first
+    """A directory store keeps its secret in a mode-600 file under its root; a second process on
+    the same directory reads the same one."""
+    from adapters_store.store import Store
+
+    first = signing.cache_secret(None, Store(tmp_path))
+    assert len(first) == 32 and signing.cache_secret(None, Store(tmp_path)) == first
     assert os.stat(tmp_path / "cache-secret").st_mode & 0o077 == 0
-    assert signing.cache_secret("configured", tmp_path) == b"configured"
+    assert signing.cache_secret("configured", Store(tmp_path)) == b"configured"
 
-
-def test_a_postgres_store_needs_a_configured_secret():
-    """A PostgreSQL store has no directory to keep a generated secret in (it has no `root`):
-    the error names the setting, not an AttributeError."""
-    assert signing.cache_secret("configured", None) == b"configured"
-    with pytest.raises(ValueError, match="POLYSERVE_CACHE_SECRET"):
-        signing.cache_secret(None, None)
 
 
 @pytest.mark.redis

@@ -119,6 +119,16 @@ def test_writing_one_task_leaves_the_others_identical(store):
     assert [r.id for r in store.list_tasks()] == ["a", "c"]
 
 
+def test_get_tasks_reads_the_named_records_that_exist(store):
+    """What a listing's snapshot re-reads (adapters_store/task_snapshot.py): the same records as
+    get_task, absent ids left out, whatever the order asked."""
+    for task in ("a", "b", "c"):
+        store.put_routing(task, torch.randn(2, 2, 3))
+    got = store.get_tasks(["c", "gone", "a"])
+    assert got == {"a": store.get_task("a"), "c": store.get_task("c")}
+    assert store.get_tasks([]) == {}
+
+
 @pytest.mark.parametrize("bad", ["../x", "", "a" * 65, "Upper", "a/b", "..", "x\n", "x'; DROP TABLE tasks; --"])
 def test_bad_task_ids_are_refused_everywhere(store, bad):
     for call in (lambda: store.put_routing(bad, torch.randn(2, 2, 3)), lambda: store.get_task(bad),

@@ -7,17 +7,19 @@ decoded entry is only checked for names, shapes and finiteness.
     unseal(secret, key, sealed) -> payload, or ValueError (unsealed, forged, altered, or an entry
                                    moved to another key): the caller counts a corrupt miss
 
-The secret is POLYSERVE_CACHE_SECRET when set, else one generated once into the store directory
-(`cache-secret`, mode 600): replicas sharing a store share it, a Redis-only writer cannot read it.
+The secret is POLYSERVE_CACHE_SECRET when set, else one the store generates once and keeps (a
+directory store: `cache-secret`, mode 600, under its root; PostgreSQL: a row of store_meta):
+replicas sharing a store share it, a Redis-only writer cannot read it.
 """
 
 from __future__ import annotations
 
 import hashlib
 import hmac
-import os
-import secrets
-from pathlib import Path
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from adapters_store.store_base import BaseStore
 
 MAGIC = b"psa1"
 TAG_BYTES = 32
@@ -40,28 +42,10 @@ def unseal(secret: bytes, key: str, data: bytes) -> bytes:
     return payload
 
 
-def cache_secret(configured: str | None, store_root: str | Path | None) -> bytes:
-    """POLYSERVE_CACHE_SECRET, else the store's own secret (created once, atomically); store_root:
-    a directory store's root (None: a PostgreSQL store, which has no directory to keep it in)."""
+def cache_secret(configured: str | None, store: BaseStore) -> bytes:
+    """POLYSERVE_CACHE_SECRET, else the store's own secret, made once by the first node that asks
+    (`BaseStore.shared_secret`: a mode-600 file under a directory store's root, a row of a
+    PostgreSQL store), so every node of one store signs and checks with the same key."""
     if configured:
         return configured.encode()
-    if store_root is None:
-        raise ValueError("POLYSERVE_CACHE_SECRET must be set when a PostgreSQL store is used with Redis")
-    path = Path(store_root) / "cache-secret"
-    try:
-        return path.read_bytes()
-    except FileNotFoundError:
-        pass
-    tmp = path.with_name(f".cache-secret.tmp-{os.getpid()}-{secrets.token_hex(4)}")
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
-    with os.fdopen(fd, "wb") as f:
-        f.write(secrets.token_bytes(32))
-        f.flush()
-        os.fsync(f.fileno())
-    try:
-        os.link(tmp, path)  # the first replica wins; the others read its secret
-    except FileExistsError:
-        pass
-    finally:
-        tmp.unlink(missing_ok=True)
-    return path.read_bytes()
+    return store.shared_secret("cache-secret")

@@ -113,8 +113,7 @@ class StoreResolver:
                 if self.redis_url:
                     l2 = RedisTier(self.redis_url, ttl_seconds=24 * 3600, socket_timeout=0.5, connect_timeout=0.5,
                                    breaker=CircuitBreaker(3, 10.0))
-                root = getattr(self.store, "root", None)  # a directory store's (a PostgreSQL store has none)
-                secret = cache_secret(os.environ.get("POLYSERVE_CACHE_SECRET"), root) if l2 else None
+                secret = cache_secret(os.environ.get("POLYSERVE_CACHE_SECRET"), self.store) if l2 else None
                 self._cache = AdapterCache(self.store, info, skills, fingerprint=info.backbone_fingerprint,
                                            device=torch.device("cpu"), dtype=torch.float32, l1=L1Cache(L1_BYTES),
                                            l2=l2, prefix=self.redis_prefix, routing_layers=True, secret=secret)
