@@ -327,3 +327,18 @@ def test_subscribe_pushes_changes_made_by_other_processes(store, location):
         other.close()
     finally:
         stop()
+
+
+def test_a_shared_secret_is_made_once_and_read_by_every_node(empty, location, tmp_path):
+    """The L2 signing key: 32 random bytes, made by the first node that asks, the same for a
+    second node (another store object, another node cache) and for every later ask."""
+    first = empty.shared_secret("cache-secret")
+    other = open_store(location, cache_dir=tmp_path / "other-node")
+    try:
+        assert len(first) == 32 and other.shared_secret("cache-secret") == first
+        assert empty.shared_secret("cache-secret") == first
+        assert other.shared_secret("another") not in (first, b"")
+    finally:
+        close = getattr(other, "close", None)
+        if close:
+            close()
