@@ -110,7 +110,10 @@ class PostgresStore(BaseStore):
         """The thread's connection inside a transaction or task_lock, else one from the pool."""
         held = getattr(self._local, "conn", None)
         if held is not None:
-            yield held
+            try:
+                yield held
+            except psycopg.OperationalError as err:  # its session ended (a restart, a terminated backend)
+                raise StoreUnavailable(f"PostgreSQL store {self.location}: {err}") from err
             return
         try:
             with self._pool.connection() as conn:

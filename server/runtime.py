@@ -44,8 +44,10 @@ def _maybe_install_default_inventory(store: Store, backbone_spec: str) -> bool:
     except ImportError:
         log.info("no shipped default inventory; serving `base` only until one is trained")
         return False
-    install_default_inventory(store)
-    return True
+    installed = install_default_inventory(store)  # False: another process installed it first
+    if installed:
+        log.info("installed the default inventory into %s", store.location)
+    return installed
 
 @dataclass
 class Runtime:
