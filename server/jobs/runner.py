@@ -107,10 +107,17 @@ class JobRunner:
     def _persist(self, job: Job) -> None:
         """Write the job's latest state. Never called under `_lock`: the lock only guards memory
         (a GET of a job must not wait on an fsync); a per-job I/O lock keeps one job's writes in
-        order (the snapshot is taken under it, so a later write always carries a later state)."""
+        order (the snapshot is taken under it, so a later write always carries a later state).
+        A leased job's run writes only while its lease is still its own: once another worker took
+        the job over, this run's stale state must not overwrite that worker's (the check is a read
+        just before the write; a take-over then has to claim, run and finish the job in between)."""
         with self._lock:
             io = self._io.setdefault(job.id, threading.Lock())
+            hold = self._holds.get(job.id)
         with io:
+            if hold is not None and hasattr(hold, "renew") and not hold.still_held():
+                self.lose(job.id)
+                return
             with self._lock:
                 data = job.to_json()
             self.store.put_job(data)
@@ -280,6 +287,15 @@ class JobRunner:
             except Exception as err:  # noqa: BLE001 - then its lease simply expires
                 log.warning("job %s not given back: %s", job_id, type(err).__name__)
 
+    def _give_back_one(self, job: Job) -> None:
+        """On the I/O thread: a leased job this run cannot go on with, claimable again at once."""
+        hold = self._holds.get(job.id)
+        self._drop(job)
+        try:
+            hold.give_back()  # type: ignore[union-attr]
+        except Exception as err:  # noqa: BLE001 - then its lease simply expires
+            log.warning("job %s not given back: %s", job.id, type(err).__name__)
+
     def _drop(self, job: Job) -> bool:
         """Forget a lost job: no job write, no task write (the claimer that took it over owns both)."""
         with self._lock:
@@ -401,6 +417,12 @@ class JobRunner:
                 self._starting = None
             try:
                 adaptation = future.result()
+            except StoreUnavailable as err:
+                if hasattr(self._holds.get(job.id), "give_back"):  # a leased job: another claim runs it
+                    log.warning("job %s not started, the store is away (%s); given back", job.id, err)
+                    return self._offload(lambda: self._give_back_one(job))
+                log.exception("job %s failed to start", job.id)
+                return self._finish_later(job, "failed", public_error("adaptation_error", err))
             except Exception as err:
                 log.exception("job %s failed to start", job.id)
                 return self._finish_later(job, "failed", public_error("adaptation_error", err))
