@@ -7,6 +7,7 @@ machines that share nothing but the database.
     tasks(id, record, weights, stamp)             record = TaskRecord JSON; weights = its safetensors;
                                                   stamp = a number from one sequence, new on every write
     jobs(id, data), job_examples(id, examples), job_cancels(id)
+    job_queue(id, enqueued_at, owner, token, lease_until, attempts)   jobs leased to workers
 
 A task write is one statement in one transaction (record and weights in one row, so the commit
 point is the row); deletes, settles and imports are one transaction each, serialised per task by
@@ -76,6 +77,9 @@ class _ConnHold:
         finally:
             self._conn.close()
 
+    def still_held(self) -> bool:
+        return not self._conn.closed
+
 
 class PostgresStore(BaseStore):
     def __init__(self, dsn: str, *, cache_dir: str | Path | None = None, pool_size: int = 8,
@@ -119,7 +123,10 @@ class PostgresStore(BaseStore):
         """The thread's connection inside a transaction or task_lock, else one from the pool."""
         held = getattr(self._local, "conn", None)
         if held is not None:
-            yield held
+            try:
+                yield held
+            except psycopg.OperationalError as err:  # its session ended (a restart, a terminated backend)
+                raise StoreUnavailable(f"PostgreSQL store {self.location}: {err}") from err
             return
         self._check_up()
         try:
@@ -384,8 +391,41 @@ class PostgresStore(BaseStore):
 
     def _delete_job(self, job_id: str) -> None:
         with self._transaction(None), self._conn() as conn:
-            for table in ("job_examples", "job_cancels", "jobs"):
+            for table in ("job_examples", "job_cancels", "job_queue", "jobs"):
                 conn.execute(f"DELETE FROM {table} WHERE id = %s", (job_id,))
+
+    # -- the job queue: one statement each; a claim skips rows another claim has locked ----------
+    def _queue_add(self, job_id: str) -> None:
+        with self._conn() as conn:
+            conn.execute("INSERT INTO job_queue (id) VALUES (%s) ON CONFLICT (id) DO NOTHING", (job_id,))
+
+    def _queue_claim(self, owner: str, token: str, lease_seconds: float) -> tuple[str, int] | None:
+        with self._conn() as conn:
+            row = conn.execute(
+                "UPDATE job_queue q SET owner = %(owner)s, token = %(token)s, attempts = q.attempts + 1, "
+                "lease_until = clock_timestamp() + make_interval(secs => %(lease)s) "
+                "FROM (SELECT id FROM job_queue WHERE lease_until IS NULL OR lease_until < clock_timestamp() "
+                "ORDER BY enqueued_at, id LIMIT 1 FOR UPDATE SKIP LOCKED) c "
+                "WHERE q.id = c.id RETURNING q.id, q.attempts",
+                {"owner": owner, "token": token, "lease": float(lease_seconds)}).fetchone()
+        return None if row is None else (row[0], int(row[1]))
+
+    def _queue_renew(self, job_id: str, token: str, lease_seconds: float) -> bool:
+        with self._conn() as conn:
+            cur = conn.execute("UPDATE job_queue SET lease_until = clock_timestamp() + make_interval(secs => %s) "
+                               "WHERE id = %s AND token = %s", (float(lease_seconds), job_id, token))
+            return cur.rowcount == 1
+
+    def _queue_holds(self, job_id: str, token: str) -> bool:
+        return self._one("SELECT true FROM job_queue WHERE id = %s AND token = %s", (job_id, token)) is not None
+
+    def _queue_remove(self, job_id: str, token: str | None) -> None:
+        with self._conn() as conn:
+            conn.execute("DELETE FROM job_queue WHERE id = %s AND (%s::text IS NULL OR token = %s)",
+                         (job_id, token, token))
+
+    def _queue_has(self, job_id: str) -> bool:
+        return self._one("SELECT true FROM job_queue WHERE id = %s", (job_id,)) is not None
 
     def hold_job(self, job_id: str) -> _ConnHold | None:
         check_job_id(job_id)

@@ -9,6 +9,7 @@ registry and job records. safetensors + JSON only (never pickle); every write is
     <root>/jobs/<id>.json                  job records (owned by the server's job runner)
     <root>/jobs/examples/<id>.json         a job's uploaded examples
     <root>/jobs/locks/<id>.lock            held (fcntl) by the process running the job
+    <root>/jobs/queue/<id>.json            a job queued for workers and its lease (job_queue.py)
 
 A task's weights file is written first, then task.json pointing at it; a crash in between
 leaves the previous task.json (and an orphan file that `open` sweeps). Writing one task never
@@ -24,6 +25,7 @@ import logging
 import os
 import secrets
 import shutil
+import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -65,6 +67,9 @@ class _FileHold:
         fcntl.flock(self._f, fcntl.LOCK_UN)
         self._f.close()
         self._path.unlink(missing_ok=True)
+
+    def still_held(self) -> bool:
+        return not self._f.closed
 
 
 class Store(BaseStore):
@@ -312,7 +317,63 @@ class Store(BaseStore):
             return None
         return _FileHold(f, path)
 
+    # -- the job queue: one small file per queued job, changed under the store-wide lock ----------
+    def _queue_path(self, job_id: str) -> Path:
+        return self.root / "jobs" / "queue" / f"{check_job_id(job_id)}.json"
+
+    def _queue_add(self, job_id: str) -> None:
+        with self._locked():
+            path = self._queue_path(job_id)
+            if not path.exists():
+                atomic_write_json(path, {"id": job_id, "enqueued_at": time.time(), "owner": None, "token": None,
+                                         "lease_until": None, "attempts": 0})
+
+    def _queue_entry(self, job_id: str) -> dict[str, Any] | None:
+        try:
+            return read_json(self._queue_path(job_id))
+        except FileNotFoundError:
+            return None
+
+    def _queue_claim(self, owner: str, token: str, lease_seconds: float) -> tuple[str, int] | None:
+        with self._locked():
+            now = time.time()
+            entries = []
+            for path in (self.root / "jobs" / "queue").glob("job-*.json"):
+                try:
+                    entries.append(read_json(path))
+                except (OSError, ValueError):
+                    continue  # removed meanwhile, or a write that never finished
+            free = [e for e in entries if e.get("lease_until") is None or e["lease_until"] < now]
+            if not free:
+                return None
+            entry = min(free, key=lambda e: (e["enqueued_at"], e["id"]))
+            entry.update(owner=owner, token=token, lease_until=now + lease_seconds, attempts=entry["attempts"] + 1)
+            atomic_write_json(self._queue_path(entry["id"]), entry)
+            return entry["id"], entry["attempts"]
+
+    def _queue_renew(self, job_id: str, token: str, lease_seconds: float) -> bool:
+        with self._locked():
+            entry = self._queue_entry(job_id)
+            if entry is None or entry.get("token") != token:
+                return False
+            entry["lease_until"] = time.time() + lease_seconds
+            atomic_write_json(self._queue_path(job_id), entry)
+            return True
+
+    def _queue_holds(self, job_id: str, token: str) -> bool:
+        entry = self._queue_entry(job_id)
+        return entry is not None and entry.get("token") == token
+
+    def _queue_remove(self, job_id: str, token: str | None) -> None:
+        with self._locked():
+            entry = self._queue_entry(job_id)
+            if entry is not None and (token is None or entry.get("token") == token):
+                self._queue_path(job_id).unlink(missing_ok=True)
+
+    def _queue_has(self, job_id: str) -> bool:
+        return self._queue_path(job_id).exists()
+
     def _delete_job(self, job_id: str) -> None:
-        for path in (self._examples_path(job_id), self._cancel_path(job_id),
+        for path in (self._examples_path(job_id), self._cancel_path(job_id), self._queue_path(job_id),
                      self.root / "jobs" / "locks" / f"{job_id}.lock", self._job_path(job_id)):
             path.unlink(missing_ok=True)  # the job file last: a crash leaves it to prune again

@@ -13,6 +13,8 @@ job's settle does, retrieval's choice of rows, job retention. A backend supplies
                           commit a job's result): taken before `_transaction`, never inside it
     hold_job(job_id)     a claim on a job that the process's death releases (recover() tells a
                          job whose runner died from one still running elsewhere)
+    _queue_*             the fleet's job queue with leases (adapters_store.job_queue says what
+                         they mean; PostgreSQL claims with FOR UPDATE SKIP LOCKED)
 
 tests/test_store_contract.py runs the same suite against both backends.
 """
@@ -35,6 +37,7 @@ from safetensors.torch import save as st_save
 
 from adapters_store.errors import FingerprintMismatch, JobNotFound, StoreError, TaskNotFound
 from adapters_store.ids import validate_task_id
+from adapters_store.job_queue import JobLease, new_token
 from adapters_store.records import InventoryInfo, TaskRecord
 from adapters_store.spec import InventorySpec
 
@@ -60,9 +63,12 @@ def check_job_id(job_id: str) -> str:
 
 
 class JobHold(Protocol):
-    """A live claim on a job, released by `release()` or by the holder's death."""
+    """A live claim on a job, released by `release()` or by the holder's death (a lock), or by
+    its lease running out (a queued job's JobLease). `still_held()`: nobody else took it over."""
 
     def release(self) -> None: ...
+
+    def still_held(self) -> bool: ...
 
 
 class BaseStore(ABC):
@@ -166,6 +172,32 @@ class BaseStore(ABC):
     @abstractmethod
     def hold_job(self, job_id: str) -> JobHold | None:
         """Claim the job for this process without waiting; None if a live process holds it."""
+
+    # -- primitives: the job queue (adapters_store.job_queue) -----------------------------------
+    @abstractmethod
+    def _queue_add(self, job_id: str) -> None:
+        """Make the job claimable (no lease), once; enqueuing it again changes nothing."""
+
+    @abstractmethod
+    def _queue_claim(self, owner: str, token: str, lease_seconds: float) -> tuple[str, int] | None:
+        """Give the oldest job whose lease is free or expired this token and owner, the lease
+        `lease_seconds` from now, one more attempt, in one atomic step. Returns (job id, attempts),
+        None when nothing is claimable."""
+
+    @abstractmethod
+    def _queue_renew(self, job_id: str, token: str, lease_seconds: float) -> bool:
+        """While the job's token is `token`: its lease ends `lease_seconds` from now (0: at once).
+        Returns whether the token was still the job's."""
+
+    @abstractmethod
+    def _queue_holds(self, job_id: str, token: str) -> bool: ...
+
+    @abstractmethod
+    def _queue_remove(self, job_id: str, token: str | None) -> None:
+        """Remove the job's queue entry if its token is `token` (None: whatever it is)."""
+
+    @abstractmethod
+    def _queue_has(self, job_id: str) -> bool: ...
 
     @abstractmethod
     def _install_lock(self) -> AbstractContextManager[None]:
@@ -426,6 +458,26 @@ class BaseStore(ABC):
 
     def cancel_requested(self, job_id: str) -> bool:
         return self._cancel_marked(check_job_id(job_id))
+
+    def enqueue_job(self, job_id: str) -> None:
+        """Hand the job to the fleet's workers (its record, examples and placeholder written)."""
+        self._queue_add(check_job_id(job_id))
+
+    def claim_job(self, owner: str, lease_seconds: float) -> JobLease | None:
+        """The oldest queued job nobody holds a live lease on, leased to `owner`; None if none.
+        A job whose lease expired (its claimer died or stopped heart-beating) is claimable again."""
+        if lease_seconds <= 0:
+            raise ValueError(f"lease_seconds must be positive, got {lease_seconds!r}")
+        token = new_token()
+        got = self._queue_claim(owner, token, lease_seconds)
+        if got is None:
+            return None
+        job_id, attempts = got
+        return JobLease(self, job_id, token, owner, lease_seconds, attempts)
+
+    def job_enqueued(self, job_id: str) -> bool:
+        """Whether the job waits in (or is leased from) the queue: workers own it, not a replica."""
+        return self._queue_has(check_job_id(job_id))
 
     def prune_jobs(self, older_than: float) -> int:
         """Remove finished jobs that ended before `older_than` (epoch seconds) with their examples,

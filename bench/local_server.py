@@ -17,12 +17,15 @@ ROOT = Path(__file__).resolve().parents[1]
 
 
 @contextmanager
-def polyserve_server(env: dict[str, str], ready_s: float = 300) -> Iterator[str]:
-    """Starts the server with os.environ + env, yields its base URL once /ready answers 200, stops it."""
+def polyserve_server(env: dict[str, str], ready_s: float = 300, *, command: str = "serve",
+                     prefix: tuple[str, ...] = ()) -> Iterator[str]:
+    """Starts the server with os.environ + env, yields its base URL once /ready answers 200, stops it.
+    command: "serve" or "worker"; prefix: what runs it, e.g. ("taskset", "-c", "0") to pin it."""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    proc = subprocess.Popen([sys.executable, "-m", "server.cli", "serve", "--host", "127.0.0.1", "--port", str(port)],
+    proc = subprocess.Popen([*prefix, sys.executable, "-m", "server.cli", command, "--host", "127.0.0.1",
+                             "--port", str(port)],
                             env={**os.environ, **env}, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     url = f"http://127.0.0.1:{port}"
     try:

@@ -11,6 +11,7 @@
                       detok) or vllm/ (vLLM's engine, its LoRA directories, the resolver plugin)
     adapter_cache/    adapter cache tiers: L1 LRU (bytes), L2 Redis (sealed safetensors), L3 compute
     jobs/             registration jobs: service (enqueue, cancel, recover), runner (the slices)
+    worker/           `polyserve worker`: runs leased jobs from the store's queue, serves nothing
     tasks.py          the task registry (store-backed), ownership.py, tenants.py, usage.py, mixes.py
     replicas.py       agreement between processes sharing a store (pub/sub hints, re-scans)
     metrics.py        Prometheus metrics (own registry per app)

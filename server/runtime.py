@@ -37,15 +37,22 @@ from training.precision import resolve_autocast
 log = logging.getLogger("polyserve")
 
 def _maybe_install_default_inventory(store: Store, backbone_spec: str) -> bool:
-    if backbone_spec != "default" or store.has_inventory() or store.task_stamps():
+    if backbone_spec != "default" or store.has_inventory():
+        return False
+    if store.task_stamps():
+        # tasks and no inventory: another process may be installing right now (tasks go in first,
+        # the inventory last), so wait for its install lock; otherwise the store is left alone
+        store.install_once(lambda _store: False)
         return False
     try:
         from training.shipped_inventory import install_default_inventory  # type: ignore[import-not-found]
     except ImportError:
         log.info("no shipped default inventory; serving `base` only until one is trained")
         return False
-    install_default_inventory(store)
-    return True
+    installed = install_default_inventory(store)  # False: another process installed it first
+    if installed:
+        log.info("installed the default inventory into %s", store.location)
+    return installed
 
 @dataclass
 class Runtime:

@@ -81,6 +81,11 @@ class Settings(BaseSettings):
     # while requests are in flight, adaptation jobs get at most this share of the engine's time
     background_share: float = Field(default=0.2, gt=0, le=1)
     rescan_seconds: float = Field(default=1.0, gt=0)  # store re-scan for changes made by other replicas
+    # registration jobs: local = this server runs them; off = it only enqueues them for `polyserve worker`s
+    jobs: Literal["local", "off"] = "local"
+    job_lease_seconds: float = Field(default=30.0, gt=0)  # a worker's claim; heartbeats renew it (lease / 3)
+    job_max_attempts: int = Field(default=3, ge=1)  # runs of a job whose runners died; then it fails
+    job_poll_seconds: float = Field(default=0.2, gt=0)  # a worker's idle wait between claims
     # tenants (server/tenants.py; admission: server/engines/fair.py). None = the engine's own limit
     tenant_max_queued: int | None = Field(default=None, ge=1)  # default: the tenant's weighted share of max_queue
     tenant_max_rows: int | None = Field(default=None, ge=1)

@@ -113,7 +113,8 @@ def test_compose_fleet_shares_nothing_but_postgres_and_redis(compose: dict[str, 
         assert services[name]["environment"]["POLYSERVE_JOBS"] == "off"  # serving replicas only enqueue
         assert "/ready" in " ".join(services[name]["healthcheck"]["test"])
     worker = services["worker"]
-    assert worker["command"] == ["polyserve", "worker", "--port", "8001"]
+    # listening beyond its container, or Prometheus (worker:8001) reaches nothing
+    assert worker["command"] == ["polyserve", "worker", "--host", "0.0.0.0", "--port", "8001"]
     assert worker["environment"]["POLYSERVE_JOBS"] != "off"
     assert "http://127.0.0.1:8001/health" in " ".join(worker["healthcheck"]["test"])
     assert not worker.get("ports")  # jobs only: nothing to publish

@@ -28,7 +28,7 @@ def here(tmp_path):
     forgotten: list[str] = []
     rt = SimpleNamespace(
         store=store, cache=None, l2=None, routed=object(),
-        settings=SimpleNamespace(redis_url=None, job_retention_seconds=3600, rescan_seconds=1.0),
+        settings=SimpleNamespace(redis_url=None, job_retention_seconds=3600, rescan_seconds=1.0, jobs="local"),
         metrics=SimpleNamespace(redis_errors=SimpleNamespace(inc=lambda: None)),
         registry=SimpleNamespace(forget=forgotten.append), engine=SimpleNamespace(forget=lambda task: None))
     store.put_job(OTHER_JOB.to_json() | {"status": "running"})

@@ -342,3 +342,73 @@ def test_a_shared_secret_is_made_once_and_read_by_every_node(empty, location, tm
         close = getattr(other, "close", None)
         if close:
             close()
+
+
+def test_the_job_queue_leases_one_claimer_at_a_time_and_expired_leases_are_claimed_again(store):
+    """The fleet's queue: oldest first, one live lease per job, a heartbeat keeps it, an expired one
+    is taken over (attempts + 1) and the old claimer can neither renew nor release it any more."""
+    assert store.claim_job("w1", 5) is None
+    for job_id in ("job-first1", "job-second"):
+        store.enqueue_job(job_id)
+        time.sleep(0.01)  # enqueue order is claim order
+    store.enqueue_job("job-first1")  # twice changes nothing
+    assert store.job_enqueued("job-first1") and not store.job_enqueued("job-absent")
+    with pytest.raises(ValueError, match="lease_seconds"):
+        store.claim_job("w1", 0)
+    a = store.claim_job("w1", 0.5)
+    b = store.claim_job("w2", 30)
+    assert (a.job_id, a.attempts, b.job_id) == ("job-first1", 1, "job-second")
+    assert store.claim_job("w3", 30) is None  # both leased
+    assert a.renew() and a.still_held()
+    time.sleep(0.7)  # a stops heart-beating: its lease runs out
+    c = store.claim_job("w3", 30)
+    assert (c.job_id, c.attempts, c.owner) == ("job-first1", 2, "w3")
+    assert not a.renew() and not a.still_held() and c.still_held()
+    a.release()  # a stale claimer cannot drop the job from the queue
+    assert store.job_enqueued("job-first1")
+    c.give_back()  # a worker stopping mid-job: claimable again at once
+    d = store.claim_job("w4", 30)
+    assert (d.job_id, d.attempts) == ("job-first1", 3)
+    d.release()
+    b.release()
+    assert not store.job_enqueued("job-first1") and not store.job_enqueued("job-second")
+    assert store.claim_job("w1", 30) is None
+
+
+def test_pruning_a_finished_job_drops_its_queue_entry(store):
+    store.put_job({"id": "job-old111", "status": "succeeded", "finished_at": time.time() - 100})
+    store.enqueue_job("job-old111")
+    assert store.prune_jobs(older_than=time.time() - 10) == 1
+    assert not store.job_enqueued("job-old111")
+
+
+CLAIMER = r"""
+import sys, time
+from adapters_store.stores import open_store
+store = open_store(sys.argv[1])
+print("ready", flush=True)
+sys.stdin.readline()  # every claimer starts at once
+got = []
+while (lease := store.claim_job(sys.argv[2], 60)) is not None:
+    got.append(lease.job_id)
+print(" ".join(got), flush=True)
+"""
+
+
+def test_claimers_in_four_processes_at_once_take_each_job_exactly_once(store, location):
+    """Claims race: every job goes to exactly one claimer (a claim that is not atomic, e.g. a
+    SELECT then an UPDATE without a row lock, hands one job to two)."""
+    jobs = [f"job-race{i:03d}" for i in range(40)]
+    for job_id in jobs:
+        store.enqueue_job(job_id)
+    procs = [subprocess.Popen([sys.executable, "-c", CLAIMER, location, f"w{i}"], stdin=subprocess.PIPE,
+                              stdout=subprocess.PIPE, text=True) for i in range(4)]
+    for p in procs:
+        assert p.stdout.readline().strip() == "ready"
+    for p in procs:
+        p.stdin.write("go\n")
+        p.stdin.flush()
+    got = [p.communicate(timeout=120)[0].split() for p in procs]
+    assert [p.returncode for p in procs] == [0, 0, 0, 0]
+    claimed = [job_id for part in got for job_id in part]
+    assert sorted(claimed) == jobs

@@ -19,6 +19,13 @@ notifications) to one I/O thread, in order. While such a hand-off is unfinished,
 for it at most BUILD_WAIT and otherwise returns at once, so a store lock held elsewhere or a slow
 disk delays the job, never decoding. Another replica's cancel markers are read by a poll thread
 (`check_cancels`, every `cancel_poll_seconds`) into memory, where `step()` looks.
+
+In a fleet (POLYSERVE_JOBS=off on the replicas) a runner made with `run_here=False` only enqueues
+(`submit` persists the job and its placeholder, then `Store.enqueue_job`), and a worker's runner
+takes claimed jobs with `adopt(lease)`: the lease is the job's hold, renewed by `heartbeat()`. A
+job whose lease another worker took over is dropped without a write (`lose`), and `_commit`
+checks, under the task's lock, that the lease is still held and that no earlier run of the job
+committed its result: a job that runs twice is committed once.
 """
 
 from __future__ import annotations
@@ -31,7 +38,7 @@ from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor, wait
 from typing import Any, Protocol
 
-from adapters_store.errors import TaskNotFound
+from adapters_store.errors import JobNotFound, StoreUnavailable, TaskNotFound
 from adapters_store.records import TaskRecord
 from adapters_store.store_base import BaseStore as Store
 from adapters_store.store_base import JobHold
@@ -66,6 +73,7 @@ class JobRunner:
         on_job_finished: Callable[[Job], None] = lambda job: None,
         persist_every: float = 0.5,
         cancel_poll_seconds: float = 0.2,
+        run_here: bool = True,
     ) -> None:
         self.store = store
         self.make_adaptation = make_adaptation
@@ -74,6 +82,8 @@ class JobRunner:
         self.on_job_finished = on_job_finished
         self.persist_every = persist_every
         self.cancel_poll_seconds = cancel_poll_seconds
+        self.run_here = run_here  # False: submit() only enqueues, for the fleet's workers
+        self._lost: set[str] = set()  # jobs whose lease another claimer took over: dropped unwritten
         self._lock = threading.Lock()  # in-memory state only: no file or Redis I/O under it
         self._io: dict[str, threading.Lock] = {}  # per job: its file writes in order
         self._done: list[tuple[Job, str, dict[str, str] | None]] = []  # finished, not yet settled
@@ -97,10 +107,17 @@ class JobRunner:
     def _persist(self, job: Job) -> None:
         """Write the job's latest state. Never called under `_lock`: the lock only guards memory
         (a GET of a job must not wait on an fsync); a per-job I/O lock keeps one job's writes in
-        order (the snapshot is taken under it, so a later write always carries a later state)."""
+        order (the snapshot is taken under it, so a later write always carries a later state).
+        A leased job's run writes only while its lease is still its own: once another worker took
+        the job over, this run's stale state must not overwrite that worker's (the check is a read
+        just before the write; a take-over then has to claim, run and finish the job in between)."""
         with self._lock:
             io = self._io.setdefault(job.id, threading.Lock())
+            hold = self._holds.get(job.id)
         with io:
+            if hold is not None and hasattr(hold, "renew") and not hold.still_held():
+                self.lose(job.id)
+                return
             with self._lock:
                 data = job.to_json()
             self.store.put_job(data)
@@ -150,15 +167,23 @@ class JobRunner:
         owner and whether every tenant may use it (server/ownership.py)."""
         job = Job(id=new_job_id(), task=task, method=method, steps=steps, seed=seed,
                   n_examples=len(examples), owner=self.replica_id, serve_early=serve_early, tenant=tenant)
-        job.add_event("status", f"job queued: {len(examples)} examples, method {method}")
-        self._hold_lock(job.id)
-        self._start_poller()
+        job.add_event("status", f"job queued: {len(examples)} examples, method {method}"
+                      + ("" if self.run_here else " (for the fleet's workers)"))
+        if self.run_here:
+            self._hold_lock(job.id)
+            self._start_poller()
         self.store.put_job_examples(job.id, examples)
         self._persist(job)
         now = time.time()
         self.store.put_record(TaskRecord(id=task, method=method, status="training", version=0,
                                          created_at=now, updated_at=now, job_id=job.id, owner=tenant,
                                          shared=shared))
+        if not self.run_here:  # last: a worker that claims it finds its examples and placeholder
+            self.store.enqueue_job(job.id)
+            with self._lock:
+                self._io.pop(job.id, None)
+            self.on_task_changed(task)
+            return Job.from_json(job.to_json())
         with self._lock:
             self._jobs[job.id] = job
             self._queue.append(job.id)
@@ -177,6 +202,114 @@ class JobRunner:
                     job.add_event("status", "cancellation requested")
         self._settle()
         return self.get(job_id)
+
+    # -- a worker's jobs: claimed from the store's queue ------------------------------------------
+    def adopt(self, lease: Any, *, max_attempts: int | None = None) -> Job | None:
+        """Take a job claimed from the queue (`Store.claim_job`): its lease is its hold. A job that
+        finished, or whose result an earlier run committed, is settled without running; one tried
+        more than `max_attempts` times fails. Returns the job queued here, else None."""
+        try:
+            job = Job.from_json(self.store.get_job(lease.job_id))
+        except JobNotFound:
+            lease.release()  # pruned: nothing to run
+            return None
+        if job.finished:
+            lease.release()  # its last runner died after saying so, before dropping the entry
+            return None
+        job.owner = self.replica_id
+        with self._lock:
+            self._jobs[job.id] = job
+            self._holds[job.id] = lease
+        self._start_poller()
+        try:
+            return self._adopt(job, lease, max_attempts)
+        except Exception:
+            self._drop(job)  # unwritten: its lease expires, and the job is claimed again
+            raise
+
+    def _adopt(self, job: Job, lease: Any, max_attempts: int | None) -> Job | None:
+        cancelled, committed = self.store.cancel_requested(job.id), self._committed(job)
+        if cancelled:
+            with self._lock:
+                self._cancel_requested.add(job.id)
+        if committed:  # an earlier run was killed after the commit point, before the job said so
+            with self._lock:
+                job.add_event("status", "the result was committed by an earlier run of this job")
+                if job.status == "queued":
+                    job.transition("running")
+                self._finish(job, "succeeded")
+            self._settle()
+            return None
+        if max_attempts is not None and lease.attempts > max_attempts:
+            with self._lock:
+                self._finish(job, "failed", {"type": "interrupted", "message": f"interrupted: the job's runner "
+                                             f"stopped {lease.attempts - 1} times (POLYSERVE_JOB_MAX_ATTEMPTS)"})
+            self._settle()
+            return None
+        with self._lock:
+            job.add_event("status", f"claimed by {self.replica_id} (attempt {lease.attempts})",
+                          attempt=lease.attempts)
+            self._queue.append(job.id)
+        self._persist(job)
+        return Job.from_json(job.to_json())
+
+    def heartbeat(self) -> list[str]:
+        """Renew the leases of this runner's jobs; a job whose lease another claimer took over is
+        dropped (`lose`). A store that cannot be reached is tried again next beat. Returns the ids
+        of the jobs lost."""
+        with self._lock:
+            leases = [(job_id, hold) for job_id, hold in self._holds.items() if hasattr(hold, "renew")]
+        lost = []
+        for job_id, hold in leases:
+            try:
+                kept = hold.renew()
+            except Exception as err:  # noqa: BLE001 - the lease lasts; the next beat tries again
+                log.warning("lease of job %s not renewed: %s", job_id, type(err).__name__)
+                continue
+            if not kept:
+                self.lose(job_id)
+                lost.append(job_id)
+        return lost
+
+    def lose(self, job_id: str) -> None:
+        """Another claimer runs the job now: stop it at the next slice and write nothing."""
+        log.warning("job %s: its lease was taken over by another worker; dropping this run", job_id)
+        with self._lock:
+            self._lost.add(job_id)
+
+    def give_back(self) -> None:
+        """Stopping: every job held by a lease becomes claimable again at once (unwritten)."""
+        with self._lock:
+            leases = [(job_id, hold) for job_id, hold in self._holds.items() if hasattr(hold, "give_back")]
+        for job_id, hold in leases:
+            try:
+                hold.give_back()
+            except Exception as err:  # noqa: BLE001 - then its lease simply expires
+                log.warning("job %s not given back: %s", job_id, type(err).__name__)
+
+    def _give_back_one(self, job: Job) -> None:
+        """On the I/O thread: a leased job this run cannot go on with, claimable again at once."""
+        hold = self._holds.get(job.id)
+        self._drop(job)
+        try:
+            hold.give_back()  # type: ignore[union-attr]
+        except Exception as err:  # noqa: BLE001 - then its lease simply expires
+            log.warning("job %s not given back: %s", job.id, type(err).__name__)
+
+    def _drop(self, job: Job) -> bool:
+        """Forget a lost job: no job write, no task write (the claimer that took it over owns both)."""
+        with self._lock:
+            self._lost.discard(job.id)
+            self._jobs.pop(job.id, None)
+            self._holds.pop(job.id, None)
+            self._cancel_requested.discard(job.id)
+            if job.id in self._queue:
+                self._queue.remove(job.id)
+            if self._current is not None and self._current[0] is job:
+                self._current = None
+            if self._starting is not None and self._starting[0] is job:
+                self._starting = None
+        return True
 
     # -- the slice the engine runs ------------------------------------------------------------
     def _offload(self, fn: Callable[[], None]) -> bool:
@@ -264,6 +397,12 @@ class JobRunner:
             else:
                 job, adaptation = self._current
                 start = False
+            lost = job.id in self._lost
+            running = self._current is not None
+        if lost:
+            if running:
+                adaptation.cancel()
+            return self._drop(job)
         if start and self._cancelled_elsewhere(job):  # cancelled here, or through another replica
             return self._finish_later(job, "cancelled")
         if start:  # reading examples, tokenising, loading candidates: off the engine thread
@@ -278,6 +417,12 @@ class JobRunner:
                 self._starting = None
             try:
                 adaptation = future.result()
+            except StoreUnavailable as err:
+                if hasattr(self._holds.get(job.id), "give_back"):  # a leased job: another claim runs it
+                    log.warning("job %s not started, the store is away (%s); given back", job.id, err)
+                    return self._offload(lambda: self._give_back_one(job))
+                log.exception("job %s failed to start", job.id)
+                return self._finish_later(job, "failed", public_error("adaptation_error", err))
             except Exception as err:
                 log.exception("job %s failed to start", job.id)
                 return self._finish_later(job, "failed", public_error("adaptation_error", err))
@@ -327,9 +472,21 @@ class JobRunner:
     def _commit(self, job: Job, result: Any) -> None:
         """Write the learned weights (the task's commit point), then mark the job succeeded; under
         the store's task lock, and only while the task is still this job's placeholder (a delete
-        through any replica meanwhile wins: the result is discarded, the task stays deleted)."""
+        through any replica meanwhile wins: the result is discarded, the task stays deleted).
+        A queued job's run whose lease another claimer took over writes nothing; a run that finds
+        the result committed by an earlier run of the job marks it succeeded and writes no task."""
         with self.store.task_lock(job.task):
-            if not self._still_ours(job):
+            hold = self._holds.get(job.id)
+            if hold is not None and not hold.still_held():
+                self._drop(job)
+                log.warning("job %s: lease lost before the commit; result discarded (another run commits)", job.id)
+                return
+            if self._committed(job):
+                with self._lock:
+                    job.add_event("status", "the result was committed by an earlier run of this job")
+                    self._current = None
+                    self._finish(job, "succeeded")
+            elif not self._still_ours(job):
                 log.warning("job %s: task %r was deleted or replaced while training; result discarded",
                             job.id, job.task)
                 with self._lock:
@@ -389,6 +546,8 @@ class JobRunner:
             else:
                 record = self.store.put_lora(job.task, result.tensors, method=job.method,
                                              source=source, metrics=metrics, job_id=job.id)
+        except StoreUnavailable:
+            raise  # the database is away: the slice retries the commit (the lease outlives a short outage)
         except Exception as err:
             log.exception("job %s could not store its result", job.id)
             with self._lock:
@@ -437,6 +596,8 @@ class JobRunner:
                 continue
             if job.finished or job.id in self._jobs:
                 continue
+            if self.store.job_enqueued(job.id):
+                continue  # the fleet's workers own it: its lease says whether its runner lives
             hold = self.store.hold_job(job.id)  # a live owner would hold it
             if hold is None:
                 continue  # another live replica runs it

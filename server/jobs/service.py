@@ -32,7 +32,8 @@ class Registration:
         self.rt = rt
         self.replica_id = f"replica-{secrets.token_hex(4)}"
         self.runner = JobRunner(rt.store, self._make_adaptation, replica_id=self.replica_id,
-                                on_task_changed=self._changed_here, on_job_finished=self._finished)
+                                on_task_changed=self._changed_here, on_job_finished=self._finished,
+                                run_here=rt.settings.jobs == "local")
         self.sync = ReplicaSync(rt.settings.redis_url, self._changed_elsewhere, replica_id=self.replica_id,
                                 rescan_every=rescan_every, on_redis_error=rt.metrics.redis_errors.inc)
         self._submit_lock = threading.Lock()
@@ -86,7 +87,8 @@ class Registration:
                                "queued or running here; retry later", {"Retry-After": "30"})
             with self.rt.store.task_lock(task):
                 job = self._submit_locked(task, examples, method, steps, seed, serve_early, tenant, shared)
-        self.rt.engine.add_background_task(self.runner.step)
+        if self.runner.run_here:  # POLYSERVE_JOBS=off: a worker claims it from the store's queue
+            self.rt.engine.add_background_task(self.runner.step)
         return job
 
     def _submit_locked(self, task: str, examples: list[dict[str, str]], method: str, steps: int | None,
@@ -131,35 +133,14 @@ class Registration:
 
     # -- the adaptation a job runs ------------------------------------------------------------------
     def _make_adaptation(self, job: Job, examples: list[dict[str, str]], progress):
-        """`retrieve`: a Retrieval alone. `routing`: a Retrieval, then training from the retrieved
-        row (from μ when the store holds no other task). `mu` / `full`: an Adaptation. With
-        serve_early, every method retrieves first and the retrieved row is served at once."""
-        from training.adapt import Adaptation
-        from training.data import Example
-        from training.retrieve import MAX_CANDIDATES, Retrieval, RetrievedAdaptation
+        """server.jobs.adaptation says what each method runs."""
+        from server.jobs.adaptation import TrainingModel, make_adaptation
 
         rt = self.rt
         if rt.routed is None or rt.cache is None:
             raise RuntimeError("no skill inventory loaded")
-        exs = [Example(job.task, e["input"], e["output"]) for e in examples]
-        seed = job.seed or 0
-
-        def adaptation(init_row=None):
-            return Adaptation(rt.routed, rt.cache.info, rt.cache.skills, exs, rt.tokenizer, method=job.method,
-                              steps=job.steps, seed=seed, progress=progress,
-                              init_row=init_row if job.method in ("routing", "full") else None)
-
-        if job.method not in ("retrieve", "routing") and not job.serve_early:
-            return adaptation()
-        candidates = rt.store.routing_rows(limit=MAX_CANDIDATES, exclude=job.task)
-        if job.method == "routing" and not candidates and not job.serve_early:
-            return adaptation()
-        retrieval = Retrieval(rt.routed, rt.cache.info, candidates, exs, rt.tokenizer, seed=seed,
-                              progress=progress if job.method == "retrieve" else None)
-        if job.method == "retrieve":
-            return retrieval
-        early = (lambda res: self.runner.commit_early(job, res)) if job.serve_early else None
-        return RetrievedAdaptation(retrieval, adaptation, on_retrieved=early)
+        model = TrainingModel(rt.routed, rt.cache.info, rt.cache.skills, rt.tokenizer, rt.store)
+        return make_adaptation(model, job, examples, progress, lambda res: self.runner.commit_early(job, res))
 
     def _unfinished(self, job_id: str) -> bool:
         try:

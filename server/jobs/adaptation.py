@@ -1,0 +1,60 @@
+"""What a registration job runs, given what registration trains on: shared by the server's
+in-process runner (server.jobs.service) and the fleet's workers (server.worker).
+
+    retrieve        a Retrieval alone (no gradient step)
+    routing         a Retrieval, then training from the retrieved row (from mu when the store
+                    holds no other task)
+    mu / full       an Adaptation
+    serve_early     every method retrieves first; `on_early(result)` commits the retrieved row
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from adapters_store.inject import RoutedModel
+from adapters_store.records import InventoryInfo
+from adapters_store.store_base import BaseStore
+from server.jobs.model import Job
+
+
+@dataclass(frozen=True)
+class TrainingModel:
+    """The backbone copy registration trains on: the routed model with the inventory's skills
+    (float32, on its device), the tokenizer, and the store retrieval reads candidates from."""
+
+    routed: RoutedModel
+    info: InventoryInfo
+    skills: dict[str, torch.Tensor]
+    tokenizer: Any
+    store: BaseStore
+
+
+def make_adaptation(model: TrainingModel, job: Job, examples: list[dict[str, str]],
+                    progress: Callable[[dict[str, Any]], None], on_early: Callable[[Any], None] | None) -> Any:
+    from training.adapt import Adaptation
+    from training.data import Example
+    from training.retrieve import MAX_CANDIDATES, Retrieval, RetrievedAdaptation
+
+    exs = [Example(job.task, e["input"], e["output"]) for e in examples]
+    seed = job.seed or 0
+
+    def adaptation(init_row=None):
+        return Adaptation(model.routed, model.info, model.skills, exs, model.tokenizer, method=job.method,
+                          steps=job.steps, seed=seed, progress=progress,
+                          init_row=init_row if job.method in ("routing", "full") else None)
+
+    if job.method not in ("retrieve", "routing") and not job.serve_early:
+        return adaptation()
+    candidates = model.store.routing_rows(limit=MAX_CANDIDATES, exclude=job.task)
+    if job.method == "routing" and not candidates and not job.serve_early:
+        return adaptation()
+    retrieval = Retrieval(model.routed, model.info, candidates, exs, model.tokenizer, seed=seed,
+                          progress=progress if job.method == "retrieve" else None)
+    if job.method == "retrieve":
+        return retrieval
+    return RetrievedAdaptation(retrieval, adaptation, on_retrieved=on_early if job.serve_early else None)

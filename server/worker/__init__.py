@@ -1,0 +1,1 @@
+"""`polyserve worker`: runs registration jobs claimed from the store's queue, serves no generations."""

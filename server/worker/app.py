@@ -1,0 +1,72 @@
+"""The worker's HTTP face: /health (liveness), /ready (backbone and inventory loaded, claiming),
+/metrics (Prometheus). Nothing else: a worker serves no generations."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from contextlib import asynccontextmanager
+
+from fastapi import FastAPI
+from fastapi.responses import JSONResponse, Response
+from prometheus_client import CONTENT_TYPE_LATEST
+
+from server.settings import Settings
+from server.worker.loop import build_worker
+from server.worker.metrics import WorkerMetrics
+
+log = logging.getLogger("polyserve.worker")
+
+
+def _unavailable(message: str, retry: bool) -> JSONResponse:
+    headers = {"Retry-After": "5"} if retry else None
+    return JSONResponse({"error": {"type": "unavailable", "message": message}}, status_code=503, headers=headers)
+
+
+def create_worker_app(settings: Settings | None = None) -> FastAPI:
+    settings = settings or Settings()
+    metrics = WorkerMetrics()
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI):
+        async def load() -> None:
+            try:
+                worker = await asyncio.to_thread(build_worker, settings, metrics)
+                worker.start()
+                app.state.worker = worker
+            except Exception as err:  # surfaced by /ready (the kind only: messages may hold a DSN)
+                log.exception("worker start-up failed")
+                app.state.load_error = type(err).__name__
+
+        loader = asyncio.create_task(load())
+        try:
+            yield
+        finally:
+            loader.cancel()
+            if app.state.worker is not None:
+                await asyncio.to_thread(app.state.worker.stop)
+                app.state.worker = None
+
+    app = FastAPI(title="polyserve worker", version="0.1.0", lifespan=lifespan)
+    app.state.worker = None
+    app.state.load_error = None
+
+    @app.get("/health")
+    async def health() -> dict:
+        return {"status": "ok"}
+
+    @app.get("/ready")
+    async def ready() -> JSONResponse:
+        worker = app.state.worker
+        if worker is not None:
+            return JSONResponse({"status": "ready", "worker": worker.id, "backbone": worker.backbone.name,
+                                 "inventory": worker.model.info.version})
+        if app.state.load_error is not None:
+            return _unavailable(f"start-up failed ({app.state.load_error}); details in the worker log", False)
+        return _unavailable("loading the backbone", True)
+
+    @app.get("/metrics")
+    async def prometheus() -> Response:
+        return Response(metrics.render(), media_type=CONTENT_TYPE_LATEST)
+
+    return app
