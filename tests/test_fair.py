@@ -83,8 +83,9 @@ def test_a_request_that_does_not_fit_never_blocks_another_tenants_request():
 
 def test_a_head_that_waited_patience_passes_reserves_its_room():
     """a needs 4 rows, 1 free each pass: b's 1-row requests fit around it (never blocked) until a
-    has waited `patience` passes; then a reserves its 4 rows and b's next one waits for room."""
-    q = queue(TenantCaps(weights={"a": 1.0, "b": 1.0}, patience=2))
+    has waited `patience` passes; then a reserves its 4 rows and b's next one waits for room.
+    Without lending only: lending, a would start split in the free row (the scheduler's part)."""
+    q = queue(TenantCaps(weights={"a": 1.0, "b": 1.0}, patience=2, preempt=False))
     a_big = req("a", n=4)
     q.push(a_big)
     b_reqs = [req("b") for _ in range(4)]
