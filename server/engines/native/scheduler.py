@@ -120,9 +120,16 @@ class Scheduler:
             [(r.req.tenant, 1, row_budget(r.req)) for r in rows]
             + [(p.req.tenant, p.rows, p.budget) for p in prefills]), [e.row.req.tenant for e in self.preempted])
         out = Admission([], [])
-        self.preempted = [e for e in self.preempted if e.row.finish is None]  # ended on their first token
+        keep = []
         for entry in self.preempted:
+            if entry.row.finish is not None:
+                continue  # a choice that started split and ended on its first token
+            if entry.row.req.handle.cancelled.is_set():
+                out.cancelled_rows.append(entry.row)  # the engine answers it
+                continue
             entry.waited += 1
+            keep.append(entry)
+        self.preempted = keep
         overdue = [e for e in self.preempted if e.waited > cfg.caps.patience]
         self._resume(overdue, picker, out, room)  # a row that waited long enough goes first
         lendable = {id(r): r for r in rows}
@@ -209,10 +216,6 @@ class Scheduler:
             row = entry.row
             if row in out.preempted:
                 continue  # preempted in this very pass
-            if row.req.handle.cancelled.is_set():
-                self.preempted.remove(entry)
-                out.cancelled_rows.append(row)
-                continue
             if self._pending >= room or len(out.admitted) >= cfg.max_prefill_rows:
                 return
             budget = row_budget(row.req)
