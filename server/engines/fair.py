@@ -15,9 +15,19 @@ token, divided by the tenant's weight. One admission pass (`Pass`, once per engi
         else admit head: counter[t] += prompt tokens / weight(t)
 
 A request that does not fit now does not block another tenant's request behind it: the others
-fit around it. Only one that has waited `patience` passes for room reserves it, so a large
-request is not starved for good by a stream of small ones that keep taking every row that
-frees. Within one tenant the order stays first come, first served.
+fit around it. Within one tenant the order stays first come, first served.
+
+Lending (`TenantCaps.lends`: fair admission with two or more tenants configured): nothing is
+reserved. The engine's scheduler (server/engines/native/scheduler.py) starts a blocked n-choice
+head split in the rows left free, and a tenant below its row share takes rows back from tenants
+above theirs by preemption:
+
+    row_shares   max_rows * weight / total weight, over the tenants active now
+    reclaim      the cheapest rows to recompute of tenants above their share, never taking one
+                 below it, for a tenant that stays within its share once admitted (else None)
+
+Without lending, one head that has waited `patience` passes for room reserves it, so a large
+request is not starved for good by a stream of small ones that keep taking every row that frees.
 
 No credit for idling: a tenant that becomes active (it had nothing waiting and nothing in
 flight) has its counter lifted to the least counter of the active tenants, so a tenant that was
