@@ -184,12 +184,16 @@ class Scheduler:
         if not cfg.caps.lends:
             return False
         use, shares = picker.use, picker.shares
-        lent = [Lent(r.req.tenant, r.length, row_budget(r.req), r) for r in lendable.values()]
+        lent: list[Lent] | None = None
         for key in picker.blocked:
             if key in tried:
                 continue
             tried.add(key)
             head = picker.head(key)
+            if use.get(key, InFlight()).rows + head.params.n > shares.get(key, 0.0):
+                continue  # at or above its share: it waits (the common case under a flood: no list built)
+            if lent is None:
+                lent = [Lent(r.req.tenant, r.length, row_budget(r.req), r) for r in lendable.values()]
             need_rows = head.params.n - (cfg.max_batch_rows - self._running - picker.reserved.rows)
             need_tokens = head.budget_tokens - (cfg.max_batch_tokens - self._tokens - picker.reserved.tokens)
             victims = reclaim(key, need_rows, need_tokens, lent, use, shares)
