@@ -168,3 +168,24 @@ def test_under_a_flood_fair_admission_does_as_much_work_per_step_as_fcfs(model):
     assert per_step["fair"] >= 0.95 * per_step["fcfs"], per_step
     assert per_step["capped"] < 0.95 * per_step["fcfs"], per_step  # what lending fixes
     assert max(fair_lat) <= 4 * idle_steps, (idle_steps, fair_lat)
+
+
+def test_a_row_just_used_stays_free_for_its_tenant_a_few_passes_then_is_lent_again(model):
+    """small's row, once its request ends, is held `hold_passes` passes: small's next request
+    takes it without preempting anyone; if small stays away, flood gets the row back."""
+    eng = engine(model, rows=8, caps=TenantCaps(weights=WEIGHTS, hold_passes=4))
+    floods = [eng.submit(flood(i)) for i in range(4)]
+    eng.step()
+    small = eng.submit(GenRequest([5, 6, 7], SMALL, tenant="small"))
+    run_until_done(eng, [small])
+    assert len(eng.scheduler.preempted) == 1  # the flood row small took
+    eng.step()
+    assert eng.pool.used == 7 and len(eng.scheduler.preempted) == 1  # held for small, not resumed
+    again = eng.submit(GenRequest([5, 6, 8], SMALL, tenant="small"))
+    eng.step()
+    assert any(r.req is again for r in eng.rows) and len(eng.scheduler.preempted) == 1  # no second preemption
+    run_until_done(eng, [again])
+    for _ in range(6):
+        eng.step()
+    assert eng.pool.used == 8 and not eng.scheduler.preempted  # small away: the row is lent again
+    run_until_done(eng, floods)

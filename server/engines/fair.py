@@ -80,6 +80,7 @@ class TenantCaps:
     fair: bool = True
     patience: int = 16  # admission passes a blocked head waits before it reserves room
     preempt: bool = True  # a tenant below its row share takes rows back from one above (reclaim)
+    hold_passes: int = 4  # lending: the rows a tenant just used stay free for it this many passes
 
     def __post_init__(self) -> None:
         if not 0 < self.kv_share <= 1:
@@ -232,6 +233,7 @@ class Pass:
         self.q = queue
         self.use = use
         self.shares = shares or {}  # each active tenant's share of the rows (row_shares)
+        self.held: dict[str, int] = {}  # rows kept free for a tenant that was just using them
         self.passed: set[str] = set()
         self.reserved = InFlight()
         self.cancelled: list[GenRequest] = []  # popped: the engine answers them
@@ -242,6 +244,10 @@ class Pass:
         whatever rows are free, or a tenant within its share takes rows back by preemption; a
         reservation would only idle rows."""
         return not self.q.caps.lends
+
+    def kept(self, key: str) -> int:
+        """Free rows `key` may not take: those held for other tenants."""
+        return sum(self.held.values()) - self.held.get(key, 0)
 
     def head(self, key: str) -> GenRequest:
         return self.q._queues[key][0]
@@ -277,7 +283,7 @@ class Pass:
                         or (use.tokens + tokens > kv_cap and kv_cap < q.max_tokens)):
                     self.passed.add(key)  # at its own cap: it waits, reserving nothing
                     continue
-            if n > free_rows - self.reserved.rows or tokens > free_tokens - self.reserved.tokens:
+            if n > free_rows - self.reserved.rows - self.kept(key) or tokens > free_tokens - self.reserved.tokens:
                 skips = q._skips[key] = q._skips.get(key, 0) + 1
                 if skips > q.caps.patience and not self.reserved.rows and self._may_reserve(key, n):
                     self.reserved = InFlight(n, tokens)  # waited long enough: hold room
@@ -291,6 +297,8 @@ class Pass:
         for when it starts split: the engine's own choice)."""
         q = self.q
         req = q._pop(key)
+        if key in self.held:
+            self.held[key] = max(0, self.held[key] - rows)
         if q.caps.fair:
             use = self.use.setdefault(key, InFlight())
             use.rows += rows

@@ -27,7 +27,12 @@ never taking a tenant below its share (fair.reclaim):
                  recomputed as a prefill (no logits, nothing sampled or sent), and it decodes
                  on from the token it had sampled: the client sees only a pause
 
-Why preemption and not a reservation that follows demand: rows are taken n at a time (a request
+    hold         the rows a tenant held until just now stay free for it for `hold_passes`
+                 passes (up to its share): a tenant sending one request after another takes
+                 its row back without a preemption, and no row is recomputed for it; one that
+                 stays away leaves its rows to be lent again
+
+Why preemption and not only a reservation that follows demand: rows are taken n at a time (a request
 with n=4 takes 4), so any reservation for a small tenant (1 row) leaves the rest of a 4-row hole
 idle, and the small tenant's requests come and go faster than a reservation can follow. Measured
 on the two-tenant benchmark's mix (32 rows, the flood's n=4 requests, the small tenant's 1-row
@@ -45,7 +50,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from server.engines.fair import FairQueue, InFlight, Lent, Pass, in_flight, reclaim
+from server.engines.fair import FairQueue, InFlight, Lent, Pass, in_flight, reclaim, row_shares
 from server.engines.native.config import EngineConfig
 from server.engines.native.step import Item
 from server.engines.request import GenRequest, TokenLogprob
@@ -108,6 +113,8 @@ class Scheduler:
         self.waiting = FairQueue(config.caps, max_queue=config.max_queue, max_rows=config.max_batch_rows,
                                  max_tokens=config.max_batch_tokens)
         self.preempted: list[Preempted] = []  # oldest first
+        self._passes = 0
+        self._recent: dict[str, tuple[int, int]] = {}  # tenant -> (rows it held, pass) while it held any
 
     def admit(self, rows: list[Any], prefills: list[Prefill]) -> Admission:
         """Pop what fits (see the module docstring), preempting rows for a tenant below its share."""
@@ -119,6 +126,7 @@ class Scheduler:
         picker = self.waiting.begin(in_flight(
             [(r.req.tenant, 1, row_budget(r.req)) for r in rows]
             + [(p.req.tenant, p.rows, p.budget) for p in prefills]), [e.row.req.tenant for e in self.preempted])
+        self._hold(picker)
         out = Admission([], [])
         keep = []
         for entry in self.preempted:
@@ -159,7 +167,7 @@ class Scheduler:
         if not caps.lends:
             return
         for key in list(picker.blocked):
-            free = cfg.max_batch_rows - self._running - picker.reserved.rows
+            free = cfg.max_batch_rows - self._running - picker.reserved.rows - picker.kept(key)
             if free < 1 or self._pending >= room or len(out.admitted) >= cfg.max_prefill_rows:
                 return
             head = picker.head(key)
@@ -171,6 +179,25 @@ class Scheduler:
                 continue
             picker.blocked.remove(key)
             self._take(Prefill(picker.take(key, width, budget), [], width=width), out)
+
+    def _hold(self, picker: Pass) -> None:
+        """Rows a tenant held until just now stay free for it for `hold_passes` passes (lending
+        only), up to its share: a tenant whose requests come one after another takes its row
+        back without preempting anyone, and the row lent meanwhile needs no recompute."""
+        caps = self.config.caps
+        if not caps.lends:
+            return
+        self._passes += 1
+        for t, u in picker.use.items():
+            if u.rows:
+                self._recent[t] = (u.rows, self._passes)
+        self._recent = {t: v for t, v in self._recent.items() if self._passes - v[1] <= caps.hold_passes}
+        active = [t for t, share in picker.shares.items()]
+        for t, (rows, _) in self._recent.items():
+            share = row_shares(caps, [*active, t], self.config.max_batch_rows)[t]
+            held = min(rows, int(share)) - picker.use.get(t, InFlight()).rows
+            if held > 0:
+                picker.held[t] = held
 
     def _take(self, prefill: Prefill, out: Admission) -> None:
         self._tokens += prefill.budget
@@ -194,7 +221,7 @@ class Scheduler:
                 continue  # at or above its share: it waits (the common case under a flood: no list built)
             if lent is None:
                 lent = [Lent(r.req.tenant, r.length, row_budget(r.req), r) for r in lendable.values()]
-            need_rows = head.params.n - (cfg.max_batch_rows - self._running - picker.reserved.rows)
+            need_rows = head.params.n - (cfg.max_batch_rows - self._running - picker.reserved.rows - picker.kept(key))
             need_tokens = head.budget_tokens - (cfg.max_batch_tokens - self._tokens - picker.reserved.tokens)
             victims = reclaim(key, need_rows, need_tokens, lent, use, shares)
             if not victims:
@@ -223,9 +250,9 @@ class Scheduler:
             if self._pending >= room or len(out.admitted) >= cfg.max_prefill_rows:
                 return
             budget = row_budget(row.req)
-            if (self._running + 1 > cfg.max_batch_rows - picker.reserved.rows
+            if (self._running + 1 > cfg.max_batch_rows - picker.reserved.rows - picker.kept(row.req.tenant)
                     or self._tokens + budget > cfg.max_batch_tokens - picker.reserved.tokens):
-                return
+                continue  # rows held for another tenant, or no room: a later one may be another's
             if caps.fair:
                 use = picker.use.setdefault(row.req.tenant, InFlight())
                 if (use.rows + 1 > caps.rows_cap(cfg.max_batch_rows)
@@ -233,6 +260,8 @@ class Scheduler:
                     continue
                 use.rows += 1
                 use.tokens += budget
+            if picker.held.get(row.req.tenant):
+                picker.held[row.req.tenant] -= 1
             self.preempted.remove(entry)
             self._take(Prefill(row.req, [], resume=row, tokens=entry.tokens), out)
 
