@@ -52,7 +52,7 @@ from typing import Any
 
 from server.engines.fair import FairQueue, InFlight, Lent, Pass, in_flight, reclaim, row_shares
 from server.engines.native.config import EngineConfig
-from server.engines.native.step import Item
+from server.engines.native.step import Item, LogitsWanted
 from server.engines.request import GenRequest, TokenLogprob
 
 
@@ -280,7 +280,7 @@ class Scheduler:
             tokens = prefill.tokens
             size = min(prefill.remaining, budget)
             last = prefill.done + size == len(tokens)
-            wanted = ("none" if prefill.resume is not None else "all" if prefill.prompt_lp is not None
+            wanted: LogitsWanted = ("none" if prefill.resume is not None else "all" if prefill.prompt_lp is not None
                       else "last" if last else "none")
             items.append(Item(prefill.slots[0], prefill.done, tuple(tokens[prefill.done : prefill.done + size]), wanted))
             owners.append(prefill)
