@@ -3,8 +3,8 @@
 Tenant `flood` keeps --flood-connections connections busy with long requests (n=4, --flood-tokens
 each); tenant `small` sends short requests (--small-tokens) one after another. Each round starts
 a fresh `polyserve serve` per variant, alternating (fcfs, fair, fcfs, fair, ...), on the same
-settings except POLYSERVE_TENANT_FAIRNESS (and the per-tenant row cap, which only fair admission
-applies):
+settings except POLYSERVE_TENANT_FAIRNESS (fair admission lends every row and takes rows back by
+preemption, so no static per-tenant row cap is set unless --tenant-rows asks for one):
 
     idle    `small` alone: its latency p50 / p95 (the reference)
     mixed   `flood` and `small` together for --seconds: small's status codes and latency p50 / p95
@@ -12,7 +12,7 @@ applies):
             server: generated tokens per second over the window, read from the server's own
             polyserve_generation_tokens_total (both tenants, finished or not)
 
-    flock /tmp/bench.lock .venv/bin/python -m bench.tenant_fairness --rounds 2 --seconds 60
+    flock /tmp/bench.lock .venv/bin/python -m bench.tenant_fairness --backbone tiny --rounds 2 --seconds 60 --idle-seconds 15
 """
 
 from __future__ import annotations
@@ -105,7 +105,8 @@ def main() -> None:
     ap.add_argument("--flood-tokens", type=int, default=384)
     ap.add_argument("--small-tokens", type=int, default=16)
     ap.add_argument("--rows", type=int, default=32, help="POLYSERVE_MAX_BATCH_ROWS")
-    ap.add_argument("--tenant-rows", type=int, default=28, help="POLYSERVE_TENANT_MAX_ROWS (fair variant)")
+    ap.add_argument("--tenant-rows", type=int, default=None, help="POLYSERVE_TENANT_MAX_ROWS (fair variant; "
+                    "default none: rows are lent and taken back by preemption)")
     ap.add_argument("--threads", type=int, default=None)
     ap.add_argument("--backbone", default="default", help="default | tiny (a random tiny Llama: the scheduler "
                     "under a fast step) | a Hugging Face directory; served as `base` from an empty store")
@@ -117,7 +118,9 @@ def main() -> None:
     if args.threads:
         base["POLYSERVE_THREADS"] = str(args.threads)
     variants = {"fcfs": {"POLYSERVE_TENANT_FAIRNESS": "false"},
-                "fair": {"POLYSERVE_TENANT_FAIRNESS": "true", "POLYSERVE_TENANT_MAX_ROWS": str(args.tenant_rows)}}
+                "fair": {"POLYSERVE_TENANT_FAIRNESS": "true"}}
+    if args.tenant_rows:
+        variants["fair"]["POLYSERVE_TENANT_MAX_ROWS"] = str(args.tenant_rows)
     results: dict[str, list[dict]] = {k: [] for k in variants}
     for rnd in range(args.rounds):
         for name, env in variants.items():

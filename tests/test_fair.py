@@ -5,7 +5,16 @@ from __future__ import annotations
 
 import pytest
 
-from server.engines.fair import FairQueue, InFlight, TenantCaps, TenantLimit, check_caps, check_submit_caps
+from server.engines.fair import (
+    FairQueue,
+    InFlight,
+    Lent,
+    TenantCaps,
+    TenantLimit,
+    check_caps,
+    check_submit_caps,
+    reclaim,
+)
 from server.engines.request import GenRequest, SamplingParams
 
 _clock = iter(range(1, 10**9))
@@ -83,8 +92,9 @@ def test_a_request_that_does_not_fit_never_blocks_another_tenants_request():
 
 def test_a_head_that_waited_patience_passes_reserves_its_room():
     """a needs 4 rows, 1 free each pass: b's 1-row requests fit around it (never blocked) until a
-    has waited `patience` passes; then a reserves its 4 rows and b's next one waits for room."""
-    q = queue(TenantCaps(weights={"a": 1.0, "b": 1.0}, patience=2))
+    has waited `patience` passes; then a reserves its 4 rows and b's next one waits for room.
+    Without lending only: lending, a would start split in the free row (the scheduler's part)."""
+    q = queue(TenantCaps(weights={"a": 1.0, "b": 1.0}, patience=2, preempt=False))
     a_big = req("a", n=4)
     q.push(a_big)
     b_reqs = [req("b") for _ in range(4)]
@@ -184,3 +194,18 @@ def test_submit_caps_for_an_engine_that_schedules_itself():
         check_submit_caps(req("b", prompt=250, max_new=200, n=1), TenantCaps(kv_share=0.5), held, **kw)
     assert err.value.limit == "kv_share"
     check_submit_caps(req("b", n=3), TenantCaps(fair=False, max_rows=1), held, **kw)
+
+
+def test_reclaim_takes_the_cheapest_rows_from_tenants_above_their_share_only():
+    """a holds all 8 rows (share 4 each): b may take rows back, cheapest first, never taking a
+    below its share; a tenant that would pass its own share takes nothing."""
+    rows = [Lent("a", cost, 20, object()) for cost in (50, 10, 30, 40, 20, 60, 70, 80)]
+    use = {"a": InFlight(8, 160), "b": InFlight(0, 0)}
+    shares = {"a": 4.0, "b": 4.0}
+    assert [v.cost for v in reclaim("b", 2, 0, rows, use, shares) or []] == [10, 20]
+    assert reclaim("b", 5, 0, rows, use, shares) is None  # b would hold 5 > its share of 4
+    assert reclaim("a", 1, 0, rows, use, shares) is None  # nobody else is above its share
+    use["c"] = InFlight(0, 0)
+    assert reclaim("c", 4, 0, rows, use, {"a": 2.0, "b": 3.0, "c": 3.0}) is None  # c would hold 4 > its share of 3
+    assert [v.cost for v in reclaim("c", 3, 0, rows, use, {"a": 2.0, "b": 3.0, "c": 3.0}) or []] == [10, 20, 30]
+    assert reclaim("b", 1, 0, rows, {"a": InFlight(4, 80), "b": InFlight(0, 0)}, shares) is None  # a at its share

@@ -15,9 +15,19 @@ token, divided by the tenant's weight. One admission pass (`Pass`, once per engi
         else admit head: counter[t] += prompt tokens / weight(t)
 
 A request that does not fit now does not block another tenant's request behind it: the others
-fit around it. Only one that has waited `patience` passes for room reserves it, so a large
-request is not starved for good by a stream of small ones that keep taking every row that
-frees. Within one tenant the order stays first come, first served.
+fit around it. Within one tenant the order stays first come, first served.
+
+Lending (`TenantCaps.lends`: fair admission with two or more tenants configured): nothing is
+reserved. The engine's scheduler (server/engines/native/scheduler.py) starts a blocked n-choice
+head split in the rows left free, and a tenant below its row share takes rows back from tenants
+above theirs by preemption:
+
+    row_shares   max_rows * weight / total weight, over the tenants active now
+    reclaim      the cheapest rows to recompute of tenants above their share, never taking one
+                 below it, for a tenant that stays within its share once admitted (else None)
+
+Without lending, one head that has waited `patience` passes for room reserves it, so a large
+request is not starved for good by a stream of small ones that keep taking every row that frees.
 
 No credit for idling: a tenant that becomes active (it had nothing waiting and nothing in
 flight) has its counter lifted to the least counter of the active tenants, so a tenant that was
@@ -69,6 +79,8 @@ class TenantCaps:
     kv_share: float = 1.0
     fair: bool = True
     patience: int = 16  # admission passes a blocked head waits before it reserves room
+    preempt: bool = True  # a tenant below its row share takes rows back from one above (reclaim)
+    hold_passes: int = 4  # lending: the rows a tenant just used stay free for it this many passes
 
     def __post_init__(self) -> None:
         if not 0 < self.kv_share <= 1:
@@ -78,6 +90,12 @@ class TenantCaps:
     def per_tenant_queue(self) -> bool:
         """Whether a tenant's queue has a cap of its own (else the engine's one queue is the cap)."""
         return self.fair and (len(self.weights) >= 2 or self.max_queued is not None)
+
+    @property
+    def lends(self) -> bool:
+        """Whether rows are lent and taken back (preemption, split admission): fair admission with
+        tenants configured; with fairness off or a single tenant admission is as it was."""
+        return self.fair and self.preempt and len(self.weights) >= 2
 
     def weight(self, tenant: str) -> float:
         return self.weights.get(tenant, 1.0)
@@ -149,6 +167,10 @@ class FairQueue:
     def counter(self, tenant: str) -> float:
         return self._counter.get(tenant, 0.0)
 
+    def tenants(self) -> list[str]:
+        """The tenants with requests waiting."""
+        return [k for k, v in self._queues.items() if v]
+
     def waiting(self, tenant: str) -> int:
         return len(self._queues.get(tenant, ()))
 
@@ -187,10 +209,12 @@ class FairQueue:
         self._len = 0
         return out
 
-    def begin(self, in_flight_now: dict[str, InFlight]) -> Pass:
-        """Start one admission pass, given what each tenant has admitted right now."""
+    def begin(self, in_flight_now: dict[str, InFlight], others: Iterable[str] = ()) -> Pass:
+        """Start one admission pass, given what each tenant has admitted right now; `others`:
+        tenants active besides (preempted rows waiting), for the row shares."""
         self._in_flight = {t: u for t, u in in_flight_now.items() if u.rows}
-        return Pass(self, {t: InFlight(u.rows, u.tokens) for t, u in in_flight_now.items()})
+        shares = row_shares(self.caps, [*self._in_flight, *self.tenants(), *others], self.max_rows)
+        return Pass(self, {t: InFlight(u.rows, u.tokens) for t, u in in_flight_now.items()}, shares)
 
     def _pop(self, key: str) -> GenRequest:
         queue = self._queues[key]
@@ -205,12 +229,34 @@ class FairQueue:
 class Pass:
     """One admission pass: `next(free_rows, free_tokens)` pops the next request to admit, or None."""
 
-    def __init__(self, queue: FairQueue, use: dict[str, InFlight]) -> None:
+    def __init__(self, queue: FairQueue, use: dict[str, InFlight], shares: dict[str, float] | None = None) -> None:
         self.q = queue
         self.use = use
+        self.shares = shares or {}  # each active tenant's share of the rows (row_shares)
+        self.held: dict[str, int] = {}  # rows kept free for a tenant that was just using them
         self.passed: set[str] = set()
         self.reserved = InFlight()
         self.cancelled: list[GenRequest] = []  # popped: the engine answers them
+        self.blocked: list[str] = []  # passed over for want of room (not their own caps), in pass order
+
+    def _may_reserve(self, key: str, n: int) -> bool:
+        """Lending rows (see `TenantCaps.lends`), nothing is held for a head: it starts split in
+        whatever rows are free, or a tenant within its share takes rows back by preemption; a
+        reservation would only idle rows."""
+        return not self.q.caps.lends
+
+    def kept(self, key: str) -> int:
+        """Free rows `key` may not take: those held for other tenants."""
+        return sum(self.held.values()) - self.held.get(key, 0)
+
+    def head(self, key: str) -> GenRequest:
+        return self.q._queues[key][0]
+
+    def retry(self, key: str) -> None:
+        """Room was made for `key`'s head (preemption): the pass may consider it again."""
+        self.passed.discard(key)
+        if key in self.blocked:
+            self.blocked.remove(key)
 
     def _order(self) -> Iterator[str]:
         q = self.q
@@ -231,22 +277,77 @@ class Pass:
             n, tokens = head.params.n, head.budget_tokens
             if q.caps.fair:
                 use = self.use.setdefault(key, InFlight())
-                if (use.rows + n > q.caps.rows_cap(q.max_rows)
-                        or use.tokens + tokens > q.caps.kv_cap(q.max_tokens)):
+                rows_cap, kv_cap = q.caps.rows_cap(q.max_rows), q.caps.kv_cap(q.max_tokens)
+                # a cap below the engine's own budget; at the engine's budget it is want of room (below)
+                if ((use.rows + n > rows_cap and rows_cap < q.max_rows)
+                        or (use.tokens + tokens > kv_cap and kv_cap < q.max_tokens)):
                     self.passed.add(key)  # at its own cap: it waits, reserving nothing
                     continue
-            if n > free_rows - self.reserved.rows or tokens > free_tokens - self.reserved.tokens:
+            if n > free_rows - self.reserved.rows - self.kept(key) or tokens > free_tokens - self.reserved.tokens:
                 skips = q._skips[key] = q._skips.get(key, 0) + 1
-                if skips > q.caps.patience and not self.reserved.rows:  # waited long enough: hold room
-                    self.reserved = InFlight(n, tokens)
+                if skips > q.caps.patience and not self.reserved.rows and self._may_reserve(key, n):
+                    self.reserved = InFlight(n, tokens)  # waited long enough: hold room
                 self.passed.add(key)
+                self.blocked.append(key)
                 continue
-            req = q._pop(key)
-            if q.caps.fair:
-                self.use[key].rows += n
-                self.use[key].tokens += tokens
-                q._counter[key] = q.counter(key) + len(req.prompt_ids) / q.caps.weight(key)
-            return req
+            return self.take(key, n, tokens)
+
+    def take(self, key: str, rows: int, tokens: int) -> GenRequest:
+        """Pop `key`'s head, admitted with `rows` rows and `tokens` KV tokens (fewer than it asks
+        for when it starts split: the engine's own choice)."""
+        q = self.q
+        req = q._pop(key)
+        if key in self.held:
+            self.held[key] = max(0, self.held[key] - rows)
+        if q.caps.fair:
+            use = self.use.setdefault(key, InFlight())
+            use.rows += rows
+            use.tokens += tokens
+            q._counter[key] = q.counter(key) + len(req.prompt_ids) / q.caps.weight(key)
+        return req
+
+
+def row_shares(caps: TenantCaps, tenants: Iterable[str], max_rows: int) -> dict[str, float]:
+    """Each active tenant's weighted share of the engine's rows: max_rows * weight / total weight."""
+    active = set(tenants)
+    total = sum(caps.weight(t) for t in active)
+    return {t: max_rows * caps.weight(t) / total for t in active}
+
+
+@dataclass(frozen=True)
+class Lent:
+    """A decoding row that may be taken back: its tenant, what recomputing it costs (the
+    positions its slot holds), its KV tokens (prompt + max_new), and the row itself."""
+
+    tenant: str
+    cost: int
+    tokens: int
+    row: object
+
+
+def reclaim(tenant: str, rows: int, tokens: int, lent: Iterable[Lent], use: dict[str, InFlight],
+            shares: dict[str, float]) -> list[Lent] | None:
+    """The rows to preempt so that `tenant` gets `rows` rows and `tokens` KV tokens more, or None.
+
+    Only a tenant below its share after the admission may reclaim (use + rows <= share), and only
+    from tenants above theirs, never taking one below its share; the cheapest rows to recompute
+    go first. None when that cannot free enough (nothing is taken then)."""
+    if rows <= 0 and tokens <= 0:
+        return []
+    if use.get(tenant, InFlight()).rows + max(rows, 0) > shares.get(tenant, 0.0):
+        return None
+    left = {t: u.rows for t, u in use.items()}
+    out: list[Lent] = []
+    for cand in sorted(lent, key=lambda c: c.cost):
+        if rows <= 0 and tokens <= 0:
+            break
+        if cand.tenant == tenant or left.get(cand.tenant, 0) - 1 < shares.get(cand.tenant, 0.0):
+            continue
+        left[cand.tenant] -= 1
+        out.append(cand)
+        rows -= 1
+        tokens -= cand.tokens
+    return out if rows <= 0 and tokens <= 0 else None
 
 
 def check_submit_caps(req: GenRequest, caps: TenantCaps, others: Iterable[GenRequest], *, max_queue: int,

@@ -174,7 +174,7 @@ class NativeEngine:
 
     @property
     def running(self) -> int:
-        return len(self.rows) + sum(p.req.params.n for p in self.prefills)
+        return len(self.rows) + sum(p.rows for p in self.prefills)
 
     # -- loop ----------------------------------------------------------------------------------
     def _run(self) -> None:
@@ -200,7 +200,7 @@ class NativeEngine:
             self._shutdown(reason)
 
     def _in_flight(self) -> bool:
-        return bool(self.rows or self.prefills)
+        return bool(self.rows or self.prefills or self.scheduler.preempted)
 
     def step(self) -> None:
         """One iteration: a background slice, admissions, one forward over decodes + prompt chunks."""
@@ -243,22 +243,30 @@ class NativeEngine:
 
     # -- admission -----------------------------------------------------------------------------
     def _admit(self) -> None:
-        """The scheduler picks what fits; each admitted request's adapter goes into its first slot."""
+        """The scheduler picks what fits (and which rows to preempt for it: they leave their slots
+        first); each admitted request's adapter goes into its first slot."""
         with self._cond:
-            admission = self.scheduler.admit(self.rows, self.prefills, self.pool)
+            admission = self.scheduler.admit(self.rows, self.prefills)
         for req in admission.cancelled:
             answer_unadmitted(req, "cancelled")
+        for row in admission.cancelled_rows:
+            self._finish(row, "cancelled")
+        if admission.preempted:
+            self._preempt(admission.preempted)
         for prefill in admission.admitted:
-            self.ledger.open(prefill.req)
+            prefill.slots = self.pool.take(prefill, prefill.rows)
+            if prefill.resume is None:
+                self.ledger.open(prefill.req)
             self.prefills.append(prefill)
         now = time.perf_counter()
         for prefill in admission.admitted:
             req = prefill.req
-            if self.metrics is not None:
-                self.metrics.queue_wait.observe(now - req.arrival)
-                self.metrics.prompt_tokens.labels(tenant=req.tenant).inc(len(req.prompt_ids))
-            if req.params.prompt_logprobs is not None:
-                prefill.prompt_lp = [None]
+            if prefill.resume is None:
+                if self.metrics is not None:
+                    self.metrics.queue_wait.observe(now - req.arrival)
+                    self.metrics.prompt_tokens.labels(tenant=req.tenant).inc(len(req.prompt_ids))
+                if req.params.prompt_logprobs is not None:
+                    prefill.prompt_lp = [None]
             try:
                 self.runner.set_adapter(prefill.slots[0], req.adapter)
             except Exception as err:  # noqa: BLE001 - a bad adapter fails its request only
@@ -331,7 +339,9 @@ class NativeEngine:
                     prefill.prompt_lp.extend(prompt_chunk_logprobs(
                         logits[span], prefill.req.prompt_ids, item.start, prefill.req.params.prompt_logprobs or 0))
                 prefill.done = item.end
-                if prefill.remaining == 0:
+                if prefill.remaining == 0 and prefill.resume is not None:
+                    self._resumed(prefill)  # its pending token is fed next step: nothing to sample
+                elif prefill.remaining == 0:
                     rows = self._fork(prefill)
                     sample.extend(rows)
                     picks.extend([span.stop - 1] * len(rows))
@@ -351,11 +361,33 @@ class NativeEngine:
             self.runner.copy_slot(prefill.slots[0], slot, length)
         # nothing below raises: the prefill's slots now belong to its rows
         self.prefills.remove(prefill)
-        for row, slot in zip(choices, prefill.slots, strict=True):
+        for row, slot in zip(choices, prefill.slots, strict=False):
             row.slot = slot
             self.pool.holders[slot] = row
-        self.rows.extend(choices)
+        width = len(prefill.slots)
+        self.rows.extend(choices[:width])
+        for row in choices[width:]:  # it started split: these wait for a slot (scheduler.py)
+            self.scheduler.defer(row)
         return choices
+
+    def _resumed(self, prefill: Prefill) -> None:
+        """A preempted row's positions are back in its slot: it decodes on."""
+        row = prefill.resume
+        assert row.length == prefill.done, (row.length, prefill.done)
+        self.prefills.remove(prefill)
+        row.slot = prefill.slots[0]
+        self.pool.holders[row.slot] = row
+        self.rows.append(row)
+
+    def _preempt(self, rows: list[Row]) -> None:
+        """The scheduler took these rows back: they leave their slots (their state waits in the
+        scheduler, which resumes them by recompute)."""
+        gone = {id(r) for r in rows}
+        slots = [r.slot for r in rows]
+        self.rows = [r for r in self.rows if id(r) not in gone]
+        for row in rows:
+            row.slot = -1
+        self._free_slots(slots)
 
     # -- per row -------------------------------------------------------------------------------
     def _advance(self, rows: list[Row], logits: torch.Tensor) -> set[int]:
@@ -379,6 +411,7 @@ class NativeEngine:
         """Row `row` generated `token`; returns whether it goes on."""
         params = row.req.params
         row.generated += 1
+        row.generated_ids.append(token)
         self._waiting.charge(row.req.tenant, 1)
         m = self.metrics
         if m is not None:
@@ -437,6 +470,12 @@ class NativeEngine:
         cancelled: message None); its slots are freed by _release_failed."""
         prefill.failed = True
         req = prefill.req
+        if prefill.resume is not None:  # a preempted row coming back: only that choice ends
+            if message is None:
+                self._finish(prefill.resume, "cancelled")
+            else:
+                self._fail_row(prefill.resume, message, reason)
+            return
         for index in range(req.params.n):
             if self.ledger.owes(req, index):
                 self.ledger.send(req, FinalEvent("", reason, len(req.prompt_ids), 0, error=message, index=index))
@@ -460,6 +499,10 @@ class NativeEngine:
             return
         self.rows = [r for r in self.rows if r.finish is None]
         self.prefills = [p for p in self.prefills if not p.failed]
+        self._free_slots(gone)
+
+    def _free_slots(self, gone: list[int]) -> None:
+        """Free these slots; a higher slot's holder moves down into each (data and adapter tables)."""
         for slot in sorted(gone, reverse=True):  # highest first: a freed slot is never a move's source
             move = self.pool.free(slot)
             if move is None:
@@ -482,6 +525,7 @@ class NativeEngine:
             self._fail_row(row, message, reason)
         self.rows = []
         self.prefills = []
+        self.scheduler.preempted.clear()  # owed finals: ledger.fail_open below
         self.pool = SlotPool(self.max_rows)
         self.ledger.fail_open(message, reason)
 

@@ -42,6 +42,7 @@ class Row:
     slot: int = -1  # its KV slot (moves when a lower slot is freed)
     last_token: int = -1  # sampled, not yet fed back
     generated: int = 0
+    generated_ids: list[int] = field(default_factory=list)  # to recompute its KV after a preemption
     admitted_at: float = field(default_factory=time.perf_counter)
     last_token_at: float = 0.0
     finish: FinishReason | None = None
