@@ -48,7 +48,8 @@ MODULES: dict[str, tuple[str, list[str]]] = {
     "isolate": ("server/engines/native/isolate.py", ["tests/test_sampling_units.py", "tests/test_engine_faults.py"]),
     "ledger": ("server/engines/native/ledger.py", ["tests/test_sampling_units.py", "tests/test_engine_faults.py"]),
     "runner": ("server/jobs/runner.py",
-               ["tests/test_jobs_runner.py", "tests/test_jobs_bounds.py", "tests/test_jobs_service.py"]),
+               ["tests/test_jobs_runner.py", "tests/test_jobs_bounds.py", "tests/test_jobs_service.py",
+                "tests/test_jobs_lease.py"]),
 }
 
 # mutmut's exit codes (mutmut/stats.py): what a mutant's result means
