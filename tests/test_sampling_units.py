@@ -3,6 +3,7 @@ logprobs, safe sampling math, culprit bisection, the final-event ledger."""
 
 from __future__ import annotations
 
+import logging
 import math
 from types import SimpleNamespace
 
@@ -10,7 +11,7 @@ import pytest
 import torch
 
 from server.engines.native.isolate import find_culprits
-from server.engines.native.ledger import FinalLedger
+from server.engines.native.ledger import FinalLedger, answer_unadmitted, deliver
 from server.engines.native.logprobs import prompt_chunk_logprobs, token_logprobs
 from server.engines.native.processors import RowProcessors, apply_penalties, apply_processors
 from server.engines.native.rows import describe, new_rows, sample_rows, vocab_size
@@ -394,3 +395,42 @@ def test_ledger_sends_each_choice_exactly_once():
     assert sorted(e.index for e in finals) == [0, 1, 2] and req.handle.done
     assert [e.error for e in finals if e.index != 1] == ["boom", "boom"]
     assert ledger.fail_open("again") == 0 and len(ledger) == 0
+
+
+def test_ledger_error_finals_carry_nothing_generated_and_the_prompt_count():
+    """fail_open's finals (default reason "cancelled") and answer_unadmitted's: no text, no
+    completion tokens, the prompt's token count, the message, every owed index once."""
+    ledger = FinalLedger()
+    req = GenRequest([5, 6, 7, 8], SamplingParams(n=2))
+    ledger.open(req)
+    assert ledger.fail_open("engine stopped") == 2
+    waiting = GenRequest([1, 2], SamplingParams(n=3))
+    answer_unadmitted(waiting, "length", "queue closed")
+    for request, reason, message, n in ((req, "cancelled", "engine stopped", 2), (waiting, "length", "queue closed", 3)):
+        finals = request.handle.events
+        assert [(f.text, f.finish_reason, f.prompt_tokens, f.completion_tokens, f.error) for f in finals] == [
+            ("", reason, len(request.prompt_ids), 0, message)] * n
+        assert sorted(f.index for f in finals) == list(range(n))
+
+
+def test_ledger_logs_name_the_request_and_choice(caplog):
+    """A dropped duplicate and an undeliverable final are logged with the request id and the
+    choice (what an operator greps for)."""
+    ledger = FinalLedger()
+    req = GenRequest([1, 2], SamplingParams(n=2))
+    ledger.open(req)
+    ledger.send(req, FinalEvent("", "stop", 2, 1, index=1))
+    with caplog.at_level(logging.ERROR, logger="polyserve.engine"):
+        assert not ledger.send(req, FinalEvent("", "stop", 2, 1, index=1))
+    assert f"duplicate final event for {req.id} choice 1 dropped" in caplog.text
+
+    class Broken:
+        def push(self, event):
+            raise RuntimeError("client gone")
+
+    other = GenRequest([1], SamplingParams(n=1))
+    other.handle = Broken()  # type: ignore[assignment]
+    caplog.clear()
+    with caplog.at_level(logging.ERROR, logger="polyserve.engine"):
+        deliver(other, FinalEvent("", "stop", 1, 1, index=0))  # logged, not raised
+    assert f"could not deliver the final event of {other.id} choice 0" in caplog.text
