@@ -274,3 +274,63 @@ def test_batched_paths_run_in_the_inputs_dtype_whatever_the_tables(G):
     assert_close(skill, apply_skill_space(x, A.double(), B.double(), w.double(), 0.5))
     for default, one in zip(stack_skills(A, B), stack_skills(A, B, 1.0), strict=True):  # default scale 1
         assert torch.equal(default, one)
+
+
+# -- combine.py: dtypes, refusals and their messages (mutation audit) ------------------------------
+def test_check_heads_message_gives_both_remainders():
+    from adapters_store.combine import check_heads
+
+    with pytest.raises(ValueError, match=r"d_in % h = 2, d_out % h = 0"):
+        check_heads(10, 12, 4)
+    with pytest.raises(ValueError, match=r"d_in % h = 0, d_out % h = 3"):
+        check_heads(12, 15, 4)
+
+
+def test_lora_delta_and_merge_compute_in_the_activations_and_weights_dtype():
+    """float32 tables applied to float64 activations (and merged into a float64 weight) are cast
+    to float64 first: the result equals the float64 computation."""
+    from adapters_store.combine import lora_delta, merge
+
+    g = torch.Generator().manual_seed(3)
+    A_t, B_t = torch.randn(6, 2, generator=g), torch.randn(2, 4, generator=g)
+    x, W = torch.randn(3, 6, dtype=torch.float64, generator=g), torch.randn(4, 6, dtype=torch.float64, generator=g)
+    got = lora_delta(x, A_t, B_t, 0.5)
+    assert got.dtype == torch.float64
+    assert_close(got, (x @ A_t.double()) @ B_t.double() * 0.5)
+    merged = merge(W, A_t, B_t, 0.5)
+    assert merged.dtype == torch.float64
+    assert_close(merged, W + 0.5 * (A_t.double() @ B_t.double()).T)
+
+
+def test_materialize_takes_float64_routing_weights_for_float32_skills():
+    """Routing weights in another dtype than the skills are cast to the skills' dtype."""
+    from adapters_store.combine import materialize_many, materialize_stacked
+
+    g = torch.Generator().manual_seed(4)
+    A, B = torch.randn(2, 3, 4, 2, generator=g), torch.randn(2, 3, 2, 5, generator=g)
+    w = torch.rand(1, 2, 3, dtype=torch.float64, generator=g)
+    A_t, B_t = materialize_many(A, B, w)
+    want_A, want_B = materialize_many(A, B, w.float())
+    assert A_t.dtype == torch.float32 and torch.equal(A_t, want_A) and torch.equal(B_t, want_B)
+    A_s, B_s = materialize_stacked(A.unsqueeze(0), B.unsqueeze(0), w)
+    assert A_s.dtype == torch.float32 and torch.equal(A_s, want_A) and torch.equal(B_s, want_B)
+
+
+def test_combine_refusals_name_the_shapes():
+    from adapters_store.combine import materialize_many, refine_heads
+
+    A = torch.zeros(2, 3, 4, 2)
+    bad_B = torch.zeros(2, 4, 2, 5)  # another skill count; w fits A
+    with pytest.raises(ValueError, match=r"shape mismatch: A \(2, 3, 4, 2\), B \(2, 4, 2, 5\), w \(1, 2, 3\)"):
+        materialize_many(A, bad_B, torch.zeros(1, 2, 3))
+    with pytest.raises(ValueError, match=r"shape mismatch: A \(2, 3, 4, 2\), B \(2, 4, 2, 5\)$"):
+        refine_heads(A, bad_B, 4)
+
+
+def test_refine_heads_to_the_same_count_is_the_identity():
+    from adapters_store.combine import refine_heads
+
+    g = torch.Generator().manual_seed(5)
+    A, B = torch.randn(2, 3, 4, 2, generator=g), torch.randn(2, 3, 2, 6, generator=g)
+    A_f, B_f = refine_heads(A, B, 2)
+    assert torch.equal(A_f, A) and torch.equal(B_f, B)
