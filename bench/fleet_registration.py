@@ -1,4 +1,4 @@
-"""Registration on a worker vs inside the serving replica (issue 28), on the default backbone and
+"""Registration on a worker vs inside the serving replica, on the default backbone and
 the shipped inventory, with a PostgreSQL store (a throwaway database) and everything over HTTP.
 
 On a 2-core machine the serving replica is pinned to core 0 and the worker to core 1 (`taskset`),

@@ -82,7 +82,7 @@ def _dsn_with(value: str) -> str:
 
 
 def test_compose_fleet_shares_nothing_but_postgres_and_redis(compose: dict[str, Any]) -> None:
-    """Issue 28: the replicas profile is a fleet on the PostgreSQL store, with a worker running
+    """The replicas profile is a fleet on the PostgreSQL store, with a worker running
     the jobs and serving replicas that only enqueue, and no volume shared between them."""
     import psycopg
 

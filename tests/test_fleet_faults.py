@@ -1,4 +1,4 @@
-"""Fleet faults against real servers of the test's own (issue 28, item 4), over real HTTP:
+"""Fleet faults against real servers of the test's own, over real HTTP:
 
 - PostgreSQL restarted under load: tasks the replica holds keep serving through it; tasks it
   does not hold, reads and registrations answer 503 store_unavailable while it is down; all of

@@ -45,7 +45,7 @@ ADAPT_METHODS = ("routing", "mu", "full")
 # Routing: batches of 4 at lr 0.3 from a sweep on held-out compositions: smaller batches and more
 # steps beat larger ones at the same examples seen and cost; a higher lr lowered the loss but lost
 # exact match. 15 steps: within about one seed's spread of 30 steps' exact match at about half the
-# time, which keeps a registration through the server within 15 s on the 2-core hosts measured
+# time, which keeps a registration through the server within its time budget on the 2-core hosts measured
 # (docs/RESULTS.md; docs/history/registration-recipes.md). mu / full: chosen on a training task of
 # the suite (never a held-out one).
 DEFAULTS: dict[str, dict[str, float]] = {
