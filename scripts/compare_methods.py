@@ -35,6 +35,8 @@ def main() -> None:
     ap.add_argument("--n-test", type=int, default=16)
     ap.add_argument("--methods", default="mu0,routing,mu,full")
     ap.add_argument("--steps", type=int, default=None)
+    ap.add_argument("--max-steps", type=int, default=None,
+                    help="go on past --steps while the held-out loss still falls, up to this many (routing)")
     ap.add_argument("--lr", type=float, default=None)
     ap.add_argument("--batch-size", type=int, default=None, help="default: the method's (training.adapt.DEFAULTS)")
     ap.add_argument("--eval-every", type=int, default=5)
@@ -73,7 +75,8 @@ def main() -> None:
     done = {(r["inventory"], r["task"], r["seed"], r["method"]) for r in records}
     label = args.label or info.made_by.get("method", "?")
     candidates = {r.id: store.load_routing(r.id) for r in store.list_tasks() if r.kind == "routing" and r.status == "ready"}
-    recipe = {"lr": args.lr, "batch_size": args.batch_size, "eval_every": args.eval_every, "patience": args.patience,
+    recipe = {"lr": args.lr, "max_steps": args.max_steps, "batch_size": args.batch_size,
+              "eval_every": args.eval_every, "patience": args.patience,
               "autocast": args.autocast, "holdout_fraction": args.holdout}
     for task in tasks:
         test = examples(task, args.n_test, seed=0, split="test")

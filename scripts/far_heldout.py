@@ -34,13 +34,13 @@ from training.far_heldout import (
     output_table,
     wide_suite,
 )
-from training.suite import TaskSpec, _distinct_candidates, _seed
+from training.suite import TaskSpec, _seed, candidate_pool
 
 
 def choose(n: int, per_primitive: int) -> list[TaskSpec]:
     suite = wide_suite()
     taken_names = {t.name for t in suite.all_tasks}
-    pool = [t for t in _distinct_candidates() if t.name not in taken_names]
+    pool = [t for t in candidate_pool() if t.name not in taken_names]
     inputs = agreement_inputs()
     ids: dict[str, int] = {}
     train_out = output_table(suite.train_tasks, inputs, ids)

@@ -202,6 +202,37 @@ def test_works_from_eight_examples_and_without_holdout(inventory, tokenizer):
     assert res.metrics["n_held"] == 0 and res.metrics["eval_loss"] is None and res.metrics["steps_run"] == 2
 
 
+def test_training_goes_on_past_steps_only_while_the_held_out_loss_still_falls(inventory, tokenizer):
+    rm, info, skills = inventory
+    seen: list[dict] = []
+    res = adapt(rm, info, skills, few(), tokenizer, steps=3, max_steps=12, eval_every=3, lr=0.3, patience=10,
+                progress=seen.append)
+    evals = [(e["step"], e["eval_loss"]) for e in seen if e["phase"] == "eval" and e["eval_loss"] is not None]
+    # evaluated at 0, 3, 6, ...: each evaluation at or past 3 that was a new best (and below the cap)
+    # bought eval_every more steps; the first one that was not ended the run
+    steps, best = [s for s, _ in evals], evals[0][1]
+    assert steps == sorted(set(steps)) and steps[0] == 0 and all(s % 3 == 0 for s in steps)
+    for step, loss in evals[1:]:
+        improved = loss < best
+        best = min(best, loss)
+        if step >= 3 and (not improved or step == 12):
+            assert step == steps[-1] == res.metrics["steps_run"]
+            break
+    assert res.metrics["steps_run"] > 3, "the held-out loss of this task falls for more than 3 steps"
+    assert res.metrics["max_steps"] == 12 and res.metrics["steps"] == res.metrics["steps_run"]
+    assert res.metrics["eval_loss"] == pytest.approx(best)
+
+
+def test_without_max_steps_or_when_the_loss_stops_falling_training_ends_at_steps(inventory, tokenizer):
+    rm, info, skills = inventory
+    assert adapt(rm, info, skills, few(), tokenizer, steps=3, eval_every=3, lr=0.3).metrics["steps_run"] == 3
+    # lr 0: the held-out loss never improves on the first evaluation, so nothing is extended
+    flat = adapt(rm, info, skills, few(), tokenizer, steps=3, max_steps=30, eval_every=3, lr=0.0)
+    assert flat.metrics["steps_run"] == 3
+    with pytest.raises(ValueError, match="max_steps"):
+        Adaptation(rm, info, skills, few(), tokenizer, steps=10, max_steps=5)
+
+
 def test_bad_arguments_are_refused(inventory, tokenizer):
     rm, info, skills = inventory
     with pytest.raises(ValueError, match="method"):

@@ -12,6 +12,7 @@ from training.far_heldout import (
     agreement_inputs,
     far_tasks,
     nearest,
+    near_far,
     wide_suite,
 )
 from training.shipped_inventory import PACKAGE_DIR
@@ -58,3 +59,18 @@ def test_a_wider_suite_passes_over_the_far_tasks():
     assert not set(FAR_HELDOUT) & {t.name for t in kept_out.train_tasks}  # ...and exclude keeps them out
     assert len(kept_out.train_tasks) == len(drawn)
     assert not set(FAR_HELDOUT) & {t.name for t in wide_suite(100, 300).train_tasks}
+
+
+def test_however_wide_the_suite_every_far_task_stays_far():
+    """wide_suite passes over the compositions that come nearer than FAR_BOUND to a far task, so even
+    the widest suite (every pair and triple the pool allows) keeps the bound."""
+    assert near_far(), "some compositions of the pool do come near a far task"
+    widest = wide_suite(10_000, 10_000)
+    names = {t.name for t in widest.train_tasks}
+    assert not names & (near_far() | set(FAR_HELDOUT))
+    assert len(widest.train_tasks) > 700
+    found = nearest(far_tasks(), widest.train_tasks, agreement_inputs())
+    assert max(share for share, _ in found) <= FAR_BOUND, found
+    # without the exclusion the same draw would break the bound
+    unfiltered = build_suite(0, n_pairs=(10_000, 8), n_triples=(10_000, 8), exclude=frozenset(FAR_HELDOUT))
+    assert max(share for share, _ in nearest(far_tasks(), unfiltered.train_tasks, agreement_inputs())) > FAR_BOUND

@@ -91,6 +91,7 @@ class Adaptation:
         autocast: bool | str | None = None,
         init_row: torch.Tensor | None = None,
         trained_share: float = 1.0,
+        max_steps: int | None = None,
     ) -> None:
         if method not in ADAPT_METHODS:
             raise ValueError(f"method must be one of {'|'.join(ADAPT_METHODS)}, got {method!r}")
@@ -102,6 +103,12 @@ class Adaptation:
         self.steps = int(steps if steps is not None else DEFAULTS[method]["steps"])
         if self.steps < 0:
             raise ValueError(f"steps must be >= 0, got {steps}")
+        # early stopping both ways: past `steps`, training goes on `eval_every` steps at a time while
+        # the latest held-out loss is the best so far, up to `max_steps`
+        self.max_steps = self.steps if max_steps is None else int(max_steps)
+        if self.max_steps < self.steps:
+            raise ValueError(f"max_steps must be >= steps ({self.steps}), got {max_steps}")
+        self.warmup = max(1, self.steps // 10)
         self.lr = float(lr if lr is not None else DEFAULTS[method]["lr"])
         self.progress, self.eval_every, self.patience = progress, max(1, eval_every), patience
         train, held = split_examples(list(examples), holdout_fraction, seed)
@@ -226,8 +233,7 @@ class Adaptation:
             self.order += perm
         picked, self.order = self.order[: self.batch_size], self.order[self.batch_size :]
         batch = collate([self.train[i] for i in picked], self.pad)
-        warm = max(1, self.steps // 10)
-        mult = min(1.0, (self.step_count + 1) / warm)
+        mult = min(1.0, (self.step_count + 1) / self.warmup)
         for g in self.opt.param_groups:
             g["lr"] = g["base_lr"] * mult
         with torch.inference_mode(False), torch.enable_grad():
@@ -289,9 +295,13 @@ class Adaptation:
                     if not self._eval_slice():
                         return True  # more of the held-out set next slice
                     self._need_eval = False
-                    stop = self.step_count >= self.steps or (self.held and self.since_best >= self.patience)
-                    if stop:
+                    if self.held and self.since_best >= self.patience:
                         self.finished = True
+                    elif self.step_count >= self.steps:
+                        if self.held and self.since_best == 0 and self.step_count < self.max_steps:
+                            self.steps = min(self.max_steps, self.steps + self.eval_every)
+                        else:
+                            self.finished = True
                 else:
                     self._train_step()
                     self._need_eval = self.step_count % self.eval_every == 0 or self.step_count >= self.steps
@@ -319,7 +329,8 @@ class Adaptation:
             raise RuntimeError("adaptation is still running; step() until it returns False (or cancel())")
         tensors = self.best if self.best is not None else self._snapshot()
         metrics = {
-            "method": self.method, "steps_run": self.step_count, "steps": self.steps, "best_step": self.best_step,
+            "method": self.method, "steps_run": self.step_count, "steps": self.steps, "max_steps": self.max_steps,
+            "best_step": self.best_step,
             "train_loss": _finite(self.last_loss), "eval_loss": _finite(self.best_loss) if self.held else None,
             "initial_eval_loss": self.initial_eval_loss, "n_train": self.n_train, "n_held": self.n_held,
             "seconds": round(time.perf_counter() - self.started, 3), "cancelled": self.cancelled,

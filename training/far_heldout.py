@@ -12,12 +12,13 @@ Agreement of two tasks = the share of inputs on which their outputs are equal (e
 
 from __future__ import annotations
 
+import functools
 import random
 from collections.abc import Sequence
 
 import numpy as np
 
-from training.suite import Suite, TaskSpec, build_suite, parse_task, random_input
+from training.suite import Suite, TaskSpec, build_suite, candidate_pool, parse_task, random_input
 
 FAR_BOUND = 0.30
 N_AGREEMENT_INPUTS = 1000
@@ -47,8 +48,19 @@ FAR_HELDOUT: tuple[str, ...] = (
 
 
 def wide_suite(pairs: int = WIDE_PAIRS, triples: int = WIDE_TRIPLES) -> Suite:
-    """build_suite with more training pairs and triples (the same 16 held-out tasks), never a far task."""
-    return build_suite(0, n_pairs=(pairs, 8), n_triples=(triples, 8), exclude=frozenset(FAR_HELDOUT))
+    """build_suite with more training pairs and triples (the same 16 held-out tasks), never a far task
+    nor a composition that comes nearer than FAR_BOUND to one (the set stays far however wide the suite)."""
+    return build_suite(0, n_pairs=(pairs, 8), n_triples=(triples, 8), exclude=frozenset(FAR_HELDOUT) | near_far())
+
+
+@functools.cache
+def near_far() -> frozenset[str]:
+    """Compositions of the suite's pool that agree with some far held-out task on more than FAR_BOUND
+    of `agreement_inputs()`: training on one would make that task no longer far."""
+    pool = [t for t in candidate_pool() if t.name not in FAR_HELDOUT]
+    ids: dict[str, int] = {}
+    agree = agreement_matrix(output_table(pool, agreement_inputs(), ids), output_table(far_tasks(), agreement_inputs(), ids))
+    return frozenset(t.name for t, share in zip(pool, agree.max(axis=1), strict=True) if share > FAR_BOUND)
 
 
 def far_tasks() -> list[TaskSpec]:

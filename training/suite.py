@@ -286,8 +286,8 @@ def _candidates() -> list[TaskSpec]:
 
 
 @functools.cache
-def _distinct_candidates() -> tuple[TaskSpec, ...]:
-    """Candidates that are the first (shortest) for their probe signature, and neither identity nor constant."""
+def candidate_pool() -> tuple[TaskSpec, ...]:
+    """Every composition a suite draws from: the first (shortest) for its probe signature, neither identity nor constant."""
     probes = probe_inputs()
     seen = {tuple(probes)}  # the identity function
     out = []
@@ -310,7 +310,7 @@ def build_suite(seed: int = 0, n_pairs: tuple[int, int] = (20, 8), n_triples: tu
     >>> len(s.train_tasks), len(s.heldout_tasks)
     (48, 16)
     """
-    pool = _distinct_candidates()
+    pool = candidate_pool()
     singles = [t for t in pool if len(t.primitives) == 1]
     if len(singles) != len(PRIMITIVES):
         raise AssertionError("a primitive is degenerate on the probe set")
