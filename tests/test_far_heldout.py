@@ -11,8 +11,8 @@ from training.far_heldout import (
     WIDE_TRIPLES,
     agreement_inputs,
     far_tasks,
-    nearest,
     near_far,
+    nearest,
     wide_suite,
 )
 from training.shipped_inventory import PACKAGE_DIR
