@@ -3,10 +3,13 @@ slot_lora.py), against plain references."""
 
 from __future__ import annotations
 
+import re
+
 import pytest
 import torch
 
-from server.engines.native.slot_lora import Group, Member, SlotLoRA
+from server.adapter_cache.types import Adapter
+from server.engines.native.slot_lora import Group, Member, SlotLoRA, write_adapter
 from server.engines.native.slots import SlotKV, SlotPool
 from server.engines.native.step import Item, StepBatch
 
@@ -62,10 +65,10 @@ def test_slot_kv_grows_keeping_contents_copies_and_resets():
     assert kv.capacity == 8
 
 
-def _lora(slots=4, rank=2, kernel="off"):
+def _lora(slots=4, rank=2, kernel="off", dtype=torch.float32):
     # one layer, two groups: "qkv"-like (q 6 wide, k not adapted, v 3 wide after a 4-wide k) and "o"
     groups = [[Group(5, 6 + 4 + 3, (Member(0, 0, 6), Member(1, 10, 3))), Group(7, 5, (Member(2, 0, 5),))]]
-    return SlotLoRA(groups, slots=slots, rank=rank, scale=0.5, dtype=torch.float32, kernel=kernel)
+    return SlotLoRA(groups, slots=slots, rank=rank, scale=0.5, dtype=dtype, kernel=kernel)
 
 
 def _adapter(seed: int, rank=2):
@@ -180,3 +183,78 @@ def test_tables_from_routing_weights_equal_the_materialised_adapters(layers):
     assert plain.B[0][0][1].abs().sum() > 0 and routed.adapted[1]
     with pytest.raises(ValueError, match="routing weights"):
         routed.write_routing(0, weights[:, :, :2])
+
+
+def _skills(dtype=torch.float32, h=1, S=3, r=2):
+    """Skills of _lora's three adapted linears: (A (h, S, d_in/h, r), B (h, S, r, d_out/h))."""
+    g = torch.Generator().manual_seed(7)
+    return [(torch.randn(h, S, d_in // h, r, generator=g).to(dtype), torch.randn(h, S, r, d_out // h, generator=g).to(dtype))
+            for d_in, d_out in ((5, 6), (5, 3), (7, 5))]
+
+
+def test_write_adapter_clears_serves_layers_without_skills_and_refuses_by_name():
+    """write_adapter: None turns an adapted slot back into a base row; a routed task on tables without
+    skills (no write_routing there) is served from its materialised layers; an adapter holding
+    neither, or any adapter for a backbone without tables, is refused with a message saying so."""
+    lora = _lora()
+    layers = _adapter(0)
+    write_adapter(lora, 0, Adapter("t", "k", "lora", layers))
+    assert lora.adapted[0] and lora.A[0][0][0].abs().sum() > 0
+    write_adapter(lora, 0, None)
+    assert not lora.adapted[0] and lora.A[0][0][0].eq(0).all() and lora.A[0][1][0].eq(0).all()
+    assert lora.step(StepBatch.build([Item(0, 4, (1,))])) is None
+    assert not lora.routes
+    write_adapter(lora, 1, Adapter("t", "k", "routing", layers, torch.full((3, 1, 2), 0.5)))
+    plain = _lora()
+    plain.write(1, layers)
+    for g in (0, 1):
+        assert torch.equal(lora.A[0][g][1], plain.A[0][g][1]) and torch.equal(lora.B[0][g][1], plain.B[0][g][1])
+    with pytest.raises(ValueError, match=r"^adapter of task 'empty' holds neither routing weights nor LoRA layers$"):
+        write_adapter(lora, 2, Adapter("empty", "k", "lora", []))
+    write_adapter(None, 0, None)  # a backbone without tables runs base rows
+    with pytest.raises(RuntimeError, match=r"^adapters requested but the backbone has no skill inventory$"):
+        write_adapter(None, 0, Adapter("t", "k", "lora", layers))
+    assert lora.adapted == [False, True, False, False]
+
+
+def test_slot_lora_refusals_name_what_is_wrong():
+    """A mis-shaped A or B alone, a skill list of the wrong length, routing weights before the skills,
+    of the wrong rank or count, or of a skill set the inventory does not have: refused, the slot left
+    as it was, the message giving the shapes."""
+    lora = _lora()
+    with pytest.raises(ValueError, match=r"^adapter layer 0: shapes \(5, 3\), \(2, 6\) != \(5, 2\), \(2, 6\)$"):
+        lora.write(1, [(torch.zeros(5, 3), torch.zeros(2, 6))] + _adapter(1)[1:])
+    with pytest.raises(ValueError, match=r"^adapter layer 2: shapes \(7, 2\), \(2, 4\) != \(7, 2\), \(2, 5\)$"):
+        lora.write(1, _adapter(1)[:2] + [(torch.zeros(7, 2), torch.zeros(2, 4))])
+    assert not lora.routes
+    with pytest.raises(RuntimeError, match=r"^write_routing needs the skills \(set_skills\)$"):
+        lora.write_routing(1, torch.full((3, 1, 3), 1 / 3))
+    with pytest.raises(ValueError, match=r"^2 skill pairs for 3 adapted linears$"):
+        lora.set_skills(_skills()[:2])
+    lora.set_skills(_skills())
+    assert lora.routes
+    w = torch.full((3, 1, 3), 1 / 3)
+    for bad in (torch.cat([w, w[:1]]), w[..., None]):  # a row too many; one dimension too many
+        with pytest.raises(ValueError, match=rf"^routing weights of shape {re.escape(str(tuple(bad.shape)))} "
+                                             r"for 3 linears$"):
+            lora.write_routing(1, bad)
+    with pytest.raises(ValueError, match=r"^routing weights \(1, 2\) do not match the skills' \(1, 3\)$"):
+        lora.write_routing(1, w[:, :, :2])
+    assert not any(lora.adapted) and lora.A[0][0].eq(0).all() and lora.A[0][1].eq(0).all()
+
+
+def test_routed_tables_combine_bfloat16_skills_in_float32():
+    """A bfloat16 backbone's skills are combined in float32 on a CPU (then rounded once into the
+    tables), not in bfloat16: the tables equal the float32 combine of the same skill values."""
+    from adapters_store.combine import materialize
+
+    skills = _skills(torch.bfloat16)
+    w = torch.softmax(torch.randn(3, 1, 3, generator=torch.Generator().manual_seed(1)), -1)
+    routed, plain = _lora(), _lora()
+    routed.set_skills(skills)
+    routed.write_routing(2, w)
+    plain.write(2, [materialize(a.float(), b.float(), wi) for (a, b), wi in zip(skills, w, strict=True)])
+    for g in (0, 1):
+        torch.testing.assert_close(routed.A[0][g], plain.A[0][g], rtol=1e-6, atol=1e-6)
+        torch.testing.assert_close(routed.B[0][g], plain.B[0][g], rtol=1e-6, atol=1e-6)
+    assert routed.B[0][1][2].abs().sum() > 0
