@@ -258,3 +258,43 @@ def test_routed_tables_combine_bfloat16_skills_in_float32():
         torch.testing.assert_close(routed.A[0][g], plain.A[0][g], rtol=1e-6, atol=1e-6)
         torch.testing.assert_close(routed.B[0][g], plain.B[0][g], rtol=1e-6, atol=1e-6)
     assert routed.B[0][1][2].abs().sum() > 0
+
+
+@pytest.mark.parametrize(("tables", "rows", "rank", "kernel"), [
+    (torch.float32, torch.bfloat16, 2, "off"),  # a CPU without the kernel: float32 tables, bfloat16 rows
+    (torch.bfloat16, torch.float32, 2, "off"),
+    (torch.float64, torch.float64, 2, "auto"),  # tables the kernel does not take: torch ops
+    (torch.float32, torch.float32, 65, "auto"),  # a rank the kernel does not take: torch ops
+], ids=["f32-tables-bf16-rows", "bf16-tables-f32-rows", "f64", "rank-65"])
+def test_slot_lora_adds_into_the_outputs_dtype_whatever_the_tables(tables, rows, rank, kernel):
+    """Tables of another dtype than the activations (float32 tables beside a bfloat16 model on a CPU
+    without the kernel): the rows are cast to the tables' dtype, the LoRA output added into `out` in
+    its own dtype, for the decode rows (gathered slots) and each prompt chunk alike; a dtype or a
+    rank the kernel does not take runs on torch ops under kernel=auto."""
+    lora = _lora(rank=rank, kernel=kernel, dtype=tables)
+    assert lora.kernel is None and lora.A[0][0].dtype == tables and lora.B[0][1].dtype == tables
+    adapters = {0: _adapter(0, rank), 1: None, 2: _adapter(2, rank), 3: _adapter(3, rank)}
+    for slot, layers in adapters.items():
+        if layers is not None:
+            lora.write(slot, layers)
+    items = [Item(0, 4, (1,)), Item(2, 4, (1,)), Item(3, 0, (1, 2, 3)), Item(1, 0, (1, 2))]
+    batch = StepBatch.build(items)
+    step = lora.step(batch)
+    assert step is not None
+    token_slot = [items[i].slot for i in batch.decode] + [3, 3, 3, 1, 1]
+    tol = {"rtol": 0.02, "atol": 0.05} if torch.bfloat16 in (tables, rows) else {"rtol": 1e-5, "atol": 1e-5}
+    gen = torch.Generator().manual_seed(5)
+    for group, width, d_in in ((0, 13, 5), (1, 5, 7)):
+        x = torch.randn(batch.size, d_in, generator=gen).to(rows)
+        base = torch.randn(batch.size, width, generator=gen).to(rows)
+        out = base.clone()
+        step.apply(0, group, x, out)
+        assert out.dtype == rows
+        for t, slot in enumerate(token_slot):
+            layers = adapters[slot]
+            if layers is None:
+                assert torch.equal(out[t], base[t])
+                continue
+            exact = [(a.to(tables).double(), b.to(tables).double()) for a, b in layers]
+            want = base[t].double() + _reference(x[t].to(tables).double(), exact, group).double()
+            torch.testing.assert_close(out[t].double(), want, **tol)
