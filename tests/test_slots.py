@@ -298,3 +298,82 @@ def test_slot_lora_adds_into_the_outputs_dtype_whatever_the_tables(tables, rows,
             exact = [(a.to(tables).double(), b.to(tables).double()) for a, b in layers]
             want = base[t].double() + _reference(x[t].to(tables).double(), exact, group).double()
             torch.testing.assert_close(out[t].double(), want, **tol)
+
+
+def _layered_lora(kernel: str) -> SlotLoRA:
+    """Two layers laid out differently: an "up" group the same in both (one buffer over the layers),
+    a "qkv" group whose q has its outputs reordered in layer 1 only (a q/k-style column order), and
+    an "o" group adapted in layer 0 only (layer 1's row is shorter). Adapted linears 0-3 are layer
+    0's (up, q, v, o), 4-6 layer 1's (up, q, v)."""
+    order = torch.tensor([1, 0, 3, 2, 5, 4])
+    groups: list[list[Group | None]] = [
+        [Group(5, 4, (Member(0, 0, 4),)), Group(5, 13, (Member(1, 0, 6), Member(2, 10, 3))),
+         Group(7, 5, (Member(3, 0, 5),))],
+        [Group(5, 4, (Member(4, 0, 4),)), Group(5, 13, (Member(5, 0, 6, order), Member(6, 10, 3)))],
+    ]
+    return SlotLoRA(groups, slots=4, rank=2, scale=0.5, dtype=torch.float32, kernel=kernel)
+
+
+def _layered_adapter(seed: int):
+    g = torch.Generator().manual_seed(seed)
+    shapes = [(5, 4), (5, 6), (5, 3), (7, 5), (5, 4), (5, 6), (5, 3)]
+    return [(torch.randn(d_in, 2, generator=g), torch.randn(2, d_out, generator=g)) for d_in, d_out in shapes]
+
+
+@pytest.mark.parametrize("kernel", ["off", "on"], ids=["torch-ops", "native-kernel"])
+def test_slot_lora_with_layers_laid_out_differently(kernel):
+    """Groups that differ between layers (only in a member's output order, or adapted in one layer
+    only): each layer's rows get that layer's own LoRA in its own column order, after writes, a copy
+    and a clear, decode rows in gathered slots and a prompt chunk."""
+    from server.engines.native import lora_kernel
+
+    if kernel == "on" and lora_kernel.load() is None:
+        pytest.skip(f"no LoRA kernel: {lora_kernel.error()}")
+    lora = _layered_lora(kernel)
+    adapters = {0: _layered_adapter(0), 1: _layered_adapter(2), 2: _layered_adapter(2), 3: None}
+    lora.write(0, adapters[0])
+    lora.write(2, adapters[2])
+    lora.copy(2, 1)
+    lora.write(3, _layered_adapter(3))
+    lora.clear(3)
+    batch = StepBatch.build([Item(1, 4, (1,)), Item(3, 4, (1,)), Item(0, 0, (1, 2, 3))])
+    step = lora.step(batch)
+    assert step is not None and not batch.decode_contiguous
+    token_slot = [1, 3, 0, 0, 0]
+    gen = torch.Generator().manual_seed(1)
+    for layer, row in enumerate(lora.groups):
+        for group, g in enumerate(row):
+            assert g is not None
+            x = torch.randn(batch.size, g.d_in, generator=gen)
+            out = torch.zeros(batch.size, g.d_out)
+            step.apply(layer, group, x, out)
+            for t, slot in enumerate(token_slot):
+                want = torch.zeros(g.d_out)
+                for m in ([] if adapters[slot] is None else g.members):
+                    a, b = adapters[slot][m.index]
+                    y = x[t] @ a @ b * 0.5
+                    want[m.start : m.start + m.width] = y if m.order is None else y[m.order]
+                torch.testing.assert_close(out[t], want)
+
+
+@pytest.mark.parametrize("kernel", ["off", "on"], ids=["torch-ops", "native-kernel"])
+def test_only_an_adapted_prompt_gets_the_lora_beside_base_rows(kernel):
+    """A base row decoding and a base prompt chunk ahead of a task's prompt chunk: the LoRA lands on
+    the task's tokens (rows 3-5 of the step), none on the base rows' (rows 0-2)."""
+    from server.engines.native import lora_kernel
+
+    if kernel == "on" and lora_kernel.load() is None:
+        pytest.skip(f"no LoRA kernel: {lora_kernel.error()}")
+    lora = _lora(kernel=kernel)
+    lora.write(0, _adapter(0))
+    batch = StepBatch.build([Item(1, 4, (1,)), Item(2, 0, (1, 2)), Item(0, 0, (1, 2, 3))])
+    step = lora.step(batch)
+    assert step is not None
+    gen = torch.Generator().manual_seed(2)
+    for group, width, d_in in ((0, 13, 5), (1, 5, 7)):
+        x = torch.randn(batch.size, d_in, generator=gen)
+        out = torch.zeros(batch.size, width)
+        step.apply(0, group, x, out)
+        assert out[:3].eq(0).all()
+        for t in range(3, 6):
+            torch.testing.assert_close(out[t], _reference(x[t], _adapter(0), group))
