@@ -12,6 +12,7 @@ from training.far_heldout import (
     agreement_inputs,
     far_tasks,
     near_far,
+    near_heldout,
     nearest,
     wide_suite,
 )
@@ -74,3 +75,16 @@ def test_however_wide_the_suite_every_far_task_stays_far():
     # without the exclusion the same draw would break the bound
     unfiltered = build_suite(0, n_pairs=(10_000, 8), n_triples=(10_000, 8), exclude=frozenset(FAR_HELDOUT))
     assert max(share for share, _ in nearest(far_tasks(), unfiltered.train_tasks, agreement_inputs())) > FAR_BOUND
+
+
+def test_however_wide_the_suite_no_issue13_held_out_task_gets_a_nearer_training_task():
+    """A wider suite would otherwise draw near-copies of the issue-13 held-out tasks
+    (dedupe.first2.rev-chars agrees with first2.rev-chars on 95% of inputs): the protocol would then
+    reward recall, not composition, and stop comparing inventories fairly."""
+    held, inputs = build_suite(0).heldout_tasks, agreement_inputs()
+    shipped = nearest(held, wide_suite().train_tasks, inputs)
+    widest = nearest(held, wide_suite(10_000, 10_000).train_tasks, inputs)
+    assert all(w[0] <= s[0] for s, w in zip(shipped, widest, strict=True)), (shipped, widest)
+    assert "dedupe.first2.rev-chars" in near_heldout()
+    unfiltered = build_suite(0, n_pairs=(10_000, 8), n_triples=(10_000, 8), exclude=frozenset(FAR_HELDOUT))
+    assert max(share for share, _ in nearest(held, unfiltered.train_tasks, inputs)) > 0.9
