@@ -6,7 +6,7 @@ training compositions only appends to the training list) and adds more pairs and
 inventory trained on more compositions, measured on the held-out tasks it has never seen
 (docs/RESULTS.md 9.10).
 
-    .venv/bin/python -m scripts.wide_suite --pairs 100 --triples 92 --out /tmp/wide_suite.jsonl
+    .venv/bin/python -m scripts.wide_suite --pairs 103 --triples 381 --out /tmp/wide500_suite.jsonl
 
 It also prints, for each held-out task, the training task that agrees with it on the most of 2,000
 random inputs, and on what share: no training task computes a held-out task's function (build_suite
