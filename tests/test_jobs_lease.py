@@ -206,3 +206,15 @@ def test_a_failed_write_while_adopting_leaves_nothing_queued(store, monkeypatch)
     with pytest.raises(OSError, match="disk full"):
         w.adopt(lease)
     assert w.pending == 0 and not w.owns(job.id) and not w.step()
+
+
+def test_a_claimed_job_with_a_cancel_marker_is_cancelled_without_being_built(store):  # noqa: F811
+    replica = JobRunner(store, lambda *a: None, replica_id="replica", run_here=False)
+    job = replica.submit("gone", EXAMPLES, method="routing", steps=3, seed=0)
+    store.request_cancel(job.id)
+    made: list = []
+    w = worker(store, "w1", made)
+    w.adopt(store.claim_job("w1", 30))
+    run_to_end(w)
+    w.flush()
+    assert made == [] and Job.from_json(store.get_job(job.id)).status == "cancelled" and not store.has_task("gone")

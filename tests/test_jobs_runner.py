@@ -689,6 +689,7 @@ def test_progress_fraction_metrics_and_eval_events(store):
 
     def factory(job, examples, progress):
         adaptation = ScriptedProgress(progress, [
+            {"loss": 3.0},
             {"step": 1, "steps": 4, "loss": 2.0, "phase": "train", "flag": True},
             {"step": 3, "loss": 1.5},
             {"step": 8, "steps": 8, "phase": "eval", "eval_loss": 0.25},
@@ -706,8 +707,8 @@ def test_progress_fraction_metrics_and_eval_events(store):
     runner = JobRunner(store, factory, replica_id="r1", persist_every=0.0)
     job = runner.submit("t", EXAMPLES, method="routing", steps=6, seed=0)
     run_to_end(runner)
-    assert [p for p, _ in seen] == [0.25, 0.5, 0.999, 0.999]
-    assert seen[0][1] == {"step": 1, "steps": 4, "loss": 2.0}
+    assert [p for p, _ in seen] == [0.0, 0.25, 0.5, 0.999, 0.999]
+    assert seen[0][1] == {"loss": 3.0} and seen[1][1] == {"step": 1, "steps": 4, "loss": 2.0}
     done = runner.get(job.id)
     metrics_events = [(e["type"], e["message"], e["level"], e["data"]) for e in done.events if e["type"] != "status"]
     assert metrics_events == [("metrics", "step 8: eval loss 0.25", "info", {"step": 8, "steps": 8, "eval_loss": 0.25})]
@@ -766,3 +767,23 @@ def test_a_result_without_metrics_is_committed(store):
     job = runner.submit("t", EXAMPLES, method="routing", steps=1, seed=0)
     run_to_end(runner)
     assert runner.get(job.id).status == "succeeded" and store.get_task("t").metrics == {}
+
+
+def test_submit_records_the_job_and_its_placeholder_as_asked(store):
+    changed: list = []
+    runner, _ = make_runner(store, changed=changed)
+    before = time.time()
+    job = runner.submit("t", EXAMPLES, method="retrieve", steps=7, seed=3, tenant="acme", shared=True)
+    persisted = Job.from_json(store.get_job(job.id))
+    for j in (job, persisted):
+        assert (j.steps, j.seed, j.n_examples, j.owner, j.serve_early, j.tenant) == (7, 3, 1, "r1", False, "acme")
+        assert [(e["type"], e["message"]) for e in j.events] == [("status", "job queued: 1 examples, method retrieve")]
+    record = store.get_task("t")
+    assert (record.method, record.status, record.job_id, record.owner, record.shared) == (
+        "retrieve", "training", job.id, "acme", True)
+    assert before <= record.created_at == record.updated_at <= time.time()
+    fleet = JobRunner(store, lambda *a: None, replica_id="replica", run_here=False,
+                      on_task_changed=changed.append)
+    queued = fleet.submit("u", EXAMPLES, method="routing", steps=2, seed=0)
+    assert queued.events[0]["message"] == "job queued: 1 examples, method routing (for the fleet's workers)"
+    assert queued.id not in fleet._io and changed == ["t", "u"]
