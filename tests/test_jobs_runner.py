@@ -784,6 +784,7 @@ def test_submit_records_the_job_and_its_placeholder_as_asked(store):
     assert before <= record.created_at == record.updated_at <= time.time()
     fleet = JobRunner(store, lambda *a: None, replica_id="replica", run_here=False,
                       on_task_changed=changed.append)
-    queued = fleet.submit("u", EXAMPLES, method="routing", steps=2, seed=0)
+    queued = fleet.submit("u", EXAMPLES, method="routing", steps=2, seed=0, serve_early=True)
     assert queued.events[0]["message"] == "job queued: 1 examples, method routing (for the fleet's workers)"
+    assert queued.serve_early and store.get_task("u").shared is False
     assert queued.id not in fleet._io and changed == ["t", "u"]
