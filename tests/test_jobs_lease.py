@@ -218,3 +218,22 @@ def test_a_claimed_job_with_a_cancel_marker_is_cancelled_without_being_built(sto
     run_to_end(w)
     w.flush()
     assert made == [] and Job.from_json(store.get_job(job.id)).status == "cancelled" and not store.has_task("gone")
+
+
+def test_a_worker_that_lost_a_job_can_claim_and_run_it_again(store):  # noqa: F811
+    replica = JobRunner(store, lambda *a: None, replica_id="replica", run_here=False)
+    job = replica.submit("again", EXAMPLES, method="routing", steps=2, seed=0)
+    made: list = []
+    w = worker(store, "w1", made, steps=2)
+    w.adopt(store.claim_job("w1", 0.2))
+    w.flush()
+    time.sleep(0.3)
+    assert store.claim_job("w2", 0.2) is not None  # w2 takes it over, then dies too
+    assert w.heartbeat() == [job.id]
+    run_to_end(w)
+    assert not w.owns(job.id)
+    time.sleep(0.3)
+    assert w.adopt(store.claim_job("w1", 30)) is not None
+    run_to_end(w)
+    w.flush()
+    assert Job.from_json(store.get_job(job.id)).status == "succeeded" and store.get_task("again").version == 1
