@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import time
 
+import pytest
 import torch
 
 from adapters_store.errors import StoreUnavailable
@@ -89,3 +90,150 @@ def test_a_store_outage_while_a_leased_job_is_built_gives_it_back_instead_of_fai
     assert store.get_task("outage").status == "training"
     again = store.claim_job("w2", 30)  # claimable again at once, not after the lease
     assert again is not None and again.job_id == job.id and again.attempts == 2
+
+
+def test_a_job_claimed_too_often_fails_and_a_claim_is_an_event(store):  # noqa: F811
+    """max_attempts is the most claims a job gets: the 3rd of 3 runs (its claim is an event naming
+    the worker and the attempt), the 4th fails it "interrupted", naming the 3 runs that stopped.
+    give_back() makes a leased job claimable again at once."""
+    replica = JobRunner(store, lambda *a: None, replica_id="replica", run_here=False)
+    job = replica.submit("tries", EXAMPLES, method="routing", steps=3, seed=0)
+    for _ in range(2):
+        store.claim_job("gone", 30).give_back()
+    made: list = []
+    w = worker(store, "w1", made)
+    third = store.claim_job("w1", 30)
+    assert third.attempts == 3 and w.adopt(third, max_attempts=3) is not None
+    claimed = [e for e in w.get(job.id).events if e["message"].startswith("claimed")]
+    assert [(e["type"], e["message"], e["data"]) for e in claimed] == [
+        ("status", "claimed by w1 (attempt 3)", {"attempt": 3})]
+    w.give_back()
+    fourth = store.claim_job("w2", 30)
+    assert fourth is not None and fourth.attempts == 4
+    w2 = worker(store, "w2", [])
+    assert w2.adopt(fourth, max_attempts=3) is None
+    w2.flush()
+    failed = Job.from_json(store.get_job(job.id))
+    assert failed.status == "failed" and failed.error == {
+        "type": "interrupted",
+        "message": "interrupted: the job's runner stopped 3 times (POLYSERVE_JOB_MAX_ATTEMPTS)"}
+    assert store.get_task("tries").status == "failed" and made[:1] == []
+
+
+def test_a_claim_that_finds_the_result_committed_says_so_in_an_event(store):  # noqa: F811
+    replica = JobRunner(store, lambda *a: None, replica_id="replica", run_here=False)
+    job = replica.submit("said", EXAMPLES, method="routing", steps=3, seed=0)
+    store.put_routing("said", torch.ones(1, 1, 2), job_id=job.id)
+    w = worker(store, "w2", [])
+    assert w.adopt(store.claim_job("w2", 30)) is None
+    w.flush()
+    events = Job.from_json(store.get_job(job.id)).events
+    assert ("status", "the result was committed by an earlier run of this job") in [
+        (e["type"], e["message"]) for e in events]
+
+
+class _Unreachable:
+    def renew(self) -> bool:
+        raise StoreUnavailable("connection lost")
+
+
+def test_heartbeat_renews_leases_and_drops_a_lost_job_unwritten(store):  # noqa: F811
+    """A beat keeps a short lease alive past its length; one that fails for a store outage is tried
+    again next beat and the others are still renewed; a lease another worker took is reported and
+    its run stops at the next slice (the adaptation not stepped again, nothing written)."""
+    replica = JobRunner(store, lambda *a: None, replica_id="replica", run_here=False)
+    job = replica.submit("beat", EXAMPLES, method="routing", steps=5, seed=0)
+    made: list = []
+    w = worker(store, "w1", made, steps=5)
+    w._holds["job-00000000000000ff"] = _Unreachable()  # an outage on the first lease renewed
+    w.adopt(store.claim_job("w1", 0.4))
+    w.flush()
+    assert w.step() and w.step()  # built and running
+    for _ in range(3):
+        time.sleep(0.2)
+        assert w.heartbeat() == []
+    assert store.claim_job("w2", 30) is None  # renewed: still w1's
+    del w._holds["job-00000000000000ff"]
+    w._holds = {"job-00000000000000ff": _Unreachable(), **w._holds}
+    lease = w._holds[job.id]
+    time.sleep(0.6)  # w1 stops beating; w2 takes the job over
+    assert store.claim_job("w2", 30) is not None and not lease.still_held()
+    assert w.heartbeat() == [job.id]
+    w.flush()
+    before = made[0].done
+    assert w.step()  # the slice that drops it
+    run_to_end(w)
+    assert made[0].cancelled and made[0].done == before and not w.owns(job.id) and w.pending == 0
+    assert w.heartbeat() == []  # the dropped lease is no longer renewed
+    assert Job.from_json(store.get_job(job.id)).status == "running" and store.get_task("beat").version == 0
+
+
+def test_a_job_lost_while_it_is_built_never_runs(store):  # noqa: F811
+    import threading
+
+    release = threading.Event()
+    made: list = []
+
+    def factory(job, examples, progress):
+        release.wait(5)
+        made.append(FakeAdaptation(3, progress))
+        return made[-1]
+
+    replica = JobRunner(store, lambda *a: None, replica_id="replica", run_here=False)
+    job = replica.submit("built", EXAMPLES, method="routing", steps=3, seed=0)
+    w = JobRunner(store, factory, replica_id="w1", persist_every=0.0)
+    w.adopt(store.claim_job("w1", 30))
+    w.flush()
+    assert w.step()  # building, not done
+    w.lose(job.id)
+    assert w.step()  # dropped
+    release.set()
+    w._builder.submit(lambda: None).result(5)
+    run_to_end(w)
+    assert all(a.done == 0 for a in made) and not w.owns(job.id) and w.pending == 0
+
+
+def test_a_failed_write_while_adopting_leaves_nothing_queued(store, monkeypatch):  # noqa: F811
+    replica = JobRunner(store, lambda *a: None, replica_id="replica", run_here=False)
+    job = replica.submit("disk", EXAMPLES, method="routing", steps=3, seed=0)
+    w = worker(store, "w1", [])
+    lease = store.claim_job("w1", 30)
+
+    def full(data):
+        raise OSError("disk full")
+
+    monkeypatch.setattr(store, "put_job", full)
+    with pytest.raises(OSError, match="disk full"):
+        w.adopt(lease)
+    assert w.pending == 0 and not w.owns(job.id) and not w.step()
+
+
+def test_a_claimed_job_with_a_cancel_marker_is_cancelled_without_being_built(store):  # noqa: F811
+    replica = JobRunner(store, lambda *a: None, replica_id="replica", run_here=False)
+    job = replica.submit("gone", EXAMPLES, method="routing", steps=3, seed=0)
+    store.request_cancel(job.id)
+    made: list = []
+    w = worker(store, "w1", made)
+    w.adopt(store.claim_job("w1", 30))
+    run_to_end(w)
+    w.flush()
+    assert made == [] and Job.from_json(store.get_job(job.id)).status == "cancelled" and not store.has_task("gone")
+
+
+def test_a_worker_that_lost_a_job_can_claim_and_run_it_again(store):  # noqa: F811
+    replica = JobRunner(store, lambda *a: None, replica_id="replica", run_here=False)
+    job = replica.submit("again", EXAMPLES, method="routing", steps=2, seed=0)
+    made: list = []
+    w = worker(store, "w1", made, steps=2)
+    w.adopt(store.claim_job("w1", 0.2))
+    w.flush()
+    time.sleep(0.3)
+    assert store.claim_job("w2", 0.2) is not None  # w2 takes it over, then dies too
+    assert w.heartbeat() == [job.id]
+    run_to_end(w)
+    assert not w.owns(job.id)
+    time.sleep(0.3)
+    assert w.adopt(store.claim_job("w1", 30)) is not None
+    run_to_end(w)
+    w.flush()
+    assert Job.from_json(store.get_job(job.id)).status == "succeeded" and store.get_task("again").version == 1

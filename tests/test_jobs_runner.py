@@ -105,7 +105,7 @@ def test_failure_is_recorded_with_a_clear_error(store):
     run_to_end(runner)
     failed = runner.get(job.id)
     assert failed.status == "failed" and "NaN" in failed.error["message"]
-    assert store.get_task("t").status == "failed"
+    assert store.get_task("t").status == "failed" and store.get_task("t").error == failed.error["message"]
 
 
 def test_cancel_running_and_queued(store):
@@ -496,3 +496,295 @@ def test_the_cleanup_leaves_a_task_that_is_not_its_placeholder(store):
     _mark_task_not_ready(store, job, "failed", {"message": "loss became NaN"})
     failed = store.get_task("t")
     assert failed.status == "failed" and failed.error == "loss became NaN"
+
+
+def test_a_commit_that_finds_the_result_committed_marks_the_job_succeeded_and_writes_nothing(store):
+    """An earlier run of the job committed while this one trained (the task names the job, ready):
+    the commit writes no version 2, says so in an event, and the job ends succeeded."""
+    runner, _ = make_runner(store, steps=3)
+    job = runner.submit("t", EXAMPLES, method="routing", steps=3, seed=0)
+    runner.step()
+    runner.step()
+    store.put_routing("t", torch.full((1, 1, 2), 2.0), job_id=job.id)  # the earlier run's commit
+    run_to_end(runner)
+    runner.flush()
+    done = Job.from_json(store.get_job(job.id))
+    assert done.status == "succeeded" and runner.get(job.id).status == "succeeded"
+    assert ("status", "the result was committed by an earlier run of this job") in [
+        (e["type"], e["message"]) for e in done.events]
+    assert store.get_task("t").version == 1 and torch.equal(store.load_routing("t"), torch.full((1, 1, 2), 2.0))
+    assert runner.pending == 0 and not runner.step()
+
+
+def test_a_commit_whose_lease_was_lost_drops_the_run(store):
+    """No progress write in between (persist_every never due), so the commit itself is what finds
+    the lease gone: the run is dropped, the other run's result stays the only version."""
+    replica = JobRunner(store, lambda *a: None, replica_id="replica", run_here=False)
+    job = replica.submit("lease", EXAMPLES, method="routing", steps=2, seed=0)
+
+    def runner_for(name: str, made: list, persist_every: float) -> JobRunner:
+        def factory(job, examples, progress):
+            made.append(FakeAdaptation(2, progress))
+            return made[-1]
+
+        return JobRunner(store, factory, replica_id=name, persist_every=persist_every)
+
+    made1: list = []
+    w1 = runner_for("w1", made1, 1e12)
+    w1.adopt(store.claim_job("w1", 0.2))
+    w1.flush()
+    assert w1.step()  # built, running, one step
+    w1.flush()
+    time.sleep(0.3)
+    w2 = runner_for("w2", [], 0.0)
+    w2.adopt(store.claim_job("w2", 30))
+    run_to_end(w2)
+    w2.flush()
+    run_to_end(w1)
+    w1.flush()
+    assert made1[0].done == 2 and not w1.owns(job.id) and w1.pending == 0
+    assert store.get_task("lease").version == 1 and Job.from_json(store.get_job(job.id)).owner == "w2"
+
+
+def test_the_early_version_carries_the_jobs_source_method_and_metrics(store):
+    changed: list = []
+    runner, _ = make_runner(store, steps=3, changed=changed)
+    job = runner.submit("t", EXAMPLES, method="retrieve", steps=3, seed=0, serve_early=True)
+    runner.step()
+    changed.clear()
+    runner.commit_early(runner._jobs[job.id], FakeResult(tensors={"logits": torch.full((1, 1, 2), 2.0)},
+                                                         metrics={"exact_match": 0.5}))
+    runner.flush()
+    record = store.get_task("t")
+    assert record.source == {"job_id": job.id, "n_examples": 1, "method": "retrieve", "stage": "early"}
+    assert record.method == "retrieve" and record.metrics == {"exact_match": 0.5} and record.job_id == job.id
+    persisted = Job.from_json(store.get_job(job.id))
+    assert persisted.live_version == 1
+    assert [(e["type"], e["message"], e["data"]) for e in persisted.events if "retrieved" in e["message"]] == [
+        ("status", "serving the retrieved routing as version 1 while training goes on", {"version": 1})]
+    assert changed == ["t"]
+
+
+def test_recover_goes_through_every_job_and_says_why_each_was_interrupted(store, monkeypatch):
+    """Jobs listed in id order: one unreadable, one finished, one enqueued for the workers, one a
+    live replica holds, one that finished after the listing, then the orphans: each of the first
+    five is skipped, not the end of the listing."""
+    from adapters_store.records import TaskRecord
+
+    def job(n: int, task: str, status: str, **kw) -> str:
+        job_id = f"job-{n:016d}"
+        store.put_job(Job(id=job_id, task=task, method="routing", steps=3, seed=0, n_examples=1,
+                          status=status, **kw).to_json())
+        if status not in ("succeeded", "failed", "cancelled"):
+            store.put_record(TaskRecord(id=task, method="routing", status="training", version=0, created_at=0.0,
+                                        updated_at=0.0, job_id=job_id))
+        return job_id
+
+    store.put_job({"id": "job-0000000000000000"})  # unreadable: no task
+    job(1, "done", "succeeded")
+    store.enqueue_job(job(2, "fleet", "queued"))
+    live = Store(store.root).hold_job(job(3, "live", "running"))
+    late = job(4, "late", "running")
+    queued, running, committed = job(5, "q", "queued"), job(6, "r", "running"), job(7, "c", "running")
+    store.put_routing("c", torch.ones(1, 1, 2), job_id=committed)
+    real_get = store.get_job
+    monkeypatch.setattr(store, "get_job", lambda job_id: real_get(job_id) | (
+        {"status": "succeeded"} if job_id == late else {}))
+    changed: list = []
+    runner, _ = make_runner(store, changed=changed)
+    assert runner.recover() == [queued, running, committed]
+    assert changed == ["q", "r", "c"]
+    for job_id, task, reason in ((queued, "q", "before the job ran"), (running, "r", "while the job was running")):
+        message = f"interrupted: the server stopped {reason}"
+        assert runner.get(job_id).error == {"type": "interrupted", "message": message}
+        assert store.get_task(task).status == "failed" and store.get_task(task).error == message
+    done = runner.get(committed)
+    assert done.status == "succeeded" and ("status", "recovered: the result was committed before the server stopped") in [
+        (e["type"], e["message"]) for e in done.events]
+    assert real_get(late)["status"] == "running" and store.get_task("live").status == "training"
+    live.release()
+
+
+def test_cancel_is_an_event_and_leaves_finished_and_foreign_jobs_alone(store):
+    runner, _ = make_runner(store, steps=3)
+    running = runner.submit("t1", EXAMPLES, method="routing", steps=3, seed=0)
+    runner.step()
+    runner.cancel(running.id)
+    assert ("status", "cancellation requested") in [(e["type"], e["message"]) for e in runner.get(running.id).events]
+    run_to_end(runner)
+    done = runner.submit("t2", EXAMPLES, method="routing", steps=3, seed=0)
+    run_to_end(runner)
+    events = runner.get(done.id).events
+    assert runner.cancel(done.id).status == "succeeded" and runner.get(done.id).events == events
+    other = Job(id="job-00000000000000bb", task="o", method="routing", steps=3, seed=0, status="running")
+    store.put_job(other.to_json())
+    assert runner.cancel(other.id).status == "running"  # another replica's: cancelled through the store
+
+
+def test_check_cancels_counts_each_marker_once_and_skips_finished_jobs(store):
+    runner = JobRunner(store, lambda job, examples, progress: FakeAdaptation(3, progress), replica_id="r1",
+                       persist_every=0.0, cancel_poll_seconds=3600)
+    first = runner.submit("t1", EXAMPLES, method="routing", steps=3, seed=0)
+    run_to_end(runner)
+    second = runner.submit("t2", EXAMPLES, method="routing", steps=3, seed=0)
+    store.request_cancel(first.id)
+    store.request_cancel(second.id)
+    assert runner.check_cancels() == 1
+    assert runner.check_cancels() == 0
+
+
+def test_a_cancel_marker_the_poll_has_not_read_still_stops_the_commit(store):
+    """The marker lands after the last poll: the commit, under the task's lock, sees it and
+    discards the result (the job cancelled, its placeholder removed)."""
+    runner = JobRunner(store, lambda job, examples, progress: FakeAdaptation(2, progress), replica_id="r1",
+                       persist_every=0.0, cancel_poll_seconds=3600)
+    job = runner.submit("t", EXAMPLES, method="routing", steps=2, seed=0)
+    runner.step()
+    store.request_cancel(job.id)
+    run_to_end(runner)
+    assert runner.get(job.id).status == "cancelled" and not store.has_task("t")
+
+
+def test_a_task_replaced_or_deleted_without_a_marker_before_the_commit_is_left_as_it_is(store):
+    from adapters_store.records import TaskRecord
+
+    runner, _ = make_runner(store, steps=2)
+    replaced = runner.submit("t", EXAMPLES, method="routing", steps=2, seed=0)
+    runner.step()
+    store.put_record(TaskRecord(id="t", method="routing", status="training", version=0, created_at=0.0,
+                                updated_at=0.0, job_id="job-00000000000000cc"))
+    run_to_end(runner)
+    assert runner.get(replaced.id).status == "cancelled" and store.get_task("t").job_id == "job-00000000000000cc"
+    deleted = runner.submit("u", EXAMPLES, method="routing", steps=2, seed=0)
+    runner.step()
+    store.delete_task("u")
+    run_to_end(runner)
+    after = runner.get(deleted.id)
+    assert after.status == "cancelled" and not store.has_task("u")
+    assert ("status", "the task was deleted while the job ran; result discarded") in [
+        (e["type"], e["message"]) for e in after.events]
+
+
+class ScriptedProgress:
+    """An adaptation that reports what it is given, one report a step."""
+
+    def __init__(self, progress, reports: list[dict]) -> None:
+        self.progress, self.reports, self.seen = progress, list(reports), []
+
+    def step(self) -> bool:
+        self.progress(self.reports.pop(0))
+        return bool(self.reports)
+
+    def cancel(self) -> None:
+        pass
+
+    def result(self) -> FakeResult:
+        return FakeResult(metrics={"exact_match": 0.5, "flag": True, "names": ["a"], "note": "ok"})
+
+
+def test_progress_fraction_metrics_and_eval_events(store):
+    """The fraction is step / steps (the report's steps, else the job's), capped below 1 until the
+    commit; only numbers (no bools) become metrics; an eval report is a metrics event."""
+    seen: list = []
+
+    def factory(job, examples, progress):
+        adaptation = ScriptedProgress(progress, [
+            {"loss": 3.0},
+            {"step": 1, "steps": 4, "loss": 2.0, "phase": "train", "flag": True},
+            {"step": 3, "loss": 1.5},
+            {"step": 8, "steps": 8, "phase": "eval", "eval_loss": 0.25},
+            {"step": 9, "steps": 8},
+        ])
+        real = adaptation.progress
+
+        def spy(info):
+            real(info)
+            seen.append((runner.get(job.id).progress, dict(runner.get(job.id).metrics)))
+
+        adaptation.progress = spy
+        return adaptation
+
+    runner = JobRunner(store, factory, replica_id="r1", persist_every=0.0)
+    job = runner.submit("t", EXAMPLES, method="routing", steps=6, seed=0)
+    run_to_end(runner)
+    assert [p for p, _ in seen] == [0.0, 0.25, 0.5, 0.999, 0.999]
+    assert seen[0][1] == {"loss": 3.0} and seen[1][1] == {"step": 1, "steps": 4, "loss": 2.0}
+    done = runner.get(job.id)
+    metrics_events = [(e["type"], e["message"], e["level"], e["data"]) for e in done.events if e["type"] != "status"]
+    assert metrics_events == [("metrics", "step 8: eval loss 0.25", "info", {"step": 8, "steps": 8, "eval_loss": 0.25})]
+    assert done.status == "succeeded" and done.metrics["exact_match"] == 0.5 and done.metrics["note"] == "ok"
+    assert "flag" not in done.metrics and "names" not in done.metrics
+
+
+def test_progress_is_written_at_most_every_persist_every(store):
+    runner, _ = make_runner(store, steps=4)
+    runner.persist_every = 3600.0
+    runner._last_persist = time.monotonic()
+    job = runner.submit("t", EXAMPLES, method="routing", steps=4, seed=0)
+    runner.step()
+    runner.step()
+    runner.flush()
+    assert Job.from_json(store.get_job(job.id)).progress == 0.0  # only the transition to running was written
+    assert runner.get(job.id).progress == 0.5
+    runner.persist_every = 0.0
+    runner.step()
+    runner.flush()
+    assert Job.from_json(store.get_job(job.id)).progress == 0.75
+
+
+def test_the_result_record_names_the_job_and_a_store_error_fails_it(store, monkeypatch):
+    runner, _ = make_runner(store, steps=2)
+    job = runner.submit("t", EXAMPLES, method="retrieve", steps=2, seed=0)
+    run_to_end(runner)
+    record = store.get_task("t")
+    assert record.source == {"job_id": job.id, "n_examples": 1, "method": "retrieve"}
+    assert record.method == "retrieve" and record.metrics == {"exact_match": 0.75}
+
+    def broken(*args, **kwargs):
+        raise OSError("no space left on device")
+
+    monkeypatch.setattr(store, "put_routing", broken)
+    failing = runner.submit("u", EXAMPLES, method="routing", steps=2, seed=0)
+    run_to_end(runner)
+    failed = runner.get(failing.id)
+    assert failed.status == "failed" and failed.error == {"type": "store_error", "message": "no space left on device"}
+    assert store.get_task("u").status == "failed" and runner.pending == 0 and not runner.step()
+
+
+def test_a_result_without_metrics_is_committed(store):
+    class Bare:
+        def __init__(self) -> None:
+            self.kind, self.tensors = "routing", {"logits": torch.ones(1, 1, 2)}
+
+    made: list = []
+
+    def factory(job, examples, progress):
+        made.append(FakeAdaptation(1, progress))
+        made[-1].result = Bare
+        return made[-1]
+
+    runner = JobRunner(store, factory, replica_id="r1", persist_every=0.0)
+    job = runner.submit("t", EXAMPLES, method="routing", steps=1, seed=0)
+    run_to_end(runner)
+    assert runner.get(job.id).status == "succeeded" and store.get_task("t").metrics == {}
+
+
+def test_submit_records_the_job_and_its_placeholder_as_asked(store):
+    changed: list = []
+    runner, _ = make_runner(store, changed=changed)
+    before = time.time()
+    job = runner.submit("t", EXAMPLES, method="retrieve", steps=7, seed=3, tenant="acme", shared=True)
+    persisted = Job.from_json(store.get_job(job.id))
+    for j in (job, persisted):
+        assert (j.steps, j.seed, j.n_examples, j.owner, j.serve_early, j.tenant) == (7, 3, 1, "r1", False, "acme")
+        assert [(e["type"], e["message"]) for e in j.events] == [("status", "job queued: 1 examples, method retrieve")]
+    record = store.get_task("t")
+    assert (record.method, record.status, record.job_id, record.owner, record.shared) == (
+        "retrieve", "training", job.id, "acme", True)
+    assert before <= record.created_at == record.updated_at <= time.time()
+    fleet = JobRunner(store, lambda *a: None, replica_id="replica", run_here=False,
+                      on_task_changed=changed.append)
+    queued = fleet.submit("u", EXAMPLES, method="routing", steps=2, seed=0, serve_early=True)
+    assert queued.events[0]["message"] == "job queued: 1 examples, method routing (for the fleet's workers)"
+    assert queued.serve_early and store.get_task("u").shared is False
+    assert queued.id not in fleet._io and changed == ["t", "u"]
