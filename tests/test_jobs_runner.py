@@ -788,3 +788,23 @@ def test_submit_records_the_job_and_its_placeholder_as_asked(store):
     assert queued.events[0]["message"] == "job queued: 1 examples, method routing (for the fleet's workers)"
     assert queued.serve_early and store.get_task("u").shared is False
     assert queued.id not in fleet._io and changed == ["t", "u"]
+
+
+def test_a_job_taken_off_the_queue_still_counts_as_pending_before_its_build_starts(store, monkeypatch):
+    """The queued-jobs limit reads `pending` under the service's lock while step() runs on the
+    engine thread: between taking the job off the queue and handing it to the builder, a POST
+    must still see it, or a burst can queue one job more than POLYSERVE_MAX_QUEUED_JOBS."""
+    runner, _ = make_runner(store)
+    runner.submit("counted", EXAMPLES, method="routing", steps=3, seed=0)
+    assert runner.pending == 1
+    seen: list[int] = []
+    original = runner._cancelled_elsewhere
+
+    def look(job):  # called by step() after the job left the queue, before the build is submitted
+        seen.append(runner.pending)
+        return original(job)
+
+    monkeypatch.setattr(runner, "_cancelled_elsewhere", look)
+    runner.step()
+    assert seen and seen[0] == 1, seen
+    assert run_to_end(runner) >= 1 and runner.pending == 0

@@ -91,7 +91,8 @@ class JobRunner:
         self._jobs: dict[str, Job] = {}
         self._holds: dict[str, JobHold] = {}
         self._current: tuple[Job, AdaptationLike] | None = None
-        self._starting: tuple[Job, Future] | None = None  # being built on the builder thread
+        # being built on the builder thread (the future is None only inside the step() that took it)
+        self._starting: tuple[Job, Future | None] | None = None
         self._builder = ThreadPoolExecutor(max_workers=1, thread_name_prefix="polyserve-job-build",
                                            initializer=openmp.one_thread)  # no OpenMP pool beside the engine's
         self._cancel_requested: set[str] = set()
@@ -390,9 +391,14 @@ class JobRunner:
                 if not self._queue:
                     return False
                 job = self._jobs[self._queue.popleft()]
+                # counted by `pending` from the moment it leaves the queue: a POST between this and
+                # the builder's start must not see a free place in the queue limit
+                self._starting = (job, None)
                 start = True
             elif self._current is None:
-                job, future = self._starting  # type: ignore[misc]
+                job, pending_future = self._starting  # type: ignore[misc]
+                assert pending_future is not None  # set in the same step() that took the job
+                future = pending_future
                 start = False
             else:
                 job, adaptation = self._current
@@ -404,6 +410,8 @@ class JobRunner:
                 adaptation.cancel()
             return self._drop(job)
         if start and self._cancelled_elsewhere(job):  # cancelled here, or through another replica
+            with self._lock:
+                self._starting = None
             return self._finish_later(job, "cancelled")
         if start:  # reading examples, tokenising, loading candidates: off the engine thread
             future = self._builder.submit(self._build, job)
