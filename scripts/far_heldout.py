@@ -41,7 +41,7 @@ from training.suite import TaskSpec, _seed, build_suite, candidate_pool
 
 
 def choose(n: int, per_primitive: int) -> list[TaskSpec]:
-    # chosen against the 208-task suite; wider suites pass over whatever comes near the choice
+    # chosen against the reference suite; wider suites pass over whatever comes near the choice
     suite = build_suite(0, n_pairs=(REFERENCE_PAIRS, 8), n_triples=(REFERENCE_TRIPLES, 8))
     taken_names = {t.name for t in suite.all_tasks}
     pool = [t for t in candidate_pool() if t.name not in taken_names]

@@ -1,8 +1,8 @@
 """The far held-out set: compositions of the suite's primitives that no training task comes near.
 
 build_suite's 16 held-out tasks recombine primitives in ways the training suite nearly covers: the
-nearest of the shipped inventory's 208 training tasks agrees with some of them on half of all random
-inputs. FAR_HELDOUT are compositions on which the nearest of those 208 agrees on at most FAR_BOUND
+nearest training task of the reference suite (REFERENCE_PAIRS/TRIPLES) agrees with some of them on
+half of all random inputs. FAR_HELDOUT are compositions on which its nearest agrees on at most FAR_BOUND
 of the fixed random inputs `agreement_inputs()`: a model can only get them right by composing
 skills anew. scripts/far_heldout.py chose them (its docstring says how) and prints the figures;
 tests/test_far_heldout.py fails if one of them enters the training suite or the bound stops holding.
@@ -23,7 +23,7 @@ from training.suite import Suite, TaskSpec, build_suite, candidate_pool, parse_t
 FAR_BOUND = 0.30
 N_AGREEMENT_INPUTS = 1000
 AGREEMENT_SEED = 7
-#: the 208-task suite the far set was chosen against and the held-out bounds are measured on
+#: the suite the far set was chosen against and the held-out bounds are measured on
 #: (scripts/wide_suite.py --pairs 100 --triples 92: stage 2 of the shipped inventory)
 REFERENCE_PAIRS, REFERENCE_TRIPLES = 100, 92
 #: the widest suite the shipped inventory was trained on
@@ -52,8 +52,8 @@ FAR_HELDOUT: tuple[str, ...] = (
 
 def wide_suite(pairs: int = WIDE_PAIRS, triples: int = WIDE_TRIPLES) -> Suite:
     """build_suite with more training pairs and triples (the same 16 held-out tasks), never a far task,
-    nor a composition nearer than FAR_BOUND to one, nor one nearer to a held-out task than the shipped
-    208 come: however wide the suite, both held-out sets stay as far from it as from the shipped 208."""
+    nor a composition nearer than FAR_BOUND to one, nor one nearer to a held-out task than the
+    reference suite comes: however wide the suite, both held-out sets stay as far from it as from that one."""
     exclude = frozenset(FAR_HELDOUT) | near_far() | near_heldout()
     return build_suite(0, n_pairs=(pairs, 8), n_triples=(triples, 8), exclude=exclude)
 
@@ -61,9 +61,9 @@ def wide_suite(pairs: int = WIDE_PAIRS, triples: int = WIDE_TRIPLES) -> Suite:
 @functools.cache
 def near_heldout() -> frozenset[str]:
     """Compositions of the pool that agree with one of build_suite's 16 held-out tasks on more of
-    `agreement_inputs()` than the nearest of the shipped 208 training tasks does. Without this a
-    wider suite draws near-copies of them (dedupe.first2.rev-chars is first2.rev-chars on 95% of
-    inputs) and the issue-13 protocol would measure recall instead of composition, not comparably
+    `agreement_inputs()` than the nearest training task of the reference suite does. Without this a
+    wider suite draws near-copies of them (dedupe.first2.rev-chars is first2.rev-chars on every
+    input without a repeated word) and the issue-13 protocol would measure recall instead of composition, not comparably
     across inventories."""
     held = build_suite(0).heldout_tasks
     reference = build_suite(0, n_pairs=(REFERENCE_PAIRS, 8), n_triples=(REFERENCE_TRIPLES, 8)).train_tasks
