@@ -285,3 +285,82 @@ def test_static_decode_steps_equal_the_dynamic_ones(tiny_model):
     spare = runners[1].spare_slot
     assert runners[1].kv.k[0][spare].abs().sum() > 0  # the padding row wrote into the spare slot only
     assert runners[0].kv.k[0][spare].abs().sum() == 0
+
+
+class _FakeGraph:
+    """Stands in for a CUDA graph on the CPU: remembers the runner's KV and rope tensors it was
+    captured over and fails a replay once they were replaced (a real graph would read freed memory)."""
+
+    def __init__(self, runner, b) -> None:
+        self.runner, self.b, self.tensors = runner, b, self.read(runner)
+
+    @staticmethod
+    def read(runner) -> list[torch.Tensor]:
+        return [*runner.kv.k, *runner.kv.v, runner._rope]
+
+    def replay(self) -> None:
+        now = self.read(self.runner)
+        assert all(a is b for a, b in zip(self.tensors, now, strict=True)), "a graph replayed over replaced tensors"
+        self.b.out = self.runner.static.forward(self.b.batch)
+
+
+def _fake_graphs(runner) -> list[tuple[int, object]]:
+    """Turn graphs on for a CPU runner's StaticDecode with _FakeGraph captures; returns the
+    (bucket, pool) of each capture."""
+    static = runner.static
+    log: list[tuple[int, object]] = []
+
+    def capture(b) -> None:
+        if static._pool is None:
+            static._pool = object()
+        b.graph = _FakeGraph(runner, b)
+        b.out = static.forward(b.batch)
+        log.append((len(b.batch.decode), static._pool))
+
+    static.graphs = True
+    static._capture = capture
+    return log
+
+
+def test_graphs_are_captured_again_when_the_kv_cache_is_replaced_at_the_same_capacity(tiny_model):
+    """A cache that grew and then shrank back when the engine went idle has its old capacity at new
+    addresses: every graph is captured again (in a fresh pool), not replayed over freed memory, and
+    the logits still equal the dynamic path's."""
+    from server.engines.native.slots import MIN_CAPACITY
+
+    runners = [build_model_runner(tiny_model, None, slots=4, static_decode=flag) for flag in (False, True)]
+    log = _fake_graphs(runners[1])
+    outs: list[list[torch.Tensor]] = [[], []]
+    for ex, out in zip(runners, outs, strict=True):
+        for slot in range(3):
+            ex.forward(StepBatch.build([Item(slot, 0, (3 + slot, 4, 5))]))
+        out.append(ex.forward(StepBatch.build([Item(s, 3, (9 + s,)) for s in range(3)])))  # bucket 4
+        out.append(ex.forward(StepBatch.build([Item(0, 4, (8,))])))  # bucket 1
+        ex.forward(StepBatch.build([Item(3, 0, tuple(range(1, 40)) * 5)]))  # 195 positions: the cache grows
+        assert ex.kv.capacity > MIN_CAPACITY
+        ex.idle()  # ... and shrinks back: same capacity, new tensors
+        assert ex.kv.capacity == MIN_CAPACITY
+        for slot in range(3):
+            ex.forward(StepBatch.build([Item(slot, 0, (3 + slot, 4, 5))]))
+        out.append(ex.forward(StepBatch.build([Item(s, 3, (9 + s,)) for s in range(3)])))
+        out.append(ex.forward(StepBatch.build([Item(0, 4, (8,))])))
+    for got, want in zip(outs[1], outs[0], strict=True):
+        torch.testing.assert_close(got, want, atol=1e-5, rtol=0)
+    assert [size for size, _ in log] == [4, 1, 4, 1]
+    assert log[0][1] is log[1][1] and log[2][1] is log[3][1] and log[0][1] is not log[2][1]
+
+
+def test_graphs_are_captured_again_when_the_rope_table_grows(tiny_model):
+    """The rope table is read by address too: a row past its length replaces it."""
+    runner = build_model_runner(tiny_model, None, slots=2, static_decode=True)
+    log = _fake_graphs(runner)
+    runner.forward(StepBatch.build([Item(0, 0, (1, 2, 3))]))
+    runner.forward(StepBatch.build([Item(0, 3, (4,))]))
+    kv_version = runner.kv.version
+    runner.kv.ensure(1024)  # room first, so only the rope table changes at the next step
+    runner.forward(StepBatch.build([Item(0, 4, (5,))]))
+    layout = runner.static.layout()
+    runner._rope_table(600)
+    assert runner.static.layout() != layout and runner.kv.version == kv_version + 1
+    runner.forward(StepBatch.build([Item(0, 5, (6,))]))
+    assert len(log) == 3

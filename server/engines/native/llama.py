@@ -223,6 +223,7 @@ class LlamaRunner:
         self._inv_freq = rotary.inv_freq.detach().float().to(self.device)
         self._rope_scale = float(getattr(rotary, "attention_scaling", 1.0))
         self._rope = torch.empty(0, dtype=torch.complex64)
+        self._rope_version = 0  # bumped whenever the table is replaced (as SlotKV.version)
         self._rope_table(256)
         self.spare_slot = slots  # never given to a row: static decode steps pad into it
         self.kv = SlotKV(len(self.layers), slots + 1, self.kv_heads, self.head_dim, dtype=dtype, device=self.device)
@@ -242,7 +243,8 @@ class LlamaRunner:
         self.static: StaticDecode | None = None
         if static_decode:
             self.static = StaticDecode(self._static_compute, spare_slot=self.spare_slot, largest=slots,
-                                       device=self.device, capacity=lambda: self.kv.capacity)
+                                       device=self.device, capacity=lambda: self.kv.capacity,
+                                       layout=lambda: (self.kv.version, self._rope_version))
 
     # -- building ------------------------------------------------------------------------------
     def _groups(self, model: nn.Module, adapted: list[str]) -> list[list[Group | None]]:
@@ -282,6 +284,7 @@ class LlamaRunner:
             size = max(length, min(size, self.max_positions))
         freqs = torch.outer(torch.arange(size, device=self.device, dtype=torch.float32), self._inv_freq)
         self._rope = torch.polar(torch.full_like(freqs, self._rope_scale), freqs)
+        self._rope_version += 1
 
     # -- forward -------------------------------------------------------------------------------
     def prepare(self, batch: StepBatch) -> None:

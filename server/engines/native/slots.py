@@ -29,6 +29,7 @@ class SlotKV:
         self.dtype, self.device = dtype, torch.device(device)
         self.k: list[torch.Tensor] = []
         self.v: list[torch.Tensor] = []
+        self.version = 0  # bumped whenever the tensors are replaced (a CUDA graph reads them by address)
         self._allocate(max(capacity, 1))
 
     @property
@@ -47,6 +48,7 @@ class SlotKV:
             for a, b in zip(old, new, strict=False):
                 b[:, :, :keep].copy_(a[:, :, :keep])
         self.k, self.v = k, v
+        self.version += 1
 
     def ensure(self, length: int, limit: int | None = None) -> bool:
         """Room for `length` positions per slot (doubling, at most `limit`); returns whether it grew."""

@@ -14,7 +14,12 @@ live in the bucket's static buffers:
                               use, after a warm-up on a side stream); on other devices run the same
                               padded forward eagerly (how the CPU tests check it equals the
                               dynamic path). Returns the n rows' logits.
-A bucket's graph is captured again when the KV capacity changed since (the cache's tensors moved).
+A graph reads the KV cache and the rope table by address: when either is replaced (the cache grew,
+or shrank back when the engine went idle; the rope table grew), `layout()` changes and every
+bucket's graph is dropped with its memory pool, to be captured again on its next use. Equal
+capacities are not enough: a cache that grew and shrank back has the old capacity at new addresses.
+A fresh pool goes with them: a pool whose graphs are all gone is released, and capturing into its
+handle again trips the caching allocator's assert (`use_count > 0`).
 Steps with prompt chunks, or more rows than the largest bucket, take the dynamic path.
 """
 
@@ -46,7 +51,6 @@ class _Bucket:
     positions: torch.Tensor
     graph: object | None = None
     out: torch.Tensor | None = None
-    capacity: int = -1
 
 
 class StaticDecode:
@@ -54,12 +58,15 @@ class StaticDecode:
     must not allocate KV or sync with the host)."""
 
     def __init__(self, forward: Callable[[StepBatch], torch.Tensor], *, spare_slot: int, largest: int,
-                 device: torch.device, capacity: Callable[[], int]) -> None:
+                 device: torch.device, capacity: Callable[[], int], layout: Callable[[], object]) -> None:
+        """capacity(): the KV cache's positions per slot; layout(): changes whenever a tensor the
+        forward reads by address (the KV cache, the rope table) is replaced."""
         self.forward, self.spare, self.largest, self.device = forward, spare_slot, largest, device
-        self.capacity = capacity
+        self.capacity, self.layout = capacity, layout
         self.graphs = device.type == "cuda"
         self._buckets: dict[int, _Bucket] = {}
         self._pool: torch.cuda._POOL_HANDLE | None = None
+        self._layout: object = None
         self.captures = 0
 
     def fits(self, batch: StepBatch) -> bool:
@@ -83,11 +90,14 @@ class StaticDecode:
         n = len(batch.items)
         size = bucket(n, self.largest)
         assert size is not None and decode_only(batch)
+        layout = self.layout()
+        if layout != self._layout:
+            self._drop_graphs()
+            self._layout = layout
         b = self._bucket(size)
         cap = self.capacity()
         if b.batch.decode_mask is None or b.batch.decode_mask.shape[-1] != cap:
             b.batch.decode_mask = torch.zeros((size, 1, 1, cap), dtype=torch.bool, device=self.device)
-            b.graph = None  # the KV cache was re-allocated: the graph points at the old tensors
         items = batch.items
         host = torch.tensor([[it.tokens[0], it.start, it.slot] for it in items] +
                             [[0, 0, self.spare]] * (size - n), dtype=torch.long)
@@ -100,12 +110,17 @@ class StaticDecode:
         st.decode_slots = [it.slot for it in items] + [self.spare] * (size - n)
         if not self.graphs:
             return self.forward(st)[:n]
-        if b.graph is None or b.capacity != cap:
+        if b.graph is None:
             self._capture(b)
-            b.capacity = cap
         b.graph.replay()  # type: ignore[attr-defined]
         assert b.out is not None
         return b.out[:n]
+
+    def _drop_graphs(self) -> None:
+        """Every graph points at replaced tensors: forget them all, and their pool."""
+        for b in self._buckets.values():
+            b.graph, b.out = None, None
+        self._pool = None
 
     def _capture(self, b: _Bucket) -> None:
         stream = torch.cuda.Stream(self.device)
