@@ -7,7 +7,11 @@
 # The native engine replays CUDA graphs of its decode steps (server/engines/native/static_decode.py);
 # `bench/gpu_bench.sh default --static-decode off` measures it without them, and
 # `.venv/bin/python -m bench.profile_engine --device cuda --dtype bfloat16 --batch 64 --requests 128`
-# prints the kernel launches per step.
+# prints a full decode step's time (and, with --static-decode off, its kernel launches).
+# Run `python -m bench.gpu_check --device cuda --backbone B --tokens 300 --rounds 2` first: the
+# graphs' answers against each request run alone. Where the backbone's weights cannot travel,
+# bench/random_backbone.py makes a random model of its shape (BENCHMARKS.md, "The native engine on
+# a GPU").
 #
 #   bench/gpu_bench.sh [BACKBONE] [more serve_bench arguments]
 #   BACKBONE: default (the embedded SmolLM2-135M-Instruct) or a Hugging Face directory

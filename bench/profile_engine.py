@@ -134,14 +134,26 @@ def main() -> None:
         engine.step()
     from torch.profiler import ProfilerActivity, profile
 
-    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if args.device.startswith("cuda") else [])
+    cuda = args.device.startswith("cuda")
+    sync = torch.cuda.synchronize if cuda else (lambda: None)
+    sync()
+    started = time.perf_counter()
+    for _ in range(args.op_steps):
+        engine.step()
+    sync()
+    print(f"\n{len(engine.rows)}-row decode steps: {1000 * (time.perf_counter() - started) / args.op_steps:.2f} ms "
+          f"each (wall, {args.op_steps} steps, no profiler)")
+    # CUPTI (the profiler's CUDA activity) over CUDA graph replays can end in an illegal memory
+    # access (pytorch/pytorch#75504): with graphs on, the operators are profiled on the CPU side only
+    graphs = cuda and getattr(engine.runner, "static", None) is not None
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda and not graphs else [])
     with profile(activities=activities) as p:
         for _ in range(args.op_steps):
             engine.step()
     print(f"\ntop operators over {args.op_steps} decode steps of {len(engine.rows)} rows "
           f"(self CPU time):")
     print(p.key_averages().table(sort_by="self_cpu_time_total", row_limit=14))
-    if args.device.startswith("cuda"):
+    if cuda and not graphs:
         events = p.key_averages()
         gpu = sum(getattr(e, "self_device_time_total", 0) for e in events) / 1e6
         launches = sum(e.count for e in events if e.key.startswith(("cudaLaunchKernel", "cuLaunchKernel")))
