@@ -6,6 +6,10 @@ each path (the server's: the job's own finished_at - created_at) and the adaptat
 (the job's / the CLI's metrics): what the server adds to a registration.
 
     .venv/bin/python -m bench.registration_paths --methods routing,retrieve --repeats 2 --threads 2
+
+--inventories A,B times the same registrations on other inventories in the shipped layout
+(`training/default_inventory`, e.g. an older one from `git archive`), alternated with each other
+run by run: seconds differ 2x between hosts here, so a comparison of inventories is one run's ratio.
 """
 
 from __future__ import annotations
@@ -33,10 +37,11 @@ ROOT = Path(__file__).resolve().parents[1]
 POLYSERVE = [sys.executable, "-m", "server.cli"]
 
 
-def fresh_home(cache: Path) -> Path:
+def fresh_home(cache: Path, inventory: Path | None = None) -> Path:
     home = Path(tempfile.mkdtemp(prefix="polyserve-reg-"))
     (home / "backbones").symlink_to(cache / "backbones")  # the dequantised backbone, not rebuilt
-    install_default_inventory(Store(home / "store"))
+    if not install_default_inventory(Store(home / "store"), inventory):
+        raise SystemExit(f"no inventory installed from {inventory or 'the shipped one'}")
     return home
 
 
@@ -74,7 +79,13 @@ def main() -> None:
     ap.add_argument("--k", type=int, default=16)
     ap.add_argument("--repeats", type=int, default=2)
     ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--paths", default="cli,http", help="cli (polyserve adapt), http (polyserve serve)")
+    ap.add_argument("--inventories", default="", help="directories in the shipped layout (default: the "
+                    "shipped inventory only); 'shipped' names the shipped one")
     args = ap.parse_args()
+    paths = {"cli": "polyserve adapt", "http": "polyserve serve + HTTP"}
+    chosen = [paths[p] for p in args.paths.split(",")]
+    inventories: list[Path | None] = [None if d == "shipped" else Path(d) for d in args.inventories.split(",") if d] or [None]
     cache = polyserve_home()
     task = build_suite().heldout_tasks[0]
     train = examples(task, args.k, seed=0, split="train")
@@ -82,19 +93,21 @@ def main() -> None:
     jsonl.write_text("".join(json.dumps({"input": e.input, "output": e.output}) + "\n" for e in train))
     print(f"{task.name}, k = {args.k}, {args.threads} threads, {args.repeats} repeats (paths alternated)")
     for method in args.methods.split(","):
-        runs: dict[str, list[tuple[float, float]]] = {"polyserve adapt": [], "polyserve serve + HTTP": []}
+        runs: dict[str, list[tuple[float, float]]] = {}
         for _ in range(args.repeats):
-            for name, results in runs.items():
-                home = fresh_home(cache)
-                try:
-                    run = via_cli(args, home, method, jsonl) if name == "polyserve adapt" else \
-                        via_http(args, home, method, train)
-                finally:
-                    shutil.rmtree(home, ignore_errors=True)
-                results.append(run)
+            for inventory in inventories:
+                for path in chosen:
+                    home = fresh_home(cache, inventory)
+                    try:
+                        run = via_cli(args, home, method, jsonl) if path == "polyserve adapt" else \
+                            via_http(args, home, method, train)
+                    finally:
+                        shutil.rmtree(home, ignore_errors=True)
+                    name = path if len(inventories) == 1 else f"{path} [{inventory.name if inventory else 'shipped'}]"
+                    runs.setdefault(name, []).append(run)
         for name, rs in runs.items():
             walls, own = [w for w, _ in rs], [s for _, s in rs]
-            print(f"  {method:8s} {name:24s} wall {statistics.fmean(walls):6.2f} s  "
+            print(f"  {method:8s} {name:36s} wall {statistics.fmean(walls):6.2f} s  "
                   f"(runs: {', '.join(f'{w:.2f}' for w in walls)}), its own seconds {statistics.fmean(own):6.2f}")
 
 
