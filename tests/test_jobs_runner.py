@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 import pytest
 import torch
 
+from adapters_store.errors import StoreUnavailable
 from adapters_store.spec import InventorySpec
 from adapters_store.store import Store
 from server.jobs.model import IllegalTransition, Job
@@ -104,7 +105,7 @@ def test_failure_is_recorded_with_a_clear_error(store):
     job = runner.submit("t", EXAMPLES, method="routing", steps=3, seed=0)
     run_to_end(runner)
     failed = runner.get(job.id)
-    assert failed.status == "failed" and "NaN" in failed.error["message"]
+    assert failed.status == "failed" and failed.error == {"type": "adaptation_error", "message": "loss became NaN"}
     assert store.get_task("t").status == "failed" and store.get_task("t").error == failed.error["message"]
 
 
@@ -724,7 +725,8 @@ def test_progress_is_written_at_most_every_persist_every(store):
     runner.step()
     runner.step()
     runner.flush()
-    assert Job.from_json(store.get_job(job.id)).progress == 0.0  # only the transition to running was written
+    persisted = Job.from_json(store.get_job(job.id))
+    assert persisted.status == "running" and persisted.progress == 0.0  # only the transition to running was written
     assert runner.get(job.id).progress == 0.5
     runner.persist_every = 0.0
     runner.step()
@@ -808,3 +810,49 @@ def test_a_job_taken_off_the_queue_still_counts_as_pending_before_its_build_star
     runner.step()
     assert seen and seen[0] == 1, seen
     assert run_to_end(runner) >= 1 and runner.pending == 0
+
+
+def test_a_lora_result_is_committed_with_the_jobs_source_method_and_metrics(store):
+    """A method that trains a plain LoRA (mu, full) commits "<layer>.A" / "<layer>.B" tables, not a
+    routing row: the task's version is a "lora" adapter holding exactly those tables, naming the job."""
+    tables = {"m.q.A": torch.full((2, 1), 0.5), "m.q.B": torch.full((1, 2), 2.0)}
+    made: list = []
+
+    def factory(job, examples, progress):
+        made.append(FakeAdaptation(2, progress))
+        made[-1].result = lambda: FakeResult(kind="lora", tensors=dict(tables), metrics={"exact_match": 0.5})
+        return made[-1]
+
+    runner = JobRunner(store, factory, replica_id="r1", persist_every=0.0)
+    job = runner.submit("own", EXAMPLES, method="mu", steps=2, seed=0)
+    run_to_end(runner)
+    done = runner.get(job.id)
+    assert done.status == "succeeded" and done.live_version == 1 and done.metrics["exact_match"] == 0.5
+    record = store.get_task("own")
+    assert (record.id, record.kind, record.status, record.version, record.method, record.job_id) == (
+        "own", "lora", "ready", 1, "mu", job.id)
+    assert record.source == {"job_id": job.id, "n_examples": 1, "method": "mu"}
+    assert record.metrics == {"exact_match": 0.5}
+    weights = store.load_weights(record)
+    assert sorted(weights) == ["m.q.A", "m.q.B"] and all(torch.equal(weights[k], tables[k]) for k in tables)
+
+
+@pytest.mark.parametrize("raised", [ValueError("example 3 has no output"),
+                                    StoreUnavailable("PostgreSQL store: connection lost")])
+def test_a_build_that_raises_fails_the_job_with_its_error(store, raised):
+    """Reading or tokenising the examples fails: the job fails "adaptation_error" with the error's
+    message, and so does its placeholder task. A store outage fails it too when the job is this
+    replica's own (no lease: nobody else would run it), and no slice is spent on it."""
+
+    def factory(job, examples, progress):
+        raise raised
+
+    runner = JobRunner(store, factory, replica_id="r1", persist_every=0.0)
+    job = runner.submit("t", EXAMPLES, method="routing", steps=3, seed=0)
+    run_to_end(runner)
+    runner.flush()
+    message = str(raised)
+    for failed in (runner.get(job.id), Job.from_json(store.get_job(job.id))):
+        assert failed.status == "failed" and failed.error == {"type": "adaptation_error", "message": message}
+    assert store.get_task("t").status == "failed" and store.get_task("t").error == message
+    assert runner.pending == 0 and not store.job_lock_path(job.id).exists()
