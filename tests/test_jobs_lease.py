@@ -270,3 +270,30 @@ def test_the_next_job_is_built_only_once_a_dropped_jobs_build_returns(store):  #
     other = next(job_id for job_id in ids if job_id != lost)
     assert built == [(lost, "polyserve-job-build_0"), (other, "polyserve-job-build_0")]
     assert not w.owns(lost) and w.get(other).status == "succeeded" and w.pending == 0
+
+
+def test_a_progress_write_that_finds_the_lease_taken_over_writes_nothing_and_the_run_stops(store):  # noqa: F811
+    """Another worker took the job over: this run's next progress write, which checks the lease
+    just before writing, writes nothing, and the slice after it drops the run (the adaptation
+    cancelled, not stepped again)."""
+    replica = JobRunner(store, lambda *a: None, replica_id="replica", run_here=False)
+    job = replica.submit("stale", EXAMPLES, method="routing", steps=5, seed=0)
+    made: list = []
+    w1 = worker(store, "w1", made, steps=5)
+    w1.adopt(store.claim_job("w1", 0.2))
+    for _ in range(100):
+        w1.flush()
+        if made and made[0].done:
+            break
+        assert w1.step()  # built, running, one step
+    w1.flush()
+    before = store.get_job(job.id)
+    time.sleep(0.3)  # w1 stops heart-beating; w2 takes the job over
+    assert store.claim_job("w2", 30) is not None
+    assert w1.step()  # one more step: its progress write finds the lease gone
+    w1.flush()
+    stepped = made[0].done
+    assert w1.step()  # dropped
+    run_to_end(w1)
+    assert made[0].cancelled and made[0].done == stepped == 2 and not w1.owns(job.id) and w1.pending == 0
+    assert store.get_job(job.id) == before

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import subprocess
 import sys
 import threading
@@ -81,7 +82,7 @@ def run_to_end(runner: JobRunner, limit: int = 100) -> int:
     return n
 
 
-def test_job_succeeds_and_commits_the_routing(store):
+def test_job_succeeds_and_commits_the_routing(store, caplog):
     changed, finished = [], []
     runner, _ = make_runner(store, changed=changed, finished=finished)
     job = runner.submit("new-task", EXAMPLES, method="routing", steps=3, seed=0)
@@ -96,8 +97,10 @@ def test_job_succeeds_and_commits_the_routing(store):
     assert record.status == "ready" and record.job_id == job.id
     assert torch.equal(store.load_routing("new-task"), torch.ones(1, 1, 2))
     assert Job.from_json(store.get_job(job.id)).status == "succeeded"  # persisted
-    assert "new-task" in changed and [j.status for j in finished] == ["succeeded"]
+    assert changed == ["new-task", "new-task"]  # its placeholder, then its first version
+    assert [j.status for j in finished] == ["succeeded"]
     assert not store.job_lock_path(job.id).exists()
+    assert not [r for r in caplog.records if r.levelno >= logging.ERROR]  # a job that went well logs no error
 
 
 def test_failure_is_recorded_with_a_clear_error(store):
@@ -976,3 +979,26 @@ def test_a_background_write_that_fails_is_logged(store, caplog, monkeypatch):
     runner.flush()
     logged = [r for r in caplog.records if r.name == "server.jobs.runner" and r.exc_info]
     assert [(r.levelname, str(r.exc_info[1])) for r in logged] == [("ERROR", "disk full"), ("ERROR", "disk full")]
+
+
+def test_a_store_outage_at_the_commit_is_retried_at_the_next_slice(store, caplog, monkeypatch):
+    """The database is away when the weights are committed: the job is not failed (its lease
+    outlives a short outage), the failed hand-off is logged with its error, and a later slice
+    commits the result."""
+    runner, _ = make_runner(store, steps=2)
+    job = runner.submit("t", EXAMPLES, method="routing", steps=2, seed=0)
+    real, outages = store.put_routing, []
+
+    def once_away(*args, **kwargs):
+        if not outages:
+            outages.append(1)
+            raise StoreUnavailable("PostgreSQL store: connection lost")
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(store, "put_routing", once_away)
+    caplog.clear()
+    run_to_end(runner)
+    runner.flush()
+    assert outages == [1] and runner.get(job.id).status == "succeeded" and store.get_task("t").version == 1
+    failed = [r for r in caplog.records if r.levelno >= logging.ERROR]
+    assert len(failed) == 1 and isinstance(failed[0].exc_info[1], StoreUnavailable)
