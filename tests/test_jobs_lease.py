@@ -281,7 +281,7 @@ def test_a_progress_write_that_finds_the_lease_taken_over_writes_nothing_and_the
     made: list = []
     w1 = worker(store, "w1", made, steps=5)
     w1.adopt(store.claim_job("w1", 0.2))
-    for _ in range(100):
+    for _ in range(1000):
         w1.flush()
         if made and made[0].done:
             break

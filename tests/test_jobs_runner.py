@@ -904,7 +904,7 @@ def test_a_stuck_job_write_delays_the_job_never_the_slice(store):
     job = runner.submit("t", EXAMPLES, method="routing", steps=1, seed=0)
     store.put_job = stuck_put_job  # the submit's own write is done
     try:
-        for _ in range(100):  # built (off the engine thread), running, its one step, the commit handed off
+        for _ in range(1000):  # built (off the engine thread), running, its one step, the commit handed off
             assert on_a_thread(runner.step) is True
             if runner.get(job.id).status != "queued":
                 break
