@@ -1,6 +1,9 @@
 """Mutation testing of the modules where a silent bug costs most (mutmut, pinned in the dev extra).
 
     python -m scripts.mutation [MODULE ...]      all modules when none is named (`make mutation`)
+    python -m scripts.mutation MODULE --only PATTERN ...
+                                                 only the mutants named (mutmut's names, or fnmatch
+                                                 globs of them: '*step__mutmut_*', '*__init____mutmut_2?')
 
 For each module, in its own work directory `.mutation/<module>/` (git-ignored):
     a pyproject.toml holding only that module's mutmut and pytest configuration; the packages and
@@ -11,7 +14,8 @@ For each module, in its own work directory `.mutation/<module>/` (git-ignored):
 Then .mutation/report.md gathers every module's killed share and survivors: the raw material
 of docs/mutation.md, where each survivor is triaged (a test that kills it, or why it is
 equivalent). A module's results are kept: a second run re-tests only mutants of functions that
-changed (delete `.mutation/<module>` to start over).
+changed (delete `.mutation/<module>` to start over). `--only` runs just the mutants it names (again,
+if they ran before); the summary then counts those that have a result, every other one "not checked".
 
 Each module's tests are the fast ones that exercise it (no real backbone: `-m "not slow"`), so a
 module takes minutes on two cores. OMP_NUM_THREADS=1: mutmut forks its workers from a process
@@ -117,10 +121,12 @@ def mutmut() -> str:
     return str(Path(sys.executable).parent / "mutmut")
 
 
-def run(name: str, children: int, retest: bool = False) -> dict:
-    """mutmut run over the module; retest: only its last survivors, again (after adding tests)."""
+def run(name: str, children: int, retest: bool = False, only: list[str] | None = None) -> dict:
+    """mutmut run over the module; retest: only its last survivors, again (after adding tests);
+    only: just these mutants (names or globs, passed to `mutmut run` as they are)."""
     work = prepare(name)
     names = [sv["mutant"] for sv in json.loads((work / "summary.json").read_text())["survivors"]] if retest else []
+    names += only or []
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT),
                POLYSERVE_HOME=os.environ.get("POLYSERVE_HOME", str(Path.home() / ".cache" / "polyserve")))
     started = time.perf_counter()
@@ -133,7 +139,7 @@ def run(name: str, children: int, retest: bool = False) -> dict:
     seconds = round(time.perf_counter() - started)
     if retest:  # the module's time stays that of its full run
         seconds = json.loads((work / "summary.json").read_text())["seconds"]
-    summary = results(name) | {"seconds": seconds}
+    summary = results(name) | {"seconds": seconds} | ({"only": only} if only else {})
     (work / "summary.json").write_text(json.dumps(summary, indent=1))
     return summary
 
@@ -163,15 +169,19 @@ def main() -> None:
     parser.add_argument("--report-only", action="store_true", help="only rebuild .mutation/report.md")
     parser.add_argument("--retest", action="store_true",
                         help="re-run only each module's last survivors (after adding tests that should kill them)")
+    parser.add_argument("--only", nargs="+", metavar="PATTERN",
+                        help="run only these mutants of the one module named: mutmut's names or fnmatch globs")
     args = parser.parse_args()
     unknown = [m for m in args.modules if m not in MODULES]
     if unknown:
         parser.error(f"unknown modules {unknown}; choose from {', '.join(MODULES)}")
+    if args.only and (len(args.modules) != 1 or args.retest):
+        parser.error("--only needs exactly one module, and no --retest")
     failed = []
     for name in ([] if args.report_only else args.modules or list(MODULES)):
         print(f"{name}: mutating {MODULES[name][0]} ...", flush=True)
         try:
-            s = run(name, args.children, args.retest)
+            s = run(name, args.children, args.retest, args.only)
         except RuntimeError as err:  # the next module still runs; the exit status says it failed
             print(err, flush=True)
             failed.append(name)

@@ -237,3 +237,63 @@ def test_a_worker_that_lost_a_job_can_claim_and_run_it_again(store):  # noqa: F8
     run_to_end(w)
     w.flush()
     assert Job.from_json(store.get_job(job.id)).status == "succeeded" and store.get_task("again").version == 1
+
+
+def test_the_next_job_is_built_only_once_a_dropped_jobs_build_returns(store):  # noqa: F811
+    """One build at a time beside the engine: a job lost while it is built is dropped at once, and
+    the next job's build waits on the one builder thread until the abandoned build returns."""
+    import threading
+
+    replica = JobRunner(store, lambda *a: None, replica_id="replica", run_here=False)
+    ids = [replica.submit(task, EXAMPLES, method="routing", steps=1, seed=0).id for task in ("one", "two")]
+    release, built = threading.Event(), []
+
+    def factory(job, examples, progress):
+        built.append((job.id, threading.current_thread().name))
+        if len(built) == 1:  # the first build hangs (a slow read of the examples)
+            assert release.wait(30)
+        return FakeAdaptation(1, progress)
+
+    w = JobRunner(store, factory, replica_id="w1", persist_every=0.0)
+    for _ in ids:
+        w.adopt(store.claim_job("w1", 30))
+    w.flush()
+    while not built:
+        assert w.step()  # the first adopted job is being built
+    lost = built[0][0]
+    w.lose(lost)
+    for _ in range(3):
+        assert w.step()  # dropped; the other job's build is handed to the builder and waits
+    assert len(built) == 1
+    release.set()
+    run_to_end(w, limit=1000)
+    other = next(job_id for job_id in ids if job_id != lost)
+    assert built == [(lost, "polyserve-job-build_0"), (other, "polyserve-job-build_0")]
+    assert not w.owns(lost) and w.get(other).status == "succeeded" and w.pending == 0
+
+
+def test_a_progress_write_that_finds_the_lease_taken_over_writes_nothing_and_the_run_stops(store):  # noqa: F811
+    """Another worker took the job over: this run's next progress write, which checks the lease
+    just before writing, writes nothing, and the slice after it drops the run (the adaptation
+    cancelled, not stepped again)."""
+    replica = JobRunner(store, lambda *a: None, replica_id="replica", run_here=False)
+    job = replica.submit("stale", EXAMPLES, method="routing", steps=5, seed=0)
+    made: list = []
+    w1 = worker(store, "w1", made, steps=5)
+    w1.adopt(store.claim_job("w1", 0.2))
+    for _ in range(1000):
+        w1.flush()
+        if made and made[0].done:
+            break
+        assert w1.step()  # built, running, one step
+    w1.flush()
+    before = store.get_job(job.id)
+    time.sleep(0.3)  # w1 stops heart-beating; w2 takes the job over
+    assert store.claim_job("w2", 30) is not None
+    assert w1.step()  # one more step: its progress write finds the lease gone
+    w1.flush()
+    stepped = made[0].done
+    assert w1.step()  # dropped
+    run_to_end(w1)
+    assert made[0].cancelled and made[0].done == stepped == 2 and not w1.owns(job.id) and w1.pending == 0
+    assert store.get_job(job.id) == before

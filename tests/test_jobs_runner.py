@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import subprocess
 import sys
 import threading
@@ -11,6 +12,7 @@ from dataclasses import dataclass, field
 import pytest
 import torch
 
+from adapters_store.errors import StoreUnavailable
 from adapters_store.spec import InventorySpec
 from adapters_store.store import Store
 from server.jobs.model import IllegalTransition, Job
@@ -50,7 +52,7 @@ def store(tmp_path) -> Store:
     return s
 
 
-def make_runner(store, fail_at=None, steps=3, changed=None, finished=None):
+def make_runner(store, fail_at=None, steps=3, changed=None, finished=None, cancel_poll_seconds=0.2):
     made = []
 
     def factory(job, examples, progress):
@@ -58,7 +60,7 @@ def make_runner(store, fail_at=None, steps=3, changed=None, finished=None):
         made.append(FakeAdaptation(steps, progress, fail_at))
         return made[-1]
 
-    runner = JobRunner(store, factory, replica_id="r1", persist_every=0.0,
+    runner = JobRunner(store, factory, replica_id="r1", persist_every=0.0, cancel_poll_seconds=cancel_poll_seconds,
                        on_task_changed=(changed.append if changed is not None else lambda t: None),
                        on_job_finished=(finished.append if finished is not None else lambda j: None))
     return runner, made
@@ -80,7 +82,7 @@ def run_to_end(runner: JobRunner, limit: int = 100) -> int:
     return n
 
 
-def test_job_succeeds_and_commits_the_routing(store):
+def test_job_succeeds_and_commits_the_routing(store, caplog):
     changed, finished = [], []
     runner, _ = make_runner(store, changed=changed, finished=finished)
     job = runner.submit("new-task", EXAMPLES, method="routing", steps=3, seed=0)
@@ -95,8 +97,10 @@ def test_job_succeeds_and_commits_the_routing(store):
     assert record.status == "ready" and record.job_id == job.id
     assert torch.equal(store.load_routing("new-task"), torch.ones(1, 1, 2))
     assert Job.from_json(store.get_job(job.id)).status == "succeeded"  # persisted
-    assert "new-task" in changed and [j.status for j in finished] == ["succeeded"]
+    assert changed == ["new-task", "new-task"]  # its placeholder, then its first version
+    assert [j.status for j in finished] == ["succeeded"]
     assert not store.job_lock_path(job.id).exists()
+    assert not [r for r in caplog.records if r.levelno >= logging.ERROR]  # a job that went well logs no error
 
 
 def test_failure_is_recorded_with_a_clear_error(store):
@@ -104,7 +108,7 @@ def test_failure_is_recorded_with_a_clear_error(store):
     job = runner.submit("t", EXAMPLES, method="routing", steps=3, seed=0)
     run_to_end(runner)
     failed = runner.get(job.id)
-    assert failed.status == "failed" and "NaN" in failed.error["message"]
+    assert failed.status == "failed" and failed.error == {"type": "adaptation_error", "message": "loss became NaN"}
     assert store.get_task("t").status == "failed" and store.get_task("t").error == failed.error["message"]
 
 
@@ -221,8 +225,7 @@ def test_step_never_reads_cancel_markers_and_the_poll_thread_finds_them(store, m
     """The engine thread's step() reads no cancel marker (a store read that a slow disk or a
     database outage would turn into a decoding stall); the runner's poll thread reads them and
     the next step stops the job."""
-    runner, made = make_runner(store, steps=10_000)
-    runner.cancel_poll_seconds = 0.05
+    runner, made = make_runner(store, steps=10_000, cancel_poll_seconds=0.05)
     job = runner.submit("t1", EXAMPLES, method="routing", steps=10_000, seed=0)
     readers: set[str] = set()
     real = store.cancel_requested
@@ -351,8 +354,12 @@ def test_finished_jobs_leave_memory_after_the_retention(store):
     runner, _ = make_runner(store, steps=1)
     job = runner.submit("t", EXAMPLES, method="routing", steps=1, seed=0)
     run_to_end(runner)
+    queued = runner.submit("u", EXAMPLES, method="routing", steps=1, seed=0)  # unfinished: never forgotten
+    finished_at = runner.get(job.id).finished_at
     assert runner.forget_finished(older_than=time.time() - 60) == 0 and runner.owns(job.id)
+    assert runner.forget_finished(older_than=finished_at) == 0 and runner.owns(job.id)  # ended at the cutoff: kept
     assert runner.forget_finished(older_than=time.time() + 1) == 1 and not runner.owns(job.id)
+    assert runner.owns(queued.id) and job.id not in runner._io  # its write lock leaves memory with it
     assert runner.get(job.id).status == "succeeded"  # still readable from the store until pruned there
 
 
@@ -410,7 +417,7 @@ def test_building_a_job_runs_off_the_engine_thread(store):
     assert seen and seen[0] is not threading.current_thread()
     release.set()
     run_to_end(runner, limit=1000)
-    assert runner.get(job.id).status == "succeeded"
+    assert runner.get(job.id).status == "succeeded" and len(seen) == 1  # built once, however many slices waited
 
 
 def test_a_job_cancelled_while_it_is_built_never_runs(store):
@@ -724,7 +731,8 @@ def test_progress_is_written_at_most_every_persist_every(store):
     runner.step()
     runner.step()
     runner.flush()
-    assert Job.from_json(store.get_job(job.id)).progress == 0.0  # only the transition to running was written
+    persisted = Job.from_json(store.get_job(job.id))
+    assert persisted.status == "running" and persisted.progress == 0.0  # only the transition to running was written
     assert runner.get(job.id).progress == 0.5
     runner.persist_every = 0.0
     runner.step()
@@ -808,3 +816,189 @@ def test_a_job_taken_off_the_queue_still_counts_as_pending_before_its_build_star
     runner.step()
     assert seen and seen[0] == 1, seen
     assert run_to_end(runner) >= 1 and runner.pending == 0
+
+
+def test_a_lora_result_is_committed_with_the_jobs_source_method_and_metrics(store):
+    """A method that trains a plain LoRA (mu, full) commits "<layer>.A" / "<layer>.B" tables, not a
+    routing row: the task's version is a "lora" adapter holding exactly those tables, naming the job."""
+    tables = {"m.q.A": torch.full((2, 1), 0.5), "m.q.B": torch.full((1, 2), 2.0)}
+    made: list = []
+
+    def factory(job, examples, progress):
+        made.append(FakeAdaptation(2, progress))
+        made[-1].result = lambda: FakeResult(kind="lora", tensors=dict(tables), metrics={"exact_match": 0.5})
+        return made[-1]
+
+    runner = JobRunner(store, factory, replica_id="r1", persist_every=0.0)
+    job = runner.submit("own", EXAMPLES, method="mu", steps=2, seed=0)
+    run_to_end(runner)
+    done = runner.get(job.id)
+    assert done.status == "succeeded" and done.live_version == 1 and done.metrics["exact_match"] == 0.5
+    record = store.get_task("own")
+    assert (record.id, record.kind, record.status, record.version, record.method, record.job_id) == (
+        "own", "lora", "ready", 1, "mu", job.id)
+    assert record.source == {"job_id": job.id, "n_examples": 1, "method": "mu"}
+    assert record.metrics == {"exact_match": 0.5}
+    weights = store.load_weights(record)
+    assert sorted(weights) == ["m.q.A", "m.q.B"] and all(torch.equal(weights[k], tables[k]) for k in tables)
+
+
+@pytest.mark.parametrize("raised", [ValueError("example 3 has no output"),
+                                    StoreUnavailable("PostgreSQL store: connection lost")])
+def test_a_build_that_raises_fails_the_job_with_its_error(store, raised):
+    """Reading or tokenising the examples fails: the job fails "adaptation_error" with the error's
+    message, and so does its placeholder task. A store outage fails it too when the job is this
+    replica's own (no lease: nobody else would run it), and no slice is spent on it."""
+
+    def factory(job, examples, progress):
+        raise raised
+
+    runner = JobRunner(store, factory, replica_id="r1", persist_every=0.0)
+    job = runner.submit("t", EXAMPLES, method="routing", steps=3, seed=0)
+    run_to_end(runner)
+    runner.flush()
+    message = str(raised)
+    for failed in (runner.get(job.id), Job.from_json(store.get_job(job.id))):
+        assert failed.status == "failed" and failed.error == {"type": "adaptation_error", "message": message}
+    assert store.get_task("t").status == "failed" and store.get_task("t").error == message
+    assert runner.pending == 0 and not store.job_lock_path(job.id).exists()
+
+
+def on_a_thread(fn):
+    """fn() on another thread, its result or its exception: a call that blocks fails here (after
+    10 s) instead of hanging the test."""
+    out: list = []
+
+    def run():
+        try:
+            out.append(("value", fn()))
+        except BaseException as err:  # noqa: BLE001 - re-raised below
+            out.append(("error", err))
+
+    thread = threading.Thread(target=run)
+    thread.start()
+    thread.join(10)
+    assert not thread.is_alive(), "the call blocked"
+    kind, value = out[0]
+    if kind == "error":
+        raise value
+    return value
+
+
+def test_a_stuck_job_write_delays_the_job_never_the_slice(store):
+    """The I/O thread is stuck in a job write (a slow disk, a store lock held elsewhere): a slice
+    waits at most BUILD_WAIT for the hand-off and says work is pending, flush(timeout) gives up,
+    and the commit waits its turn behind the stuck write on the one I/O thread."""
+    entered, release = threading.Event(), threading.Event()
+    writers: list[str] = []
+    real_put_job = store.put_job
+
+    def stuck_put_job(data):
+        writers.append(threading.current_thread().name)
+        if data["status"] == "running" and not entered.is_set():
+            entered.set()
+            assert release.wait(30)
+        real_put_job(data)
+
+    runner, _ = make_runner(store, steps=1)
+    job = runner.submit("t", EXAMPLES, method="routing", steps=1, seed=0)
+    store.put_job = stuck_put_job  # the submit's own write is done
+    try:
+        for _ in range(1000):  # built (off the engine thread), running, its one step, the commit handed off
+            assert on_a_thread(runner.step) is True
+            if runner.get(job.id).status != "queued":
+                break
+        assert entered.wait(10)
+        assert on_a_thread(runner.step) is True  # the commit is not written: pending, not idle
+        with pytest.raises(TimeoutError):
+            on_a_thread(lambda: runner.flush(timeout=0.05))
+        assert store.get_task("t").status == "training"
+    finally:
+        release.set()
+    runner.flush()
+    assert runner.step() is False and runner.get(job.id).status == "succeeded"
+    assert Job.from_json(store.get_job(job.id)).status == "succeeded" and store.get_task("t").status == "ready"
+    assert set(writers) == {"polyserve-job-io_0"}
+
+
+def test_the_runners_threads_are_named_daemons_that_start_no_openmp_pool(store, monkeypatch):
+    """The build, the job writes and the cancel poll each run on the runner's own named thread, and
+    each runs torch on one thread (server/openmp.py: no OpenMP pool beside the engine's); the poll
+    thread is a daemon, so a process never waits for it to exit."""
+    from server import openmp
+
+    chose, polling = [], threading.Event()
+    real = openmp.one_thread
+
+    def one_thread():
+        chose.append(threading.current_thread().name)
+        if threading.current_thread().name == "polyserve-job-cancels":
+            polling.set()
+        real()
+
+    monkeypatch.setattr(openmp, "one_thread", one_thread)
+    built: list[str] = []
+
+    def factory(job, examples, progress):
+        built.append(threading.current_thread().name)
+        return FakeAdaptation(1, progress)
+
+    runner = JobRunner(store, factory, replica_id="r1", persist_every=0.0)
+    job = runner.submit("t", EXAMPLES, method="routing", steps=1, seed=0)
+    run_to_end(runner)
+    runner.flush()
+    assert runner.get(job.id).status == "succeeded" and polling.wait(10)
+    assert built == ["polyserve-job-build_0"]
+    assert {"polyserve-job-build_0", "polyserve-job-io_0", "polyserve-job-cancels"} <= set(chose)
+    assert runner._poller is not None and runner._poller.daemon
+
+
+def test_a_runners_default_periods_are_the_readmes(store):
+    """README: a cancel through another replica is read every 0.2 s, progress written every 0.5 s."""
+    runner = JobRunner(store, lambda *a: None, replica_id="r1")
+    assert (runner.cancel_poll_seconds, runner.persist_every, runner.run_here) == (0.2, 0.5, True)
+
+
+def test_a_background_write_that_fails_is_logged(store, caplog, monkeypatch):
+    """Nobody waits for a progress write or for an early version's commit: when one fails, the
+    server log has it, with its exception (the job's own state says the rest)."""
+    runner, _ = make_runner(store, steps=3)
+    job = runner.submit("t", EXAMPLES, method="routing", steps=3, seed=0, serve_early=True)
+    runner.step()
+    runner.flush()
+
+    def full(*args, **kwargs):
+        raise OSError("disk full")
+
+    monkeypatch.setattr(store, "put_routing", full)
+    monkeypatch.setattr(store, "put_job", full)
+    caplog.clear()
+    runner.commit_early(runner._jobs[job.id], FakeResult())  # its commit fails
+    runner.flush()
+    runner.step()  # a progress write, which fails
+    runner.flush()
+    logged = [r for r in caplog.records if r.name == "server.jobs.runner" and r.exc_info]
+    assert [(r.levelname, str(r.exc_info[1])) for r in logged] == [("ERROR", "disk full"), ("ERROR", "disk full")]
+
+
+def test_a_store_outage_at_the_commit_is_retried_at_the_next_slice(store, caplog, monkeypatch):
+    """The database is away when the weights are committed: the job is not failed (its lease
+    outlives a short outage), the failed hand-off is logged with its error, and a later slice
+    commits the result."""
+    runner, _ = make_runner(store, steps=2)
+    job = runner.submit("t", EXAMPLES, method="routing", steps=2, seed=0)
+    real, outages = store.put_routing, []
+
+    def once_away(*args, **kwargs):
+        if not outages:
+            outages.append(1)
+            raise StoreUnavailable("PostgreSQL store: connection lost")
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(store, "put_routing", once_away)
+    caplog.clear()
+    run_to_end(runner)
+    runner.flush()
+    assert outages == [1] and runner.get(job.id).status == "succeeded" and store.get_task("t").version == 1
+    failed = [r for r in caplog.records if r.levelno >= logging.ERROR]
+    assert len(failed) == 1 and isinstance(failed[0].exc_info[1], StoreUnavailable)
