@@ -12,7 +12,7 @@ and prints, against solo: how many requests gave the same tokens, and the larges
 chosen token's logprob before the first differing token; exits 1 unless every request agrees
 within --atol (float32 by default: a flip in bfloat16 on
 a random model's near-flat logits says little). Requests ask for 1/3, 2/3 or all of --tokens, so
-rows leave and the step's bucket shrinks; --tokens past 128 makes the KV cache grow while graphs
+rows leave and the step's bucket shrinks; --tokens past the cache's first capacity (slots.MIN_CAPACITY) makes the KV cache grow while graphs
 are captured (each growth recaptures them), and --rounds 2 runs the batch again after the engine
 went idle (the cache shrinks back: recaptured again).
 
@@ -64,7 +64,7 @@ def main() -> None:
     ap.add_argument("--requests", type=int, default=12)
     ap.add_argument("--tokens", type=int, default=32)
     ap.add_argument("--atol", type=float, default=1e-4, help="largest logprob difference that passes "
-                    "(float32; a LoRA left out of the decode steps moved them by 1e-3 on the tiny model)")
+                    "(float32: rounding passes it, a decode step that leaves out the rows' LoRA does not)")
     ap.add_argument("--rounds", type=int, default=1, help="run the batched variants this many times")
     args = ap.parse_args()
     dtype = getattr(torch, args.dtype)

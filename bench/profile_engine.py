@@ -143,8 +143,8 @@ def main() -> None:
     sync()
     print(f"\n{len(engine.rows)}-row decode steps: {1000 * (time.perf_counter() - started) / args.op_steps:.2f} ms "
           f"each (wall, {args.op_steps} steps, no profiler)")
-    # CUPTI (the profiler's CUDA activity) over CUDA graph replays can end in an illegal memory
-    # access (pytorch/pytorch#75504): with graphs on, the operators are profiled on the CPU side only
+    # CUPTI (the profiler's CUDA activity) over CUDA graph replays is a known crash in PyTorch (an
+    # illegal memory access): with graphs on, the operators are profiled on the CPU side only
     graphs = cuda and getattr(engine.runner, "static", None) is not None
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda and not graphs else [])
     with profile(activities=activities) as p:

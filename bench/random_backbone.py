@@ -1,7 +1,7 @@
 """A randomly initialised model of a backbone's exact shape, as a Hugging Face directory: the same
 config, tokenizer and FLOPs per token, none of the weights. For timing on a machine the real
-weights cannot travel to (the GPU machines here take a 64 MiB working tree; the default backbone's
-GGUF alone is larger): speed depends on shapes, not on values.
+weights cannot travel to (a lent GPU machine takes only a small working tree, smaller than the
+default backbone's GGUF): speed depends on shapes, not on values.
 
     python -m bench.random_backbone default OUT --shape-only   # config + tokenizer (a few MB)
     python -m bench.random_backbone OUT OUT2                   # OUT2 = OUT + seeded random weights

@@ -97,6 +97,7 @@ class StaticDecode:
         b = self._bucket(size)
         cap = self.capacity()
         if b.batch.decode_mask is None or b.batch.decode_mask.shape[-1] != cap:
+            # a new capacity is a new cache: every graph was dropped above
             b.batch.decode_mask = torch.zeros((size, 1, 1, cap), dtype=torch.bool, device=self.device)
         items = batch.items
         host = torch.tensor([[it.tokens[0], it.start, it.slot] for it in items] +
