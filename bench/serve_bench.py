@@ -20,8 +20,9 @@ Reports output tokens/s, TTFT and inter-token latency p50/p99, and the ratios.
 
     .venv/bin/python -m bench.serve_bench --tasks 64 --requests 64 --threads 1
 
-With no shipped default inventory (training/default_inventory/inventory.json) the script builds
-a random inventory of the same shape (S=8, h=8, r=8, attention targets) in a temp store.
+The script builds a random inventory of the shipped shape (S=8, h=8, r=8, attention targets) in a
+temp store (a step's cost does not depend on the weights' values); --skills changes S, which a step's
+cost should not depend on either: each row's tables are combined once, when it takes its slot.
 """
 
 from __future__ import annotations
@@ -117,11 +118,11 @@ def merge_repeats(results: list[dict]) -> list[dict]:
     return out
 
 
-def build_inventory(bb, k: int, root: Path, seed: int):
+def build_inventory(bb, k: int, root: Path, seed: int, n_skills: int = 8):
     """Random skills in PEFT Poly's layout (B non-zero) and k routing rows; returns the PEFT model too."""
     import peft
 
-    spec = InventorySpec(n_skills=8, n_heads=8, rank=8, target_modules=ATTENTION_TARGETS)
+    spec = InventorySpec(n_skills=n_skills, n_heads=8, rank=8, target_modules=ATTENTION_TARGETS)
     config = peft.PolyConfig(task_type="CAUSAL_LM", r=spec.rank, n_tasks=k, n_skills=spec.n_skills,
                              n_splits=spec.n_heads, target_modules=list(spec.target_modules), init_weights=False)
     torch.manual_seed(seed)
@@ -153,7 +154,7 @@ def build_inventory(bb, k: int, root: Path, seed: int):
 def setup(args, dtype: torch.dtype, tmp: Path):
     """Backbone, a random inventory of args.tasks tasks, PEFT's copy, a warm L1 of their adapters."""
     bb = load_backbone(args.backbone, device=args.device, dtype="float32" if args.device == "cpu" else str(dtype)[6:])
-    store, rm, pm, tasks = build_inventory(bb, args.tasks, tmp / "store", args.seed)
+    store, rm, pm, tasks = build_inventory(bb, args.tasks, tmp / "store", args.seed, n_skills=args.skills)
     info, skills = store.load_inventory(bb.fingerprint)
     # as the server with the native engine: routed tasks are their routing weights (slot_lora.py)
     cache = AdapterCache(store, info, skills, fingerprint=bb.fingerprint, device=bb.device,
@@ -267,6 +268,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--backbone", default="default")
     ap.add_argument("--tasks", type=int, default=64)
+    ap.add_argument("--skills", type=int, default=8, help="skills of the random inventory (h = 8, r = 8, attention)")
     ap.add_argument("--requests", type=int, default=64)
     ap.add_argument("--batch", type=int, default=16, help="max rows per batch (engine) = static batch size (c)")
     ap.add_argument("--out-min", type=int, default=8)

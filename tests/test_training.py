@@ -266,6 +266,63 @@ def test_warm_start_refuses_another_inventory_shape(tiny_base, tokenizer, tmp_pa
         other.warm_start(Store(tmp_path))
 
 
+def test_warm_start_grows_skills_and_linears_and_starts_near_the_source(tiny_base, tokenizer, tmp_path):
+    import copy
+
+    from training.grow import NEW_SKILL_LOGIT
+
+    tasks = toy_tasks(8)
+    source = Trainer(config("mhr", steps=20), backbone(copy.deepcopy(tiny_base), tokenizer), tasks,
+                     Store(tmp_path / "src"))
+    source.run(progress=False)
+    targets = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+    grown = Trainer(config("mhr", steps=4, n_skills=6, targets=targets, seed=5),
+                    backbone(copy.deepcopy(tiny_base), tokenizer), tasks)
+    fresh_rows = grown.table.logits.detach().clone()
+    assert sorted(grown.warm_start(Store(tmp_path / "src"))) == sorted(TASKS)
+    old, new = source.rm.skill_tensors(), grown.rm.skill_tensors()
+    assert len(new) > len(old) and set(old) < set(new)
+    for key, tensor in new.items():
+        if key in old:
+            assert torch.equal(tensor[:, :4], old[key]), key
+        if key.endswith(".B"):  # new skills and new linears start as no-ops
+            assert not tensor[:, 4:].any() and (key in old or not tensor.any()), key
+    shared = [grown.rm.names.index(n) for n in source.rm.names]
+    added = [j for j in range(len(grown.rm.names)) if j not in shared]
+    for task in TASKS:
+        i, k = grown.task_names.index(task), source.task_names.index(task)
+        row = grown.table.logits[i].detach()
+        assert torch.equal(row[shared, :, :4], source.table.logits[k].detach())
+        assert torch.all(row[shared, :, 4:] == NEW_SKILL_LOGIT)
+        assert torch.equal(row[added], fresh_rows[i, added])
+    assert grown.cfg.to_json()["extra"]["init_from"]["grown_from"] == {"n_skills": 4, "linears": len(old) // 2}
+    # the grown model computes nearly what the source learnt, far from where a cold start begins
+    cold = Trainer(config("mhr", steps=4, n_skills=6, targets=targets, seed=5),
+                   backbone(copy.deepcopy(tiny_base), tokenizer), tasks)
+    trained, start, fresh = mean_task_loss(source, tasks), mean_task_loss(grown, tasks), mean_task_loss(cold, tasks)
+    assert abs(start - trained) < 0.02 * (fresh - trained), (trained, start, fresh)  # 0.09 with new logits at 0
+    grown.run(progress=False)  # and it trains on from there
+    assert mean_task_loss(grown, tasks) < fresh
+
+
+@pytest.mark.parametrize("kw, match", [
+    ({"n_skills": 2}, "cannot shrink skills"),
+    ({"rank": 2}, "cannot grow rank"),
+    ({"n_heads": 1}, "cannot grow n_heads"),
+    ({"targets": ("q_proj", "v_proj")}, "does not adapt 4 linear"),
+    ({"method": "hyper"}, "sigmoid-routed"),
+])
+def test_warm_start_refuses_what_cannot_grow(tiny_base, tokenizer, tmp_path, kw, match):
+    import copy
+
+    Trainer(config("mhr", steps=1), backbone(copy.deepcopy(tiny_base), tokenizer), toy_tasks(4),
+            Store(tmp_path)).run(progress=False)
+    cfg = config(kw.pop("method", "mhr"), steps=1, **kw)
+    other = Trainer(cfg, backbone(copy.deepcopy(tiny_base), tokenizer), toy_tasks(4))
+    with pytest.raises(ValueError, match=f"--init-from.*{match}"):
+        other.warm_start(Store(tmp_path))
+
+
 # -- Z statistics ---------------------------------------------------------------------------------
 
 def test_z_stats_on_hand_made_matrices():

@@ -60,7 +60,8 @@ def _open_store(path: str | None, *, install_default: bool = False):  # -> Store
 @click.option("--checkpoint-every", default=0, show_default=True, help="steps; 0 = only at the end")
 @click.option("--resume", is_flag=True, help="continue from the store's trainer state")
 @click.option("--init-from", "init_from", default=None, type=click.Path(exists=True, file_okay=False),
-              help="start from this store's skills and the routing rows of the tasks it shares with this run")
+              help="start from this store's skills and the routing rows of the tasks it shares with this run; "
+                   "this run may have more --skills and more --targets (the inventory grows)")
 @click.option("--seed", default=0, show_default=True)
 @click.option("--examples-per-task", default=500, show_default=True)
 @click.option("--targets", default="q_proj,k_proj,v_proj,o_proj", show_default=True)

@@ -290,22 +290,31 @@ class Trainer:
         both runs share. Tasks new to this run keep their fresh rows. Returns the tasks carried over.
 
         This is how an inventory grows to a wider suite without paying again for the steps it has
-        already had; the optimizer's moments and the lr schedule start afresh (a new run)."""
+        already had; the optimizer's moments and the lr schedule start afresh (a new run). This run
+        may also be larger than the source (more skills, more adapted linears): training/grow.py."""
+        from training.grow import check_growable, grow_row, grow_skills
+
         info, skills = source.load_inventory(expected_fingerprint=self.backbone.fingerprint)
-        if info.spec != self.spec:
-            raise ValueError(f"--init-from: the inventory in {source.root} is {info.spec}, this run is {self.spec}")
-        if tuple(info.layer_names) != tuple(self.rm.names):
-            raise ValueError(f"--init-from: the inventory in {source.root} adapts other linears")
-        self.rm.load_skills({k: v.float() for k, v in skills.items()})
+        src_names, names = tuple(info.layer_names), tuple(self.rm.names)
+        same = info.spec == self.spec and src_names == names
+        if not same:  # a larger shape grows from it (training/grow.py); anything else is refused
+            try:
+                check_growable(info.spec, src_names, self.spec, names)
+            except ValueError as err:
+                raise ValueError(f"--init-from: the inventory in {source.root} ({_shape(info.spec, src_names)}) "
+                                 f"cannot start this run ({_shape(self.spec, names)}): {err}") from None
+        self.rm.load_skills(grow_skills({k: v.float() for k, v in skills.items()}, self.rm.skill_tensors()))
         rows = source.routing_rows(limit=sys.maxsize)  # every ready row made for this inventory
         carried = [task for task in self.task_names if task in rows]
         with torch.no_grad():
             for task in carried:
-                self.table.logits[self.task_names.index(task)].copy_(rows[task].float())
+                i = self.task_names.index(task)
+                self.table.logits[i].copy_(grow_row(rows[task].float(), src_names, self.table.logits[i], names))
         # the inventory's lineage, in every store this run publishes (made_by.config.extra)
         self.cfg.extra["init_from"] = {
             "inventory_version": info.version, "steps": info.made_by.get("step"),
             "suite": info.made_by.get("config", {}).get("suite"), "tasks_carried": len(carried),
+            **({} if same else {"grown_from": {"n_skills": info.spec.n_skills, "linears": len(src_names)}}),
         }
         return carried
 
@@ -328,6 +337,10 @@ class Trainer:
         self.rng.setstate(ckpt.python_rng_from_json(meta["python_rng"]))
         self.step, self.tokens, self.elapsed = int(meta["step"]), int(meta["tokens"]), float(meta["elapsed"])
         self.last_loss = float(meta["last_loss"])
+
+
+def _shape(spec: InventorySpec, names: tuple[str, ...]) -> str:
+    return f"S={spec.n_skills} h={spec.n_heads} r={spec.rank} {spec.routing} on {len(names)} linears"
 
 
 def suite_tasks(suite: str, examples_per_task: int, seed: int) -> dict[str, list[Example]]:
