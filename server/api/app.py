@@ -8,6 +8,7 @@ import asyncio
 import logging
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import asynccontextmanager
+from operator import methodcaller
 from typing import Any
 
 from fastapi import FastAPI
@@ -20,6 +21,7 @@ from server.api.routes import generate, health, jobs, metrics, openai, similar, 
 from server.metrics import Metrics
 from server.runtime import Runtime
 from server.settings import Settings
+from server.startup import built_in_background, init_state
 from server.tenants import Directory
 
 log = logging.getLogger("polyserve")
@@ -41,30 +43,16 @@ def create_app(settings: Settings | None = None, *, backbone: Any = None) -> Fas
         asyncio.get_running_loop().set_default_executor(
             ThreadPoolExecutor(thread_name_prefix="polyserve-io", initializer=openmp.one_thread))
 
-        async def load() -> None:
-            try:
-                # start-up runs in a thread that ends (its OpenMP pool with it)
-                app.state.runtime = await asyncio.to_thread(openmp.in_fresh_thread, Runtime.build, settings,
-                                                            metrics_, backbone, threads)
-                log.info("polyserve ready")
-            except Exception as err:  # surfaced by /ready (the kind only: messages may hold paths)
-                log.exception("start-up failed")
-                app.state.load_error = type(err).__name__
+        async def build() -> Runtime:  # in a thread that ends (its OpenMP pool with it)
+            return await asyncio.to_thread(openmp.in_fresh_thread, Runtime.build, settings, metrics_, backbone, threads)
 
-        loader = asyncio.create_task(load())
-        try:
+        async with built_in_background(app, "runtime", build, methodcaller("close"), log):
             yield
-        finally:
-            loader.cancel()
-            if app.state.runtime is not None:
-                await asyncio.to_thread(app.state.runtime.close)
-                app.state.runtime = None
 
     app = FastAPI(title="polyserve", version="0.1.0", lifespan=lifespan)
     app.state.settings = settings
     app.state.metrics = metrics_
-    app.state.runtime = None
-    app.state.load_error = None
+    init_state(app, "runtime")
     app.state.tenants = Directory(settings.api_keys, settings.admin_keys)  # names, weights, keys
     install_handlers(app)
     api_docs.install(app, settings)

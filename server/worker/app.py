@@ -6,13 +6,15 @@ from __future__ import annotations
 import asyncio
 import logging
 from contextlib import asynccontextmanager
+from operator import methodcaller
 
 from fastapi import FastAPI
 from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST
 
 from server.settings import Settings
-from server.worker.loop import build_worker
+from server.startup import built_in_background, init_state
+from server.worker.loop import Worker, build_worker
 from server.worker.metrics import WorkerMetrics
 
 log = logging.getLogger("polyserve.worker")
@@ -27,29 +29,18 @@ def create_worker_app(settings: Settings | None = None) -> FastAPI:
     settings = settings or Settings()
     metrics = WorkerMetrics()
 
+    async def build() -> Worker:
+        worker = await asyncio.to_thread(build_worker, settings, metrics)
+        worker.start()  # on the event loop's thread, as before it serves
+        return worker
+
     @asynccontextmanager
     async def lifespan(app: FastAPI):
-        async def load() -> None:
-            try:
-                worker = await asyncio.to_thread(build_worker, settings, metrics)
-                worker.start()
-                app.state.worker = worker
-            except Exception as err:  # surfaced by /ready (the kind only: messages may hold a DSN)
-                log.exception("worker start-up failed")
-                app.state.load_error = type(err).__name__
-
-        loader = asyncio.create_task(load())
-        try:
+        async with built_in_background(app, "worker", build, methodcaller("stop"), log):
             yield
-        finally:
-            loader.cancel()
-            if app.state.worker is not None:
-                await asyncio.to_thread(app.state.worker.stop)
-                app.state.worker = None
 
     app = FastAPI(title="polyserve worker", version="0.1.0", lifespan=lifespan)
-    app.state.worker = None
-    app.state.load_error = None
+    init_state(app, "worker")
 
     @app.get("/health")
     async def health() -> dict:
