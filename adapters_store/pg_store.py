@@ -399,15 +399,17 @@ class PostgresStore(BaseStore):
         with self._conn() as conn:
             conn.execute("INSERT INTO job_queue (id) VALUES (%s) ON CONFLICT (id) DO NOTHING", (job_id,))
 
-    def _queue_claim(self, owner: str, token: str, lease_seconds: float) -> tuple[str, int] | None:
+    def _queue_claim(self, owner: str, token: str, lease_seconds: float,
+                     job_id: str | None = None) -> tuple[str, int] | None:
         with self._conn() as conn:
             row = conn.execute(
                 "UPDATE job_queue q SET owner = %(owner)s, token = %(token)s, attempts = q.attempts + 1, "
                 "lease_until = clock_timestamp() + make_interval(secs => %(lease)s) "
-                "FROM (SELECT id FROM job_queue WHERE lease_until IS NULL OR lease_until < clock_timestamp() "
+                "FROM (SELECT id FROM job_queue WHERE (lease_until IS NULL OR lease_until < clock_timestamp()) "
+                "AND (%(job)s::text IS NULL OR id = %(job)s) "
                 "ORDER BY enqueued_at, id LIMIT 1 FOR UPDATE SKIP LOCKED) c "
                 "WHERE q.id = c.id RETURNING q.id, q.attempts",
-                {"owner": owner, "token": token, "lease": float(lease_seconds)}).fetchone()
+                {"owner": owner, "token": token, "lease": float(lease_seconds), "job": job_id}).fetchone()
         return None if row is None else (row[0], int(row[1]))
 
     def _queue_renew(self, job_id: str, token: str, lease_seconds: float) -> bool:

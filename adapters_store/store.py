@@ -334,11 +334,12 @@ class Store(BaseStore):
         except FileNotFoundError:
             return None
 
-    def _queue_claim(self, owner: str, token: str, lease_seconds: float) -> tuple[str, int] | None:
+    def _queue_claim(self, owner: str, token: str, lease_seconds: float,
+                     job_id: str | None = None) -> tuple[str, int] | None:
         with self._locked():
             now = time.time()
             entries = []
-            for path in (self.root / "jobs" / "queue").glob("job-*.json"):
+            for path in (self.root / "jobs" / "queue").glob(f"{job_id or 'job-*'}.json"):
                 try:
                     entries.append(read_json(path))
                 except (OSError, ValueError):

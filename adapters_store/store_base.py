@@ -179,10 +179,11 @@ class BaseStore(ABC):
         """Make the job claimable (no lease), once; enqueuing it again changes nothing."""
 
     @abstractmethod
-    def _queue_claim(self, owner: str, token: str, lease_seconds: float) -> tuple[str, int] | None:
-        """Give the oldest job whose lease is free or expired this token and owner, the lease
-        `lease_seconds` from now, one more attempt, in one atomic step. Returns (job id, attempts),
-        None when nothing is claimable."""
+    def _queue_claim(self, owner: str, token: str, lease_seconds: float,
+                     job_id: str | None = None) -> tuple[str, int] | None:
+        """Give the oldest job whose lease is free or expired (`job_id`: that job alone, if so) this
+        token and owner, the lease `lease_seconds` from now, one more attempt, in one atomic step.
+        Returns (job id, attempts), None when nothing is claimable."""
 
     @abstractmethod
     def _queue_renew(self, job_id: str, token: str, lease_seconds: float) -> bool:
@@ -463,13 +464,14 @@ class BaseStore(ABC):
         """Hand the job to the fleet's workers (its record, examples and placeholder written)."""
         self._queue_add(check_job_id(job_id))
 
-    def claim_job(self, owner: str, lease_seconds: float) -> JobLease | None:
+    def claim_job(self, owner: str, lease_seconds: float, job_id: str | None = None) -> JobLease | None:
         """The oldest queued job nobody holds a live lease on, leased to `owner`; None if none.
-        A job whose lease expired (its claimer died or stopped heart-beating) is claimable again."""
+        A job whose lease expired (its claimer died or stopped heart-beating) is claimable again.
+        `job_id`: that job only (a replica cancelling a job no worker has taken yet)."""
         if lease_seconds <= 0:
             raise ValueError(f"lease_seconds must be positive, got {lease_seconds!r}")
         token = new_token()
-        got = self._queue_claim(owner, token, lease_seconds)
+        got = self._queue_claim(owner, token, lease_seconds, None if job_id is None else check_job_id(job_id))
         if got is None:
             return None
         job_id, attempts = got

@@ -220,6 +220,33 @@ def test_a_claimed_job_with_a_cancel_marker_is_cancelled_without_being_built(sto
     assert made == [] and Job.from_json(store.get_job(job.id)).status == "cancelled" and not store.has_task("gone")
 
 
+def test_a_queued_job_no_worker_holds_is_cancelled_at_once_by_any_replica(store):  # noqa: F811
+    """Catches: a cancel through a serving replica that only leaves a marker, so the job reads
+    "queued" (and its placeholder task stays) until some worker claims it, forever with none up."""
+    submitter = JobRunner(store, lambda *a: None, replica_id="a", run_here=False)
+    job = submitter.submit("unclaimed", EXAMPLES, method="routing", steps=3, seed=0)
+    other = JobRunner(store, lambda *a: None, replica_id="b", run_here=False)
+    done = other.cancel_unclaimed(job.id, 30)
+    assert done is not None and done.status == "cancelled"
+    stored = Job.from_json(store.get_job(job.id))
+    assert stored.status == "cancelled" and stored.finished_at is not None
+    assert not store.has_task("unclaimed") and not store.job_enqueued(job.id)
+    assert store.claim_job("w1", 30) is None  # no worker will ever run it
+
+
+def test_a_replica_cannot_cancel_at_once_a_job_a_worker_holds(store):  # noqa: F811
+    replica = JobRunner(store, lambda *a: None, replica_id="a", run_here=False)
+    job = replica.submit("held", EXAMPLES, method="routing", steps=3, seed=0)
+    made: list = []
+    w = worker(store, "w1", made)
+    w.adopt(store.claim_job("w1", 30))
+    assert replica.cancel_unclaimed(job.id, 30) is None  # the marker path: the worker stops it
+    assert store.job_enqueued(job.id) and store.has_task("held")
+    run_to_end(w)
+    w.flush()
+    assert Job.from_json(store.get_job(job.id)).status == "succeeded" and store.get_task("held").version == 1
+
+
 def test_a_worker_that_lost_a_job_can_claim_and_run_it_again(store):  # noqa: F811
     replica = JobRunner(store, lambda *a: None, replica_id="replica", run_here=False)
     job = replica.submit("again", EXAMPLES, method="routing", steps=2, seed=0)

@@ -301,3 +301,20 @@ def test_two_server_processes_share_store_and_redis(tmp_path):
     finally:
         other.terminate()
         other.wait(20)
+
+
+def test_a_job_no_worker_has_claimed_is_cancelled_at_once(tmp_path):
+    """POLYSERVE_JOBS=off and no worker up: a cancel must not leave the job "queued" and its
+    placeholder task "training" until a worker that may never come claims it."""
+    build_store(tmp_path / "store")
+    with live_server(settings_for(tmp_path, jobs="off"), backbone=tiny_backbone()) as srv, \
+            httpx.Client(base_url=srv.url, timeout=30) as client:
+        job = client.post("/v1/tasks", json={"task": "nobody-runs", "examples": EXAMPLES}).json()
+        assert job["status"] == "queued" and client.get("/v1/tasks/nobody-runs").json()["status"] == "training"
+        r = client.post(f"/v1/jobs/{job['id']}/cancel")
+        assert r.status_code == 200 and r.json()["status"] == "cancelled", r.text
+        assert client.get(f"/v1/jobs/{job['id']}").json()["status"] == "cancelled"
+        assert client.get("/v1/tasks/nobody-runs").status_code == 404
+        assert not Store(tmp_path / "store").job_enqueued(job["id"])
+        again = client.post("/v1/tasks", json={"task": "nobody-runs", "examples": EXAMPLES})
+        assert again.status_code == 202, again.text  # the id is free again

@@ -375,6 +375,29 @@ def test_the_job_queue_leases_one_claimer_at_a_time_and_expired_leases_are_claim
     assert store.claim_job("w1", 30) is None
 
 
+def test_one_named_job_is_claimed_only_while_its_lease_is_free(store):
+    """claim_job(job_id=...): that job, not the oldest; never one a live lease holds; an expired
+    lease is taken over; a job that is not queued is never claimed."""
+    for job_id in ("job-older1", "job-named1"):
+        store.enqueue_job(job_id)
+        time.sleep(0.01)
+    assert store.claim_job("r", 30, job_id="job-absent") is None
+    mine = store.claim_job("r", 0.3, job_id="job-named1")
+    assert (mine.job_id, mine.attempts, mine.owner) == ("job-named1", 1, "r")
+    assert store.claim_job("r2", 30, job_id="job-named1") is None  # held
+    w = store.claim_job("w", 30)
+    assert w.job_id == "job-older1" and store.claim_job("w2", 30) is None  # the named one stays held
+    assert store.claim_job("r2", 30, job_id="job-older1") is None  # a worker holds it
+    time.sleep(0.4)
+    taken = store.claim_job("r2", 30, job_id="job-named1")
+    assert (taken.job_id, taken.attempts) == ("job-named1", 2) and not mine.still_held()
+    taken.release()
+    w.release()
+    assert not store.job_enqueued("job-named1") and store.claim_job("r", 30, job_id="job-named1") is None
+    with pytest.raises(JobNotFound):
+        store.claim_job("r", 30, job_id="../etc/passwd")
+
+
 def test_pruning_a_finished_job_drops_its_queue_entry(store):
     store.put_job({"id": "job-old111", "status": "succeeded", "finished_at": time.time() - 100})
     store.enqueue_job("job-old111")

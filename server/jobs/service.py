@@ -198,13 +198,18 @@ class Registration:
         return job
 
     def cancel(self, job_id: str, tenant: Tenant | None = None) -> Job:
-        """This replica's job: cancelled at once (queued) or at its next slice (running). Another
-        replica's (or an unknown one's) unfinished job: a cancel marker in the store, which its
-        runner checks every slice."""
+        """This replica's job: cancelled at once (queued) or at its next slice (running). A job in
+        the fleet's queue that no worker has claimed: cancelled at once, here. Another replica's or
+        worker's unfinished job: a cancel marker in the store, which its runner checks every slice."""
         self.job(job_id, tenant)  # JobNotFound: unknown, or not the caller's
         if self.runner.owns(job_id):
             return self.runner.cancel(job_id)
         job = self.runner.get(job_id)  # JobNotFound -> 404
+        if not job.finished and self.rt.store.job_enqueued(job_id):
+            cancelled = self.runner.cancel_unclaimed(job_id, self.rt.settings.job_lease_seconds)
+            if cancelled is not None:
+                return cancelled
+            job = self.runner.get(job_id)
         if not job.finished:
             self.rt.store.request_cancel(job_id)
             job.add_event("status", "cancellation requested")
