@@ -429,6 +429,9 @@ class PostgresStore(BaseStore):
     def _queue_has(self, job_id: str) -> bool:
         return self._one("SELECT true FROM job_queue WHERE id = %s", (job_id,)) is not None
 
+    def _queue_size(self) -> int:
+        return int(self._one("SELECT count(*) FROM job_queue", ()))
+
     def hold_job(self, job_id: str) -> _ConnHold | None:
         check_job_id(job_id)
         try:

@@ -374,6 +374,9 @@ class Store(BaseStore):
     def _queue_has(self, job_id: str) -> bool:
         return self._queue_path(job_id).exists()
 
+    def _queue_size(self) -> int:
+        return sum(1 for _ in (self.root / "jobs" / "queue").glob("job-*.json"))
+
     def _delete_job(self, job_id: str) -> None:
         for path in (self._examples_path(job_id), self._cancel_path(job_id), self._queue_path(job_id),
                      self.root / "jobs" / "locks" / f"{job_id}.lock", self._job_path(job_id)):

@@ -201,6 +201,10 @@ class BaseStore(ABC):
     def _queue_has(self, job_id: str) -> bool: ...
 
     @abstractmethod
+    def _queue_size(self) -> int:
+        """Jobs in the queue, leased or not."""
+
+    @abstractmethod
     def _install_lock(self) -> AbstractContextManager[None]:
         """Serialises installing an inventory into an empty store across processes."""
 
@@ -476,6 +480,10 @@ class BaseStore(ABC):
             return None
         job_id, attempts = got
         return JobLease(self, job_id, token, owner, lease_seconds, attempts)
+
+    def queued_jobs(self) -> int:
+        """How many jobs wait in (or are leased from) the fleet's queue: the workers' backlog."""
+        return self._queue_size()
 
     def job_enqueued(self, job_id: str) -> bool:
         """Whether the job waits in (or is leased from) the queue: workers own it, not a replica."""

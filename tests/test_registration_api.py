@@ -318,3 +318,19 @@ def test_a_job_no_worker_has_claimed_is_cancelled_at_once(tmp_path):
         assert not Store(tmp_path / "store").job_enqueued(job["id"])
         again = client.post("/v1/tasks", json={"task": "nobody-runs", "examples": EXAMPLES})
         assert again.status_code == 202, again.text  # the id is free again
+
+
+def test_the_queued_jobs_limit_bounds_the_fleet_queue_when_workers_run_the_jobs(tmp_path):
+    """POLYSERVE_JOBS=off: the replica runs nothing (its own count stays 0), so the limit must count
+    the fleet's queue, or a client could fill the workers' backlog without end."""
+    build_store(tmp_path / "store")
+    with live_server(settings_for(tmp_path, jobs="off", max_queued_jobs=2), backbone=tiny_backbone()) as srv, \
+            httpx.Client(base_url=srv.url, timeout=30) as client:
+        ids = [client.post("/v1/tasks", json={"task": f"backlog-{i}", "examples": EXAMPLES}).json()["id"]
+               for i in range(2)]
+        full = client.post("/v1/tasks", json={"task": "backlog-2", "examples": EXAMPLES})
+        assert full.status_code == 429 and full.headers["Retry-After"] == "30", full.text
+        assert "fleet's queue" in full.json()["error"]["message"]
+        assert client.get("/v1/tasks/backlog-2").status_code == 404  # nothing of it was written
+        assert client.post(f"/v1/jobs/{ids[0]}/cancel").json()["status"] == "cancelled"
+        assert client.post("/v1/tasks", json={"task": "backlog-2", "examples": EXAMPLES}).status_code == 202

@@ -391,8 +391,11 @@ def test_one_named_job_is_claimed_only_while_its_lease_is_free(store):
     time.sleep(0.4)
     taken = store.claim_job("r2", 30, job_id="job-named1")
     assert (taken.job_id, taken.attempts) == ("job-named1", 2) and not mine.still_held()
+    assert store.queued_jobs() == 2
     taken.release()
+    assert store.queued_jobs() == 1
     w.release()
+    assert store.queued_jobs() == 0
     assert not store.job_enqueued("job-named1") and store.claim_job("r", 30, job_id="job-named1") is None
     with pytest.raises(JobNotFound):
         store.claim_job("r", 30, job_id="../etc/passwd")

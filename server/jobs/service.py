@@ -82,9 +82,13 @@ class Registration:
         # two concurrent POSTs of one id, in this process or in another replica: one wins
         settings = self.rt.settings
         with self._submit_lock:
-            if self.runner.pending >= settings.max_queued_jobs:
+            # JOBS=local: this replica's own jobs; off: the fleet's queue, the workers' backlog
+            here = self.runner.run_here
+            pending = self.runner.pending if here else self.rt.store.queued_jobs()
+            if pending >= settings.max_queued_jobs:
+                where = "queued or running here" if here else "waiting in the fleet's queue for its workers"
                 raise ApiError(429, "overloaded", f"{settings.max_queued_jobs} registration jobs are already "
-                               "queued or running here; retry later", {"Retry-After": "30"})
+                               f"{where}; retry later", {"Retry-After": "30"})
             with self.rt.store.task_lock(task):
                 job = self._submit_locked(task, examples, method, steps, seed, serve_early, tenant, shared)
         if self.runner.run_here:  # POLYSERVE_JOBS=off: a worker claims it from the store's queue
