@@ -19,7 +19,7 @@ from adapters_store.store_base import BaseStore as Store
 from adapters_store.task_snapshot import TaskSnapshot
 from server.adapter_cache.cache import AdapterCache
 from server.adapter_cache.types import Adapter
-from server.api.errors import ApiError
+from server.errors import ApiError
 from server.mixes import mix_prompt_format, resolve_mix
 from server.ownership import can_see
 from server.similar_index import RoutingIndex

@@ -64,3 +64,27 @@ def test_the_check_sees_lazy_imports(tmp_path):
     module = tmp_path / "m.py"
     module.write_text("def f():\n    from training.adapt import Adaptation\n    import server.api.app\n")
     assert imports_of(module) == {"training", "server"}
+
+
+def modules_imported(path: Path) -> set[str]:
+    """Every dotted module path the file imports (lazy imports too)."""
+    found: set[str] = set()
+    for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"), str(path))):
+        if isinstance(node, ast.Import):
+            found.update(alias.name for alias in node.names)
+        elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+            found.add(node.module)
+    return found
+
+
+def test_only_the_http_shell_imports_the_http_layer():
+    """server/api/ is the thin FastAPI shell over the rest: registration, task resolution, the
+    engines and the worker never reach into it (ApiError lives in server/errors.py for them). The
+    exceptions: serve_cli starts the app; jobs/schemas.py holds the jobs' wire shapes."""
+    allowed = {"server/serve_cli.py", "server/jobs/schemas.py"}
+    reaching = sorted(
+        path.relative_to(ROOT).as_posix() for path in (ROOT / "server").rglob("*.py")
+        if not path.relative_to(ROOT).as_posix().startswith("server/api/")
+        and path.relative_to(ROOT).as_posix() not in allowed
+        and any(m == "server.api" or m.startswith("server.api.") for m in modules_imported(path)))
+    assert reaching == []

@@ -30,6 +30,7 @@ from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from adapters_store.errors import JobNotFound, StoreError, StoreUnavailable, TaskExists, TaskNotFound
+from server.errors import ApiError
 
 log = logging.getLogger("polyserve.api")
 
@@ -45,14 +46,6 @@ OPENAI_CODES = {"not_found": "model_not_found", "unauthorized": "invalid_api_key
 _TAGS = frozenset({"str", "int", "float", "bool", "list", "dict", "none"})
 _NAMED = re.compile(r"^([a-z_][a-z0-9_.]*): ")
 _PATH = re.compile(r"(?<![\w.:/])(?:~|\.{1,2})?/(?:[\w.@+-]+/)+[\w.@+-]*")
-
-
-class ApiError(Exception):
-    def __init__(self, status: int, type_: str, message: str, headers: dict[str, str] | None = None, *,
-                 param: str | None = None, code: str | None = None) -> None:
-        super().__init__(message)
-        self.status, self.type, self.message, self.headers = status, type_, message, headers or {}
-        self.param, self.code = param, code
 
 
 def scrub(message: str) -> str:

@@ -17,7 +17,7 @@ from typing import Any
 
 from adapters_store.errors import JobNotFound, TaskExists, TaskNotFound
 from adapters_store.ids import validate_new_task_id
-from server.api.errors import ApiError
+from server.errors import ApiError
 from server.jobs.model import Job
 from server.jobs.runner import JobRunner
 from server.ownership import can_see, can_see_job, owner_of_new_task
