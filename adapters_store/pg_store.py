@@ -368,6 +368,18 @@ class PostgresStore(BaseStore):
             conn.execute("INSERT INTO jobs (id, data) VALUES (%s, %s) ON CONFLICT (id) DO UPDATE SET data = "
                          "EXCLUDED.data", (job["id"], Jsonb(job)))
 
+    def _write_job_if_held(self, job: dict[str, Any], token: str) -> bool:
+        # FOR SHARE on the queue row: a claim (UPDATE, FOR UPDATE SKIP LOCKED) either committed first,
+        # and the row re-checked after it no longer has this token, or it skips the row until the
+        # write commits
+        with self._conn() as conn:
+            row = conn.execute(
+                "WITH held AS (SELECT id FROM job_queue WHERE id = %(id)s AND token = %(token)s FOR SHARE) "
+                "INSERT INTO jobs (id, data) SELECT id, %(data)s FROM held "
+                "ON CONFLICT (id) DO UPDATE SET data = EXCLUDED.data RETURNING id",
+                {"id": job["id"], "token": token, "data": Jsonb(job)}).fetchone()
+        return row is not None
+
     def _read_job(self, job_id: str) -> dict[str, Any] | None:
         return self._one("SELECT data FROM jobs WHERE id = %s", (job_id,))
 

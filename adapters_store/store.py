@@ -253,6 +253,14 @@ class Store(BaseStore):
     def _write_job(self, job: dict[str, Any]) -> None:
         atomic_write_json(self._job_path(job["id"]), job)
 
+    def _write_job_if_held(self, job: dict[str, Any], token: str) -> bool:
+        with self._locked():  # the queue's lock: a claim waits for it
+            entry = self._queue_entry(job["id"])
+            if entry is None or entry.get("token") != token:
+                return False
+            atomic_write_json(self._job_path(job["id"]), job)
+            return True
+
     def _read_job(self, job_id: str) -> dict[str, Any] | None:
         path = self._job_path(job_id)
         try:

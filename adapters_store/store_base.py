@@ -148,6 +148,12 @@ class BaseStore(ABC):
     def _write_job(self, job: dict[str, Any]) -> None: ...
 
     @abstractmethod
+    def _write_job_if_held(self, job: dict[str, Any], token: str) -> bool:
+        """Write the job only while its queue entry's lease token is `token`, in one step that a
+        claim cannot cut in two (a claim that lands first makes it write nothing; one that comes
+        after waits or skips the job until the write is done). Returns whether it wrote."""
+
+    @abstractmethod
     def _read_job(self, job_id: str) -> dict[str, Any] | None: ...
 
     @abstractmethod
@@ -438,6 +444,11 @@ class BaseStore(ABC):
     # -- jobs -----------------------------------------------------------------------------------
     def put_job(self, job: dict[str, Any]) -> None:
         self._write_job({**job, "id": check_job_id(job["id"])})
+
+    def put_job_if_held(self, job: dict[str, Any], token: str) -> bool:
+        """A leased run's write: only while its lease is still `token` (no other claimer took the
+        job over, which would make this run's state stale). Returns whether it wrote."""
+        return self._write_job_if_held({**job, "id": check_job_id(job["id"])}, token)
 
     def get_job(self, job_id: str) -> dict[str, Any]:
         data = self._read_job(check_job_id(job_id))

@@ -401,6 +401,24 @@ def test_one_named_job_is_claimed_only_while_its_lease_is_free(store):
         store.claim_job("r", 30, job_id="../etc/passwd")
 
 
+def test_a_leased_run_writes_its_job_only_while_it_holds_the_lease(store):
+    store.put_job({"id": "job-lease1", "status": "queued"})
+    store.enqueue_job("job-lease1")
+    first = store.claim_job("w1", 0.2)
+    assert store.put_job_if_held({"id": "job-lease1", "status": "running", "by": "w1"}, first.token)
+    assert store.get_job("job-lease1")["by"] == "w1"
+    time.sleep(0.3)
+    second = store.claim_job("w2", 30)
+    assert store.put_job_if_held({"id": "job-lease1", "status": "running", "by": "w2"}, second.token)
+    assert not store.put_job_if_held({"id": "job-lease1", "status": "succeeded", "by": "w1"}, first.token)
+    assert store.get_job("job-lease1") == {"id": "job-lease1", "status": "running", "by": "w2"}
+    second.release()  # finished: no lease holds it any more, so no run writes through one
+    assert not store.put_job_if_held({"id": "job-lease1", "status": "failed"}, second.token)
+    assert store.get_job("job-lease1")["by"] == "w2"
+    with pytest.raises(JobNotFound):
+        store.put_job_if_held({"id": "../x", "status": "queued"}, "t")
+
+
 def test_pruning_a_finished_job_drops_its_queue_entry(store):
     store.put_job({"id": "job-old111", "status": "succeeded", "finished_at": time.time() - 100})
     store.enqueue_job("job-old111")

@@ -109,19 +109,20 @@ class JobRunner:
         """Write the job's latest state. Never called under `_lock`: the lock only guards memory
         (a GET of a job must not wait on an fsync); a per-job I/O lock keeps one job's writes in
         order (the snapshot is taken under it, so a later write always carries a later state).
-        A leased job's run writes only while its lease is still its own: once another worker took
-        the job over, this run's stale state must not overwrite that worker's (the check is a read
-        just before the write; a take-over then has to claim, run and finish the job in between)."""
+        A leased job's run writes only while its lease is still its own (the check and the write
+        are one step of the store): once another worker took the job over, this run's stale state
+        must not overwrite that worker's."""
         with self._lock:
             io = self._io.setdefault(job.id, threading.Lock())
             hold = self._holds.get(job.id)
         with io:
-            if hold is not None and hasattr(hold, "renew") and not hold.still_held():
-                self.lose(job.id)
-                return
             with self._lock:
                 data = job.to_json()
-            self.store.put_job(data)
+            token = getattr(hold, "token", None)  # a JobLease's; a local job's hold has none
+            if token is None:
+                self.store.put_job(data)
+            elif not self.store.put_job_if_held(data, token):
+                self.lose(job.id)
 
     def _hold_lock(self, job_id: str) -> None:
         hold = self.store.hold_job(job_id)  # a new id: nobody else can hold it
