@@ -234,6 +234,18 @@ def test_a_queued_job_no_worker_holds_is_cancelled_at_once_by_any_replica(store)
     assert store.claim_job("w1", 30) is None  # no worker will ever run it
 
 
+def test_a_cancel_that_finds_the_result_committed_settles_the_job_succeeded(store):  # noqa: F811
+    """A worker was killed after its commit, before the job said so: cancelling it now must not
+    call cancelled a job whose task is served with its result."""
+    replica = JobRunner(store, lambda *a: None, replica_id="a", run_here=False)
+    job = replica.submit("late", EXAMPLES, method="routing", steps=3, seed=0)
+    store.put_routing("late", torch.ones(1, 1, 2), job_id=job.id)  # the killed run's commit
+    done = replica.cancel_unclaimed(job.id, 30)
+    assert done is not None and done.status == "succeeded"
+    assert Job.from_json(store.get_job(job.id)).status == "succeeded" and store.get_task("late").version == 1
+    assert not store.job_enqueued(job.id)
+
+
 def test_a_replica_cannot_cancel_at_once_a_job_a_worker_holds(store):  # noqa: F811
     replica = JobRunner(store, lambda *a: None, replica_id="a", run_here=False)
     job = replica.submit("held", EXAMPLES, method="routing", steps=3, seed=0)

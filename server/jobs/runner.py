@@ -207,26 +207,18 @@ class JobRunner:
 
     def cancel_unclaimed(self, job_id: str, lease_seconds: float) -> Job | None:
         """A job waiting in the fleet's queue that no worker holds (or whose worker's lease ran out):
-        claimed here and cancelled at once, its placeholder task removed, its queue entry gone.
+        claimed and adopted here as a worker would (so a job found finished or already committed is
+        settled as such), then cancelled at once: placeholder task removed, queue entry gone.
         None when a live worker holds it (its cancel marker reaches it) or it left the queue."""
         lease = self.store.claim_job(self.replica_id, lease_seconds, job_id=job_id)
         if lease is None:
             return None
-        try:
-            job = Job.from_json(self.store.get_job(job_id))
-        except JobNotFound:
-            lease.release()
-            return None
-        if job.finished:  # its last runner died after saying so, before dropping the entry
-            lease.release()
-            return job
-        job.owner = self.replica_id
-        with self._lock:
-            self._jobs[job.id] = job
-            self._holds[job.id] = lease
-            self._finish(job, "cancelled")
-        self._settle()
-        return self.get(job_id)
+        if self.adopt(lease) is None:  # pruned, finished or committed meanwhile: settled by adopt
+            try:
+                return self.get(job_id)
+            except JobNotFound:
+                return None
+        return self.cancel(job_id)
 
     # -- a worker's jobs: claimed from the store's queue ------------------------------------------
     def adopt(self, lease: Any, *, max_attempts: int | None = None) -> Job | None:
