@@ -1,11 +1,19 @@
 """Few-shot comparison on held-out tasks of the procedural suite (docs/RESULTS.md).
 
-For each held-out task and seed: k training examples (split "train", seeded), adaptation with
-each method, then greedy exact match and loss on a fixed test set (split "test", seed 0) that
-no method ever sees during adaptation. "mu0" is zero-shot μ (no adaptation); "retrieve" is the
-routing row retrieved from the store's tasks (training.retrieve, no gradient step); "routing-r"
-trains a routing row from that retrieved row. Writes results incrementally as JSON (one record
-per task x seed x method).
+For each held-out task, vocabulary and seed: k examples (seeded), adaptation with each method,
+then greedy exact match and loss on a fixed test set (split "test", seed 0) that no method ever
+sees during adaptation. The vocabularies (training.vocab): "train" (words inventories are trained
+on), "heldout" (English words never trained on), "madeup" (made-up strings never trained on) draw
+their k examples from split "valid"; "legacy" (the first suite's 24 words) from split "train", as
+every figure before the open vocabulary was measured.
+
+Methods: "zero" the bare backbone; "icl" the bare backbone with the k examples in its prompt
+(training.icl); "plain-lora" a LoRA of the inventory's rank on the same linears trained on the k
+examples (training.adapt); "mu0" zero-shot μ; "retrieve" the routing row retrieved from the
+store's tasks (training.retrieve, no gradient step); "routing-r" a routing row trained from that
+retrieved row (what a registration does); "routing", "mu", "full" as in training.adapt. Each
+record holds the bytes a server stores for the task (the k examples' text for "icl"). Writes
+results incrementally as JSON (one record per task x vocabulary x seed x method).
 
     .venv/bin/python -m scripts.compare_methods --store /tmp/default_store --tasks 4 --seeds 0,1,2 \
         --k 16 --n-test 16 --methods mu0,routing,mu,full --out /tmp/compare.json
@@ -34,6 +42,8 @@ def main() -> None:
     ap.add_argument("--k", type=int, default=16)
     ap.add_argument("--n-test", type=int, default=16)
     ap.add_argument("--methods", default="mu0,routing,mu,full")
+    ap.add_argument("--vocabs", default="legacy",
+                    help="comma-separated of train,heldout,madeup,legacy: the words of the examples and tests")
     ap.add_argument("--steps", type=int, default=None)
     ap.add_argument("--max-steps", type=int, default=None,
                     help="go on past --steps while the held-out loss still falls, up to this many (routing)")
@@ -57,38 +67,52 @@ def main() -> None:
     from adapters_store.materialize import mu_weights, task_layers
     from adapters_store.store import Store
     from training.adapt import adapt
+    from training.batching import DEFAULT_MAX_LENGTH
     from training.evaluate import evaluate_task
     from training.far_heldout import far_tasks
+    from training.icl import ICL_MAX_LENGTH, icl_context
     from training.retrieve import retrieve
     from training.suite import build_suite, examples
+    from training.vocab import VOCABS
 
     bb = load_backbone(args.backbone)
     store = Store(args.store)
     info, skills = store.load_inventory(bb.fingerprint)
     rm = RoutedModel(bb.model, info.spec)
     rm.load_skills(skills)
+    store_itemsize = next(iter(skills.values())).element_size()
     skills = {k: v.float() for k, v in skills.items()}
     held = build_suite(0).heldout_tasks if args.task_set == "heldout" else far_tasks()
     tasks = [held[(i * len(held)) // args.tasks] for i in range(min(args.tasks, len(held)))]
     out = Path(args.out)
     records = json.loads(out.read_text()) if out.exists() else []
-    done = {(r["inventory"], r["task"], r["seed"], r["method"]) for r in records}
+    done = {(r["inventory"], r["task"], r.get("vocab", "legacy"), r["seed"], r["method"]) for r in records}
+    vocabs = args.vocabs.split(",")
+    if not set(vocabs) <= set(VOCABS):
+        ap.error(f"--vocabs: each of {VOCABS}")
     label = args.label or info.made_by.get("method", "?")
     candidates = {r.id: store.load_routing(r.id) for r in store.list_tasks() if r.kind == "routing" and r.status == "ready"}
     recipe = {"lr": args.lr, "max_steps": args.max_steps, "batch_size": args.batch_size,
               "eval_every": args.eval_every, "patience": args.patience,
               "autocast": args.autocast, "holdout_fraction": args.holdout}
-    for task in tasks:
-        test = examples(task, args.n_test, seed=0, split="test")
+    for task, vocab in [(t, v) for t in tasks for v in vocabs]:
+        test = examples(task, args.n_test, seed=0, split="test", vocab=vocab)
         for seed in [int(s) for s in args.seeds.split(",")]:
-            few = examples(task, args.k, seed=1000 + seed, split="train")
+            few = examples(task, args.k, seed=1000 + seed, split="train" if vocab == "legacy" else "valid",
+                           vocab=vocab)
             for method in args.methods.split(","):
-                key = (label, task.name, seed, method)
-                if key in done or (method == "mu0" and seed != int(args.seeds.split(",")[0])):
+                key = (label, task.name, vocab, seed, method)
+                if key in done or (method in ("mu0", "zero") and seed != int(args.seeds.split(",")[0])):
                     continue
                 started = time.perf_counter()
+                context, stored = "", 0
                 if method == "mu0":
                     layers, params, metrics = mu_weights(info), 0, {}
+                elif method in ("zero", "icl"):
+                    layers, params, metrics = None, 0, {}
+                    if method == "icl":
+                        context = icl_context(few)
+                        stored = len(context.encode())
                 else:
                     if method in ("retrieve", "routing-r"):
                         res = retrieve(rm, info, {n: r for n, r in candidates.items() if n != task.name}, few,
@@ -102,10 +126,15 @@ def main() -> None:
                         res = adapt(rm, info, skills, few, bb.tokenizer, method=method, steps=args.steps, seed=seed,
                                     **share, **recipe)
                     layers, params, metrics = task_layers(info, skills, res.kind, res.tensors), res.params, res.metrics
+                    # as a server stores it: a routing row in float32, a LoRA in the skills' dtype
+                    stored = sum(t.numel() * (4 if res.kind == "routing" else store_itemsize)
+                                 for t in res.tensors.values())
                 adapt_s = time.perf_counter() - started
-                scores = evaluate_task(rm, layers, bb.tokenizer, test)
-                rec = {"inventory": label, "task": task.name, "seed": seed, "method": method, "k": args.k,
-                       "n_test": args.n_test, **scores, "params": params, "adapt_seconds": round(adapt_s, 2),
+                scores = evaluate_task(rm, layers, bb.tokenizer, test, context=context,
+                                       max_length=ICL_MAX_LENGTH if context else DEFAULT_MAX_LENGTH)
+                rec = {"inventory": label, "task": task.name, "vocab": vocab, "seed": seed, "method": method,
+                       "k": args.k, "n_test": args.n_test, **scores, "params": params, "stored_bytes": stored,
+                       "adapt_seconds": round(adapt_s, 2),
                        "steps_run": metrics.get("steps_run"), "best_step": metrics.get("best_step"),
                        "steps": args.steps, "trained_share": args.trained_share, **recipe}
                 records.append(rec)

@@ -24,27 +24,30 @@ def main() -> None:
     if len(sys.argv) < 2:
         sys.exit("usage: summarise_compare.py COMPARE.json [MORE.json ...]")
     records = [r for path in sys.argv[1:] for r in json.loads(Path(path).read_text())]
-    by_method: dict[tuple[str, str], list[dict]] = defaultdict(list)
+    by_method: dict[tuple[str, str, str], list[dict]] = defaultdict(list)
     for r in records:
-        by_method[(r["inventory"], r["method"])].append(r)
-    print("| inventory | method | tasks | runs | exact match (mean over tasks; ± std over seeds) | test loss |"
-          " params adapted | adapt s (mean) |")
-    print("|---|---|---|---|---|---|---|---|")
-    for (inv, method), rs in by_method.items():
+        r.setdefault("vocab", "legacy")  # records from before the open vocabulary
+        by_method[(r["inventory"], r["method"], r["vocab"])].append(r)
+    print("| inventory | method | words | tasks | runs | exact match (mean over tasks; ± std over seeds) | test loss |"
+          " params adapted | stored bytes | adapt s (mean) |")
+    print("|---|---|---|---|---|---|---|---|---|---|")
+    for (inv, method, vocab), rs in sorted(by_method.items(), key=lambda kv: (kv[0][0], kv[0][2], kv[0][1])):
         seeds = sorted({r["seed"] for r in rs})
         per_seed_em = [statistics.mean(r["exact_match"] for r in rs if r["seed"] == s) for s in seeds]
         per_seed_loss = [statistics.mean(r["loss"] for r in rs if r["seed"] == s) for s in seeds]
-        print(f"| {inv} | {method} | {len({r['task'] for r in rs})} | {len(rs)} | {mean_std(per_seed_em)} |"
-              f" {mean_std(per_seed_loss)} | {rs[0]['params']:,} | {statistics.mean(r['adapt_seconds'] for r in rs):.1f} |")
+        stored = f"{rs[0]['stored_bytes']:,}" if "stored_bytes" in rs[0] else "-"
+        print(f"| {inv} | {method} | {vocab} | {len({r['task'] for r in rs})} | {len(rs)} | {mean_std(per_seed_em)} |"
+              f" {mean_std(per_seed_loss)} | {rs[0]['params']:,} | {stored} |"
+              f" {statistics.mean(r['adapt_seconds'] for r in rs):.1f} |")
     print()
     tasks = sorted({r["task"] for r in records})
-    methods = list(dict.fromkeys((r["inventory"], r["method"]) for r in records))
-    print("| task | " + " | ".join(f"{inv}/{m}" for inv, m in methods) + " |")
+    methods = list(dict.fromkeys((r["inventory"], r["method"], r["vocab"]) for r in records))
+    print("| task | " + " | ".join(f"{inv}/{m}/{v}" for inv, m, v in methods) + " |")
     print("|---|" + "---|" * len(methods))
     for t in tasks:
         cells = []
         for m in methods:
-            xs = [r["exact_match"] for r in records if r["task"] == t and (r["inventory"], r["method"]) == m]
+            xs = [r["exact_match"] for r in records if r["task"] == t and (r["inventory"], r["method"], r["vocab"]) == m]
             cells.append(f"{statistics.mean(xs):.3f}" if xs else "-")
         print(f"| {t} | " + " | ".join(cells) + " |")
 

@@ -31,6 +31,8 @@ def main() -> None:
     ap.add_argument("--pairs", type=int, required=True, help="training pairs (the shipped suite: 20)")
     ap.add_argument("--triples", type=int, required=True, help="training triples (the shipped suite: 12)")
     ap.add_argument("--examples-per-task", type=int, default=500)
+    ap.add_argument("--vocab", choices=["train", "legacy"], default="train",
+                    help="the inputs' words: the open vocabulary's training side, or the first suite's 24")
     ap.add_argument("--out", required=True, type=Path)
     args = ap.parse_args()
 
@@ -53,7 +55,7 @@ def main() -> None:
     tmp = args.out.with_suffix(".tmp")
     with tmp.open("w") as f:
         for task in wide.train_tasks:
-            for ex in examples(task, args.examples_per_task, seed=0, split="train"):
+            for ex in examples(task, args.examples_per_task, seed=0, split="train", vocab=args.vocab):
                 f.write(json.dumps({"task": ex.task, "input": ex.input, "output": ex.output}) + "\n")
     tmp.replace(args.out)
     for task, (share, name) in zip(wide.heldout_tasks, nearest(wide.heldout_tasks, wide.train_tasks,

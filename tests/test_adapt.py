@@ -49,7 +49,7 @@ def assert_same(a: dict, b: dict):
         assert torch.equal(value, b[k]), k
 
 
-@pytest.mark.parametrize("method", ["routing", "mu", "full"])
+@pytest.mark.parametrize("method", ["routing", "mu", "full", "plain-lora"])
 def test_adaptation_leaves_shared_skills_and_model_state_untouched(inventory, tokenizer, method):
     rm, info, skills = inventory
     before_rm, before_dict = snapshot(rm), {k: v.clone() for k, v in skills.items()}
@@ -131,10 +131,10 @@ def test_routing_adaptation_changes_only_its_own_row(inventory, tokenizer, tmp_p
     assert not torch.equal(store.load_routing("new"), torch.zeros_like(rows["a"]))
 
 
-@pytest.mark.parametrize("method", ["routing", "mu", "full"])
+@pytest.mark.parametrize("method", ["routing", "mu", "full", "plain-lora"])
 def test_adaptation_lowers_the_held_out_loss_and_keeps_the_best(inventory, tokenizer, method):
     rm, info, skills = inventory
-    lr = {"routing": 0.3, "mu": 3e-2, "full": 1e-2}[method]
+    lr = {"routing": 0.3, "mu": 3e-2, "full": 1e-2, "plain-lora": 3e-2}[method]
     res = adapt(rm, info, skills, few(), tokenizer, method=method, steps=15, lr=lr, eval_every=3, patience=10)
     m = res.metrics
     assert m["n_train"] == 12 and m["n_held"] == 4
@@ -158,6 +158,23 @@ def test_mu_starts_from_the_skills_average(inventory, tokenizer):
     for (A, B), (eA, eB) in zip(layers_from_lora(info, res.tensors), expected):
         torch.testing.assert_close(A, eA)
         torch.testing.assert_close(B, eB)
+
+
+def test_plain_lora_starts_at_the_bare_backbone_with_peft_initialisation(inventory, tokenizer):
+    """The baseline a user without an inventory trains: B = 0 (the bare model), A within ±1/sqrt(d_in),
+    nothing taken from the skills."""
+    rm, info, skills = inventory
+    job = Adaptation(rm, info, skills, few(), tokenizer, method="plain-lora", steps=0)
+    while job.step():
+        pass
+    res = job.result()
+    assert res.kind == "lora" and res.params == sum(A.numel() + B.numel() for A, B in layers_from_lora(info, res.tensors))
+    for (A, B), (sA, _) in zip(layers_from_lora(info, res.tensors), layers_from_weights(info, skills, mu_weights(info))):
+        assert not B.any()
+        assert A.shape == sA.shape and A.abs().max() <= 1 / A.shape[0] ** 0.5 and A.abs().max() > 0.5 / A.shape[0] ** 0.5
+    from training.evaluate import heldout_loss
+
+    assert res.metrics["initial_eval_loss"] == pytest.approx(heldout_loss(rm, None, tokenizer, few()[12:]), rel=0.02)
 
 
 def test_routing_row_starts_near_mu(inventory, tokenizer):

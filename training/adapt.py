@@ -13,6 +13,8 @@ copies. Methods (what is trained -> what is stored):
     routing   a new routing row (L, h, S), init U(-1e-3, 1e-3) (≈ μ)   -> routing row
               or `init_row` (a retrieved row, training.retrieve) + that noise
     mu        the skills' average LoRA (μ, collapsed): per layer (d_in, r), (r, d_out) -> plain LoRA
+    plain-lora  a LoRA of the inventory's rank on the same linears, PEFT's initialisation (A uniform
+              in ±1/sqrt(d_in), B = 0): what a user without an inventory trains  -> plain LoRA
     full      a new routing row + a copy of the skills, materialised     -> plain LoRA
               differentiably every step
 
@@ -41,7 +43,9 @@ from training.loss import per_example_loss, target_logits, token_loss
 from training.precision import FrozenBf16Weights, resolve_autocast
 from training.routing_table import INIT, row_weights
 
-ADAPT_METHODS = ("routing", "mu", "full")
+ADAPT_METHODS = ("routing", "mu", "full", "plain-lora")
+#: Methods whose trained tensors are one LoRA per linear (A (1, d_in, r), B (1, r, d_out)).
+_SINGLE_LORA = ("mu", "plain-lora")
 # Routing: batches of 4 at lr 0.3 from a sweep on held-out compositions: smaller batches and more
 # steps beat larger ones at the same examples seen and cost; a higher lr lowered the loss but lost
 # exact match. 15 steps: within about one seed's spread of 30 steps' exact match at about half the
@@ -52,6 +56,7 @@ DEFAULTS: dict[str, dict[str, float]] = {
     "routing": {"steps": 15, "lr": 0.3, "batch_size": 4},
     "mu": {"steps": 40, "lr": 3e-3, "batch_size": 8},
     "full": {"steps": 40, "lr": 1e-3, "batch_size": 8},  # lr of the skills' copy; its routing row uses FULL_ROW_LR
+    "plain-lora": {"steps": 40, "lr": 3e-3, "batch_size": 8},  # mu's budget: a baseline, not a registration path
 }
 FULL_ROW_LR = 0.1
 
@@ -152,6 +157,13 @@ class Adaptation:
                 self.A.append(A_t.float().to(self.device, copy=True).unsqueeze(0).requires_grad_(True))  # (1, d_in, r)
                 self.B.append(B_t.float().to(self.device, copy=True).unsqueeze(0).requires_grad_(True))  # (1, r, d_out)
             groups.append({"params": self.A + self.B, "lr": self.lr, "weight_decay": 0.0})
+        if method == "plain-lora":
+            for A_t, B_t in layers_from_weights(info, skills, mu_weights(info)):  # only their shapes
+                (d_in, r), d_out = A_t.shape, B_t.shape[1]
+                A = (torch.rand(1, d_in, r, generator=gen) * 2 - 1) / math.sqrt(d_in)
+                self.A.append(A.to(self.device).requires_grad_(True))
+                self.B.append(torch.zeros(1, r, d_out, device=self.device).requires_grad_(True))
+            groups.append({"params": self.A + self.B, "lr": self.lr, "weight_decay": 0.0})
         if method == "full":
             for name in info.layer_names:
                 self.A.append(skills[f"{name}.A"].float().to(self.device, copy=True).requires_grad_(True))
@@ -187,7 +199,7 @@ class Adaptation:
             self.rm.set_materialized(self._weights(), rows=n_rows, frozen_layers=self.frozen_layers)
             return
         index = torch.zeros(n_rows, dtype=torch.long, device=self.device)
-        if self.method == "mu":
+        if self.method in _SINGLE_LORA:
             self.rm.set_gathered(self.A, self.B, index)
             return
         w = self._weights()
@@ -202,7 +214,7 @@ class Adaptation:
                 return {"logits": self.row.detach().to("cpu", copy=True)}
             out: dict[str, torch.Tensor] = {}
             pairs: list[tuple[torch.Tensor, ...]]  # (A_t, B_t) per layer
-            if self.method == "mu":
+            if self.method in _SINGLE_LORA:
                 pairs = [(A[0], B[0]) for A, B in zip(self.A, self.B)]
             else:
                 w = self._weights()

@@ -56,12 +56,13 @@ class Batch:
         return Batch(self.input_ids.to(device), self.attention_mask.to(device), self.labels.to(device))
 
 
-def encode_prompt(tokenizer: Any, text: str) -> list[int]:
-    """Token ids of the formatted prompt for `text` (what serving feeds before generating)."""
-    return list(tokenizer(format_prompt(text)).input_ids)
+def encode_prompt(tokenizer: Any, text: str, context: str = "") -> list[int]:
+    """Token ids of the formatted prompt for `text` (what serving feeds before generating), after
+    `context` (e.g. in-context examples, training.icl) when one is given."""
+    return list(tokenizer(context + format_prompt(text)).input_ids)
 
 
-def encode_example(tokenizer: Any, example: Example, max_length: int = DEFAULT_MAX_LENGTH) -> Encoded:
+def encode_example(tokenizer: Any, example: Example, max_length: int = DEFAULT_MAX_LENGTH, context: str = "") -> Encoded:
     """Prompt tokens masked out of the loss; target = format_target(output) + eos.
 
     When the pair is longer than max_length the prompt loses tokens from its left end first
@@ -71,7 +72,7 @@ def encode_example(tokenizer: Any, example: Example, max_length: int = DEFAULT_M
         raise ValueError(f"max_length must be >= 2, got {max_length}")
     if tokenizer.eos_token_id is None:
         raise ValueError("the tokenizer has no eos token; targets must end with one")
-    prompt = encode_prompt(tokenizer, example.input)
+    prompt = encode_prompt(tokenizer, example.input, context)
     target = list(tokenizer(format_target(example.output), add_special_tokens=False).input_ids)
     target.append(int(tokenizer.eos_token_id))
     overflow = len(prompt) + len(target) - max_length
@@ -82,8 +83,9 @@ def encode_example(tokenizer: Any, example: Example, max_length: int = DEFAULT_M
     return Encoded(tuple(prompt + target), tuple([IGNORE] * len(prompt) + target))
 
 
-def encode_all(tokenizer: Any, examples: Sequence[Example], max_length: int = DEFAULT_MAX_LENGTH) -> list[Encoded]:
-    return [encode_example(tokenizer, ex, max_length) for ex in examples]
+def encode_all(tokenizer: Any, examples: Sequence[Example], max_length: int = DEFAULT_MAX_LENGTH,
+               context: str = "") -> list[Encoded]:
+    return [encode_example(tokenizer, ex, max_length, context) for ex in examples]
 
 
 def pad_rows(rows: Sequence[Sequence[int]], value: int, side: Side) -> torch.Tensor:
@@ -113,9 +115,10 @@ def collate(encoded: Sequence[Encoded], pad_id: int, side: Side = "right") -> Ba
     return Batch(ids, mask, labels)
 
 
-def collate_prompts(tokenizer: Any, inputs: Sequence[str], max_length: int = DEFAULT_MAX_LENGTH) -> Batch:
+def collate_prompts(tokenizer: Any, inputs: Sequence[str], max_length: int = DEFAULT_MAX_LENGTH,
+                    context: str = "") -> Batch:
     """Left-padded prompts for batched generation (labels all -100). Long prompts keep their end."""
-    rows = [encode_prompt(tokenizer, text)[-max_length:] for text in inputs]
+    rows = [encode_prompt(tokenizer, text, context)[-max_length:] for text in inputs]
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
     ids = pad_rows(rows, int(pad), "left")
     mask = pad_rows([[1] * len(r) for r in rows], 0, "left")

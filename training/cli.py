@@ -39,7 +39,7 @@ def _open_store(path: str | None, *, install_default: bool = False):  # -> Store
 
 
 @click.command()
-@click.option("--suite", required=True, help="procedural | PATH.jsonl ({task, input, output} per line)")
+@click.option("--suite", required=True, help="procedural (open vocabulary) | procedural24 (the first 24 words) | PATH.jsonl ({task, input, output} per line)")
 @click.option("--method", required=True, type=click.Choice(["mhr", "poly", "shared", "private", "random-mu", "hyper"]))
 @click.option("--skills", default=8, show_default=True, help="S, skills in the inventory")
 @click.option("--heads", default=8, show_default=True, help="h, routing heads (mhr, random-mu, hyper)")
@@ -233,11 +233,15 @@ def adapt(task, examples_file, method, init, steps, lr, batch_size, seed, store_
 @click.option("--examples", "examples_file", default=None, type=click.Path(exists=True, dir_okay=False),
               help="JSONL with examples for tasks that are not procedural compositions")
 @click.option("--mu", is_flag=True, help="also evaluate zero-shot μ (the skills' average) on each task")
+@click.option("--vocabs", default="train,heldout,madeup", show_default=True,
+              help="procedural tasks: the words of the test inputs, side by side (training.vocab: train, "
+                   "heldout, madeup, legacy); the first one fills the top-level figures")
 @click.option("--backbone", default="default", show_default=True)
 @click.option("--threads", default=None, type=int)
 @click.option("--json-out", default=None, type=click.Path(dir_okay=False))
-def eval_cmd(store_dir, tasks, split, n, seed, examples_file, mu, backbone, threads, json_out) -> None:
-    """Per-task exact match (greedy) and loss; Z statistics of the stored routing rows."""
+def eval_cmd(store_dir, tasks, split, n, seed, examples_file, mu, vocabs, backbone, threads, json_out) -> None:
+    """Per-task exact match (greedy) and loss, on training words and held-out words side by side;
+    Z statistics of the stored routing rows."""
     _threads(threads)
     import torch
 
@@ -246,7 +250,12 @@ def eval_cmd(store_dir, tasks, split, n, seed, examples_file, mu, backbone, thre
     from training.evaluate import evaluate_task
     from training.suite import examples as suite_examples
     from training.suite import parse_task
+    from training.vocab import VOCABS
     from training.zstats import z_stats
+
+    vocab_list = vocabs.split(",")
+    if not vocab_list or not set(vocab_list) <= set(VOCABS):
+        raise click.BadParameter(f"each of {', '.join(VOCABS)}", param_hint="--vocabs")
 
     store = _open_store(store_dir, install_default=True)
     bb, rm, info, skills = _routed(store, backbone)
@@ -258,24 +267,30 @@ def eval_cmd(store_dir, tasks, split, n, seed, examples_file, mu, backbone, thre
         if name not in records:
             raise click.UsageError(f"task {name!r} is not in the store")
         if name in given:
-            exs = given[name][:n]
+            sets = {"given": given[name][:n]}
         else:
             try:
-                exs = suite_examples(parse_task(name), n, seed=seed, split=split)
+                sets = {v: suite_examples([parse_task(name)], n, seed=seed, split=split, vocab=v) for v in vocab_list}
             except ValueError:
                 click.echo(f"skip {name}: not a procedural task and not in --examples", err=True)
                 continue
         rec = records[name]
         layers = task_layers(info, skills, str(rec.kind), store.load_weights(rec))
-        row = {"method": rec.method, **evaluate_task(rm, layers, bb.tokenizer, exs)}
+        by_vocab = {v: evaluate_task(rm, layers, bb.tokenizer, exs) for v, exs in sets.items()}
+        row = {"method": rec.method, **next(iter(by_vocab.values())), "by_vocab": by_vocab}
         if mu:
-            row["mu"] = evaluate_task(rm, mu_weights(info), bb.tokenizer, exs)
+            row["mu"] = {v: evaluate_task(rm, mu_weights(info), bb.tokenizer, exs) for v, exs in sets.items()}
         rows[name] = row
-        click.echo(f"{name:32s} {rec.method:10s} exact_match={row['exact_match']:.3f} loss={row['loss']:.3f}", err=True)
+        cells = " ".join(f"{v}={r['exact_match']:.3f}" for v, r in by_vocab.items())
+        click.echo(f"{name:32s} {rec.method:10s} exact_match {cells} loss={row['loss']:.3f}", err=True)
     routing = [r for r in records.values() if r.kind == "routing"]
     summary: dict = {"tasks": rows, "n": n, "split": split}
     if rows:
         summary["mean_exact_match"] = sum(r["exact_match"] for r in rows.values()) / len(rows)
+        summary["mean_exact_match_by_vocab"] = {
+            v: sum(r["by_vocab"][v]["exact_match"] for r in rows.values() if v in r["by_vocab"])
+            / max(1, sum(v in r["by_vocab"] for r in rows.values()))
+            for v in dict.fromkeys(v for r in rows.values() for v in r["by_vocab"])}
     if routing and info.spec.routing != "hyper" and info.spec.n_skills > 1:  # S = 1: nothing is chosen
         summary["z_stats"] = z_stats(torch.stack([store.load_routing(r.id).float() for r in routing]))
     text = json.dumps(summary, indent=2)

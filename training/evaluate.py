@@ -38,9 +38,9 @@ def exact(prediction: str, reference: str) -> bool:
 
 @torch.no_grad()
 def heldout_loss(rm: RoutedModel, adapter: Adapter, tokenizer: Any, examples: Sequence[Example],
-                 batch_size: int = 16, max_length: int = DEFAULT_MAX_LENGTH) -> float:
-    """Mean over examples of each example's mean target-token cross-entropy."""
-    encoded = encode_all(tokenizer, examples, max_length)
+                 batch_size: int = 16, max_length: int = DEFAULT_MAX_LENGTH, context: str = "") -> float:
+    """Mean over examples of each example's mean target-token cross-entropy (after `context`, if any)."""
+    encoded = encode_all(tokenizer, examples, max_length, context)
     pad = int(tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id)
     total = 0.0
     for i in range(0, len(encoded), batch_size):
@@ -52,13 +52,13 @@ def heldout_loss(rm: RoutedModel, adapter: Adapter, tokenizer: Any, examples: Se
 
 @torch.no_grad()
 def generate(rm: RoutedModel, adapter: Adapter, tokenizer: Any, inputs: Sequence[str], max_new_tokens: int,
-             batch_size: int = 16) -> list[str]:
+             batch_size: int = 16, context: str = "", max_length: int = DEFAULT_MAX_LENGTH) -> list[str]:
     """Greedy completions of the formatted prompts, batched with left padding."""
     out: list[str] = []
     pad = int(tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id)
     for i in range(0, len(inputs), batch_size):
         chunk = list(inputs[i : i + batch_size])
-        batch = collate_prompts(tokenizer, chunk)
+        batch = collate_prompts(tokenizer, chunk, max_length, context)
         set_plan(rm, adapter, len(chunk))
         ids = cast(Any, rm.model).generate(  # torch types the attribute Tensor | Module
             input_ids=batch.input_ids, attention_mask=batch.attention_mask, max_new_tokens=max_new_tokens,
@@ -70,8 +70,12 @@ def generate(rm: RoutedModel, adapter: Adapter, tokenizer: Any, inputs: Sequence
 
 
 def evaluate_task(rm: RoutedModel, adapter: Adapter, tokenizer: Any, examples: Sequence[Example],
-                  batch_size: int = 16, max_new_tokens: int | None = None) -> dict[str, float]:
+                  batch_size: int = 16, max_new_tokens: int | None = None, context: str = "",
+                  max_length: int = DEFAULT_MAX_LENGTH) -> dict[str, float]:
     """{"exact_match": fraction of greedy outputs equal to the reference, "loss": held-out CE}.
+
+    `context` goes before every formatted prompt (in-context examples: training.icl); `max_length`
+    bounds each prompt (its left end is cut), so pass a larger one with a context.
 
     max_new_tokens defaults to the longest reference + eos + 1: a longer output could not match.
     The RoutedModel's previous plan is restored afterwards.
@@ -83,9 +87,10 @@ def evaluate_task(rm: RoutedModel, adapter: Adapter, tokenizer: Any, examples: S
         if max_new_tokens is None:
             max_new_tokens = max(len(tokenizer(" " + ex.output, add_special_tokens=False).input_ids)
                                  for ex in examples) + 2
-        preds = generate(rm, adapter, tokenizer, [ex.input for ex in examples], max_new_tokens, batch_size)
+        preds = generate(rm, adapter, tokenizer, [ex.input for ex in examples], max_new_tokens, batch_size,
+                         context, max_length)
         em = sum(exact(p, ex.output) for p, ex in zip(preds, examples, strict=True)) / len(examples)
-        loss = heldout_loss(rm, adapter, tokenizer, examples, batch_size)
+        loss = heldout_loss(rm, adapter, tokenizer, examples, batch_size, max_length, context)
     finally:
         rm.batch.set(previous)
     return {"exact_match": em, "loss": loss}

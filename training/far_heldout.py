@@ -94,7 +94,7 @@ def far_tasks() -> list[TaskSpec]:
 
 def agreement_inputs(n: int = N_AGREEMENT_INPUTS, seed: int = AGREEMENT_SEED) -> list[str]:
     rng = random.Random(seed)
-    return [random_input(rng) for _ in range(n)]
+    return [random_input(rng, "legacy") for _ in range(n)]  # the bounds were set on the legacy words
 
 
 def output_table(tasks: Sequence[TaskSpec], inputs: Sequence[str], ids: dict[str, int] | None = None) -> np.ndarray:

@@ -2,7 +2,9 @@
 
 Inputs are short space-separated sequences (3-6 tokens) of lowercase words
 and small numbers (0-20), always holding at least one word and one number,
-e.g. ``"cat 7 dog cat"``. Primitive skills are pure ``str -> str`` functions
+e.g. ``"cat 7 dog cat"``. The words come from a vocabulary (:mod:`training.vocab`):
+thousands of English words and made-up strings for training, others held out
+for evaluation, or the first suite's 24 words (``"legacy"``). Primitive skills are pure ``str -> str`` functions
 on such sequences; a task applies 1-3 of them left to right and is named by
 joining the primitive names with ``.``:
 
@@ -29,16 +31,14 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
 from training.data import Example, write_jsonl
+from training.vocab import LEGACY_WORDS, VOCABS, draw_word
 
 __all__ = [
     "PRIMITIVES", "SPLITS", "TERMINAL_PRIMITIVES", "Suite", "TaskSpec", "build_suite", "examples",
     "parse_task", "probe_inputs", "random_input", "suite_examples", "write_jsonl",
 ]
 
-WORDS = (
-    "cat", "dog", "sun", "map", "red", "blue", "tree", "fish", "bird", "star", "moon", "rock",
-    "leaf", "rain", "wind", "fire", "lake", "hill", "road", "ship", "king", "rose", "milk", "salt",
-)
+WORDS = LEGACY_WORDS
 MAX_NUMBER = 20
 SPLITS = ("train", "valid", "test")
 N_PROBES = 50
@@ -192,11 +192,11 @@ def parse_task(name: str) -> TaskSpec:
 
 # --- inputs -------------------------------------------------------------------------------------
 
-def random_input(rng: random.Random) -> str:
-    """A 3-6 token input with at least one word and one number; ~40% repeat a token."""
+def random_input(rng: random.Random, vocab: str = "train") -> str:
+    """A 3-6 token input with at least one word (of ``vocab``) and one number; ~40% repeat a token."""
     while True:
         n = rng.randrange(3, 7)
-        toks = [WORDS[rng.randrange(len(WORDS))] if rng.random() < 0.6 else str(rng.randrange(MAX_NUMBER + 1))
+        toks = [draw_word(rng, vocab) if rng.random() < 0.6 else str(rng.randrange(MAX_NUMBER + 1))
                 for _ in range(n)]
         if rng.random() < 0.4:
             i = rng.randrange(n - 1)
@@ -212,19 +212,22 @@ def _split_of(text: str) -> str:
 
 
 def probe_inputs(n: int = N_PROBES) -> list[str]:
-    """A fixed set of distinct inputs used to tell task functions apart."""
+    """A fixed set of distinct inputs used to tell task functions apart (on the legacy words, so the
+    suite's tasks stay the ones every inventory was trained and measured on)."""
     rng = random.Random(_seed("probe"))
     out: dict[str, None] = {}
     while len(out) < n:
-        out[random_input(rng)] = None
+        out[random_input(rng, "legacy")] = None
     return list(out)
 
 
-def examples(task: TaskSpec, n: int, seed: int, split: str = "train") -> list[Example]:
-    """``n`` examples of ``task``, deterministic in ``(task.name, seed, split)``.
+def examples(task: TaskSpec, n: int, seed: int, split: str = "train", vocab: str = "train") -> list[Example]:
+    """``n`` examples of ``task`` with words of ``vocab``, deterministic in ``(task.name, seed, split, vocab)``.
 
     A smaller ``n`` gives a prefix of a larger one; inputs are distinct within
-    a call where possible; the splits draw from disjoint sets of inputs.
+    a call where possible; the splits draw from disjoint sets of inputs. Training
+    suites use ``vocab="train"`` only; ``"heldout"`` and ``"madeup"`` words are
+    for few-shot and test inputs (:mod:`training.vocab`).
 
     >>> ex = examples(parse_task("upper"), 2, seed=0, split="test")
     >>> len(ex), all(e.output == e.input.upper() for e in ex)
@@ -232,12 +235,16 @@ def examples(task: TaskSpec, n: int, seed: int, split: str = "train") -> list[Ex
     """
     if split not in SPLITS:
         raise ValueError(f"split must be one of {SPLITS}, got {split!r}")
-    rng = random.Random(_seed("examples", task.name, seed, split))
+    if vocab not in VOCABS:
+        raise ValueError(f"vocab must be one of {VOCABS}, got {vocab!r}")
+    # the legacy vocabulary keeps the seeds, and so the exact examples, of the first suite
+    rng = random.Random(_seed("examples", task.name, seed, split) if vocab == "legacy"
+                        else _seed("examples", task.name, seed, split, vocab))
     seen: set[str] = set()
     out: list[Example] = []
     budget = 200 * n + 1000
     while len(out) < n:
-        text = random_input(rng)
+        text = random_input(rng, vocab)
         if _split_of(text) != split:
             continue
         budget -= 1
@@ -248,9 +255,10 @@ def examples(task: TaskSpec, n: int, seed: int, split: str = "train") -> list[Ex
     return out
 
 
-def suite_examples(tasks: Iterable[TaskSpec], n_per_task: int, seed: int, split: str = "train") -> list[Example]:
+def suite_examples(tasks: Iterable[TaskSpec], n_per_task: int, seed: int, split: str = "train",
+                   vocab: str = "train") -> list[Example]:
     """:func:`examples` for each task in turn, concatenated."""
-    return [ex for t in tasks for ex in examples(t, n_per_task, seed, split)]
+    return [ex for t in tasks for ex in examples(t, n_per_task, seed, split, vocab)]
 
 
 # --- the suite ----------------------------------------------------------------------------------

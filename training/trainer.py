@@ -343,13 +343,19 @@ def _shape(spec: InventorySpec, names: tuple[str, ...]) -> str:
     return f"S={spec.n_skills} h={spec.n_heads} r={spec.rank} {spec.routing} on {len(names)} linears"
 
 
+#: Named suites: the procedural suite's 48 training tasks, on its open vocabulary of training words
+#: or on the first suite's 24 words (kept to compare older inventories on the data they saw).
+NAMED_SUITES = {"procedural": "train", "procedural24": "legacy"}
+
+
 def suite_tasks(suite: str, examples_per_task: int, seed: int) -> dict[str, list[Example]]:
-    """Training tasks: "procedural" (the shipped suite's 48 training tasks) or a JSONL file."""
+    """Training tasks: a named suite (NAMED_SUITES) or a JSONL file."""
     from training.data import group_by_task, load_jsonl
     from training.suite import build_suite, examples
 
-    if suite == "procedural":
-        return {t.name: examples(t, examples_per_task, seed=seed, split="train") for t in build_suite(0).train_tasks}
+    if suite in NAMED_SUITES:
+        return {t.name: examples(t, examples_per_task, seed=seed, split="train", vocab=NAMED_SUITES[suite])
+                for t in build_suite(0).train_tasks}
     groups = group_by_task(load_jsonl(suite))
     return {t: exs[:examples_per_task] for t, exs in groups.items()}
 

@@ -1,0 +1,26 @@
+"""In-context learning: what a user with no adapter does with k examples (the baseline every
+registration method is weighed against, docs/RESULTS.md).
+
+The examples go before the query in the same prompt format a task is trained and served with, one
+solved example after another, so the bare backbone sees what the task looks like:
+
+>>> from training.data import Example
+>>> icl_context([Example("t", "cat 3", "CAT 3")])
+'Input: cat 3\\nOutput: CAT 3\\n\\n'
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from adapters_store.prompt import format_prompt, format_target
+from training.data import Example
+
+#: Room for 16 demonstrations of the procedural suite and a query (about 25 tokens each);
+#: evaluation cuts a longer prompt's left end, dropping the earliest demonstrations first.
+ICL_MAX_LENGTH = 1024
+
+
+def icl_context(demonstrations: Sequence[Example]) -> str:
+    """The demonstrations, each as prompt + answer, separated by a blank line."""
+    return "".join(format_prompt(d.input) + format_target(d.output) + "\n\n" for d in demonstrations)
