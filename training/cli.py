@@ -39,7 +39,8 @@ def _open_store(path: str | None, *, install_default: bool = False):  # -> Store
 
 
 @click.command()
-@click.option("--suite", required=True, help="procedural (open vocabulary) | procedural24 (the first 24 words) | PATH.jsonl ({task, input, output} per line)")
+@click.option("--suite", required=True, help="procedural (open vocabulary) | procedural24 (the first 24 words) | bigbench (its training "
+                   "tasks, built by scripts/bigbench_suite.py) | PATH.jsonl ({task, input, output} per line)")
 @click.option("--method", required=True, type=click.Choice(["mhr", "poly", "shared", "private", "random-mu", "hyper"]))
 @click.option("--skills", default=8, show_default=True, help="S, skills in the inventory")
 @click.option("--heads", default=8, show_default=True, help="h, routing heads (mhr, random-mu, hyper)")

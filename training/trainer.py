@@ -353,6 +353,10 @@ def suite_tasks(suite: str, examples_per_task: int, seed: int) -> dict[str, list
     from training.data import group_by_task, load_jsonl
     from training.suite import build_suite, examples
 
+    if suite == "bigbench":  # the BIG-bench suite's training tasks (scripts/bigbench_suite.py builds it)
+        from training.bigbench import training_suite
+
+        return training_suite(examples_per_task)
     if suite in NAMED_SUITES:
         return {t.name: examples(t, examples_per_task, seed=seed, split="train", vocab=NAMED_SUITES[suite])
                 for t in build_suite(0).train_tasks}
