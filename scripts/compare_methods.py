@@ -23,7 +23,9 @@ from __future__ import annotations
 
 import argparse
 import json
+import random
 import time
+from collections import Counter
 from pathlib import Path
 
 import torch
@@ -36,8 +38,11 @@ def main() -> None:
     ap.add_argument("--backbone", default="default")
     ap.add_argument("--tasks", type=int, default=16,
                     help="N tasks of --task-set, evenly spaced in its order (pairs first, then triples)")
-    ap.add_argument("--task-set", choices=["heldout", "far"], default="heldout",
-                    help="heldout: build_suite's 16 held-out tasks; far: training/far_heldout.py's FAR_HELDOUT")
+    ap.add_argument("--task-set", choices=["heldout", "far", "bigbench"], default="heldout",
+                    help="heldout: build_suite's 16 held-out tasks; far: training/far_heldout.py's FAR_HELDOUT; "
+                         "bigbench: the BIG-bench suite's held-out (BIG-Bench Hard) tasks (training/bigbench.py)")
+    ap.add_argument("--max-length", type=int, default=None,
+                    help="prompt + answer tokens in adaptation and evaluation (default 128; 384 for bigbench)")
     ap.add_argument("--seeds", default="0,1,2")
     ap.add_argument("--k", type=int, default=16)
     ap.add_argument("--n-test", type=int, default=16)
@@ -68,7 +73,9 @@ def main() -> None:
     from adapters_store.store import Store
     from training.adapt import adapt
     from training.batching import DEFAULT_MAX_LENGTH
-    from training.evaluate import evaluate_task
+    from training.bigbench import load_cache
+    from training.data import Example
+    from training.evaluate import score_rows
     from training.far_heldout import far_tasks
     from training.icl import ICL_MAX_LENGTH, icl_context
     from training.retrieve import retrieve
@@ -82,31 +89,53 @@ def main() -> None:
     rm.load_skills(skills)
     store_itemsize = next(iter(skills.values())).element_size()
     skills = {k: v.float() for k, v in skills.items()}
-    held = build_suite(0).heldout_tasks if args.task_set == "heldout" else far_tasks()
-    tasks = [held[(i * len(held)) // args.tasks] for i in range(min(args.tasks, len(held)))]
+    max_length = args.max_length or (384 if args.task_set == "bigbench" else DEFAULT_MAX_LENGTH)
+    if args.task_set == "bigbench":
+        held_bb = {t.id: t for t in load_cache() if t.heldout}
+        names = sorted(held_bb)
+        args.vocabs = "task"  # real tasks bring their own words
+    else:
+        by_name = {t.name: t for t in (build_suite(0).heldout_tasks if args.task_set == "heldout" else far_tasks())}
+        names = list(by_name)
+    names = [names[(i * len(names)) // args.tasks] for i in range(min(args.tasks, len(names)))]
+
+    def case(name: str, vocab: str, seed: int) -> tuple[list[Example], list[dict]]:
+        """The k examples a user gives (seeded) and the fixed test rows."""
+        if args.task_set == "bigbench":
+            t = held_bb[name]
+            pool = t.examples("train") + t.examples("valid")
+            few = random.Random(f"{name}/{seed}").sample(pool, min(args.k, len(pool)))
+            return few, t.split_rows("test")[: args.n_test]
+        task = by_name[name]
+        few = examples(task, args.k, seed=1000 + seed, split="train" if vocab == "legacy" else "valid", vocab=vocab)
+        test = [ex.to_dict() for ex in examples(task, args.n_test, seed=0, split="test", vocab=vocab)]
+        return few, test
+
     out = Path(args.out)
     records = json.loads(out.read_text()) if out.exists() else []
     done = {(r["inventory"], r["task"], r.get("vocab", "legacy"), r["seed"], r["method"]) for r in records}
     vocabs = args.vocabs.split(",")
-    if not set(vocabs) <= set(VOCABS):
+    if args.task_set != "bigbench" and not set(vocabs) <= set(VOCABS):
         ap.error(f"--vocabs: each of {VOCABS}")
     label = args.label or info.made_by.get("method", "?")
     candidates = {r.id: store.load_routing(r.id) for r in store.list_tasks() if r.kind == "routing" and r.status == "ready"}
     recipe = {"lr": args.lr, "max_steps": args.max_steps, "batch_size": args.batch_size,
               "eval_every": args.eval_every, "patience": args.patience,
-              "autocast": args.autocast, "holdout_fraction": args.holdout}
-    for task, vocab in [(t, v) for t in tasks for v in vocabs]:
-        test = examples(task, args.n_test, seed=0, split="test", vocab=vocab)
+              "autocast": args.autocast, "holdout_fraction": args.holdout, "max_length": max_length}
+    for name, vocab in [(n, v) for n in names for v in vocabs]:
         for seed in [int(s) for s in args.seeds.split(",")]:
-            few = examples(task, args.k, seed=1000 + seed, split="train" if vocab == "legacy" else "valid",
-                           vocab=vocab)
+            few, test = case(name, vocab, seed)
             for method in args.methods.split(","):
-                key = (label, task.name, vocab, seed, method)
+                key = (label, name, vocab, seed, method)
                 if key in done or (method in ("mu0", "zero") and seed != int(args.seeds.split(",")[0])):
                     continue
                 started = time.perf_counter()
-                context, stored = "", 0
-                if method == "mu0":
+                context, stored, answer = "", 0, None
+                if method == "majority":  # always the examples' most frequent answer
+                    layers, params, metrics = None, 0, {}
+                    answer = Counter(ex.output for ex in few).most_common(1)[0][0]
+                    stored = len(answer.encode())
+                elif method == "mu0":
                     layers, params, metrics = mu_weights(info), 0, {}
                 elif method in ("zero", "icl"):
                     layers, params, metrics = None, 0, {}
@@ -115,8 +144,8 @@ def main() -> None:
                         stored = len(context.encode())
                 else:
                     if method in ("retrieve", "routing-r"):
-                        res = retrieve(rm, info, {n: r for n, r in candidates.items() if n != task.name}, few,
-                                       bb.tokenizer, seed=seed, autocast=args.autocast)
+                        res = retrieve(rm, info, {n: r for n, r in candidates.items() if n != name}, few,
+                                       bb.tokenizer, seed=seed, autocast=args.autocast, max_length=max_length)
                     if method == "routing-r":
                         res = adapt(rm, info, skills, few, bb.tokenizer, method="routing", steps=args.steps,
                                     seed=seed, init_row=res.tensors["logits"], trained_share=args.trained_share,
@@ -130,9 +159,15 @@ def main() -> None:
                     stored = sum(t.numel() * (4 if res.kind == "routing" else store_itemsize)
                                  for t in res.tensors.values())
                 adapt_s = time.perf_counter() - started
-                scores = evaluate_task(rm, layers, bb.tokenizer, test, context=context,
-                                       max_length=ICL_MAX_LENGTH if context else DEFAULT_MAX_LENGTH)
-                rec = {"inventory": label, "task": task.name, "vocab": vocab, "seed": seed, "method": method,
+                if answer is not None:
+                    scores = {"exact_match": sum(answer.strip() in [a.strip() for a in r.get("targets") or [r["output"]]]
+                                                 for r in test) / len(test)}
+                    if any(r.get("choices") for r in test):
+                        scores["ll_acc"] = scores["exact_match"]
+                else:
+                    scores = score_rows(rm, layers, bb.tokenizer, test, context=context,
+                                        max_length=max(ICL_MAX_LENGTH, 4 * max_length) if context else max_length)
+                rec = {"inventory": label, "task": name, "vocab": vocab, "seed": seed, "method": method,
                        "k": args.k, "n_test": args.n_test, **scores, "params": params, "stored_bytes": stored,
                        "adapt_seconds": round(adapt_s, 2),
                        "steps_run": metrics.get("steps_run"), "best_step": metrics.get("best_step"),

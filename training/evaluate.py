@@ -12,9 +12,17 @@ from collections.abc import Sequence
 from typing import Any, cast
 
 import torch
+import torch.nn.functional as F
 
 from adapters_store.inject import RoutedModel
-from training.batching import DEFAULT_MAX_LENGTH, collate, collate_prompts, encode_all
+from training.batching import (
+    DEFAULT_MAX_LENGTH,
+    Encoded,
+    collate,
+    collate_prompts,
+    encode_all,
+    encode_example,
+)
 from training.data import Example
 from training.loss import per_example_loss, target_logits
 
@@ -94,3 +102,48 @@ def evaluate_task(rm: RoutedModel, adapter: Adapter, tokenizer: Any, examples: S
     finally:
         rm.batch.set(previous)
     return {"exact_match": em, "loss": loss}
+
+
+@torch.no_grad()
+def choice_logprobs(rm: RoutedModel, adapter: Adapter, tokenizer: Any, question: str, choices: Sequence[str],
+                    context: str = "", max_length: int = DEFAULT_MAX_LENGTH) -> list[float]:
+    """Each choice's summed log-probability as the answer to `question` (lm-eval's multiple-choice
+    ranking: the choice's own tokens, not the end of sequence after it)."""
+    rows = []
+    for choice in choices:
+        enc = encode_example(tokenizer, Example("", question, choice), max_length, context)
+        rows.append(Encoded(enc.input_ids[:-1], enc.labels[:-1]))
+    pad = int(tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id)
+    set_plan(rm, adapter, len(rows))
+    t = target_logits(rm.model, collate(rows, pad))
+    logp = -F.cross_entropy(t.logits, t.targets, reduction="none")
+    return logp.new_zeros(t.n_rows).index_add_(0, t.rows, logp).tolist()
+
+
+def score_rows(rm: RoutedModel, adapter: Adapter, tokenizer: Any, rows: Sequence[dict[str, Any]],
+               context: str = "", max_length: int = DEFAULT_MAX_LENGTH, batch_size: int = 16) -> dict[str, float]:
+    """Suite rows with several right answers or choices (training.bigbench): {"exact_match": the greedy
+    answer equals one of the row's targets, "ll_acc": the best-ranked choice is the answer (rows with
+    choices only), "loss"}. The RoutedModel's previous plan is restored afterwards."""
+    if not rows:
+        raise ValueError("score_rows needs at least one row")
+    examples = [Example(str(r.get("task", "")), r["input"], r["output"]) for r in rows]
+    previous = rm.batch.plan
+    try:
+        answers = [list(r.get("targets") or [r["output"]]) for r in rows]
+        longest = max(len(tokenizer(" " + a, add_special_tokens=False).input_ids) for ans in answers for a in ans)
+        preds = generate(rm, adapter, tokenizer, [ex.input for ex in examples], longest + 2, batch_size,
+                         context, max_length)
+        out = {"exact_match": sum(any(exact(p, a) for a in ans) for p, ans in zip(preds, answers, strict=True))
+               / len(rows)}
+        ranked = [r for r in rows if r.get("choices")]
+        if ranked:
+            hits = 0
+            for r in ranked:
+                lp = choice_logprobs(rm, adapter, tokenizer, r["input"], r["choices"], context, max_length)
+                hits += r["choices"][max(range(len(lp)), key=lp.__getitem__)] == r["output"]
+            out["ll_acc"] = hits / len(ranked)
+        out["loss"] = heldout_loss(rm, adapter, tokenizer, examples, batch_size, max_length, context)
+    finally:
+        rm.batch.set(previous)
+    return out
