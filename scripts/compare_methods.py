@@ -11,7 +11,9 @@ Methods: "zero" the bare backbone; "icl" the bare backbone with the k examples i
 (training.icl); "plain-lora" a LoRA of the inventory's rank on the same linears trained on the k
 examples (training.adapt); "mu0" zero-shot μ; "retrieve" the routing row retrieved from the
 store's tasks (training.retrieve, no gradient step); "routing-r" a routing row trained from that
-retrieved row (what a registration does); "routing", "mu", "full" as in training.adapt. Each
+retrieved row (what a registration does); "mix" a gradient-free mix of stored rows (LoraHub's idea,
+training.mix_search); "majority" always the examples' most frequent answer; "routing", "mu", "full"
+as in training.adapt. Each
 record holds the bytes a server stores for the task (the k examples' text for "icl"). Writes
 results incrementally as JSON (one record per task x vocabulary x seed x method).
 
@@ -78,6 +80,7 @@ def main() -> None:
     from training.evaluate import score_rows
     from training.far_heldout import far_tasks
     from training.icl import ICL_MAX_LENGTH, icl_context
+    from training.mix_search import gradient_free_mix
     from training.retrieve import retrieve
     from training.suite import build_suite, examples
     from training.vocab import VOCABS
@@ -143,6 +146,9 @@ def main() -> None:
                         context = icl_context(few)
                         stored = len(context.encode())
                 else:
+                    if method == "mix":
+                        res = gradient_free_mix(rm, info, {n: r for n, r in candidates.items() if n != name}, few,
+                                                bb.tokenizer, seed=seed, autocast=args.autocast, max_length=max_length)
                     if method in ("retrieve", "routing-r"):
                         res = retrieve(rm, info, {n: r for n, r in candidates.items() if n != name}, few,
                                        bb.tokenizer, seed=seed, autocast=args.autocast, max_length=max_length)
@@ -150,7 +156,7 @@ def main() -> None:
                         res = adapt(rm, info, skills, few, bb.tokenizer, method="routing", steps=args.steps,
                                     seed=seed, init_row=res.tensors["logits"], trained_share=args.trained_share,
                                     **recipe)
-                    elif method != "retrieve":
+                    elif method not in ("retrieve", "mix"):
                         share = {"trained_share": args.trained_share} if method == "routing" else {}
                         res = adapt(rm, info, skills, few, bb.tokenizer, method=method, steps=args.steps, seed=seed,
                                     **share, **recipe)
