@@ -44,7 +44,7 @@ def main() -> None:
                     help="heldout: build_suite's 16 held-out tasks; far: training/far_heldout.py's FAR_HELDOUT; "
                          "bigbench: the BIG-bench suite's held-out (BIG-Bench Hard) tasks (training/bigbench.py)")
     ap.add_argument("--max-length", type=int, default=None,
-                    help="prompt + answer tokens in adaptation and evaluation (default 128; 384 for bigbench)")
+                    help="prompt + answer tokens in adaptation and evaluation (default: training.batching.FEW_SHOT_MAX_LENGTH)")
     ap.add_argument("--seeds", default="0,1,2")
     ap.add_argument("--k", type=int, default=16)
     ap.add_argument("--n-test", type=int, default=16)
@@ -74,7 +74,7 @@ def main() -> None:
     from adapters_store.materialize import mu_weights, task_layers
     from adapters_store.store import Store
     from training.adapt import adapt
-    from training.batching import DEFAULT_MAX_LENGTH
+    from training.batching import FEW_SHOT_MAX_LENGTH
     from training.bigbench import load_cache
     from training.data import Example
     from training.evaluate import score_rows
@@ -92,7 +92,7 @@ def main() -> None:
     rm.load_skills(skills)
     store_itemsize = next(iter(skills.values())).element_size()
     skills = {k: v.float() for k, v in skills.items()}
-    max_length = args.max_length or (384 if args.task_set == "bigbench" else DEFAULT_MAX_LENGTH)
+    max_length = args.max_length or FEW_SHOT_MAX_LENGTH
     if args.task_set == "bigbench":
         held_bb = {t.id: t for t in load_cache() if t.heldout}
         names = sorted(held_bb)

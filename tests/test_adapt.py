@@ -177,6 +177,20 @@ def test_plain_lora_starts_at_the_bare_backbone_with_peft_initialisation(invento
     assert res.metrics["initial_eval_loss"] == pytest.approx(heldout_loss(rm, None, tokenizer, few()[12:]), rel=0.02)
 
 
+def test_long_examples_are_kept_whole_up_to_the_few_shot_cap(inventory, tokenizer):
+    """A user's real task has prompts of a few hundred tokens: adaptation must train on the whole prompt
+    it will serve, not on its last 128 tokens (the pre-training length)."""
+    rm, info, skills = inventory
+    from training.batching import DEFAULT_MAX_LENGTH, FEW_SHOT_MAX_LENGTH
+    from training.data import Example
+
+    long = [Example("t", "word " * 60 + str(i), "ok") for i in range(8)]  # ~300 tokens of the byte tokenizer
+    job = Adaptation(rm, info, skills, long, tokenizer, method="routing", steps=1)
+    lengths = {len(e.input_ids) for e in job.train}
+    assert DEFAULT_MAX_LENGTH < min(lengths) and max(lengths) <= FEW_SHOT_MAX_LENGTH
+    assert all(e.input_ids[-1] == tokenizer.eos_token_id for e in job.train)  # the answer is whole too
+
+
 def test_routing_row_starts_near_mu(inventory, tokenizer):
     rm, info, skills = inventory
     job = Adaptation(rm, info, skills, few(), tokenizer, method="routing", steps=0)

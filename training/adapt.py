@@ -37,7 +37,7 @@ from adapters_store.combine import materialize_many
 from adapters_store.inject import RoutedModel
 from adapters_store.materialize import layers_from_weights, mu_weights
 from adapters_store.records import InventoryInfo
-from training.batching import DEFAULT_MAX_LENGTH, collate, encode_all
+from training.batching import FEW_SHOT_MAX_LENGTH, collate, encode_all
 from training.data import Example, split_examples
 from training.loss import per_example_loss, target_logits, token_loss
 from training.precision import FrozenBf16Weights, resolve_autocast
@@ -92,7 +92,7 @@ class Adaptation:
         *,
         eval_every: int = 5,
         patience: int = 3,
-        max_length: int = DEFAULT_MAX_LENGTH,
+        max_length: int = FEW_SHOT_MAX_LENGTH,
         autocast: bool | str | None = None,
         init_row: torch.Tensor | None = None,
         trained_share: float = 1.0,

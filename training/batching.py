@@ -24,7 +24,11 @@ from adapters_store.prompt import format_prompt, format_target
 from training.data import Example
 
 IGNORE = -100
-DEFAULT_MAX_LENGTH = 128
+DEFAULT_MAX_LENGTH = 128  # pre-training of an inventory: the suites' examples are short
+# Few-shot adaptation, retrieval and evaluation: a cap, not a length (a batch pads to its longest
+# example), so short examples cost nothing more; it keeps a user's longer examples (real tasks run to
+# a few hundred tokens) whole instead of training on prompts cut at the left and serving them whole.
+FEW_SHOT_MAX_LENGTH = 512
 Side = Literal["left", "right"]
 
 

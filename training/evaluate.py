@@ -16,7 +16,7 @@ import torch.nn.functional as F
 
 from adapters_store.inject import RoutedModel
 from training.batching import (
-    DEFAULT_MAX_LENGTH,
+    FEW_SHOT_MAX_LENGTH,
     Encoded,
     collate,
     collate_prompts,
@@ -46,7 +46,7 @@ def exact(prediction: str, reference: str) -> bool:
 
 @torch.no_grad()
 def heldout_loss(rm: RoutedModel, adapter: Adapter, tokenizer: Any, examples: Sequence[Example],
-                 batch_size: int = 16, max_length: int = DEFAULT_MAX_LENGTH, context: str = "") -> float:
+                 batch_size: int = 16, max_length: int = FEW_SHOT_MAX_LENGTH, context: str = "") -> float:
     """Mean over examples of each example's mean target-token cross-entropy (after `context`, if any)."""
     encoded = encode_all(tokenizer, examples, max_length, context)
     pad = int(tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id)
@@ -60,7 +60,7 @@ def heldout_loss(rm: RoutedModel, adapter: Adapter, tokenizer: Any, examples: Se
 
 @torch.no_grad()
 def generate(rm: RoutedModel, adapter: Adapter, tokenizer: Any, inputs: Sequence[str], max_new_tokens: int,
-             batch_size: int = 16, context: str = "", max_length: int = DEFAULT_MAX_LENGTH) -> list[str]:
+             batch_size: int = 16, context: str = "", max_length: int = FEW_SHOT_MAX_LENGTH) -> list[str]:
     """Greedy completions of the formatted prompts, batched with left padding."""
     out: list[str] = []
     pad = int(tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id)
@@ -79,7 +79,7 @@ def generate(rm: RoutedModel, adapter: Adapter, tokenizer: Any, inputs: Sequence
 
 def evaluate_task(rm: RoutedModel, adapter: Adapter, tokenizer: Any, examples: Sequence[Example],
                   batch_size: int = 16, max_new_tokens: int | None = None, context: str = "",
-                  max_length: int = DEFAULT_MAX_LENGTH) -> dict[str, float]:
+                  max_length: int = FEW_SHOT_MAX_LENGTH) -> dict[str, float]:
     """{"exact_match": fraction of greedy outputs equal to the reference, "loss": held-out CE}.
 
     `context` goes before every formatted prompt (in-context examples: training.icl); `max_length`
@@ -106,7 +106,7 @@ def evaluate_task(rm: RoutedModel, adapter: Adapter, tokenizer: Any, examples: S
 
 @torch.no_grad()
 def choice_logprobs(rm: RoutedModel, adapter: Adapter, tokenizer: Any, question: str, choices: Sequence[str],
-                    context: str = "", max_length: int = DEFAULT_MAX_LENGTH) -> list[float]:
+                    context: str = "", max_length: int = FEW_SHOT_MAX_LENGTH) -> list[float]:
     """Each choice's summed log-probability as the answer to `question` (lm-eval's multiple-choice
     ranking: the choice's own tokens, not the end of sequence after it)."""
     rows = []
@@ -121,7 +121,7 @@ def choice_logprobs(rm: RoutedModel, adapter: Adapter, tokenizer: Any, question:
 
 
 def score_rows(rm: RoutedModel, adapter: Adapter, tokenizer: Any, rows: Sequence[dict[str, Any]],
-               context: str = "", max_length: int = DEFAULT_MAX_LENGTH, batch_size: int = 16) -> dict[str, float]:
+               context: str = "", max_length: int = FEW_SHOT_MAX_LENGTH, batch_size: int = 16) -> dict[str, float]:
     """Suite rows with several right answers or choices (training.bigbench): {"exact_match": the greedy
     answer equals one of the row's targets, "ll_acc": the best-ranked choice is the answer (rows with
     choices only), "loss"}. The RoutedModel's previous plan is restored afterwards."""

@@ -24,7 +24,7 @@ import torch
 from adapters_store.inject import RoutedModel
 from adapters_store.records import InventoryInfo
 from training.adapt import AdaptResult
-from training.batching import DEFAULT_MAX_LENGTH, collate, encode_all
+from training.batching import FEW_SHOT_MAX_LENGTH, collate, encode_all
 from training.data import Example
 from training.loss import target_logits, token_loss
 from training.precision import resolve_autocast
@@ -40,7 +40,7 @@ def mixed_row(rows: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
 def gradient_free_mix(rm: RoutedModel, info: InventoryInfo, candidates: Mapping[str, torch.Tensor],
                       examples: list[Example], tokenizer: Any, *, seed: int = 0, n_rows: int = 20,
                       budget: int = 40, population: int = 8, sigma: float = 0.5, shrink: float = 0.7,
-                      l1: float = 0.05, max_length: int = DEFAULT_MAX_LENGTH,
+                      l1: float = 0.05, max_length: int = FEW_SHOT_MAX_LENGTH,
                       autocast: bool | str | None = None) -> AdaptResult:
     """Search mixing weights of `n_rows` random stored rows with `budget` loss evaluations."""
     if info.spec.routing == "hyper":

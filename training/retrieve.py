@@ -30,7 +30,7 @@ import torch
 from adapters_store.inject import RoutedModel
 from adapters_store.records import InventoryInfo
 from training.adapt import AdaptResult
-from training.batching import DEFAULT_MAX_LENGTH, Encoded, collate, encode_all
+from training.batching import FEW_SHOT_MAX_LENGTH, Encoded, collate, encode_all
 from training.data import Example, split_examples
 from training.loss import per_example_loss, target_logits
 from training.precision import resolve_autocast
@@ -74,7 +74,7 @@ class Retrieval:
         holdout_fraction: float = 0.25,
         ks: tuple[int, ...] = DEFAULT_KS,
         rows_per_step: int = 32,
-        max_length: int = DEFAULT_MAX_LENGTH,
+        max_length: int = FEW_SHOT_MAX_LENGTH,
         autocast: bool | str | None = None,
         progress: Callable[[dict], None] | None = None,
     ) -> None:
