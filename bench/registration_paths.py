@@ -30,6 +30,7 @@ import httpx
 from adapters_store.home import polyserve_home
 from adapters_store.store import Store
 from bench.local_server import polyserve_server
+from training.bigbench import load_cache
 from training.shipped_inventory import install_default_inventory
 from training.suite import build_suite, examples
 
@@ -80,6 +81,9 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=2)
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--paths", default="cli,http", help="cli (polyserve adapt), http (polyserve serve)")
+    ap.add_argument("--task", default=None,
+                    help="a held-out task of the procedural suite (default: its first) or of the BIG-bench suite "
+                         "(bb-..., its longer examples; scripts/bigbench_suite.py builds it)")
     ap.add_argument("--inventories", default="", help="directories in the shipped layout (default: the "
                     "shipped inventory only); 'shipped' names the shipped one")
     args = ap.parse_args()
@@ -87,11 +91,17 @@ def main() -> None:
     chosen = [paths[p] for p in args.paths.split(",")]
     inventories: list[Path | None] = [None if d == "shipped" else Path(d) for d in args.inventories.split(",") if d] or [None]
     cache = polyserve_home()
-    task = build_suite().heldout_tasks[0]
-    train = examples(task, args.k, seed=0, split="train")
+    if args.task and args.task.startswith("bb-"):
+        bb = {t.id: t for t in load_cache() if t.heldout}
+        if args.task not in bb:
+            raise SystemExit(f"{args.task} is not a held-out task of the BIG-bench suite: {sorted(bb)}")
+        name, train = args.task, bb[args.task].examples("train")[: args.k]
+    else:
+        task = build_suite().task(args.task) if args.task else build_suite().heldout_tasks[0]
+        name, train = task.name, examples(task, args.k, seed=0, split="train")
     jsonl = Path(tempfile.mkdtemp()) / "examples.jsonl"
     jsonl.write_text("".join(json.dumps({"input": e.input, "output": e.output}) + "\n" for e in train))
-    print(f"{task.name}, k = {args.k}, {args.threads} threads, {args.repeats} repeats (paths alternated)")
+    print(f"{name}, k = {args.k}, {args.threads} threads, {args.repeats} repeats (paths alternated)")
     for method in args.methods.split(","):
         runs: dict[str, list[tuple[float, float]]] = {}
         for _ in range(args.repeats):
