@@ -389,5 +389,13 @@ def test_cli_train_eval_adapt_plot(tmp_path):
     assert res.exit_code == 0, res.output
     summary = json.loads(res.output[res.output.index("{"):])
     assert set(summary["tasks"]) == {"upper"} and 0 <= summary["z_stats"]["discreteness"] <= 1
+    # training words and held-out words side by side; the first vocabulary fills the top-level figures
+    assert set(summary["mean_exact_match_by_vocab"]) == {"train", "heldout", "madeup"}
+    row = summary["tasks"]["upper"]
+    assert set(row["by_vocab"]) == {"train", "heldout", "madeup"} and row["loss"] == row["by_vocab"]["train"]["loss"]
+    assert row["by_vocab"]["madeup"]["loss"] != row["by_vocab"]["train"]["loss"]  # other inputs
+    res = runner.invoke(cli.eval, ["--store", store, "--backbone", "tiny", "--tasks", "upper", "--n", "2",
+                                   "--vocabs", "legacy,klingon"])
+    assert res.exit_code == 2 and "--vocabs" in res.output
     res = runner.invoke(cli.routing_plot, ["--store", store, "--out", str(tmp_path / "p.png")])
     assert res.exit_code == 0 and (tmp_path / "p.png").stat().st_size > 1000

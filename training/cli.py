@@ -271,7 +271,7 @@ def eval_cmd(store_dir, tasks, split, n, seed, examples_file, mu, vocabs, backbo
             sets = {"given": given[name][:n]}
         else:
             try:
-                sets = {v: suite_examples([parse_task(name)], n, seed=seed, split=split, vocab=v) for v in vocab_list}
+                sets = {v: suite_examples(parse_task(name), n, seed=seed, split=split, vocab=v) for v in vocab_list}
             except ValueError:
                 click.echo(f"skip {name}: not a procedural task and not in --examples", err=True)
                 continue
