@@ -36,10 +36,10 @@ $(VLLM_STAMP): pyproject.toml
 vllm-env: $(VLLM_STAMP)
 
 # make serve ENGINE=vllm: polyserve's API on vLLM's engine (built in .venv-vllm first)
+# (ENGINE=vllm needs only .venv-vllm, not .venv)
 ENGINE ?= native
-serve: install
+serve: $(if $(filter vllm,$(ENGINE)),$(VLLM_STAMP),$(STAMP))
 ifeq ($(ENGINE),vllm)
-	$(MAKE) vllm-env
 	POLYSERVE_ENGINE=vllm $(VLLM_VENV)/bin/polyserve serve --host 127.0.0.1 --port 8000
 else
 	$(VENV)/bin/polyserve serve --host 127.0.0.1 --port 8000
