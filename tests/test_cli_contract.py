@@ -16,6 +16,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+import click
 import httpx
 import pytest
 from click.testing import CliRunner, Result
@@ -230,3 +231,22 @@ def test_every_api_operation_has_a_command(env: Env) -> None:
     assert not stale, f"allow-listed operations the API no longer has: {stale}"
     needless = sorted(set(ALLOWED_WITHOUT_COMMAND) & covered)
     assert not needless, f"allow-listed operations a command does cover: {needless}"
+
+
+def leaf_commands(group: click.Group, prefix: str = "polyserve") -> list[str]:
+    found: list[str] = []
+    for name, command in group.commands.items():
+        path = f"{prefix} {name}"
+        found += leaf_commands(command, path) if isinstance(command, click.Group) else [path]
+    return found
+
+
+def test_the_readme_cli_table_has_every_command_with_an_example() -> None:
+    readme = (Path(__file__).resolve().parents[1] / "README.md").read_text()
+    section = readme.split("## The command line", 1)[1].split("\n## ", 1)[0]
+    rows = {m[0]: m[1] for m in re.findall(r"^\| `(polyserve [a-z -]+?)`.*\| `(polyserve [^`]+)` \|$", section, re.MULTILINE)}
+    commands = leaf_commands(main)
+    assert len(commands) > 20
+    for command in commands:
+        assert command in rows, f"README's CLI table has no row for `{command}`"
+        assert rows[command].startswith(command), f"the example of `{command}` runs `{rows[command]}`"
