@@ -41,6 +41,7 @@ EXPECTED = {
     "gptj": ("q_proj", "k_proj", "v_proj", "out_proj"),
     "codegen": ("qkv_proj", "out_proj"),
     "bloom": ("query_key_value", "dense"),
+    "falcon": ("query_key_value", "dense"),
     "mpt": ("Wqkv", "out_proj"),
 }
 
