@@ -55,9 +55,10 @@ def tasks_table(tasks: Sequence[Task]) -> str:
 
 
 def readable(key: str, value: Any) -> Any:
-    """A raw field for printing: a ``*_at`` timestamp (number or ISO-8601) as UTC time, the
-    rest as it came. Works on any key, so a field the server adds later prints too."""
-    if key.endswith("_at") and value is not None:
+    """A raw field for printing: a ``*_at`` timestamp (number or ISO-8601) or an OpenAI object's
+    ``created`` as UTC time, the rest as it came. Works on any key, so a field the server adds
+    later prints too."""
+    if (key.endswith("_at") or key == "created") and value is not None:
         ts = timestamp(value)
         return fmt_time(ts) if ts is not None else value
     return value

@@ -148,7 +148,9 @@ def test_lists_are_the_server_lists(env: Env) -> None:
     assert {r.split()[0] for r in env.run("models", "list").stdout.splitlines()[1:]} == {m["id"] for m in models["data"]}
     one = env.get("/v1/models/alpha")
     assert json.loads(env.run("models", "show", "alpha", "--json").stdout) == one
-    plain_shows_every_field(env.run("models", "show", "alpha").stdout, one)
+    shown = env.run("models", "show", "alpha").stdout
+    plain_shows_every_field(shown, one)
+    assert re.search(r"^created: +\d{4}-\d\d-\d\d \d\d:\d\d:\d\dZ$", shown, re.MULTILINE), shown
     similar = env.get("/v1/tasks/contract-r/similar", k=3)
     assert json.loads(env.run("tasks", "similar", "contract-r", "-k", "3", "--json").stdout) == similar
     out = env.run("tasks", "similar", "contract-r", "-k", "3").stdout
