@@ -35,12 +35,15 @@ $(VLLM_STAMP): pyproject.toml
 
 vllm-env: $(VLLM_STAMP)
 
-# make serve ENGINE=vllm: polyserve's API on vLLM's engine (built in .venv-vllm first)
+# make serve ENGINE=vllm: polyserve's API on vLLM's engine (built in .venv-vllm first; it needs
+# only .venv-vllm, not .venv). vLLM's CPU backend otherwise reserves --gpu-memory-utilization (0.92)
+# of the machine's memory and refuses to start when less is free: a KV cache of a fixed size
+# (GiB; override with VLLM_CPU_KVCACHE_SPACE=N) starts wherever that much is free.
 ENGINE ?= native
-serve: install
+VLLM_CPU_KVCACHE_SPACE ?= 2
+serve: $(if $(filter vllm,$(ENGINE)),$(VLLM_STAMP),$(STAMP))
 ifeq ($(ENGINE),vllm)
-	$(MAKE) vllm-env
-	POLYSERVE_ENGINE=vllm $(VLLM_VENV)/bin/polyserve serve --host 127.0.0.1 --port 8000
+	POLYSERVE_ENGINE=vllm VLLM_CPU_KVCACHE_SPACE=$(VLLM_CPU_KVCACHE_SPACE) $(VLLM_VENV)/bin/polyserve serve --host 127.0.0.1 --port 8000
 else
 	$(VENV)/bin/polyserve serve --host 127.0.0.1 --port 8000
 endif

@@ -142,11 +142,29 @@ def store_copy(src: str, dst: str) -> None:
               "the LoRA (least squares in weight space) and report the fit; the task stays the plain LoRA, the "
               "fitted row becomes the task ID-routed.")
 @store_option
-def import_lora(src: str, task: str, project: bool, store_dir: str) -> None:
+@click.option("--url", default=None, help="Import over HTTP into the server at URL (POST /v1/tasks, method lora; "
+              "admin keys) instead of into --store.")
+@click.option("--api-key", envvar="POLYSERVE_API_KEY", default=None, help="With --url: bearer key "
+              "(env POLYSERVE_API_KEY).")
+@click.option("--shared", is_flag=True, help="With --url: the task is usable by every tenant (admin keys).")
+@click.pass_context
+def import_lora(ctx: click.Context, src: str, task: str, project: bool, store_dir: str, url: str | None,
+                api_key: str | None, shared: bool) -> None:
     """Register a PEFT LoRA directory (adapter_config.json + adapter_model.safetensors) as a
-    plain-LoRA task. A running server on this store serves it at once."""
+    plain-LoRA task: into a store (a running server on it serves it at once), or with --url into a
+    running server over HTTP."""
     import json
 
+    if url is None:
+        if shared:
+            raise click.UsageError("--shared is for --url (a store import has no caller to share from)")
+    else:
+        if ctx.get_parameter_source("store_dir") is not click.core.ParameterSource.DEFAULT:
+            raise click.UsageError("--store and --url exclude each other: import into a store, or over HTTP")
+        from client.cli import import_lora_over_http
+
+        import_lora_over_http(url, api_key, src, task, project=project, shared=shared)
+        return
     from adapters_store.errors import StoreError
     from adapters_store.lora_import import ImportRefused, read_dir
     from adapters_store.lora_import import import_lora as do_import

@@ -28,7 +28,18 @@ from .errors import (
     error_from_response,
 )
 from .sync import PolyserveClient
-from .types import ErrorInfo, Generation, Job, JobEvent, StreamChunk, Task, Usage
+from .types import (
+    ErrorInfo,
+    Generation,
+    Job,
+    JobEvent,
+    Model,
+    SimilarTask,
+    StreamChunk,
+    Task,
+    Usage,
+    UsageRow,
+)
 
 __all__ = [
     "AsyncPolyserveClient",
@@ -42,17 +53,20 @@ __all__ = [
     "InvalidInput",
     "Job",
     "JobEvent",
+    "Model",
     "NotFound",
     "Overloaded",
     "PayloadTooLarge",
     "PolyserveClient",
     "PolyserveError",
     "ServerError",
+    "SimilarTask",
     "StreamChunk",
     "Task",
     "Unauthorized",
     "Unavailable",
     "Usage",
+    "UsageRow",
     "ValidationError",
     "error_from_response",
 ]

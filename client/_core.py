@@ -7,6 +7,7 @@ send and wait.
 
 from __future__ import annotations
 
+import base64
 import json
 import re
 from collections.abc import Iterable, Mapping
@@ -19,12 +20,13 @@ from urllib.parse import quote
 import httpx
 
 from .errors import ConnectionFailed, InvalidInput, PolyserveError, parse_retry_after
-from .types import Generation, Job, JobEvent, Task
+from .types import Generation, Job, JobEvent, Model, SimilarTask, Task, UsageRow
 
 DEFAULT_URL = "http://127.0.0.1:8000"
 USER_AGENT = "polyserve-client/0.1"
 RETRY_STATUSES = frozenset({429, 503})
-METHODS = ("routing", "mu", "full")
+METHODS = ("routing", "retrieve", "mu", "full")
+# POST /v1/tasks with "method": "lora" is import_lora_request's (a LoRA, not examples)
 TASK_ID_RE = re.compile(r"^[a-z0-9][a-z0-9._-]{0,63}$")
 MIX_RE = re.compile(r"^mix:[a-z0-9._=,+-]{3,720}$")
 _CONNECT_ERRORS = (httpx.ConnectError, httpx.ConnectTimeout)
@@ -211,7 +213,11 @@ def register_request(
     method: str,
     steps: int | None,
     seed: int | None,
+    serve_early: bool = False,
+    shared: bool = False,
 ) -> RequestSpec:
+    """``serve_early`` and ``shared`` are sent only when set, so a server that predates them
+    still accepts the default request."""
     check_task_id(task)
     if (examples is None) == (jsonl_path is None):
         raise InvalidInput("pass exactly one of examples= or jsonl_path=")
@@ -221,8 +227,51 @@ def register_request(
         if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < 0):
             raise InvalidInput(f"{name} must be a non-negative integer, got {value!r}")
     rows = load_jsonl(jsonl_path) if jsonl_path is not None else list(examples or [])
+    if serve_early and method == "retrieve":
+        raise InvalidInput("serve_early needs a trained method (routing, mu, full): retrieve is ready at once")
     body = {"task": task, "examples": validate_examples(rows, task), "method": method}
-    return RequestSpec("POST", "/v1/tasks", {**body, **_drop_none({"steps": steps, "seed": seed})})
+    flags = {"serve_early": True if serve_early else None, "shared": True if shared else None}
+    return RequestSpec("POST", "/v1/tasks", {**body, **_drop_none({"steps": steps, "seed": seed, **flags})})
+
+
+def import_lora_request(task: str, src: str | PathLike[str], project: bool, shared: bool) -> RequestSpec:
+    """``POST /v1/tasks`` with ``"method": "lora"``: a PEFT LoRA directory's adapter_config.json
+    and adapter_model.safetensors, the weights' bytes sent as they are (base64); the server parses
+    them as safetensors only."""
+    check_task_id(task)
+    root = Path(src)
+    config_path, weights_path = root / "adapter_config.json", root / "adapter_model.safetensors"
+    if not config_path.is_file():
+        raise InvalidInput(f"{root}: no adapter_config.json")
+    if not weights_path.is_file():
+        raise InvalidInput(f"{root}: no adapter_model.safetensors (a .bin checkpoint is never sent)")
+    try:
+        config = json.loads(config_path.read_text(encoding="utf-8"))
+    except ValueError as exc:
+        raise InvalidInput(f"{config_path}: not JSON ({exc})") from None
+    if not isinstance(config, dict):
+        raise InvalidInput(f"{config_path}: not a JSON object")
+    body: dict[str, Any] = {
+        "task": task,
+        "method": "lora",
+        "adapter": base64.b64encode(weights_path.read_bytes()).decode("ascii"),
+        "adapter_config": config,
+    }
+    if project:
+        body["project"] = True
+    if shared:
+        body["shared"] = True
+    return RequestSpec("POST", "/v1/tasks", body)
+
+
+def usage_request(window: int | None) -> RequestSpec:
+    if window is not None and (not isinstance(window, int) or isinstance(window, bool) or window < 1):
+        raise InvalidInput(f"window must be a positive number of seconds, got {window!r}")
+    return RequestSpec("GET", "/v1/usage", params=_drop_none({"window": window}))
+
+
+def model_path(model: str) -> str:
+    return f"/v1/models/{_seg(check_model_id(model), 'model')}"
 
 
 def load_jsonl(path: str | PathLike[str]) -> list[dict[str, Any]]:
@@ -280,6 +329,18 @@ def data_list(payload: Any) -> list[Any]:
 
 def parse_tasks(payload: Any) -> list[Task]:
     return [Task.from_json(item) for item in data_list(payload)]
+
+
+def parse_models(payload: Any) -> list[Model]:
+    return [Model.from_json(item) for item in data_list(payload)]
+
+
+def parse_similar(payload: Any) -> list[SimilarTask]:
+    return [SimilarTask.from_json(item) for item in data_list(payload)]
+
+
+def parse_usage(payload: Any) -> list[UsageRow]:
+    return [UsageRow.from_json(item) for item in data_list(payload)]
 
 
 def parse_events(payload: Any) -> list[JobEvent]:

@@ -7,9 +7,11 @@ import json
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
-from .types import Job, Task
+from .types import Job, Model, Task, UsageRow, timestamp
 
-_TIME_KEYS = frozenset({"created_at", "started_at", "finished_at", "updated_at"})
+# the fields job_details shows in its own head lines; any other field the server sends follows them
+_JOB_SHOWN = frozenset({"id", "task", "status", "progress", "created_at", "started_at", "finished_at",
+                        "metrics", "error"})
 
 
 def fmt_time(ts: float | None) -> str:
@@ -52,10 +54,34 @@ def tasks_table(tasks: Sequence[Task]) -> str:
     return table(["id", "status", "method", "version", "params", "created"], rows)
 
 
+def readable(key: str, value: Any) -> Any:
+    """A raw field for printing: a ``*_at`` timestamp (number or ISO-8601) or an OpenAI object's
+    ``created`` as UTC time, the rest as it came. Works on any key, so a field the server adds
+    later prints too."""
+    if (key.endswith("_at") or key == "created") and value is not None:
+        ts = timestamp(value)
+        return fmt_time(ts) if ts is not None else value
+    return value
+
+
+def raw_details(raw: Mapping[str, Any]) -> str:
+    """Every field of a server object, in the server's order."""
+    return key_values({k: readable(k, v) for k, v in raw.items()})
+
+
 def task_details(task: Task) -> str:
     """All the fields the server sent for a task, timestamps made readable."""
-    pairs = {k: (fmt_time(getattr(task, k)) if k in _TIME_KEYS else v) for k, v in task.raw.items()}
-    return key_values(pairs or {"id": task.id, "status": task.status})
+    return raw_details(task.raw or {"id": task.id, "status": task.status})
+
+
+def models_table(models: Sequence[Model]) -> str:
+    rows = [(m.id, m.parent, m.owned_by, fmt_time(m.created)) for m in models]
+    return table(["id", "parent", "owned_by", "created"], rows)
+
+
+def usage_table(rows: Sequence[UsageRow]) -> str:
+    cells = [(r.tenant, r.task, r.requests, r.prompt_tokens, r.completion_tokens, r.refused) for r in rows]
+    return table(["tenant", "task", "requests", "prompt_tokens", "completion_tokens", "refused"], cells)
 
 
 def job_details(job: Job) -> str:
@@ -69,6 +95,7 @@ def job_details(job: Job) -> str:
         "started": fmt_time(job.started_at),
         "finished": fmt_time(job.finished_at),
     }
+    head.update({k: readable(k, v) for k, v in job.raw.items() if k not in _JOB_SHOWN})
     parts = [key_values(head)]
     if job.metrics:
         parts.append("metrics:\n" + key_values(job.metrics, indent="  "))

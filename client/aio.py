@@ -15,7 +15,7 @@ from . import _core
 from ._core import DEFAULT_URL, RequestSpec
 from ._sse import ChunkParser
 from .errors import error_from_response
-from .types import Generation, Job, JobEvent, StreamChunk, Task
+from .types import Generation, Job, JobEvent, Model, SimilarTask, StreamChunk, Task, UsageRow
 
 __all__ = ["AsyncPolyserveClient"]
 
@@ -125,6 +125,19 @@ class AsyncPolyserveClient:
     async def models(self) -> list[dict[str, Any]]:
         return _core.data_list(await self._json(RequestSpec("GET", "/v1/models")))
 
+    async def list_models(self) -> list[Model]:
+        """``GET /v1/models`` as typed :class:`Model` objects (unknown fields kept in ``raw``)."""
+        return _core.parse_models(await self._json(RequestSpec("GET", "/v1/models")))
+
+    async def get_model(self, model: str) -> Model:
+        """``GET /v1/models/{model}``."""
+        return Model.from_json(await self._json(RequestSpec("GET", _core.model_path(model))))
+
+    async def usage(self, window: int | None = None) -> list[UsageRow]:
+        """``GET /v1/usage``: requests and tokens by (tenant, task) over the last ``window`` seconds
+        [server default]. Every tenant's rows for an admin key, the caller's own for a tenant key."""
+        return _core.parse_usage(await self._json(_core.usage_request(window)))
+
     # ---- tasks and jobs -------------------------------------------------------------------------
 
     async def list_tasks(self) -> list[Task]:
@@ -138,6 +151,10 @@ class AsyncPolyserveClient:
         items = _core.data_list(await self._json(RequestSpec("GET", _core.similar_path(task), params={"k": k})))
         return [(str(item["id"]), float(item["score"])) for item in items]
 
+    async def similar(self, task: str, k: int = 5) -> list[SimilarTask]:
+        """Like :meth:`similar_tasks`, as typed :class:`SimilarTask` objects (fields kept in ``raw``)."""
+        return _core.parse_similar(await self._json(RequestSpec("GET", _core.similar_path(task), params={"k": k})))
+
     async def delete_task(self, task: str) -> None:
         await self._send(RequestSpec("DELETE", _core.task_path(task)))
 
@@ -150,10 +167,20 @@ class AsyncPolyserveClient:
         method: str = "routing",
         steps: int | None = None,
         seed: int | None = None,
+        serve_early: bool = False,
+        shared: bool = False,
     ) -> Job:
         """``POST /v1/tasks`` (examples validated locally first); returns the queued job."""
-        spec = _core.register_request(task, examples, jsonl_path, method, steps, seed)
+        spec = _core.register_request(task, examples, jsonl_path, method, steps, seed, serve_early, shared)
         return _core.parse_job(await self._json(spec))
+
+    async def import_lora(
+        self, task: str, src: str | PathLike[str], *, project: bool = False, shared: bool = False
+    ) -> dict[str, Any]:
+        """``POST /v1/tasks`` with ``"method": "lora"`` (admin keys): register the PEFT LoRA
+        directory ``src`` as a plain-LoRA task (``project``: as the routing row fitted to it).
+        Returns ``{"task": <task object>, "import": <report>}``."""
+        return _core.json_object(await self._json(_core.import_lora_request(task, src, project, shared)))
 
     async def get_job(self, job_id: str) -> Job:
         return _core.parse_job(await self._json(RequestSpec("GET", _core.job_path(job_id))))

@@ -1,7 +1,8 @@
 """Client-side CLI commands, mounted by the root ``polyserve`` group (server/cli.py).
 
-``generate``, ``register``, ``tasks list|show`` and ``jobs show|cancel`` talk to a running server
-over HTTP.  Every command takes ``--url`` (env ``POLYSERVE_URL``), ``--api-key`` (env
+``generate``, ``register``, ``tasks list|show|similar|delete``, ``jobs show|cancel``, ``models
+list|show`` and ``usage`` talk to a running server over HTTP (``import-lora --url``, in
+adapters_store/cli.py, through :func:`import_lora_over_http`).  Every command takes ``--url`` (env ``POLYSERVE_URL``), ``--api-key`` (env
 ``POLYSERVE_API_KEY``) and ``--json``.  Errors print one line on stderr and exit non-zero.
 
 Tests swap :data:`_client_factory` for one that builds a client over a mock transport.
@@ -25,7 +26,7 @@ from .errors import Conflict, ConnectionFailed, InvalidInput, PolyserveError, Un
 from .sync import PolyserveClient
 from .types import Job
 
-__all__ = ["generate", "jobs", "register", "tasks"]
+__all__ = ["generate", "import_lora_over_http", "jobs", "models", "register", "tasks", "usage"]
 
 _client_factory: Callable[..., PolyserveClient] = PolyserveClient
 """Builds the client from ``base_url=`` and ``api_key=``; replaced by tests."""
@@ -141,9 +142,22 @@ def generate(
     type=click.Path(exists=True, dir_okay=False, path_type=Path),
     help='JSONL file, one {"input": str, "output": str} a line.',
 )
-@click.option("--method", type=click.Choice(METHODS), default="routing", show_default=True)
+@click.option(
+    "--method",
+    type=click.Choice(METHODS),
+    default="routing",
+    show_default=True,
+    help="routing: train a routing row; retrieve: no training, built from existing tasks' rows (seconds); "
+    "mu / full: see the README.",
+)
 @click.option("--steps", type=click.IntRange(min=1), default=None, help="Training steps [server default].")
 @click.option("--seed", type=int, default=None)
+@click.option(
+    "--serve-early",
+    is_flag=True,
+    help="Serve the retrieved starting routing at once while training goes on (not with retrieve).",
+)
+@click.option("--shared", is_flag=True, help="Every tenant may use the task (admin keys).")
 @click.option(
     "--wait/--no-wait",
     default=False,
@@ -164,6 +178,8 @@ def register(
     method: str,
     steps: int | None,
     seed: int | None,
+    serve_early: bool,
+    shared: bool,
     wait: bool,
     poll_interval: float,
     url: str,
@@ -172,7 +188,15 @@ def register(
 ) -> None:
     """Register a task from examples: starts a training job on the server."""
     with _session(url, api_key) as client:
-        job = client.register_task(task, jsonl_path=examples_path, method=method, steps=steps, seed=seed)
+        job = client.register_task(
+            task,
+            jsonl_path=examples_path,
+            method=method,
+            steps=steps,
+            seed=seed,
+            serve_early=serve_early,
+            shared=shared,
+        )
         if not wait:
             if as_json:
                 _echo_json(job.raw)
@@ -255,11 +279,22 @@ def tasks_show(task_id: str, url: str, api_key: str | None, as_json: bool) -> No
 def tasks_similar(task_id: str, k: int, url: str, api_key: str | None, as_json: bool) -> None:
     """The tasks nearest to TASK_ID by routing row (score: cosine in skill space)."""
     with _session(url, api_key) as client:
-        found = client.similar_tasks(task_id, k)
+        found = client.similar(task_id, k)
     if as_json:
-        _echo_json({"data": [{"id": t, "score": s} for t, s in found]})
+        _echo_json({"data": [t.raw for t in found]})
     else:
-        click.echo(fmt.table(["id", "score"], [(t, f"{s:.4f}") for t, s in found]) if found else "no other routed tasks")
+        rows = [(t.id, f"{t.score:.4f}") for t in found]
+        click.echo(fmt.table(["id", "score"], rows) if found else "no other routed tasks")
+
+
+@tasks.command("delete")
+@click.argument("task_id")
+@_common
+def tasks_delete(task_id: str, url: str, api_key: str | None, as_json: bool) -> None:
+    """Delete a registered task (its adapter stops being served)."""
+    with _session(url, api_key) as client:
+        client.delete_task(task_id)
+    _echo_json({"id": task_id, "deleted": True}) if as_json else click.echo(f"task {task_id}: deleted")
 
 
 @click.group()
@@ -293,3 +328,55 @@ def jobs_cancel(job_id: str, url: str, api_key: str | None, as_json: bool) -> No
     with _session(url, api_key) as client:
         job = client.cancel_job(job_id)
     _echo_json(job.raw) if as_json else click.echo(f"job {job.id}: {job.status}")
+
+
+# ---- models, usage, import-lora over HTTP -------------------------------------------------------
+
+
+@click.group()
+def models() -> None:
+    """The models the OpenAI-compatible routes accept (ready tasks and `base`)."""
+
+
+@models.command("list")
+@_common
+def models_list(url: str, api_key: str | None, as_json: bool) -> None:
+    """List the models (GET /v1/models)."""
+    with _session(url, api_key) as client:
+        found = client.list_models()
+    if as_json:
+        _echo_json({"data": [m.raw for m in found]})
+    else:
+        click.echo(fmt.models_table(found) if found else "no models")
+
+
+@models.command("show")
+@click.argument("model_id")
+@_common
+def models_show(model_id: str, url: str, api_key: str | None, as_json: bool) -> None:
+    """Show one model: every field the server sends."""
+    with _session(url, api_key) as client:
+        model = client.get_model(model_id)
+    _echo_json(model.raw) if as_json else click.echo(fmt.raw_details(model.raw))
+
+
+@click.command()
+@click.option("--window", type=click.IntRange(min=1), default=None, help="Seconds back [server default].")
+@_common
+def usage(window: int | None, url: str, api_key: str | None, as_json: bool) -> None:
+    """Requests and tokens by tenant and task (every tenant's with an admin key, your own with a
+    tenant key)."""
+    with _session(url, api_key) as client:
+        rows = client.usage(window)
+    if as_json:
+        _echo_json({"data": [r.raw for r in rows]})
+    else:
+        click.echo(fmt.usage_table(rows) if rows else "no usage in the window")
+
+
+def import_lora_over_http(url: str, api_key: str | None, src: str, task: str, *, project: bool, shared: bool) -> None:
+    """``polyserve import-lora --url``: POST the PEFT directory to the server and print its answer
+    (the task as GET /v1/tasks/{task} shows it, and the import report) as JSON."""
+    with _session(url, api_key) as client:
+        answer = client.import_lora(task, src, project=project, shared=shared)
+    _echo_json(answer)

@@ -14,7 +14,7 @@ from . import _core
 from ._core import DEFAULT_URL, RequestSpec
 from ._sse import ChunkParser
 from .errors import error_from_response
-from .types import Generation, Job, JobEvent, StreamChunk, Task
+from .types import Generation, Job, JobEvent, Model, SimilarTask, StreamChunk, Task, UsageRow
 
 __all__ = ["PolyserveClient"]
 
@@ -127,6 +127,19 @@ class PolyserveClient:
         """``GET /v1/models``: the OpenAI model objects (one per ready task, plus ``base``)."""
         return _core.data_list(self._json(RequestSpec("GET", "/v1/models")))
 
+    def list_models(self) -> list[Model]:
+        """``GET /v1/models`` as typed :class:`Model` objects (unknown fields kept in ``raw``)."""
+        return _core.parse_models(self._json(RequestSpec("GET", "/v1/models")))
+
+    def get_model(self, model: str) -> Model:
+        """``GET /v1/models/{model}``."""
+        return Model.from_json(self._json(RequestSpec("GET", _core.model_path(model))))
+
+    def usage(self, window: int | None = None) -> list[UsageRow]:
+        """``GET /v1/usage``: requests and tokens by (tenant, task) over the last ``window`` seconds
+        [server default]. Every tenant's rows for an admin key, the caller's own for a tenant key."""
+        return _core.parse_usage(self._json(_core.usage_request(window)))
+
     # ---- tasks and jobs -------------------------------------------------------------------------
 
     def list_tasks(self) -> list[Task]:
@@ -140,6 +153,10 @@ class PolyserveClient:
         items = _core.data_list(self._json(RequestSpec("GET", _core.similar_path(task), params={"k": k})))
         return [(str(item["id"]), float(item["score"])) for item in items]
 
+    def similar(self, task: str, k: int = 5) -> list[SimilarTask]:
+        """Like :meth:`similar_tasks`, as typed :class:`SimilarTask` objects (fields kept in ``raw``)."""
+        return _core.parse_similar(self._json(RequestSpec("GET", _core.similar_path(task), params={"k": k})))
+
     def delete_task(self, task: str) -> None:
         self._send(RequestSpec("DELETE", _core.task_path(task)))
 
@@ -152,13 +169,26 @@ class PolyserveClient:
         method: str = "routing",
         steps: int | None = None,
         seed: int | None = None,
+        serve_early: bool = False,
+        shared: bool = False,
     ) -> Job:
         """``POST /v1/tasks``: start a job that trains ``task`` from examples (a list or a JSONL file).
 
         Examples are validated locally first (non-empty; ``input`` and ``output`` are strings).
+        ``method``: routing, retrieve (no training, ready in seconds), mu or full. ``serve_early``:
+        serve the retrieved starting routing while training goes on. ``shared`` (admin keys): the
+        task is usable by every tenant.
         """
-        spec = _core.register_request(task, examples, jsonl_path, method, steps, seed)
+        spec = _core.register_request(task, examples, jsonl_path, method, steps, seed, serve_early, shared)
         return _core.parse_job(self._json(spec))
+
+    def import_lora(
+        self, task: str, src: str | PathLike[str], *, project: bool = False, shared: bool = False
+    ) -> dict[str, Any]:
+        """``POST /v1/tasks`` with ``"method": "lora"`` (admin keys): register the PEFT LoRA
+        directory ``src`` as a plain-LoRA task (``project``: as the routing row fitted to it).
+        Returns ``{"task": <task object>, "import": <report>}``."""
+        return _core.json_object(self._json(_core.import_lora_request(task, src, project, shared)))
 
     def get_job(self, job_id: str) -> Job:
         return _core.parse_job(self._json(RequestSpec("GET", _core.job_path(job_id))))

@@ -18,9 +18,13 @@ __all__ = [
     "Generation",
     "Job",
     "JobEvent",
+    "Model",
+    "SimilarTask",
     "StreamChunk",
     "Task",
     "Usage",
+    "UsageRow",
+    "timestamp",
 ]
 
 FinishReason = Literal["stop", "length", "cancelled"]
@@ -56,7 +60,7 @@ def _float(value: Any, default: float = 0.0) -> float:
         return default
 
 
-def _timestamp(value: Any) -> float | None:
+def timestamp(value: Any) -> float | None:
     """Unix seconds from a number or an ISO-8601 string; ``None`` when absent or unreadable."""
     if value is None or isinstance(value, bool):
         return None
@@ -174,6 +178,9 @@ class Task:
     version: int | str | None = None
     created_at: float | None = None
     params: int | None = None
+    updated_at: float | None = None
+    kind: str | None = None
+    job_id: str | None = None
     raw: dict[str, Any] = field(default_factory=dict, repr=False, compare=False)
 
     @property
@@ -190,8 +197,11 @@ class Task:
             status=_str(data.get("status"), "unknown"),
             method=_opt_str(data.get("method")),
             version=version if isinstance(version, int | str) and not isinstance(version, bool) else None,
-            created_at=_timestamp(data.get("created_at")),
+            created_at=timestamp(data.get("created_at")),
             params=_int(params) if params is not None else None,
+            updated_at=timestamp(data.get("updated_at")),
+            kind=_opt_str(data.get("kind")),
+            job_id=_opt_str(data.get("job_id")),
             raw=data,
         )
 
@@ -229,9 +239,9 @@ class Job:
             id=_str(data.get("id")),
             task=_str(data.get("task")),
             status=_str(data.get("status"), "unknown"),
-            created_at=_timestamp(data.get("created_at")),
-            started_at=_timestamp(data.get("started_at")),
-            finished_at=_timestamp(data.get("finished_at")),
+            created_at=timestamp(data.get("created_at")),
+            started_at=timestamp(data.get("started_at")),
+            finished_at=timestamp(data.get("finished_at")),
             progress=min(1.0, max(0.0, _float(data.get("progress")))),
             metrics=dict(metrics) if isinstance(metrics, dict) else {},
             error=ErrorInfo.from_json(error) if isinstance(error, dict | str) and error else None,
@@ -259,10 +269,72 @@ class JobEvent:
         payload = data.get("data")
         return cls(
             message=_str(data.get("message", data.get("event"))),
-            created_at=_timestamp(data.get("created_at", data.get("time"))),
+            created_at=timestamp(data.get("created_at", data.get("time"))),
             level=_str(data.get("level"), "info"),
             type=_opt_str(data.get("type")),
             id=_opt_str(data.get("id")),
             data=dict(payload) if isinstance(payload, dict) else {},
+            raw=data,
+        )
+
+
+@dataclass(frozen=True)
+class Model:
+    """An OpenAI model object of ``GET /v1/models`` (a ready task, or ``base``)."""
+
+    id: str
+    created: float | None = None
+    owned_by: str | None = None
+    parent: str | None = None
+    raw: dict[str, Any] = field(default_factory=dict, repr=False, compare=False)
+
+    @classmethod
+    def from_json(cls, data: Any) -> Self:
+        data = _obj(data, "model")
+        return cls(
+            id=_str(data.get("id")),
+            created=timestamp(data.get("created")),
+            owned_by=_opt_str(data.get("owned_by")),
+            parent=_opt_str(data.get("parent")),
+            raw=data,
+        )
+
+
+@dataclass(frozen=True)
+class SimilarTask:
+    """One answer of ``GET /v1/tasks/{task}/similar``: a task and its cosine in skill space."""
+
+    id: str
+    score: float
+    raw: dict[str, Any] = field(default_factory=dict, repr=False, compare=False)
+
+    @classmethod
+    def from_json(cls, data: Any) -> Self:
+        data = _obj(data, "similar task")
+        return cls(id=_str(data.get("id")), score=_float(data.get("score")), raw=data)
+
+
+@dataclass(frozen=True)
+class UsageRow:
+    """One (tenant, task) row of ``GET /v1/usage``."""
+
+    tenant: str
+    task: str
+    requests: int = 0
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    refused: int = 0
+    raw: dict[str, Any] = field(default_factory=dict, repr=False, compare=False)
+
+    @classmethod
+    def from_json(cls, data: Any) -> Self:
+        data = _obj(data, "usage row")
+        return cls(
+            tenant=_str(data.get("tenant")),
+            task=_str(data.get("task")),
+            requests=_int(data.get("requests")),
+            prompt_tokens=_int(data.get("prompt_tokens")),
+            completion_tokens=_int(data.get("completion_tokens")),
+            refused=_int(data.get("refused")),
             raw=data,
         )

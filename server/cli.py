@@ -6,7 +6,8 @@
     export, import-peft-poly, import-lora,  adapters_store.cli    (interop, caches, other engines,
     warm-cache, backbone-path, db upgrade,                         the PostgreSQL schema, copies)
     store copy
-    generate, register, tasks, jobs         client.cli            (talk HTTP to a server)
+    generate, register, tasks, jobs,        client.cli            (talk HTTP to a server)
+    models, usage
 
 Modules imported here keep torch/transformers imports inside the command functions, so
 `polyserve --help` and the client commands start fast.
@@ -24,7 +25,7 @@ COMMANDS = {
     "training.cli": ["train", "adapt", "eval", "routing_plot"],
     "adapters_store.cli": ["export", "import_peft_poly", "import_lora", "warm_cache", "backbone_path", "db",
                            "store_group"],
-    "client.cli": ["generate", "register", "tasks", "jobs"],
+    "client.cli": ["generate", "register", "tasks", "jobs", "models", "usage"],
 }
 
 

@@ -226,3 +226,58 @@ def test_stream_over_a_real_loopback_socket() -> None:
         server.server_close()
     with PolyserveClient(url, timeout=2, max_retries=0) as c:
         assert c.ready() is False  # nothing listens any more
+
+
+def test_models_usage_similar_and_import_lora_match_the_sync_client(fake: FakeServer, tmp_path) -> None:
+    """The async client has the sync client's new calls, with the same requests and types."""
+    model = {"id": "reverse", "object": "model", "created": 1, "owned_by": "polyserve", "parent": "base", "new": 1}
+    row = {"tenant": "alice", "task": "reverse", "requests": 2, "prompt_tokens": 9, "completion_tokens": 4,
+           "refused": 0, "new": 2}
+    def script(server: FakeServer) -> FakeServer:
+        server.on("GET", "/v1/models", ok({"data": [model]}))
+        server.on("GET", "/v1/models/reverse", ok(model))
+        server.on("GET", "/v1/usage", ok({"data": [row]}))
+        server.on("GET", "/v1/tasks/reverse/similar", ok({"data": [{"id": "other", "score": 0.5}]}))
+        return server.on("POST", "/v1/tasks", ok({"task": TASK, "import": {"kind": "lora"}}, status=201))
+
+    script(fake)
+    (tmp_path / "adapter_config.json").write_text('{"peft_type": "LORA"}')
+    (tmp_path / "adapter_model.safetensors").write_bytes(b"\x00weights")
+
+    async def calls(c: AsyncPolyserveClient) -> Any:
+        return (await c.list_models(), await c.get_model("reverse"), await c.usage(60), await c.similar("reverse", 2),
+                await c.import_lora("mine", tmp_path, project=True))
+
+    models, one, usage, similar, imported = run(fake, calls)
+    sent = fake.last.body
+    other = script(FakeServer())
+    sync = other.client()
+    assert models == sync.list_models() and one == sync.get_model("reverse") and one.raw["new"] == 1
+    assert usage == sync.usage(60) and usage[0].requests == 2 and usage[0].raw["new"] == 2
+    assert similar == sync.similar("reverse", 2) and similar[0].score == 0.5
+    assert imported == sync.import_lora("mine", tmp_path, project=True) and imported["import"]["kind"] == "lora"
+    assert sent == other.last.body == {"task": "mine", "method": "lora", "adapter": "AHdlaWdodHM=",
+                                       "adapter_config": {"peft_type": "LORA"}, "project": True}
+    assert [(r.method, r.path) for r in fake.requests] == [(r.method, r.path) for r in other.requests]
+
+
+def test_new_register_flags_and_local_refusals(fake: FakeServer, tmp_path) -> None:
+    fake.on("POST", "/v1/tasks", ok(job()))
+    sync = fake.client()
+    sync.register_task("t", [{"input": "a", "output": "b"}])
+    assert "serve_early" not in fake.last.body and "shared" not in fake.last.body  # old servers accept it
+    sync.register_task("t", [{"input": "a", "output": "b"}], method="routing", serve_early=True, shared=True)
+    assert fake.last.body["serve_early"] is True and fake.last.body["shared"] is True
+    with pytest.raises(InvalidInput, match="serve_early"):
+        sync.register_task("t", [{"input": "a", "output": "b"}], method="retrieve", serve_early=True)
+    with pytest.raises(InvalidInput, match="window"):
+        sync.usage(0)
+    with pytest.raises(InvalidInput, match="no adapter_config.json"):
+        sync.import_lora("t", tmp_path)
+    (tmp_path / "adapter_config.json").write_text("[1]")
+    (tmp_path / "adapter_model.bin").write_bytes(b"")
+    with pytest.raises(InvalidInput, match="no adapter_model.safetensors"):
+        sync.import_lora("t", tmp_path)
+    (tmp_path / "adapter_model.safetensors").write_bytes(b"")
+    with pytest.raises(InvalidInput, match="not a JSON object"):
+        sync.import_lora("t", tmp_path)

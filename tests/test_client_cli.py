@@ -227,3 +227,19 @@ def test_client_package_is_standalone() -> None:
         cwd=Path(__file__).resolve().parents[1],
     )
     assert done.returncode == 0, done.stdout + done.stderr
+
+
+def test_tasks_show_prints_every_field_the_server_sends(fake: FakeServer) -> None:
+    """A field the client type does not know (`updated_at` when the server added it, or anything
+    later) is printed, timestamps made readable, and never crashes `tasks show` / `jobs show`."""
+    task = {**TASK, "updated_at": 1714568400.0, "owner": "alice", "brand_new": {"x": 1}}
+    fake.on("GET", "/v1/tasks/reverse", ok(task))
+    result = invoke(cli.tasks, "show", "reverse")
+    assert result.exit_code == 0, result.output
+    out = result.stdout
+    assert "updated_at: " in out and "2024-05-01 13:00:00Z" in out
+    assert "owner:" in out and "alice" in out and 'brand_new:' in out and '{"x":1}' in out
+    fake.on("GET", "/v1/jobs/job_123", ok(job(live_version=2, brand_new="yes", updated_at=0)))
+    out = invoke(cli.jobs, "show", "job_123").stdout
+    assert "live_version:" in out and "brand_new:" in out and "yes" in out
+    assert "updated_at:" in out and "1970-01-01 00:00:00Z" in out

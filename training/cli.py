@@ -65,7 +65,8 @@ def _open_store(path: str | None, *, install_default: bool = False):  # -> Store
                    "this run may have more --skills and more --targets (the inventory grows)")
 @click.option("--seed", default=0, show_default=True)
 @click.option("--examples-per-task", default=500, show_default=True)
-@click.option("--targets", default="q_proj,k_proj,v_proj,o_proj", show_default=True)
+@click.option("--targets", default=None, help="comma-separated linear names to adapt [default: the backbone "
+              "architecture's attention projections, e.g. q_proj,k_proj,v_proj,o_proj; Phi-3 qkv_proj,o_proj]")
 @click.option("--max-length", default=128, show_default=True)
 @click.option("--autocast", default="auto", show_default=True, type=click.Choice(["auto", "bf16", "none"]),
               help="auto = bf16 only where the CPU has fast bf16 kernels (AVX-512/AMX); fp32 on AVX2")
@@ -110,8 +111,9 @@ def train(suite, method, skills, heads, rank, steps, store_dir, backbone, batch_
             f"{', backbone sharded' if shard_backbone else ''}; global batch {batch_size}, "
             f"{batch_size // ctx.world_size} a rank)")
 
-        cfg = TrainConfig(
-            method=method, n_skills=skills, n_heads=heads, rank=rank, targets=tuple(targets.split(",")), steps=steps,
+        cfg = TrainConfig(  # no --targets: () = the backbone architecture's default (adapters_store.targets)
+            method=method, n_skills=skills, n_heads=heads, rank=rank, steps=steps,
+            targets=tuple(t for t in (targets or "").split(",") if t),
             batch_size=batch_size, lr_routing=lr_routing, lr_skills=lr_skills, weight_decay=weight_decay,
             warmup=warmup, temperature=temperature, gumbel=not no_gumbel, sampling=sampling,
             uncertainty_pool=uncertainty_pool, max_length=max_length, autocast=autocast, seed=seed,

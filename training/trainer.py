@@ -22,7 +22,7 @@ import json
 import random
 import sys
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -31,8 +31,9 @@ import torch.nn.functional as F
 
 from adapters_store.backbone import Backbone
 from adapters_store.inject import RoutedModel
-from adapters_store.spec import ATTENTION_TARGETS, InventorySpec
+from adapters_store.spec import InventorySpec
 from adapters_store.store import Store
+from adapters_store.targets import default_targets
 from training import checkpoint as ckpt
 from training.batch_sampling import SAMPLINGS, draw_candidates, draw_rows, most_uncertain
 from training.batching import DEFAULT_MAX_LENGTH, collate, encode_all
@@ -57,7 +58,7 @@ class TrainConfig:
     n_skills: int = 8
     n_heads: int = 8
     rank: int = 8
-    targets: tuple[str, ...] = ATTENTION_TARGETS
+    targets: tuple[str, ...] = ()  # () = the backbone architecture's attention projections
     steps: int = 1000
     batch_size: int = 8
     lr_routing: float = 0.1
@@ -129,6 +130,8 @@ class Trainer:
         backbone (training/shard_backbone.py), for backbones one device cannot hold."""
         if not tasks:
             raise ValueError("no training tasks")
+        if not cfg.targets:  # the architecture's default (adapters_store.targets); ValueError if none known
+            cfg = replace(cfg, targets=default_targets(backbone.model))
         self.cfg, self.backbone, self.store = cfg, backbone, store
         self.device = backbone.device
         self.dist = dist if dist is not None else DistContext(device=self.device)
