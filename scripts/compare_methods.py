@@ -12,7 +12,8 @@ Methods: "zero" the bare backbone; "icl" the bare backbone with the k examples i
 examples (training.adapt); "mu0" zero-shot μ; "retrieve" the routing row retrieved from the
 store's tasks (training.retrieve, no gradient step); "routing-r" a routing row trained from that
 retrieved row (what a registration does); "mix" a gradient-free mix of stored rows (LoraHub's idea,
-training.mix_search); "majority" always the examples' most frequent answer; "routing", "mu", "full"
+training.mix_search); "arrow" zero-shot routing from the skills' own weights, per token (training.arrow);
+"majority" always the examples' most frequent answer; "routing", "mu", "full"
 as in training.adapt. Each
 record holds the bytes a server stores for the task (the k examples' text for "icl"). Writes
 results incrementally as JSON (one record per task x vocabulary x seed x method).
@@ -62,6 +63,7 @@ def main() -> None:
                     help="share of the k examples held out of training for early stopping (0: train on all)")
     ap.add_argument("--trained-share", type=float, default=1.0,
                     help="routing methods: the top share of the adapted linears whose routing is trained")
+    ap.add_argument("--arrow-top-k", type=int, default=4, help="arrow: skills kept per token and head")
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--autocast", choices=["auto", "bf16", "none"], default="auto",
                     help="bf16 autocast of retrieval and adaptation (training.precision; auto: CUDA and AMX CPUs)")
@@ -74,6 +76,7 @@ def main() -> None:
     from adapters_store.materialize import mu_weights, task_layers
     from adapters_store.store import Store
     from training.adapt import adapt
+    from training.arrow import arrow_score_rows
     from training.batching import FEW_SHOT_MAX_LENGTH
     from training.bigbench import load_cache
     from training.data import Example
@@ -130,7 +133,7 @@ def main() -> None:
             few, test = case(name, vocab, seed)
             for method in args.methods.split(","):
                 key = (label, name, vocab, seed, method)
-                if key in done or (method in ("mu0", "zero") and seed != int(args.seeds.split(",")[0])):
+                if key in done or (method in ("mu0", "zero", "arrow") and seed != int(args.seeds.split(",")[0])):
                     continue
                 started = time.perf_counter()
                 context, stored, answer = "", 0, None
@@ -140,7 +143,7 @@ def main() -> None:
                     stored = len(answer.encode())
                 elif method == "mu0":
                     layers, params, metrics = mu_weights(info), 0, {}
-                elif method in ("zero", "icl"):
+                elif method in ("zero", "icl", "arrow"):
                     layers, params, metrics = None, 0, {}
                     if method == "icl":
                         context = icl_context(few)
@@ -170,6 +173,8 @@ def main() -> None:
                                                  for r in test) / len(test)}
                     if any(r.get("choices") for r in test):
                         scores["ll_acc"] = scores["exact_match"]
+                elif method == "arrow":
+                    scores = arrow_score_rows(rm, bb.tokenizer, test, top_k=args.arrow_top_k, max_length=max_length)
                 else:
                     scores = score_rows(rm, layers, bb.tokenizer, test, context=context,
                                         max_length=max(ICL_MAX_LENGTH, 4 * max_length) if context else max_length)
