@@ -161,7 +161,8 @@ def arrow_plan(rm: RoutedModel, top_k: int | None = DEFAULT_TOP_K,
 def arrow_routing(rm: RoutedModel, plan: ArrowPlan) -> Iterator[ArrowPlan]:
     """Every adapted linear of rm reads `plan` for the duration, whatever is set on rm.batch meanwhile
     (evaluate_task / score_rows set their own plan per batch: pass them adapter=None; an adapter passed
-    inside is not applied). Each layer's own batch, and so rm.batch's plan, is back afterwards."""
+    inside is not applied). Each layer's own batch is back afterwards, also after an exception; rm.batch
+    itself is not touched here."""
     pinned = AdapterBatch()
     pinned.set(plan)
     own = [layer.batch for layer in rm.layers]
