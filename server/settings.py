@@ -92,6 +92,11 @@ class Settings(BaseSettings):
     tenant_kv_share: float = Field(default=1.0, gt=0, le=1)
     tenant_fairness: bool = True  # off: one first-come-first-served queue, no per-tenant caps
     max_tasks: int | None = Field(default=None, ge=1)  # registered tasks in the store; beyond: 409 task_limit
+    # one tenant's registrations (server/jobs/service.py; admins and key-less servers are exempt):
+    # tasks it owns, default its weighted share of max_tasks (none without max_tasks): 409 tenant_task_limit
+    tenant_max_tasks: int | None = Field(default=None, ge=1)
+    # its jobs queued or running, default its weighted share of max_queued_jobs: 429 tenant_job_limit
+    tenant_max_jobs: int | None = Field(default=None, ge=1)
     # L2 entries carry an HMAC under this secret, shared by the replicas (server/adapter_cache/l2.py)
     cache_secret: str | None = None
     # serving a non-loopback address with no key at all needs this (server/exposure.py)
