@@ -106,7 +106,7 @@ def test_one_tenant_cannot_fill_the_job_queue(server):
 def test_a_tenant_owns_at_most_its_task_quota(server):
     srv, c = server
     store = srv.runtime.store
-    owned = lambda: sorted(t.id for t in store.list_tasks() if t.owner == "alice")  # noqa: E731
+    owned = lambda: sorted(t.id for t in store.list_tasks() if t.owner == "alice")
     for task in owned():  # what the job test left (cancelled jobs may leave no task)
         assert c.delete(f"/v1/tasks/{task}", headers=auth(ALICE)).status_code == 204
     for i in range(3):

@@ -202,7 +202,16 @@ def build(app: FastAPI, settings: Any) -> dict[str, Any]:
                     if field in schema.get("properties", {}):
                         _set_bound(schema["properties"][field], key, value)
     _prompts_bound(schemas, settings.max_prompts_per_request)
+    _query_bounds(doc, {("/v1/usage", "get", "window"): ("maximum", settings.usage_window_max_seconds)})
     return doc
+
+
+def _query_bounds(doc: dict[str, Any], bounds: dict[tuple[str, str, str], tuple[str, int]]) -> None:
+    """Query parameters bounded by a setting (the route refuses beyond it with 422)."""
+    for (path, method, name), (key, value) in bounds.items():
+        for param in doc["paths"].get(path, {}).get(method, {}).get("parameters", []):
+            if param.get("name") == name and param.get("in") == "query":
+                _set_bound(param["schema"], key, value)
 
 
 def install(app: FastAPI, settings: Any) -> None:
