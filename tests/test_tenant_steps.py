@@ -16,6 +16,7 @@ from server.engines.native.engine import NativeEngine
 from server.engines.native.scheduler import Prefill, Scheduler
 from server.engines.request import GenRequest, SamplingParams
 from server.metrics import Metrics
+from server.settings import Settings
 from tests.engine_utils import choices
 
 WEIGHTS = {"flood": 1.0, "small": 1.0}
@@ -59,9 +60,13 @@ def test_without_the_bound_a_step_is_filled_in_admission_order():
     assert chunks(sched, decoding, [prefill("flood", 500, 5), prefill("small", 6, 6)]) == {5: 254}
 
 
-def test_a_bound_below_zero_is_refused():
+def test_a_bound_below_zero_is_refused_and_fairness_off_has_none():
     with pytest.raises(ValueError, match="tenant_prefill_tokens"):
         EngineConfig(tenant_prefill_tokens=-1)
+    on = Settings(tenant_prefill_tokens=24, dtype="float32")
+    assert EngineConfig.from_settings(on).tenant_prefill_tokens == 24
+    off = Settings(tenant_prefill_tokens=24, tenant_fairness=False, dtype="float32")
+    assert EngineConfig.from_settings(off).tenant_prefill_tokens == 0  # the old single FCFS engine
 
 
 # -- on the engine, stepped by hand --------------------------------------------------------------------
@@ -90,9 +95,8 @@ def flood_and_small(bound: int) -> tuple[list[int], list[GenRequest]]:
     eng.scheduler.plan_step = recording  # type: ignore[method-assign]
     smalls: list[GenRequest] = []
     for _ in range(600):
-        if not smalls or smalls[-1].handle.done:
-            if len(smalls) < 12:
-                smalls.append(eng.submit(GenRequest([5, 6, 7], SMALL, tenant="small")))
+        if (not smalls or smalls[-1].handle.done) and len(smalls) < 12:
+            smalls.append(eng.submit(GenRequest([5, 6, 7], SMALL, tenant="small")))
         if all(r.handle.done for r in [*floods, *smalls]) and len(smalls) == 12:
             break
         eng.step()

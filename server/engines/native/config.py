@@ -67,7 +67,9 @@ class EngineConfig:
         return cls(
             max_batch_rows=settings.max_batch_rows, max_batch_tokens=settings.max_batch_tokens,
             max_prefill_rows=settings.max_prefill_rows, max_queue=settings.max_queue,
-            max_step_tokens=settings.max_step_tokens, tenant_prefill_tokens=settings.tenant_prefill_tokens,
+            max_step_tokens=settings.max_step_tokens,
+            # a per-tenant policy: off with fairness off (the old single first-come-first-served engine)
+            tenant_prefill_tokens=settings.tenant_prefill_tokens if settings.tenant_fairness else 0,
             background_share=settings.background_share,
             dtype=serving_dtype(settings.device, settings.dtype), runner_kind=settings.native_executor,
             packed_weights=switch(settings.packed_weights), static_decode=switch(settings.static_decode),
