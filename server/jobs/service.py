@@ -101,9 +101,11 @@ class Registration:
                seed: int | None, *, serve_early: bool = False, tenant: Tenant | None = None,
                shared: bool = False) -> Job:
         """Raises ValueError (bad / reserved id), TaskExists (409), RuntimeError (no inventory),
-        ApiError 429 (POLYSERVE_MAX_QUEUED_JOBS unfinished here) or 409 task_limit
-        (POLYSERVE_MAX_TASKS); the limits are checked and the job queued under one lock, so a
-        burst of POSTs cannot pass them together."""
+        ApiError 429 (POLYSERVE_MAX_QUEUED_JOBS unfinished here), 429 tenant_job_limit (the
+        tenant's own jobs), 409 task_limit (POLYSERVE_MAX_TASKS) or 409 tenant_task_limit (the
+        tasks it owns); the limits are checked and the job queued under one lock, so a burst of
+        POSTs cannot pass them together (in this process: replicas submitting at the same moment
+        may each pass a limit once, as for the global ones)."""
         validate_new_task_id(task)
         self.prune()
         if self.rt.routed is None:
@@ -162,11 +164,12 @@ class Registration:
 
     def check_task_quota(self, tenant: Tenant | None) -> None:
         """409 tenant_task_limit when `tenant` already owns its limit of tasks (registration and
-        LoRA import). One pass over the task records: only for a quota-bound caller's new task."""
+        LoRA import). Counted in the registry's snapshot (current, and no record read when
+        nothing changed: adapters_store/task_snapshot.py); only for a quota-bound caller's new task."""
         quota = self.tenant_task_limit(tenant)
         if quota is None or tenant is None:
             return
-        owned = sum(1 for record in self.rt.store.list_tasks() if record.owner == tenant.name)
+        owned = sum(1 for record in self.rt.registry.list() if record.owner == tenant.name)
         if owned >= quota:
             self._refused(tenant, "tasks")
             raise ApiError(409, "tenant_task_limit", f"tenant {tenant.name!r} already owns {owned} tasks, its limit "
