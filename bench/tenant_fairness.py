@@ -12,9 +12,9 @@ Each round starts a fresh `polyserve serve` per variant, alternating, on the sam
 
     fcfs       POLYSERVE_TENANT_FAIRNESS=false (one first-come-first-served queue)
     fair       fair admission (rows lent, taken back by preemption; no static per-tenant row cap
-               unless --tenant-rows asks for one) and the tenants' step budget
-               (POLYSERVE_TENANT_PREFILL_TOKENS, the server's default unless --prefill-tokens)
-    unbounded  fair admission without that budget (POLYSERVE_TENANT_PREFILL_TOKENS=0)
+               unless --tenant-rows asks for one), with POLYSERVE_TENANT_PREFILL_TOKENS set to
+               --prefill-tokens (default: the server's, off)
+    unbounded  fair admission with POLYSERVE_TENANT_PREFILL_TOKENS=0
 
     idle    `small` alone: its latency p50 / p95 (the reference)
     mixed   `flood` and `small` together for --seconds: small's status codes and latency p50 / p95
@@ -24,7 +24,7 @@ Each round starts a fresh `polyserve serve` per variant, alternating, on the sam
 
     flock /tmp/bench.lock .venv/bin/python -m bench.tenant_fairness --backbone tiny --rounds 2 --seconds 60 --idle-seconds 15
     flock /tmp/bench.lock .venv/bin/python -m bench.tenant_fairness --flood long --rounds 1 \
-        --variants fcfs,fair,unbounded
+        --variants unbounded,fair,fcfs --prefill-tokens 32
 """
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
-"""A tenant's decode rows do not wait behind another tenant's prompt chunks
-(server/engines/native/scheduler.py, plan_step with tenant_prefill_tokens): while a tenant's rows
-decode, other tenants' chunks share a small budget of the step, the shortest first; a tenant's own
-chunks, and steps with nobody else decoding, keep the whole max_step_tokens."""
+"""The tenants' prompt budget (server/engines/native/scheduler.py, plan_step with
+tenant_prefill_tokens): while a tenant's rows decode, other tenants' prompt chunks share a small
+budget of the step, the shortest first; a tenant's own chunks, and steps with nobody else
+decoding, keep the whole max_step_tokens; off, a step is filled in admission order."""
 
 from __future__ import annotations
 

@@ -12,8 +12,8 @@
     plan_step    every decoding row's next token, then prompt chunks of the admitted requests in
                  admission order while the step's token budget lasts (chunked prefill: a long
                  prompt is spread over several steps, the decoding rows never wait for it);
-                 while a tenant's rows decode, other tenants' chunks share a smaller budget
-                 (tenant_prefill_tokens), so its rows do not wait on their long prompts
+                 optionally, while a tenant's rows decode, other tenants' chunks share a
+                 smaller budget (tenant_prefill_tokens, off by default)
 
 Rows are lent, and taken back by preemption (fair admission only). No tenant has rows held for
 it: a tenant alone may fill every row. When a tenant's head request finds no room, and after
@@ -273,11 +273,13 @@ class Scheduler:
 
         Tenants' steps (tenant_prefill_tokens > 0): while rows of some tenant decode, the prompt
         chunks of the *other* tenants' requests (new prompts, resumed rows' recomputes) hold at
-        most tenant_prefill_tokens tokens of the step, and the shortest prompts go first. A
-        tenant's decode rows then wait on a step only a little longer than a decode step, not on
-        another tenant's long prompt (Sarathi-Serve's chunked-prefill budget, applied between
-        tenants); a tenant's own chunks and steps with no other tenant decoding keep the whole
-        max_step_tokens, so a flood alone runs as before."""
+        most tenant_prefill_tokens tokens of the step, and the shortest prompts go first
+        (Sarathi-Serve's chunked-prefill budget, applied between tenants); a tenant's own chunks,
+        and steps with no other tenant decoding, keep the whole max_step_tokens. Where a decode
+        step is bound by reading the weights (a GPU), chunks riding along are nearly free and a
+        small budget keeps the other tenants' steps short. Where every token costs compute (a
+        CPU) it moves no work away from them, hence off by default (README, "Tenants").
+        """
         items: list[Item] = []
         owners: list[Any] = []
         for row in rows:
