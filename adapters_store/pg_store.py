@@ -444,6 +444,10 @@ class PostgresStore(BaseStore):
     def _queue_size(self) -> int:
         return int(self._one("SELECT count(*) FROM job_queue", ()))
 
+    def _queue_size_of(self, tenant: str) -> int:
+        return int(self._one("SELECT count(*) FROM job_queue q JOIN jobs j ON j.id = q.id "
+                             "WHERE j.data->>'tenant' = %s", (tenant,)))
+
     def hold_job(self, job_id: str) -> _ConnHold | None:
         check_job_id(job_id)
         try:

@@ -385,6 +385,11 @@ class Store(BaseStore):
     def _queue_size(self) -> int:
         return sum(1 for _ in (self.root / "jobs" / "queue").glob("job-*.json"))
 
+    def _queue_size_of(self, tenant: str) -> int:
+        # the queue is bounded (POLYSERVE_MAX_QUEUED_JOBS): one record read per entry
+        records = (self._read_job(path.stem) for path in (self.root / "jobs" / "queue").glob("job-*.json"))
+        return sum(1 for data in records if data is not None and data.get("tenant") == tenant)
+
     def _delete_job(self, job_id: str) -> None:
         for path in (self._examples_path(job_id), self._cancel_path(job_id), self._queue_path(job_id),
                      self.root / "jobs" / "locks" / f"{job_id}.lock", self._job_path(job_id)):

@@ -211,6 +211,10 @@ class BaseStore(ABC):
         """Jobs in the queue, leased or not."""
 
     @abstractmethod
+    def _queue_size_of(self, tenant: str) -> int:
+        """Jobs in the queue, leased or not, whose record names `tenant`."""
+
+    @abstractmethod
     def _install_lock(self) -> AbstractContextManager[None]:
         """Serialises installing an inventory into an empty store across processes."""
 
@@ -492,9 +496,10 @@ class BaseStore(ABC):
         job_id, attempts = got
         return JobLease(self, job_id, token, owner, lease_seconds, attempts)
 
-    def queued_jobs(self) -> int:
-        """How many jobs wait in (or are leased from) the fleet's queue: the workers' backlog."""
-        return self._queue_size()
+    def queued_jobs(self, tenant: str | None = None) -> int:
+        """How many jobs wait in (or are leased from) the fleet's queue: the workers' backlog;
+        with `tenant`, those registered by that tenant only (its quota)."""
+        return self._queue_size() if tenant is None else self._queue_size_of(tenant)
 
     def job_enqueued(self, job_id: str) -> bool:
         """Whether the job waits in (or is leased from) the queue: workers own it, not a replica."""

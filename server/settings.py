@@ -64,6 +64,11 @@ class Settings(BaseSettings):
     max_prefill_rows: int = Field(default=16, ge=1)  # requests admitted in one step
     # tokens in one forward: every decoding row's next token + prompt chunks (chunked prefill)
     max_step_tokens: int = Field(default=256, ge=2)
+    # native engine: while a tenant's rows decode, prompt tokens of other tenants' requests in one
+    # step (engines/native/scheduler.py); 0 = no such bound. Off by default: on CPU a step's cost
+    # grows with every token it holds, so spreading prompts thinner moves no work away from the
+    # decoding rows (BENCHMARKS.md, "Two tenants": no latency gained, throughput lost)
+    tenant_prefill_tokens: int = Field(default=0, ge=0)
     max_queue: int = Field(default=256, ge=0)
     max_prompt_tokens: int = Field(default=2048, ge=1)
     max_new_tokens: int = Field(default=1024, ge=1)
@@ -92,6 +97,11 @@ class Settings(BaseSettings):
     tenant_kv_share: float = Field(default=1.0, gt=0, le=1)
     tenant_fairness: bool = True  # off: one first-come-first-served queue, no per-tenant caps
     max_tasks: int | None = Field(default=None, ge=1)  # registered tasks in the store; beyond: 409 task_limit
+    # one tenant's registrations (server/jobs/service.py; admins and key-less servers are exempt):
+    # tasks it owns, default its weighted share of max_tasks (none without max_tasks): 409 tenant_task_limit
+    tenant_max_tasks: int | None = Field(default=None, ge=1)
+    # its jobs queued or running, default its weighted share of max_queued_jobs: 429 tenant_job_limit
+    tenant_max_jobs: int | None = Field(default=None, ge=1)
     # L2 entries carry an HMAC under this secret, shared by the replicas (server/adapter_cache/l2.py)
     cache_secret: str | None = None
     # serving a non-loopback address with no key at all needs this (server/exposure.py)

@@ -49,6 +49,14 @@ def set_current(tenant: Tenant) -> None:
     _current.set(tenant)
 
 
+def weighted_share(total: int, weights: dict[str, float], tenant: str) -> int:
+    """One tenant's part of a limit shared by the configured tenants: total * weight / total
+    weight, rounded up (at least 1); the whole limit when fewer than two tenants are configured."""
+    if len(weights) < 2:
+        return total
+    return max(1, math.ceil(total * weights.get(tenant, 1.0) / sum(weights.values())))
+
+
 def parse_entry(entry: str) -> tuple[str, str, float]:
     """`key` | `name:key` | `name:key:weight` -> (name, key, weight); ValueError naming what is
     wrong (never the key itself)."""

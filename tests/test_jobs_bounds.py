@@ -1,5 +1,6 @@
 """Bounded registration work: a cap on steps (422 naming `steps`, stated in the OpenAPI document),
-a cap on queued jobs per replica (429 with Retry-After), and retention of finished jobs."""
+a cap on queued jobs per replica (429 with Retry-After), and retention of finished jobs. Other
+bounds the server enforces stated in the document too: GET /v1/usage `window`, a LoRA's `adapter`."""
 
 from __future__ import annotations
 
@@ -29,6 +30,32 @@ def test_steps_above_the_setting_are_422_and_documented(bounded):
     steps = bounded.get("/openapi.json").json()["components"]["schemas"]["RegisterRequest"]["properties"]["steps"]
     assert [b.get("maximum") for b in steps["anyOf"] if b.get("type") == "integer"] == [300]
     assert bounded.post("/v1/tasks", json={"task": "fine", "examples": EXAMPLES, "steps": 300}).status_code == 202
+
+
+def test_the_usage_window_bound_is_documented_and_the_default_fits_under_it(tmp_path):
+    build_store(tmp_path / "store")
+    settings = settings_for(tmp_path, usage_window_max_seconds=120, warmup=False)
+    with live_server(settings, backbone=tiny_backbone()) as srv, httpx.Client(base_url=srv.url, timeout=30) as c:
+        (param,) = c.get("/openapi.json").json()["paths"]["/v1/usage"]["get"]["parameters"]
+        assert param["name"] == "window" and param["schema"]["maximum"] == 120 and param["schema"]["default"] == 120
+        assert c.get("/v1/usage").status_code == 200  # the default hour, lowered to what is kept
+        assert c.get("/v1/usage?window=120").status_code == 200
+        r = c.get("/v1/usage?window=121")
+        assert r.status_code == 422 and r.json()["error"]["param"] == "window"
+
+
+def test_a_lora_adapter_is_documented_as_padded_base64(bounded):
+    schema = bounded.get("/openapi.json").json()["components"]["schemas"]["RegisterRequest"]
+    adapter = schema["properties"]["adapter"]
+    (text,) = [b for b in adapter["anyOf"] if b.get("type") == "string"]
+    assert text["minLength"] == 4 and adapter["contentEncoding"] == "base64"
+    body = {"task": "mine", "method": "lora", "adapter_config": {}}
+    for bad in ("", "AAA", "AA=A", "A*==", "QUFB\n"):  # schema-invalid: refused as shape, naming adapter
+        r = bounded.post("/v1/tasks", json={**body, "adapter": bad})
+        assert r.status_code == 422 and r.json()["error"]["param"] == "adapter", (bad, r.text)
+    # schema-valid bytes that are no LoRA: the semantic refusal, with its own code
+    r = bounded.post("/v1/tasks", json={**body, "adapter": "QUFB", "adapter_config": {"r": 2}})
+    assert r.status_code == 422 and r.json()["error"]["code"] == "invalid_adapter", r.text
 
 
 def test_queued_jobs_beyond_the_setting_are_429(bounded):

@@ -456,3 +456,19 @@ def test_claimers_in_four_processes_at_once_take_each_job_exactly_once(store, lo
     assert [p.returncode for p in procs] == [0, 0, 0, 0]
     claimed = [job_id for part in got for job_id in part]
     assert sorted(claimed) == jobs
+
+
+def test_queued_jobs_of_one_tenant_count_its_queue_entries_leased_or_not(store):
+    """A tenant's registration quota in fleet mode (POLYSERVE_JOBS=off) counts its jobs in the
+    queue, from the job records' tenant."""
+    for job_id, tenant in (("job-alice01", "alice"), ("job-alice02", "alice"), ("job-bob0001", "bob"),
+                           ("job-nobody1", None)):
+        store.put_job({"id": job_id, "task": "t", "status": "queued", "tenant": tenant})
+        store.enqueue_job(job_id)
+    store.put_job({"id": "job-alice03", "task": "t", "status": "succeeded", "tenant": "alice"})  # not queued
+    assert (store.queued_jobs(), store.queued_jobs("alice"), store.queued_jobs("bob"), store.queued_jobs("eve")) \
+        == (4, 2, 1, 0)
+    lease = store.claim_job("w", 30)  # leased jobs still count: their worker runs them
+    assert lease is not None and store.queued_jobs("alice") == 2
+    lease.release()
+    assert store.queued_jobs("alice") + store.queued_jobs("bob") == 2

@@ -1,6 +1,7 @@
 """Tenants over HTTP (tiny model): task ownership (someone else's task, job and delete answer 404;
-shared tasks work for everyone), usage by tenant and task (admin only), metrics by tenant name
-(never a key), and a tenant cap's 429 naming the limit."""
+shared tasks work for everyone), tenants serving themselves beside admin keys (their own tasks,
+jobs and usage rows; 403 on what only an admin may do), usage by tenant and task, metrics by
+tenant name (never a key), and a tenant cap's 429 naming the limit."""
 
 from __future__ import annotations
 
@@ -183,19 +184,106 @@ def test_an_admins_shared_task_works_for_every_tenant_and_its_own_for_none(admin
     assert {"common", "roots-own"} <= {t["id"] for t in c.get("/v1/tasks", headers=auth(ROOT)).json()["data"]}
 
 
-def test_usage_by_tenant_and_task_for_admins_only(admin_server):
+def test_usage_by_tenant_and_task_an_admin_sees_all_a_tenant_its_own(admin_server):
     _, c = admin_server
-    for _ in range(2):
-        r = c.post("/v1/generate", json={"task": "alpha", "prompt": "w1 x1", "max_new_tokens": 5}, headers=auth(ALICE))
-        assert r.status_code == 200
-    assert c.get("/v1/usage", headers=auth(ALICE)).status_code == 403
+    for key, n in ((ALICE, 2), (BOB, 1)):
+        for _ in range(n):
+            r = c.post("/v1/generate", json={"task": "alpha", "prompt": "w1 x1", "max_new_tokens": 5},
+                       headers=auth(key))
+            assert r.status_code == 200
     assert c.get("/v1/usage?window=0", headers=auth(ROOT)).status_code == 422
     assert c.get("/v1/usage?window=99999999", headers=auth(ROOT)).status_code == 422
     rows = c.get("/v1/usage?window=600", headers=auth(ROOT)).json()["data"]
+    assert {"alice", "bob"} <= {r["tenant"] for r in rows}
     row = next(r for r in rows if r["tenant"] == "alice" and r["task"] == "alpha")
     assert row["requests"] >= 2 and row["prompt_tokens"] > 0 and row["refused"] == 0
     assert 2 <= row["completion_tokens"] <= 10 * row["requests"]
     assert set(row) == {"tenant", "task", "requests", "prompt_tokens", "completion_tokens", "refused"}
+    for key, name in ((ALICE, "alice"), (BOB, "bob")):
+        r = c.get("/v1/usage?window=600", headers=auth(key))
+        assert r.status_code == 200, r.text
+        own = r.json()["data"]
+        assert own and {x["tenant"] for x in own} == {name}, own
+        assert {x["task"] for x in own} == {x["task"] for x in rows if x["tenant"] == name}
+    assert c.get("/v1/usage?window=99999999", headers=auth(ALICE)).status_code == 422
+
+
+def test_a_tenant_serves_itself_beside_admin_keys(admin_server):
+    """Both kinds of key set: alice registers, uses, cancels and deletes her own task; bob gets 404
+    on every bit of it; alice gets 403 on what only an admin may do and 404 on the admin's own task."""
+    srv, c = admin_server
+    alice, bob, root = auth(ALICE), auth(BOB), auth(ROOT)
+    r = c.post("/v1/tasks", json={"task": "alice-self", "examples": EXAMPLES, "method": "retrieve"}, headers=alice)
+    assert r.status_code == 202, r.text
+    job = wait_job(c, r.json()["id"], ALICE)
+    assert job["status"] == "succeeded" and srv.runtime.store.get_task("alice-self").owner == "alice"
+    body = {"task": "alice-self", "prompt": "w1 x1", "max_new_tokens": 4}
+    assert c.post("/v1/generate", json=body, headers=alice).status_code == 200
+    assert c.get("/v1/tasks/alice-self", headers=alice).status_code == 200
+    # a long job of hers: bob cannot see or cancel it, she can
+    r = c.post("/v1/tasks", json={"task": "alice-long", "examples": EXAMPLES, "steps": 5000}, headers=alice)
+    assert r.status_code == 202, r.text
+    long_job = r.json()["id"]
+    for method, path in (("GET", "/v1/tasks/alice-self"), ("GET", f"/v1/jobs/{job['id']}"),
+                         ("GET", f"/v1/jobs/{job['id']}/events"), ("GET", f"/v1/jobs/{long_job}"),
+                         ("POST", f"/v1/jobs/{long_job}/cancel"), ("DELETE", "/v1/tasks/alice-self"),
+                         ("DELETE", "/v1/tasks/alice-long")):
+        assert c.request(method, path, headers=bob).status_code == 404, (method, path)
+    assert c.post("/v1/generate", json=body, headers=bob).status_code == 404
+    assert "alice-self" not in {t["id"] for t in c.get("/v1/tasks", headers=bob).json()["data"]}
+    r = c.post(f"/v1/jobs/{long_job}/cancel", headers=alice)
+    assert r.status_code == 200, r.text  # running: it stops at its next slice
+    assert wait_job(c, long_job, ALICE)["status"] == "cancelled"
+    assert c.delete("/v1/tasks/alice-self", headers=alice).status_code == 204
+    assert c.get("/v1/tasks/alice-self", headers=alice).status_code == 404
+    assert c.post("/v1/generate", json=body, headers=alice).status_code == 404
+    # what only an admin may do
+    r = c.post("/v1/tasks", json={"task": "alice-shared", "examples": EXAMPLES, "method": "retrieve", "shared": True},
+               headers=alice)
+    assert r.status_code == 403 and r.json()["error"]["param"] == "shared", r.text
+    assert c.get("/v1/tasks/alice-shared", headers=alice).status_code == 404  # nothing of it was written
+    r = c.delete("/v1/tasks/common", headers=alice)  # shared: she uses it, an admin changes it
+    assert r.status_code == 403 and "admin" in r.json()["error"]["message"], r.text
+    for method, path in (("GET", "/v1/tasks/roots-own"), ("DELETE", "/v1/tasks/roots-own")):
+        assert c.request(method, path, headers=alice).status_code == 404, (method, path)
+    assert c.get("/v1/tasks/common", headers=alice).status_code == 200  # untouched
+    # an admin changes anyone's task
+    r = c.post("/v1/tasks", json={"task": "alice-again", "examples": EXAMPLES, "method": "retrieve"}, headers=alice)
+    wait_job(c, r.json()["id"], ALICE)
+    assert c.delete("/v1/tasks/alice-again", headers=root).status_code == 204
+    assert c.get("/v1/tasks/alice-again", headers=alice).status_code == 404
+
+
+def test_only_an_admin_imports_a_lora_once_admin_keys_exist(admin_server):
+    from tests.test_lora_import import peft_lora, upload
+
+    srv, c = admin_server
+    info = srv.runtime.store.inventory_info()
+    cfg, tensors = peft_lora(info, r=2, alpha=2.0)
+    r = c.post("/v1/tasks", json=upload(info, cfg, tensors, "alice-import"), headers=auth(ALICE))
+    assert r.status_code == 403 and r.json()["error"]["param"] == "method", r.text
+    assert not srv.runtime.store.has_task("alice-import")
+    r = c.post("/v1/tasks", json=upload(info, cfg, tensors, "root-import"), headers=auth(ROOT))
+    assert r.status_code == 201, r.text
+    assert c.delete("/v1/tasks/root-import", headers=auth(ROOT)).status_code == 204
+
+
+def test_someone_elses_failed_task_is_not_replaced(admin_server):
+    """A failed task's id may be registered again, by its owner (or an admin) only."""
+    import dataclasses
+
+    srv, c = admin_server
+    r = c.post("/v1/tasks", json={"task": "bob-failed", "examples": EXAMPLES, "method": "retrieve"}, headers=auth(BOB))
+    wait_job(c, r.json()["id"], BOB)
+    store = srv.runtime.store
+    store.put_record(dataclasses.replace(store.get_task("bob-failed"), status="failed", error="made to fail"))
+    r = c.post("/v1/tasks", json={"task": "bob-failed", "examples": EXAMPLES, "method": "retrieve"}, headers=auth(ALICE))
+    assert r.status_code == 409, r.text
+    assert store.get_task("bob-failed").owner == "bob"
+    r = c.post("/v1/tasks", json={"task": "bob-failed", "examples": EXAMPLES, "method": "retrieve"}, headers=auth(BOB))
+    assert r.status_code == 202, r.text
+    wait_job(c, r.json()["id"], BOB)
+    assert c.delete("/v1/tasks/bob-failed", headers=auth(BOB)).status_code == 204
 
 
 # -- the answer to a tenant cap ------------------------------------------------------------------

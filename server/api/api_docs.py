@@ -15,14 +15,15 @@ from fastapi import FastAPI
 from fastapi.openapi.utils import get_openapi
 from fastapi.routing import APIRoute
 
-from server.api.deps import require_admin_key, require_api_key
+from server.api.deps import require_api_key, require_tenant_key
 from server.api.errors import all_routes, is_openai_path
 from server.api.schemas import ErrorResponse, OpenAIErrorResponse
 
 WHY = {
     400: "Bad request: a field the server refuses (named in `param`), or a malformed Content-Length",
     401: "Missing or invalid API key (only when POLYSERVE_API_KEYS / POLYSERVE_ADMIN_KEYS are set)",
-    403: "An inference key on a route that needs an admin key (POLYSERVE_ADMIN_KEYS)",
+    403: "What only an admin key may do (POLYSERVE_ADMIN_KEYS): a `shared` task, a LoRA import, "
+         "deleting a shared task",
     404: "Unknown task, model or job",
     409: "Conflict: the task exists, is not ready, or the job already finished",
     413: "Request body over POLYSERVE_MAX_BODY_BYTES, or prompt over POLYSERVE_MAX_PROMPT_TOKENS",
@@ -40,8 +41,8 @@ _KINDS: dict[str, tuple[int, ...]] = {
     "lookup": (401, 404, 503),
     "register": (400, 401, 403, 409, 413, 422, 429, 503),
     "delete": (401, 403, 404, 409, 503),
-    "cancel": (400, 401, 403, 404, 409, 413, 503),
-    "usage": (401, 403, 422, 503),
+    "cancel": (400, 401, 404, 409, 413, 503),
+    "usage": (401, 422, 503),
 }
 
 
@@ -177,15 +178,15 @@ def build(app: FastAPI, settings: Any) -> dict[str, Any]:
     any_keys = bool(settings.api_keys or settings.admin_keys)
     for route in api_routes(app):
         calls = dependency_calls(route)
-        admin = require_admin_key in calls
-        guarded = (any_keys if admin else bool(settings.api_keys)) and (admin or require_api_key in calls)
+        keyed = require_tenant_key in calls  # needs a key whenever any is configured
+        guarded = (any_keys if keyed else bool(settings.api_keys)) and (keyed or require_api_key in calls)
         for method in route.methods:
             op = doc["paths"][route.path_format][method.lower()]
             responses = op["responses"]
             if not guarded:
                 op.pop("security", None)
                 responses.pop("401", None)
-            if not (admin and settings.admin_keys):
+            if not (keyed and any_keys):  # without keys everyone is an admin
                 responses.pop("403", None)
             if "422" in responses and (is_openai_path(route.path_format) or 422 not in route.responses):
                 responses.pop("422")
@@ -201,7 +202,16 @@ def build(app: FastAPI, settings: Any) -> dict[str, Any]:
                     if field in schema.get("properties", {}):
                         _set_bound(schema["properties"][field], key, value)
     _prompts_bound(schemas, settings.max_prompts_per_request)
+    _query_bounds(doc, {("/v1/usage", "get", "window"): ("maximum", settings.usage_window_max_seconds)})
     return doc
+
+
+def _query_bounds(doc: dict[str, Any], bounds: dict[tuple[str, str, str], tuple[str, int]]) -> None:
+    """Query parameters bounded by a setting (the route refuses beyond it with 422)."""
+    for (path, method, name), (key, value) in bounds.items():
+        for param in doc["paths"].get(path, {}).get(method, {}).get("parameters", []):
+            if param.get("name") == name and param.get("in") == "query":
+                _set_bound(param["schema"], key, value)
 
 
 def install(app: FastAPI, settings: Any) -> None:

@@ -12,6 +12,7 @@ from server.metrics import Metrics
 from server.runtime import Runtime
 from server.settings import Settings
 from server.tenants import ANONYMOUS, DEFAULT, Directory, Tenant, set_current
+from server.tenants import current as current_tenant
 
 
 def get_settings(request: Request) -> Settings:
@@ -35,7 +36,7 @@ RuntimeDep = Annotated[Runtime, Depends(get_runtime)]
 
 
 bearer = HTTPBearer(auto_error=False, scheme_name="bearer",
-                    description="POLYSERVE_API_KEYS (inference) or POLYSERVE_ADMIN_KEYS (everything)")
+                    description="POLYSERVE_API_KEYS (a tenant: inference, its own tasks, jobs and usage) or POLYSERVE_ADMIN_KEYS (everything)")
 BearerDep = Annotated[HTTPAuthorizationCredentials | None, Security(bearer)]
 
 
@@ -81,10 +82,11 @@ async def require_api_key(request: Request, settings: SettingsDep, creds: Bearer
     _identify(request, tenant)
 
 
-async def require_admin_key(request: Request, settings: SettingsDep, creds: BearerDep) -> None:
-    """Task and job mutation (POST/DELETE /v1/tasks, job cancel): with POLYSERVE_ADMIN_KEYS set only
-    an admin key (an API key answers 403); with only POLYSERVE_API_KEYS set any API key; open
-    when neither is set. Sets the caller's tenant."""
+async def require_tenant_key(request: Request, settings: SettingsDep, creds: BearerDep) -> None:
+    """Task and job changes (POST/DELETE /v1/tasks, job cancel) and GET /v1/usage: with any key
+    configured, a valid key of either kind (a tenant acts on what it owns, an admin on
+    everything: the routes and server.ownership decide); open when no key is set. With only
+    POLYSERVE_ADMIN_KEYS set, that means an admin key (no tenant key exists). Sets the caller's tenant."""
     directory = get_tenants(request)
     if not directory.configured:
         _identify(request, ANONYMOUS)
@@ -92,10 +94,18 @@ async def require_admin_key(request: Request, settings: SettingsDep, creds: Bear
     tenant = directory.lookup(_token(creds))
     if tenant is None:
         raise ApiError(401, "unauthorized", "invalid API key", {"WWW-Authenticate": "Bearer"})
-    if directory.has_admin_keys and not tenant.admin:
-        raise ApiError(403, "forbidden", "this API key may not change tasks or jobs (needs an admin key)")
     _identify(request, tenant)
 
 
+def require_admin(request: Request, what: str, *, param: str | None = None, strict: bool = False) -> None:
+    """403 unless the caller (set by an auth dependency) is an admin. Not strict: only while
+    POLYSERVE_ADMIN_KEYS is set (with only API keys, tenants keep what they could do before
+    admin keys existed). Strict: always (nobody is an admin with only API keys)."""
+    tenant = current_tenant()
+    if tenant.admin or (not strict and not get_tenants(request).has_admin_keys):
+        return
+    raise ApiError(403, "forbidden", f"{what} needs an admin key (POLYSERVE_ADMIN_KEYS)", param=param)
+
+
 ApiKey = Depends(require_api_key)
-AdminKey = Depends(require_admin_key)
+TenantKey = Depends(require_tenant_key)

@@ -1,4 +1,4 @@
-"""POST /v1/tasks with "method": "lora": bring your own LoRA over HTTP (admin keys only).
+"""POST /v1/tasks with "method": "lora": bring your own LoRA over HTTP (admin keys only, once set).
 
     {"task": ID, "method": "lora", "adapter": base64(adapter_model.safetensors),
      "adapter_config": {...adapter_config.json...}, "project": false}
@@ -57,6 +57,8 @@ async def import_lora_task(body: Any, rt: Any) -> JSONResponse:
 
     def work() -> dict[str, Any]:
         tensors = _tensors(body.adapter)
+        if not rt.registry.store.has_task(body.task):  # an existing id answers 409 conflict below
+            rt.registration.check_task_quota(caller)
         try:
             record = import_lora(rt.registry.store, body.task, body.adapter_config, tensors,
                                  source={"imported_from": "POST /v1/tasks"}, owner=owner_of_new_task(caller),

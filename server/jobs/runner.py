@@ -140,6 +140,13 @@ class JobRunner:
         with self._lock:
             return len(self._queue) + (1 if self._current or self._starting else 0)
 
+    def pending_of(self, tenant: str) -> int:
+        """`pending`, of one tenant's jobs only (its per-tenant quota)."""
+        with self._lock:
+            running = [held[0] for held in (self._current, self._starting) if held is not None]
+            jobs = [self._jobs[i] for i in self._queue] + running
+            return sum(1 for job in jobs if job.tenant == tenant)
+
     def forget_finished(self, older_than: float) -> int:
         """Drop finished jobs that ended before `older_than` from memory (retention)."""
         with self._lock:

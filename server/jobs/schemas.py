@@ -19,6 +19,9 @@ class ExampleIn(BaseModel):
     output: str = Field(min_length=1, max_length=MAX_FIELD_CHARS)
 
 
+BASE64_PATTERN = r"^(?:[A-Za-z0-9+/]{4})*(?:[A-Za-z0-9+/]{2}==|[A-Za-z0-9+/]{3}=)?$"
+
+
 class RegisterRequest(BaseModel):
     """POST /v1/tasks. The upper bounds of the example count and of `steps` are settings, checked
     in the route (and stated in the OpenAPI document, server.api.api_docs)."""
@@ -42,7 +45,11 @@ class RegisterRequest(BaseModel):
         "retrieve: the retrieved row alone (no training, ready in seconds); mu / full: train a plain LoRA; "
         "lora: import `adapter` + `adapter_config` (a PEFT LoRA) as a plain-LoRA task (server.api.lora_tasks)")
     # method lora (bring your own LoRA): adapter_model.safetensors as base64, and its adapter_config.json
-    adapter: str | None = Field(default=None, description="lora: adapter_model.safetensors, base64")
+    # standard base64 with padding, as the route decodes it (validate=True): the bytes' shape is
+    # stated here; what they hold (a safetensors LoRA this store can serve) no schema can say
+    adapter: str | None = Field(default=None, min_length=4, pattern=BASE64_PATTERN,
+                                json_schema_extra={"contentEncoding": "base64"},
+                                description="lora: adapter_model.safetensors, base64 (standard alphabet, padded)")
     adapter_config: dict[str, Any] | None = Field(default=None, description="lora: the adapter_config.json object")
     project: Bool = Field(False, description="lora: replace the LoRA by its fitted routing row (kilobytes)")
     # numbers as JSON Schema says (server.api.wire): 5 or 5.0, never "5" or true

@@ -20,11 +20,38 @@ from adapters_store.ids import validate_new_task_id
 from server.errors import ApiError
 from server.jobs.model import Job
 from server.jobs.runner import JobRunner
-from server.ownership import can_see, can_see_job, owner_of_new_task
+from server.ownership import can_change, can_see, can_see_job, owner_of_new_task
 from server.replicas import ReplicaSync
-from server.tenants import Tenant
+from server.tenants import ANONYMOUS, Directory, Tenant, weighted_share
 
 log = logging.getLogger(__name__)
+
+
+def _quota_bound(tenant: Tenant | None) -> bool:
+    """Quotas bind tenants; admins (the operators) and key-less servers (one caller) are exempt."""
+    return tenant is not None and tenant is not ANONYMOUS and not tenant.admin
+
+
+def job_quota(settings: Any, weights: dict[str, float], tenant: Tenant | None) -> int | None:
+    """Jobs queued or running `tenant` may have: POLYSERVE_TENANT_MAX_JOBS, by default its weighted
+    share of POLYSERVE_MAX_QUEUED_JOBS (so one tenant cannot fill the queue); None: no quota."""
+    if tenant is None or not _quota_bound(tenant):
+        return None
+    if settings.tenant_max_jobs is not None:
+        return settings.tenant_max_jobs
+    return weighted_share(settings.max_queued_jobs, weights, tenant.name)
+
+
+def task_quota(settings: Any, weights: dict[str, float], tenant: Tenant | None) -> int | None:
+    """Tasks `tenant` may own: POLYSERVE_TENANT_MAX_TASKS, by default its weighted share of
+    POLYSERVE_MAX_TASKS; None: no quota (an exempt caller, or neither setting)."""
+    if tenant is None or not _quota_bound(tenant):
+        return None
+    if settings.tenant_max_tasks is not None:
+        return settings.tenant_max_tasks
+    if settings.max_tasks is None:
+        return None
+    return weighted_share(settings.max_tasks, weights, tenant.name)
 
 
 class Registration:
@@ -41,6 +68,8 @@ class Registration:
         self._cursor: int | None = None  # the store's change cursor at the last re-scan
         self._quiet = 0  # re-scans in a row that found the cursor where it was
         self._unsubscribe: Any = None
+        directory = Directory(rt.settings.api_keys, rt.settings.admin_keys)
+        self._weights, self._admins_exist = directory.weights, directory.has_admin_keys
 
     def start(self) -> list[str]:
         self.prune()
@@ -72,9 +101,11 @@ class Registration:
                seed: int | None, *, serve_early: bool = False, tenant: Tenant | None = None,
                shared: bool = False) -> Job:
         """Raises ValueError (bad / reserved id), TaskExists (409), RuntimeError (no inventory),
-        ApiError 429 (POLYSERVE_MAX_QUEUED_JOBS unfinished here) or 409 task_limit
-        (POLYSERVE_MAX_TASKS); the limits are checked and the job queued under one lock, so a
-        burst of POSTs cannot pass them together."""
+        ApiError 429 (POLYSERVE_MAX_QUEUED_JOBS unfinished here), 429 tenant_job_limit (the
+        tenant's own jobs), 409 task_limit (POLYSERVE_MAX_TASKS) or 409 tenant_task_limit (the
+        tasks it owns); the limits are checked and the job queued under one lock, so a burst of
+        POSTs cannot pass them together (in this process: replicas submitting at the same moment
+        may each pass a limit once, as for the global ones)."""
         validate_new_task_id(task)
         self.prune()
         if self.rt.routed is None:
@@ -89,6 +120,14 @@ class Registration:
                 where = "queued or running here" if here else "waiting in the fleet's queue for its workers"
                 raise ApiError(429, "overloaded", f"{settings.max_queued_jobs} registration jobs are already "
                                f"{where}; retry later", {"Retry-After": "30"})
+            quota = self.tenant_job_limit(tenant)
+            if quota is not None and tenant is not None:
+                mine = self.runner.pending_of(tenant.name) if here else self.rt.store.queued_jobs(tenant.name)
+                if mine >= quota:
+                    self._refused(tenant, "jobs")
+                    raise ApiError(429, "tenant_job_limit", f"tenant {tenant.name!r} already has {mine} registration "
+                                   f"jobs queued or running, its limit (POLYSERVE_TENANT_MAX_JOBS: {quota}); "
+                                   "retry when one finishes", {"Retry-After": "30"})
             with self.rt.store.task_lock(task):
                 job = self._submit_locked(task, examples, method, steps, seed, serve_early, tenant, shared)
         if self.runner.run_here:  # POLYSERVE_JOBS=off: a worker claims it from the store's queue
@@ -103,13 +142,44 @@ class Registration:
             if record.status != "failed":
                 suffix = f" (job {record.job_id})" if record.status == "training" else ""
                 raise TaskExists(f"task {task!r} already exists with status {record.status!r}{suffix}")
+            if not self._may_change(record, tenant):
+                # someone else's failed task: the id is taken, and what it holds is not the caller's
+                raise TaskExists(f"task id {task!r} is taken")
         limit = self.rt.settings.max_tasks
         if not exists and limit is not None and len(self.rt.store.task_stamps()) >= limit:
             raise ApiError(409, "task_limit", f"this store already holds {limit} tasks (POLYSERVE_MAX_TASKS); "
                            "delete one first")
+        if not exists:
+            self.check_task_quota(tenant)
         return self.runner.submit(task, examples, method=method, steps=steps, seed=seed,
                                   serve_early=serve_early and method != "retrieve",
                                   tenant=owner_of_new_task(tenant), shared=shared)
+
+    # -- per-tenant quotas -------------------------------------------------------------------------
+    def tenant_job_limit(self, tenant: Tenant | None) -> int | None:
+        return job_quota(self.rt.settings, self._weights, tenant)
+
+    def tenant_task_limit(self, tenant: Tenant | None) -> int | None:
+        return task_quota(self.rt.settings, self._weights, tenant)
+
+    def check_task_quota(self, tenant: Tenant | None) -> None:
+        """409 tenant_task_limit when `tenant` already owns its limit of tasks (registration and
+        LoRA import). Counted in the registry's snapshot (current, and no record read when
+        nothing changed: adapters_store/task_snapshot.py); only for a quota-bound caller's new task."""
+        quota = self.tenant_task_limit(tenant)
+        if quota is None or tenant is None:
+            return
+        owned = sum(1 for record in self.rt.registry.list() if record.owner == tenant.name)
+        if owned >= quota:
+            self._refused(tenant, "tasks")
+            raise ApiError(409, "tenant_task_limit", f"tenant {tenant.name!r} already owns {owned} tasks, its limit "
+                           f"(POLYSERVE_TENANT_MAX_TASKS: {quota}); delete one first")
+
+    def _may_change(self, record: Any, tenant: Tenant | None) -> bool:
+        return can_change(record, tenant, isolated=self.rt.registry.isolated, admins_exist=self._admins_exist)
+
+    def _refused(self, tenant: Tenant, limit: str) -> None:
+        self.rt.metrics.tenant_refused.labels(tenant=tenant.name, limit=limit).inc()
 
     def delete(self, task: str, tenant: Tenant | None = None) -> None:
         """Works from any replica: a job training the task (here or elsewhere) is cancelled and
@@ -122,6 +192,9 @@ class Registration:
             record = self.rt.store.get_task(task)
             if tenant is not None and not can_see(record, tenant, isolated=self.rt.registry.isolated):
                 raise TaskNotFound(task)  # someone else's task: as if it did not exist
+            if not self._may_change(record, tenant):
+                raise ApiError(403, "forbidden", f"task {task!r} is shared: only an admin key "
+                               "(POLYSERVE_ADMIN_KEYS) may delete it")
             if record.job_id and (record.status == "training" or self._unfinished(record.job_id)):
                 self.cancel(record.job_id)  # serve_early: the task is ready while its job still trains
             cache = self.rt.cache

@@ -8,7 +8,7 @@ from fastapi import APIRouter
 
 from server import tenants
 from server.api.api_docs import ERRORS
-from server.api.deps import AdminKey, ApiKey, RuntimeDep
+from server.api.deps import ApiKey, RuntimeDep, TenantKey
 from server.jobs.model import Job
 from server.jobs.schemas import JobEvents, JobOut
 
@@ -30,6 +30,6 @@ async def job_events(job_id: str, rt: RuntimeDep) -> JobEvents:
     return JobEvents(data=job.events)  # type: ignore[arg-type]
 
 
-@router.post("/{job_id}/cancel", response_model=JobOut, dependencies=[AdminKey], responses=ERRORS["cancel"])
+@router.post("/{job_id}/cancel", response_model=JobOut, dependencies=[TenantKey], responses=ERRORS["cancel"])
 async def cancel_job(job_id: str, rt: RuntimeDep) -> JobOut:
     return job_out(await asyncio.to_thread(rt.registration.cancel, job_id, tenants.current()))

@@ -5,6 +5,9 @@
     max_prefill_rows   requests admitted in one step
     max_queue          waiting requests beyond which submit answers QueueFull (429)
     max_step_tokens    tokens in one forward: every decoding row's next token + prompt chunks
+    tenant_prefill_tokens
+                       while a tenant's rows decode, prompt tokens of other tenants' requests in
+                       one step (0: no such bound; scheduler.plan_step)
     background_share   share of engine time background slices (registration) may take under load
     dtype, runner_kind, packed_weights, static_decode, lora_kernel
                        the model runner (model_runner.build_model_runner)
@@ -31,6 +34,7 @@ class EngineConfig:
     max_prefill_rows: int = 16
     max_queue: int = 256
     max_step_tokens: int = 256
+    tenant_prefill_tokens: int = 0
     background_share: float = 0.2
     dtype: torch.dtype | None = None
     runner_kind: str = "auto"
@@ -46,6 +50,8 @@ class EngineConfig:
         for name in ("max_batch_rows", "max_batch_tokens", "max_prefill_rows", "max_queue", "max_step_tokens"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be at least 1, got {getattr(self, name)}")
+        if self.tenant_prefill_tokens < 0:
+            raise ValueError(f"tenant_prefill_tokens must be 0 (off) or more, got {self.tenant_prefill_tokens}")
         if self.max_step_tokens <= self.max_batch_rows:
             raise ValueError(f"max_step_tokens ({self.max_step_tokens}) must exceed max_batch_rows "
                              f"({self.max_batch_rows}): a step holds every decoding row's token and room for "
@@ -61,7 +67,10 @@ class EngineConfig:
         return cls(
             max_batch_rows=settings.max_batch_rows, max_batch_tokens=settings.max_batch_tokens,
             max_prefill_rows=settings.max_prefill_rows, max_queue=settings.max_queue,
-            max_step_tokens=settings.max_step_tokens, background_share=settings.background_share,
+            max_step_tokens=settings.max_step_tokens,
+            # a per-tenant policy: off with fairness off (the old single first-come-first-served engine)
+            tenant_prefill_tokens=settings.tenant_prefill_tokens if settings.tenant_fairness else 0,
+            background_share=settings.background_share,
             dtype=serving_dtype(settings.device, settings.dtype), runner_kind=settings.native_executor,
             packed_weights=switch(settings.packed_weights), static_decode=switch(settings.static_decode),
             lora_kernel=settings.lora_kernel, threads=threads, caps=tenant_caps(settings),

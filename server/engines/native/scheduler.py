@@ -11,7 +11,9 @@
                  then preempted rows resume in the rows left over (see below)
     plan_step    every decoding row's next token, then prompt chunks of the admitted requests in
                  admission order while the step's token budget lasts (chunked prefill: a long
-                 prompt is spread over several steps, the decoding rows never wait for it)
+                 prompt is spread over several steps, the decoding rows never wait for it);
+                 optionally, while a tenant's rows decode, other tenants' chunks share a
+                 smaller budget (tenant_prefill_tokens, off by default)
 
 Rows are lent, and taken back by preemption (fair admission only). No tenant has rows held for
 it: a tenant alone may fill every row. When a tenant's head request finds no room, and after
@@ -267,22 +269,45 @@ class Scheduler:
 
     def plan_step(self, rows: list[Any], prefills: list[Prefill]) -> tuple[list[Item], list[Any]]:
         """(items, owners): every decoding row's next token, then prompt chunks (admission order)
-        while the step's token budget lasts. A resumed row's chunks want no logits."""
+        while the step's token budget lasts. A resumed row's chunks want no logits.
+
+        Tenants' steps (tenant_prefill_tokens > 0): while rows of some tenant decode, the prompt
+        chunks of the *other* tenants' requests (new prompts, resumed rows' recomputes) hold at
+        most tenant_prefill_tokens tokens of the step, and the shortest prompts go first
+        (Sarathi-Serve's chunked-prefill budget, applied between tenants); a tenant's own chunks,
+        and steps with no other tenant decoding, keep the whole max_step_tokens. Where a decode
+        step is bound by reading the weights (a GPU), chunks riding along are nearly free and a
+        small budget keeps the other tenants' steps short. Where every token costs compute (a
+        CPU) it moves no work away from them, hence off by default (README, "Tenants").
+        """
         items: list[Item] = []
         owners: list[Any] = []
         for row in rows:
             items.append(Item(row.slot, row.length, (row.last_token,)))
             owners.append(row)
         budget = self.config.max_step_tokens - len(items)
+        bound = self.config.tenant_prefill_tokens
+        decoding = {row.req.tenant for row in rows}
+        if bound and len(decoding | {p.req.tenant for p in prefills}) > 1:
+            # a short prompt's rows start decoding at once; a long one loses a few tokens of one step
+            prefills = sorted(prefills, key=lambda p: p.remaining)
+        else:
+            bound = 0
+        foreign = bound  # prompt tokens left this step for chunks that delay another tenant's rows
         for prefill in prefills:
             if budget <= 0:
                 break
+            delays_others = bool(bound) and bool(decoding - {prefill.req.tenant})
+            size = min(prefill.remaining, budget, foreign if delays_others else budget)
+            if size <= 0:
+                continue
             tokens = prefill.tokens
-            size = min(prefill.remaining, budget)
             last = prefill.done + size == len(tokens)
             wanted: LogitsWanted = ("none" if prefill.resume is not None else "all" if prefill.prompt_lp is not None
                       else "last" if last else "none")
             items.append(Item(prefill.slots[0], prefill.done, tuple(tokens[prefill.done : prefill.done + size]), wanted))
             owners.append(prefill)
             budget -= size
+            if delays_others:
+                foreign -= size
         return items, owners
