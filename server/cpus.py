@@ -145,9 +145,9 @@ def _quota(v2: list[Path], v1: dict[str, list[Path]], root: Path) -> tuple[float
             if limit != "max" and period:
                 take(int(limit) / int(period), d / "cpu.max")
     for d in v1.get("cpu", []):
-        quota, period = _read(d / "cpu.cfs_quota_us"), _read(d / "cpu.cfs_period_us")
-        if quota and period and int(quota) > 0 and int(period) > 0:
-            take(int(quota) / int(period), d / "cpu.cfs_quota_us")
+        cfs_quota, cfs_period = _read(d / "cpu.cfs_quota_us"), _read(d / "cpu.cfs_period_us")
+        if cfs_quota and cfs_period and int(cfs_quota) > 0 and int(cfs_period) > 0:
+            take(int(cfs_quota) / int(cfs_period), d / "cpu.cfs_quota_us")
     return best, sources
 
 
