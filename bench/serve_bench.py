@@ -41,7 +41,7 @@ import time
 from pathlib import Path
 
 import server  # noqa: F401  (before torch: OpenMP spin defaults, server/openmp.py)
-from server import openmp
+from server import cpus, openmp
 
 # isort: split
 import torch
@@ -298,7 +298,9 @@ def main() -> None:
     ap.add_argument("--out-min", type=int, default=8)
     ap.add_argument("--out-max", type=int, default=128)
     ap.add_argument("--out-dist", choices=["uniform", "loguniform"], default="uniform")
-    ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--threads", type=lambda s: s if s == "auto" else int(s), default=1,
+                    help="the engine's threads; auto: as the server sizes them (the CPUs this process may use: "
+                         "server/cpus.py)")
     ap.add_argument("--device", default="cpu", help="cpu | cuda (a, b, c, d run there; see bench/gpu_bench.sh)")
     ap.add_argument("--dtype", default="auto", help="the engine's serving dtype: auto (bfloat16 on CUDA and "
                     "AMX CPUs, else float32), float32, bfloat16")
@@ -317,6 +319,9 @@ def main() -> None:
     ap.add_argument("--packed-weights", choices=["auto", "on", "off"], default="auto",
                     help="the engine's POLYSERVE_PACKED_WEIGHTS")
     args = ap.parse_args()
+    if args.threads == "auto":
+        args.threads = cpus.default_threads()
+        print(f"threads: {cpus.budget().describe()}", flush=True)
     # One OpenMP pool at a time, as in the server (server/openmp.py): set-up runs in a thread that
     # ends, each engine variant gets an engine whose thread ends before the next, this thread only
     # submits and waits; PEFT's generate runs in a thread of its own while no engine is alive.
