@@ -12,7 +12,8 @@ inside a cgroup limited to 1 CPU (cgroup v2 `cpu.max` or v1 `cpu.cfs_quota_us`, 
 
 Arguments after `--` go to serve_bench unchanged. `--requests-at 6=48` runs fewer requests at
 that count (a round beside 6 busy processes is slow). Rounds can be split over several commands
-(`--json` files of each) and reported together: `--report a.json b.json`.
+(`--first-round` numbers them; `--json` files of each) and reported together: `--report a.json
+b.json` (runs of one round number pair up for (a)/(F)).
 
 Reported per busy count: the median over rounds of each variant's output tok/s and the spread
 (min-max), the median of the per-round ratios (a)/(F) and their spread, and "kept": the median
@@ -131,9 +132,9 @@ def with_requests(args: list[str], n: int | None) -> list[str]:
 
 
 def measure(busy: list[int], rounds: int, variants: str, bench_args: list[str], requests_at: dict[int, int],
-            quota: bool) -> list[dict]:
+            quota: bool, first_round: int = 0) -> list[dict]:
     rows = []
-    for r in range(rounds):
+    for r in range(first_round, first_round + rounds):
         order = variants if r % 2 == 0 else variants[::-1]
         for n in busy:
             load = os.getloadavg()[0]
@@ -163,8 +164,7 @@ def spread(xs: list[float]) -> str:
 
 def report(rows: list[dict]) -> str:
     def tps(busy, v: str) -> dict[tuple[int, int], float]:
-        return {(row.get("file", 0), row["round"]): row["tok_per_s"] for row in rows
-                if row["busy"] == busy and row["variant"] == v}
+        return {row["round"]: row["tok_per_s"] for row in rows if row["busy"] == busy and row["variant"] == v}
 
     lines = [("| busy processes | rounds | (a) polyserve tok/s: median (spread) | (F) vLLM bare: median (spread) "
               "| (a)/(F): median (per round) | (a) kept | (F) kept | fair share |"),
@@ -198,6 +198,8 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--busy", default="0,2,6", help="counts of busy processes, comma-separated")
     ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--first-round", type=int, default=0,
+                    help="number of the first round: runs of one round split over commands pair up by it")
     ap.add_argument("--variants", default="aF", help="serve_bench letters run at each count")
     ap.add_argument("--requests-at", default="", help="e.g. 6=48: --requests for that busy count")
     ap.add_argument("--quota", action="store_true", help="also (a) under a 1-CPU quota, each round")
@@ -206,13 +208,13 @@ def main() -> None:
     args = ap.parse_args(own)
     if args.report:
         rows = []
-        for i, path in enumerate(args.report):
-            rows += [{**row, "file": i} for row in json.loads(path.read_text())["rows"]]
+        for path in args.report:
+            rows += json.loads(path.read_text())["rows"]
         print(report(rows))
         return
     requests_at = {int(k): int(v) for k, v in (kv.split("=") for kv in args.requests_at.split(",") if kv)}
     rows = measure([int(x) for x in args.busy.split(",")], args.rounds, args.variants, bench_args, requests_at,
-                   args.quota)
+                   args.quota, args.first_round)
     if args.json:
         args.json.write_text(json.dumps({"bench_args": bench_args, "argv": own, "rows": rows}, indent=1))
     print(report(rows))
