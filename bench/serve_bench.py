@@ -41,7 +41,7 @@ import time
 from pathlib import Path
 
 import server  # noqa: F401  (before torch: OpenMP spin defaults, server/openmp.py)
-from server import openmp
+from server import cpus, openmp
 
 # isort: split
 import torch
@@ -197,6 +197,30 @@ def run_engine(engine: Engine, tok, jobs, adapters, name: str, *, base: bool = F
     return summary(name, wall, tokens, ttft, itl)
 
 
+def thread_times() -> dict[str, tuple[int, int]]:
+    """Per thread of this process: (ns on a CPU, ns runnable but waiting for one), from
+    /proc/self/task/<tid>/schedstat (empty where the kernel has no schedstat)."""
+    out = {}
+    for task in Path("/proc/self/task").glob("*"):
+        try:
+            on_cpu, waiting, _ = (task / "schedstat").read_text().split()
+        except (OSError, ValueError):
+            continue
+        out[task.name] = (int(on_cpu), int(waiting))
+    return out
+
+
+def sched_delta(before: dict[str, tuple[int, int]], after: dict[str, tuple[int, int]]) -> dict:
+    """CPU seconds the process's threads got during a run and seconds they waited runnable (for a
+    CPU another process held: the contention a run met), summed over threads."""
+    cpu = wait = 0
+    for tid, (on_cpu, waiting) in after.items():
+        was = before.get(tid, (0, 0))
+        cpu += on_cpu - was[0]
+        wait += waiting - was[1]
+    return {"cpu_s": round(cpu / 1e9, 2), "runnable_wait_s": round(wait / 1e9, 2)}
+
+
 class StepTimes:
     """transformers streamer that records when each generation step's tokens appear."""
 
@@ -274,7 +298,9 @@ def main() -> None:
     ap.add_argument("--out-min", type=int, default=8)
     ap.add_argument("--out-max", type=int, default=128)
     ap.add_argument("--out-dist", choices=["uniform", "loguniform"], default="uniform")
-    ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--threads", type=lambda s: s if s == "auto" else int(s), default=1,
+                    help="the engine's threads; auto: as the server sizes them (the CPUs this process may use: "
+                         "server/cpus.py)")
     ap.add_argument("--device", default="cpu", help="cpu | cuda (a, b, c, d run there; see bench/gpu_bench.sh)")
     ap.add_argument("--dtype", default="auto", help="the engine's serving dtype: auto (bfloat16 on CUDA and "
                     "AMX CPUs, else float32), float32, bfloat16")
@@ -288,9 +314,14 @@ def main() -> None:
         help="python of a vLLM environment for the variants e/f/E/F/g/G")
     ap.add_argument("--static-decode", choices=["auto", "on", "off"], default="auto",
                     help="the engine's POLYSERVE_STATIC_DECODE (CUDA graphs of decode steps; auto = on CUDA)")
+    ap.add_argument("--adaptive-threads", choices=["on", "off"], default="on",
+                    help="the engine's POLYSERVE_ADAPTIVE_THREADS (one thread while other processes hold the CPUs)")
     ap.add_argument("--packed-weights", choices=["auto", "on", "off"], default="auto",
                     help="the engine's POLYSERVE_PACKED_WEIGHTS")
     args = ap.parse_args()
+    if args.threads == "auto":
+        args.threads = cpus.default_threads()
+        print(f"threads: {cpus.budget().describe()}", flush=True)
     # One OpenMP pool at a time, as in the server (server/openmp.py): set-up runs in a thread that
     # ends, each engine variant gets an engine whose thread ends before the next, this thread only
     # submits and waits; PEFT's generate runs in a thread of its own while no engine is alive.
@@ -307,15 +338,21 @@ def main() -> None:
             eng = Engine(bb.model, bb.tokenizer, rm, EngineConfig(
                 max_batch_rows=args.batch, max_batch_tokens=1 << 20, max_prefill_rows=args.batch, max_queue=1 << 16,
                 max_step_tokens=args.max_step_tokens, dtype=serving, packed_weights=packed, threads=args.threads,
-                static_decode=switch(args.static_decode), lora_kernel=lora_kernel))
+                static_decode=switch(args.static_decode), lora_kernel=lora_kernel,
+                adaptive_threads=args.adaptive_threads == "on"))
             eng.start()
             return eng
 
         eng = openmp.in_fresh_thread(start)
         try:
             run_engine(eng, bb.tokenizer, jobs[:4], adapters, "warm-up")
+            before, steps = thread_times(), eng.steps
+            one_before = eng.governor.steps_at.get(1, 0) if eng.governor else 0
             out = run_engine(eng, bb.tokenizer, jobs, adapters, name, **kw)
-            out["steps"] = eng.steps
+            out["steps"] = eng.steps - steps
+            one = (eng.governor.steps_at.get(1, 0) if eng.governor else 0) - one_before
+            out["one_thread_steps"] = one if args.threads > 1 else out["steps"]
+            out.update(sched_delta(before, thread_times()))
             return out
         finally:
             eng.stop()
@@ -344,7 +381,10 @@ def main() -> None:
             results.append(engine_run(dtype, "(d) engine, one task per batch", one_task=True))
         r = results[-1]
         print(f"{r['variant']:45s} {r['tok_per_s']:8.1f} tok/s  TTFT p50 {r['ttft_p50']:.2f}s p99 {r['ttft_p99']:.2f}s"
-              f"  ITL p50 {1000 * r['itl_p50']:.0f}ms p99 {1000 * r['itl_p99']:.0f}ms  ({r['wall_s']:.0f}s)", flush=True)
+              f"  ITL p50 {1000 * r['itl_p50']:.0f}ms p99 {1000 * r['itl_p99']:.0f}ms  ({r['wall_s']:.0f}s"
+              + (f"; {r['steps']} steps ({r['one_thread_steps']} on 1 thread), CPU {r['cpu_s']:.1f}s, "
+                 f"waited runnable {r['runnable_wait_s']:.1f}s"
+                 if "cpu_s" in r else "") + ")", flush=True)
     results = merge_repeats(results)
     if len(args.variants) > len(set(args.variants)):
         for r in results:

@@ -15,6 +15,16 @@ step of a registration on the server's model took ~1.3x longer after the engine'
 libgomp reads them once, when torch loads, so `apply()` runs on `import server` and does nothing
 where torch is already loaded or either variable is set (a user's own setting wins).
 
+Under a CPU quota below the CPUs the threads may run on (a container's `cpu.max`: server/cpus.py)
+the spin is the wrong choice: the kernel parks every thread of the process once the period's quota
+is spent, and a thread spinning in a barrier spends the quota its partner needs to reach it. There
+`apply()` sets OMP_WAIT_POLICY=PASSIVE instead (each waiting thread sleeps at once). The engine's
+threads are then ceil(quota) (1 under a 1-CPU quota: no team, no barrier).
+
+Spinning is also wrong while other processes hold the CPUs without a quota (busy neighbours);
+that changes during a process's life, so it is handled per step, by the team's size
+(server/contention.py), not here.
+
 The spin setting is not enough for the native engine, whose steps are hundreds of small ops:
 measured on this project's 2-core AMX machine (bench/openmp_spin.py, "engine loop"), a linear +
 silu pair took 45 us on the only pool's thread and 103-131 us once another thread's pool existed
@@ -39,16 +49,27 @@ import threading
 from collections.abc import Callable
 from typing import Any, TypeVar
 
+from server import cpus
+from server.cpus import CpuBudget
+
 T = TypeVar("T")
 
 DEFAULTS = {"OMP_WAIT_POLICY": "ACTIVE", "GOMP_SPINCOUNT": "300000"}
+UNDER_QUOTA = {"OMP_WAIT_POLICY": "PASSIVE"}
 
 _state = "not applied"
 
 
+def wait_policy(budget: CpuBudget) -> tuple[dict[str, str], str]:
+    """The libgomp settings for what this process may use, and why."""
+    if budget.limited:
+        return UNDER_QUOTA, f"CPU quota {budget.quota:g} below the CPUs: waiting threads sleep"
+    return DEFAULTS, "spin between ops"
+
+
 def apply() -> str:
-    """Set the spin defaults if torch is not loaded yet and the user set neither. Returns what
-    happened (logged at start-up)."""
+    """Set the wait policy (wait_policy) if torch is not loaded yet and the user set neither.
+    Returns what happened (logged at start-up)."""
     global _state
     if any(name in os.environ for name in DEFAULTS):
         _state = "left to the environment (" + ", ".join(
@@ -56,8 +77,9 @@ def apply() -> str:
     elif "torch" in sys.modules:
         _state = "not set: torch was loaded before polyserve (set OMP_WAIT_POLICY=ACTIVE GOMP_SPINCOUNT=300000)"
     else:
-        os.environ.update(DEFAULTS)
-        _state = "OMP_WAIT_POLICY=ACTIVE GOMP_SPINCOUNT=300000"
+        env, why = wait_policy(cpus.budget())
+        os.environ.update(env)
+        _state = " ".join(f"{k}={v}" for k, v in env.items()) + f" ({why})"
     return _state
 
 

@@ -18,7 +18,7 @@ from adapters_store.errors import StoreError
 from adapters_store.inject import RoutedModel
 from adapters_store.store_base import BaseStore as Store
 from adapters_store.stores import open_store
-from server import openmp
+from server import cpus, openmp
 from server.adapter_cache.breaker import CircuitBreaker
 from server.adapter_cache.cache import AdapterCache
 from server.adapter_cache.l1 import L1Cache
@@ -76,13 +76,12 @@ class Runtime:
     @classmethod
     def build(cls, settings: Settings, metrics: Metrics, backbone: Backbone | None = None,
               threads: int | None = None) -> Runtime:
-        """threads: the engine's torch threads (default: settings.threads, else this thread's count;
-        the app passes the count it read before any helper thread set one: server/openmp.py)."""
-        import torch
-
-        threads = threads or settings.threads or torch.get_num_threads()
+        """threads: the engine's torch threads (default: settings.threads, else one per CPU this
+        process may use: server/cpus.py)."""
+        threads = threads or cpus.default_threads(settings.threads)
         openmp.use_threads(threads)
-        log.info("torch threads: %d; OpenMP spin: %s", threads, openmp.state())
+        log.info("torch threads: %d (%s); OpenMP spin: %s", threads,
+                 "POLYSERVE_THREADS" if settings.threads else cpus.budget().describe(), openmp.state())
         bb = backbone or load_backbone(settings.backbone, device=settings.device, dtype=dtype_name(backbone_dtype(settings.device, settings.dtype)))
         store = open_store(settings.store_location, cache_dir=settings.home.expanduser() / "inventories")
         _maybe_install_default_inventory(store, settings.backbone)

@@ -30,7 +30,9 @@ class Settings(BaseSettings):
     backbone: str = "default"  # "default" | "tiny" | a local HF directory
     engine: Literal["native", "vllm"] = "native"  # the data plane (server.engines)
     device: str = "cpu"
-    threads: int | None = Field(default=None, ge=1)  # torch intra-op threads (None = torch's default)
+    threads: int | None = Field(default=None, ge=1)  # torch intra-op threads (None = usable CPUs: server/cpus.py)
+    # native engine: a step runs on one thread while other processes hold the CPUs (server/contention.py)
+    adaptive_threads: bool = True
     # serving dtype: float32 | bfloat16 | float16, or auto (the machine decides: server/engines/dtype.py)
     dtype: str | None = None
     # vllm engine: other vLLM engine arguments as a JSON object, e.g. {"tensor_parallel_size": 2}

@@ -37,8 +37,20 @@ def probe(before: str = "", **env: str) -> dict:
 def test_import_server_sets_both_before_torch_loads() -> None:
     got = probe()
     assert got["env"] == {"OMP_WAIT_POLICY": "ACTIVE", "GOMP_SPINCOUNT": "300000"}
-    assert got["state"] == "OMP_WAIT_POLICY=ACTIVE GOMP_SPINCOUNT=300000"
+    assert got["state"].startswith("OMP_WAIT_POLICY=ACTIVE GOMP_SPINCOUNT=300000")  # no quota on the test host
     assert got["torch_loaded"] is False  # `import server` itself must not load torch first
+
+
+@pytest.mark.parametrize(("quota", "policy"), [(None, "ACTIVE"), (2.0, "ACTIVE"), (1.5, "PASSIVE"), (1.0, "PASSIVE")])
+def test_a_quota_below_the_cpus_makes_waiting_threads_sleep(quota, policy):
+    """Under a 1.5-CPU quota the engine still has 2 threads; spinning would spend the quota the
+    other thread needs to reach the barrier."""
+    from server.cpus import CpuBudget
+    from server.openmp import wait_policy
+
+    env, why = wait_policy(CpuBudget(online=2, affinity=2, quota=quota))
+    assert env["OMP_WAIT_POLICY"] == policy
+    assert ("quota" in why) is (policy == "PASSIVE")
 
 
 @pytest.mark.parametrize("user", [{"OMP_WAIT_POLICY": "PASSIVE"}, {"GOMP_SPINCOUNT": "0"}])

@@ -13,7 +13,7 @@ from typing import Any
 
 from fastapi import FastAPI
 
-from server import openmp
+from server import cpus, openmp
 from server.api import api_docs
 from server.api.errors import install_handlers
 from server.api.middleware import BodyLimit, RequestMetrics
@@ -34,10 +34,9 @@ def create_app(settings: Settings | None = None, *, backbone: Any = None) -> Fas
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):
-        # the engine's thread count, read before any helper thread sets 1 (server/openmp.py)
-        import torch
-
-        threads = settings.threads or torch.get_num_threads()
+        # the engine's thread count: POLYSERVE_THREADS, else one per CPU this process may use
+        # (affinity, cpuset, CPU quota: server/cpus.py), never torch's count of the host's cores
+        threads = cpus.default_threads(settings.threads)
         # threads of the default executor (adapter resolution, store reads) never start an OpenMP
         # pool: the engine thread's is the only one (server/openmp.py)
         asyncio.get_running_loop().set_default_executor(

@@ -26,6 +26,7 @@ from adapters_store.errors import StoreError
 from adapters_store.inject import RoutedModel
 from adapters_store.store_base import BaseStore
 from adapters_store.stores import open_store
+from server import cpus
 from server.jobs.adaptation import TrainingModel, make_adaptation
 from server.jobs.model import Job
 from server.jobs.runner import JobRunner
@@ -119,8 +120,8 @@ def build_worker(settings: Settings, metrics: WorkerMetrics) -> Worker:
     from server.runtime import _maybe_install_default_inventory
     from training.precision import resolve_autocast
 
-    if settings.threads:
-        torch.set_num_threads(settings.threads)
+    # POLYSERVE_THREADS, else one per CPU this process may use (server/cpus.py)
+    torch.set_num_threads(cpus.default_threads(settings.threads))
     bb = load_backbone(settings.backbone, device=settings.device,
                        dtype=dtype_name(backbone_dtype(settings.device, settings.dtype)))
     store = open_store(settings.store_location, cache_dir=settings.home.expanduser() / "inventories")

@@ -12,6 +12,8 @@
     dtype, runner_kind, packed_weights, static_decode, lora_kernel
                        the model runner (model_runner.build_model_runner)
     threads            the engine thread's torch threads (None: the constructing thread's count)
+    adaptive_threads   each step on all of them, or on one while other processes hold the CPUs
+                       (server/contention.py)
     caps               per-tenant caps and weights (server/engines/fair.py)
 
 `from_settings` maps the POLYSERVE_* settings onto it; tests and benchmarks build one directly.
@@ -42,6 +44,7 @@ class EngineConfig:
     static_decode: bool | None = None
     lora_kernel: str = "auto"
     threads: int | None = None
+    adaptive_threads: bool = True
     caps: TenantCaps = field(default_factory=TenantCaps)
 
     def __post_init__(self) -> None:
@@ -73,5 +76,6 @@ class EngineConfig:
             background_share=settings.background_share,
             dtype=serving_dtype(settings.device, settings.dtype), runner_kind=settings.native_executor,
             packed_weights=switch(settings.packed_weights), static_decode=switch(settings.static_decode),
-            lora_kernel=settings.lora_kernel, threads=threads, caps=tenant_caps(settings),
+            lora_kernel=settings.lora_kernel, threads=threads, adaptive_threads=settings.adaptive_threads,
+            caps=tenant_caps(settings),
         )

@@ -46,7 +46,8 @@ from typing import Any
 
 import torch
 
-from server import openmp
+from server import cpus, openmp
+from server.contention import ThreadGovernor
 from server.engines.base import EngineStopped, QueueFull, check_fits
 from server.engines.fair import TenantLimit, check_caps
 from server.engines.native.config import EngineConfig
@@ -105,6 +106,9 @@ class NativeEngine:
         # the engine thread's torch threads (default: the constructing thread's); the process's only
         # OpenMP pool (server/openmp.py)
         self.threads = cfg.threads or torch.get_num_threads()
+        # the team size of each step: all of them alone, one while other processes hold the CPUs
+        # (server/contention.py); None: always self.threads
+        self.governor = ThreadGovernor(self.threads, cpus.budget().usable) if cfg.adaptive_threads else None
 
     # -- public API (any thread) -----------------------------------------------------------------
     def start(self) -> None:
@@ -180,6 +184,7 @@ class NativeEngine:
     def _run(self) -> None:
         reason = "server shutting down"
         openmp.use_threads(self.threads)  # this thread's own count: other threads run torch on one (openmp.py)
+        team = self.threads
         try:
             while True:
                 with self._cond:
@@ -187,6 +192,9 @@ class NativeEngine:
                         self._cond.wait()
                     if self._stop:
                         break
+                if self.governor is not None and self.governor.threads() != team:
+                    team = self.governor.current
+                    torch.set_num_threads(team)  # this thread's team from the next parallel op on
                 try:
                     self.step()
                 except Exception:  # a bug outside the isolated parts: fail the rows in flight only

@@ -1,0 +1,224 @@
+"""Throughput beside busy processes: polyserve (a) and vLLM bare (F) in interleaved rounds.
+
+Each round runs, for each count of busy processes, one `bench.serve_bench` process (the variants
+in alternating order from round to round) while that many `python3 -c "while True: pass"`
+processes run; the bench starts and stops them itself. `--quota` adds, each round, a run of (a)
+inside a cgroup limited to 1 CPU (cgroup v2 `cpu.max` or v1 `cpu.cfs_quota_us`, made by the bench;
+`systemd-run --scope -p CPUQuota=100%` first where systemd runs), nothing busy beside it.
+
+    .venv/bin/python -m bench.contention --busy 0,2,6 --rounds 3 --quota --json out.json -- \
+        --tasks 48 --requests 96 --batch 16 --out-min 4 --out-max 128 --out-dist loguniform \
+        --threads 2 --dtype bfloat16 --vllm-python /path/to/vllm/bin/python
+
+Arguments after `--` go to serve_bench unchanged. `--requests-at 6=48` runs fewer requests at
+that count (a round beside 6 busy processes is slow). Rounds can be split over several commands
+(`--first-round` numbers them; `--json` files of each) and reported together: `--report a.json
+b.json` (runs of one round number pair up for (a)/(F)).
+
+Reported per busy count: the median over rounds of each variant's output tok/s and the spread
+(min-max), the median of the per-round ratios (a)/(F) and their spread, and "kept": the median
+beside N busy processes over the median with none (fair share of 2 threads on 2 CPUs beside N
+single-threaded busy processes: 2 / (2 + N)).
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import os
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+BUSY = [sys.executable, "-c", "while True: pass"]
+
+
+@contextlib.contextmanager
+def busy_processes(n: int) -> Iterator[None]:
+    procs = [subprocess.Popen(BUSY) for _ in range(n)]
+    try:
+        time.sleep(0.5 if n else 0)  # running before the bench starts
+        yield
+    finally:
+        for p in procs:
+            p.kill()
+        for p in procs:
+            p.wait()
+
+
+def _cgroup_mount(kind: str) -> Path | None:
+    """The mount point of cgroup v2 with the cpu controller enabled for children, or of v1's cpu
+    controller."""
+    for line in Path("/proc/self/mountinfo").read_text().splitlines():
+        left, _, right = line.partition(" - ")
+        fields, tail = left.split(), right.split()
+        if len(fields) < 5 or len(tail) < 3:
+            continue
+        point = Path(fields[4])
+        if kind == "v2" and tail[0] == "cgroup2" and "cpu" in (point / "cgroup.controllers").read_text().split():
+            return point
+        if kind == "v1" and tail[0] == "cgroup" and "cpu" in tail[2].split(","):
+            return point
+    return None
+
+
+@contextlib.contextmanager
+def one_cpu_quota() -> Iterator[tuple[list[str], str]]:
+    """A command prefix that runs a command under a 1-CPU quota, and how."""
+    if shutil.which("systemd-run") and subprocess.run(
+            ["systemd-run", "--scope", "-q", "-p", "CPUQuota=100%", "true"], check=False, capture_output=True).returncode == 0:
+        yield ["systemd-run", "--scope", "-q", "-p", "CPUQuota=100%"], "systemd-run --scope -p CPUQuota=100%"
+        return
+    made: Path | None = None
+    how = ""
+    try:
+        v2 = _cgroup_mount("v2")
+        if v2 is not None:
+            if "cpu" not in (v2 / "cgroup.subtree_control").read_text().split():
+                (v2 / "cgroup.subtree_control").write_text("+cpu\n")
+            made = v2 / f"polyserve-bench-{os.getpid()}"
+            made.mkdir()
+            (made / "cpu.max").write_text("100000 100000\n")
+            how = f"cgroup v2 {made}: cpu.max 100000 100000"
+        else:
+            v1 = _cgroup_mount("v1")
+            if v1 is None:
+                raise OSError("no cgroup cpu controller")
+            made = v1 / f"polyserve-bench-{os.getpid()}"
+            made.mkdir()
+            (made / "cpu.cfs_period_us").write_text("100000\n")
+            (made / "cpu.cfs_quota_us").write_text("100000\n")
+            how = f"cgroup v1 {made}: cpu.cfs_quota_us 100000 / cpu.cfs_period_us 100000"
+        enter = f'echo $$ > {made}/cgroup.procs && exec "$@"'
+        yield ["sh", "-c", enter, "sh"], how
+    except OSError as err:
+        yield ["taskset", "-c", "0"], f"taskset -c 0 (no CPU quota could be set here: {err})"
+    finally:
+        if made is not None:
+            for _ in range(50):  # the cgroup empties once its last process has been reaped
+                try:
+                    made.rmdir()
+                    break
+                except OSError:
+                    time.sleep(0.1)
+
+
+def serve_bench(variants: str, args: list[str], prefix: list[str] | None = None) -> list[dict]:
+    with tempfile.NamedTemporaryFile(suffix=".json") as out:
+        cmd = [*(prefix or []), sys.executable, "-m", "bench.serve_bench", *args, "--variants", variants,
+               "--json", out.name]
+        run = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, check=False)
+        if run.returncode != 0:
+            raise SystemExit(f"serve_bench failed ({run.returncode}): {' '.join(cmd)}\n{run.stderr[-3000:]}")
+        return json.loads(Path(out.name).read_text())["results"]
+
+
+def with_requests(args: list[str], n: int | None) -> list[str]:
+    if n is None:
+        return args
+    out = list(args)
+    if "--requests" in out:
+        out[out.index("--requests") + 1] = str(n)
+    else:
+        out += ["--requests", str(n)]
+    return out
+
+
+def measure(busy: list[int], rounds: int, variants: str, bench_args: list[str], requests_at: dict[int, int],
+            quota: bool, first_round: int = 0) -> list[dict]:
+    rows = []
+    for r in range(first_round, first_round + rounds):
+        order = variants if r % 2 == 0 else variants[::-1]
+        for n in busy:
+            load = os.getloadavg()[0]
+            with busy_processes(n):
+                results = serve_bench(order, with_requests(bench_args, requests_at.get(n)))
+            for res in results:
+                rows.append({"round": r, "busy": n, "variant": res["variant"][1], "tok_per_s": res["tok_per_s"],
+                             "load_before": load, **{k: res[k] for k in ("cpu_s", "runnable_wait_s",
+                                                                       "one_thread_steps", "steps") if k in res}})
+                print(json.dumps(rows[-1]), flush=True)
+        if quota:
+            # threads as the server sizes them inside the cgroup (server/cpus.py): 1
+            quota_args = with_requests(bench_args, requests_at.get(0))
+            if "--threads" in quota_args:
+                quota_args[quota_args.index("--threads") + 1] = "auto"
+            with one_cpu_quota() as (prefix, how):
+                res = serve_bench("a", quota_args, prefix)[0]
+            rows.append({"round": r, "busy": "quota", "how": how, "variant": "a", "tok_per_s": res["tok_per_s"],
+                         **{k: res[k] for k in ("cpu_s", "runnable_wait_s", "one_thread_steps", "steps") if k in res}})
+            print(json.dumps(rows[-1]), flush=True)
+    return rows
+
+
+def spread(xs: list[float]) -> str:
+    return f"{min(xs):.1f}-{max(xs):.1f}" if len(xs) > 1 else "-"
+
+
+def report(rows: list[dict]) -> str:
+    def tps(busy, v: str) -> dict[tuple[int, int], float]:
+        return {row["round"]: row["tok_per_s"] for row in rows if row["busy"] == busy and row["variant"] == v}
+
+    lines = [("| busy processes | rounds | (a) polyserve tok/s: median (spread) | (F) vLLM bare: median (spread) "
+              "| (a)/(F): median (per round) | (a) kept | (F) kept | fair share |"),
+             "|---:|---:|---|---|---|---:|---:|---:|"]
+    levels = sorted({row["busy"] for row in rows if row["busy"] != "quota"})
+    alone = {v: statistics.median(tps(0, v).values()) for v in "aF" if tps(0, v)}
+    for n in levels:
+        a, f = tps(n, "a"), tps(n, "F")
+        ratios = [a[k] / f[k] for k in a if k in f]
+        med = {v: statistics.median(x.values()) if x else float("nan") for v, x in (("a", a), ("F", f))}
+        kept = {v: f"{med[v] / alone[v]:.2f}" if alone.get(v) else "-" for v in "aF"}
+        lines.append(
+            f"| {n} | {len(a)} | {med['a']:.1f} ({spread(list(a.values()))}) | {med['F']:.1f} ({spread(list(f.values()))}) "
+            f"| {statistics.median(ratios):.2f} ({', '.join(f'{x:.2f}' for x in ratios)}) | {kept['a']} | {kept['F']} "
+            f"| {2 / (2 + n):.2f} |" if ratios else
+            f"| {n} | {len(a)} | {med['a']:.1f} ({spread(list(a.values()))}) | - | - | {kept['a']} | - | {2 / (2 + n):.2f} |")
+    q = [row for row in rows if row["busy"] == "quota"]
+    if q:
+        qs = [row["tok_per_s"] for row in q]
+        lines.append("")
+        lines.append(f"1-CPU quota ({q[0]['how']}), nothing busy: (a) {statistics.median(qs):.1f} tok/s median "
+                     f"({spread(qs)}, {len(qs)} rounds)"
+                     + (f" = {statistics.median(qs) / alone['a']:.2f} of (a) unlimited" if "a" in alone else ""))
+    return "\n".join(lines)
+
+
+def main() -> None:
+    argv = sys.argv[1:]
+    bench_args = argv[argv.index("--") + 1:] if "--" in argv else []
+    own = argv[:argv.index("--")] if "--" in argv else argv
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--busy", default="0,2,6", help="counts of busy processes, comma-separated")
+    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--first-round", type=int, default=0,
+                    help="number of the first round: runs of one round split over commands pair up by it")
+    ap.add_argument("--variants", default="aF", help="serve_bench letters run at each count")
+    ap.add_argument("--requests-at", default="", help="e.g. 6=48: --requests for that busy count")
+    ap.add_argument("--quota", action="store_true", help="also (a) under a 1-CPU quota, each round")
+    ap.add_argument("--json", type=Path, help="write the rows here")
+    ap.add_argument("--report", type=Path, nargs="*", help="only report rows from these --json files")
+    args = ap.parse_args(own)
+    if args.report:
+        rows = []
+        for path in args.report:
+            rows += json.loads(path.read_text())["rows"]
+        print(report(rows))
+        return
+    requests_at = {int(k): int(v) for k, v in (kv.split("=") for kv in args.requests_at.split(",") if kv)}
+    rows = measure([int(x) for x in args.busy.split(",")], args.rounds, args.variants, bench_args, requests_at,
+                   args.quota, args.first_round)
+    if args.json:
+        args.json.write_text(json.dumps({"bench_args": bench_args, "argv": own, "rows": rows}, indent=1))
+    print(report(rows))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,124 @@
+"""How many intra-op threads the engine's next step runs on, from what the CPUs give it now.
+
+A decode step is hundreds of small parallel ops, each ending in a barrier. With the host to itself
+the engine's team (its thread and one libgomp worker per extra thread) runs them on every usable
+CPU and spins between ops (server/openmp.py). Once other processes want the same CPUs, the kernel
+deschedules one member of the team for a time slice at a time; every barrier then waits for it,
+and the members that wait spin away the CPU time the descheduled one needs (measured in
+docs/history/openmp-threads.md: the same work cost 8x the CPU seconds beside two busy processes).
+One thread has no barrier to wait at. So the governor switches the team between its full size and
+one thread, step by step:
+
+    full team  each window (WINDOW_S of steps), the seconds the process's threads spent runnable
+               but not running (/proc/self/task/*/schedstat) over the window's wall time; above
+               CONTENDED, another process holds CPUs the team needs: down to one thread
+    one thread the system's runnable threads other than this one (/proc/loadavg's running count,
+               averaged over the window); when they leave a CPU free for every extra thread, try
+               the full team again; and, whatever they say, probe it now and then (PROBE_S,
+               doubling after each probe that finds the CPUs still taken, up to PROBE_MAX_S),
+               since low-priority (niced) work counts as runnable there but takes almost nothing
+
+Weights of other processes show in the first measure only (a nice-19 training run leaves the
+team's waits near zero, so the team stays), which is why going down trusts it and going up
+checks it again.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+log = logging.getLogger("polyserve")
+
+WINDOW_S = 0.25  # a decision per window of steps: long enough to average a few time slices
+CONTENDED = 0.2  # runnable-but-waiting seconds per wall second, summed over threads
+PROBE_S = 2.0
+PROBE_MAX_S = 60.0
+
+
+def process_wait_ns(task_dir: Path = Path("/proc/self/task")) -> int | None:
+    """Nanoseconds this process's threads have spent runnable, waiting for a CPU (schedstat's
+    second field, summed); None where the kernel keeps no schedstat."""
+    total, seen = 0, False
+    for task in task_dir.iterdir():
+        try:
+            total += int((task / "schedstat").read_text().split()[1])
+            seen = True
+        except (OSError, ValueError, IndexError):  # a thread that just ended; no schedstat
+            continue
+    return total if seen else None
+
+
+def runnable_threads(loadavg: Path = Path("/proc/loadavg")) -> int | None:
+    """Threads runnable on the whole system right now, this one included (loadavg's "R/total")."""
+    try:
+        return int(loadavg.read_text().split()[3].split("/")[0])
+    except (OSError, ValueError, IndexError):
+        return None
+
+
+class ThreadGovernor:
+    """`threads()` before each step: the team size for it. max_threads: the engine's configured
+    count (POLYSERVE_THREADS or the usable CPUs); usable: the CPUs the process may use
+    (server/cpus.py)."""
+
+    def __init__(self, max_threads: int, usable: float, *, clock: Callable[[], float] = time.monotonic,
+                 wait_ns: Callable[[], int | None] = process_wait_ns,
+                 runnable: Callable[[], int | None] = runnable_threads) -> None:
+        self.max_threads = max_threads
+        self.usable = usable
+        self._clock, self._wait_ns, self._runnable = clock, wait_ns, runnable
+        self.current = max_threads
+        self.switches = 0
+        self.steps_at: dict[int, int] = {}  # steps run per team size (benchmarks report it)
+        self._probe_s = PROBE_S
+        self._start_window()
+        self._probe_at = self._t0 + self._probe_s
+
+    def _start_window(self) -> None:
+        self._t0 = self._clock()
+        self._w0 = self._wait_ns()
+        self._others: list[int] = []
+
+    def _set(self, n: int, why: str) -> None:
+        log.log(logging.DEBUG if why == "probe" else logging.INFO, "engine threads %d -> %d (%s)", self.current, n, why)
+        self.current = n
+        self.switches += 1
+
+    def threads(self) -> int:
+        n = self._decide()
+        self.steps_at[n] = self.steps_at.get(n, 0) + 1
+        return n
+
+    def _decide(self) -> int:
+        if self.max_threads <= 1:
+            return 1
+        now = self._clock()
+        if self.current == 1:
+            running = self._runnable()
+            if running is not None:
+                self._others.append(max(0, running - 1))
+        if now - self._t0 < WINDOW_S:
+            return self.current
+        if self.current > 1:
+            waited = self._wait_ns()
+            if waited is not None and self._w0 is not None:
+                share = (waited - self._w0) / 1e9 / (now - self._t0)
+                if share > CONTENDED:
+                    self._set(1, f"threads waited {share:.2f} s a second for CPUs others hold")
+                    self._probe_at = now + self._probe_s
+                else:
+                    self._probe_s = PROBE_S  # a window without contention: probe soon after the next
+        else:
+            others = sum(self._others) / len(self._others) if self._others else None
+            free = self.usable - others if others is not None else 0.0
+            if free >= self.max_threads - 0.25:
+                self._set(self.max_threads, f"{others:.2f} other runnable threads on {self.usable:g} CPUs")
+            elif now >= self._probe_at:
+                self._set(self.max_threads, "probe")
+                self._probe_s = min(PROBE_MAX_S, self._probe_s * 2)
+                self._probe_at = now + self._probe_s
+        self._start_window()
+        return self.current
