@@ -179,7 +179,7 @@ def main() -> None:
                     scores = score_rows(rm, layers, bb.tokenizer, test, context=context,
                                         max_length=max(ICL_MAX_LENGTH, 4 * max_length) if context else max_length)
                 rec = {"inventory": label, "task": name, "vocab": vocab, "seed": seed, "method": method,
-                       "k": args.k, "n_test": args.n_test, **scores, "params": params, "stored_bytes": stored,
+                       "k": args.k, "n_test": len(test), **scores, "params": params, "stored_bytes": stored,
                        "adapt_seconds": round(adapt_s, 2),
                        "steps_run": metrics.get("steps_run"), "best_step": metrics.get("best_step"),
                        "steps": args.steps, "trained_share": args.trained_share, **recipe}
