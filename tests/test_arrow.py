@@ -12,8 +12,7 @@ import torch
 from adapters_store.combine import materialize_many
 from adapters_store.inject import RoutedModel
 from adapters_store.materialize import mu_weights
-from adapters_store.records import InventoryInfo
-from adapters_store.spec import InventorySpec
+from tests.inventory_utils import make_inventory
 from training.arrow import (
     ArrowConfig,
     arrow_delta,
@@ -34,13 +33,7 @@ N_SKILLS, N_HEADS, RANK = 4, 2, 4
 @pytest.fixture
 def inventory(tiny_model):
     """A RoutedModel (MHR, h = 2) whose skills all differ (B != 0)."""
-    rm = RoutedModel(tiny_model, InventorySpec(n_skills=N_SKILLS, n_heads=N_HEADS, rank=RANK))
-    rm.reset_skills(0)
-    gen = torch.Generator().manual_seed(1)
-    with torch.no_grad():
-        for layer in rm.layers:
-            layer.lora_B.normal_(0, 0.3, generator=gen)
-    info = InventoryInfo(rm.spec, tuple(rm.names), tuple(rm.layer_dims()), "fp", "tiny", "v1", 0.0)
+    rm, info, _ = make_inventory(tiny_model, b_std=0.3, n_skills=N_SKILLS, n_heads=N_HEADS, rank=RANK)
     return rm, info
 
 

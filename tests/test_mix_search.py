@@ -5,9 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from adapters_store.inject import RoutedModel
-from adapters_store.records import InventoryInfo
-from adapters_store.spec import InventorySpec
+from tests.inventory_utils import make_inventory
 from training.batching import collate, encode_all
 from training.loss import target_logits, token_loss
 from training.mix_search import gradient_free_mix, mixed_row
@@ -19,13 +17,7 @@ pytestmark = pytest.mark.usefixtures("one_thread")
 
 @pytest.fixture
 def inventory(tiny_model):
-    rm = RoutedModel(tiny_model, InventorySpec(n_skills=4, n_heads=2, rank=4))
-    rm.reset_skills(0)
-    gen = torch.Generator().manual_seed(1)
-    with torch.no_grad():
-        for layer in rm.layers:
-            layer.lora_B.normal_(0, 0.5, generator=gen)
-    info = InventoryInfo(rm.spec, tuple(rm.names), tuple(rm.layer_dims()), "fp", "tiny", "v1", 0.0)
+    rm, info, _ = make_inventory(tiny_model)
     return rm, info
 
 

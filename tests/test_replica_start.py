@@ -52,7 +52,8 @@ def test_an_unreadable_job_record_does_not_stop_listing(tmp_path):
 def replica(store: Store) -> Registration:
     rt = SimpleNamespace(
         store=store, cache=None, l2=None, routed=object(),
-        settings=SimpleNamespace(redis_url=None, job_retention_seconds=3600, rescan_seconds=60.0, jobs="local"),
+        settings=SimpleNamespace(redis_url=None, job_retention_seconds=3600, rescan_seconds=60.0, jobs="local",
+                                 api_keys=[], admin_keys=[]),
         metrics=SimpleNamespace(redis_errors=SimpleNamespace(inc=lambda: None)),
         registry=SimpleNamespace(forget=lambda task: None, isolated=False),
         engine=SimpleNamespace(forget=lambda task: None))

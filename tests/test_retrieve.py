@@ -7,10 +7,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from adapters_store.inject import RoutedModel
-from adapters_store.records import InventoryInfo
 from adapters_store.routing import eval_weights
-from adapters_store.spec import InventorySpec
+from tests.inventory_utils import make_inventory
 from training.adapt import Adaptation, adapt
 from training.retrieve import MU, Retrieval, RetrievedAdaptation, mixture, mu_row, predicted_change, retrieve
 from training.suite import examples, parse_task
@@ -18,15 +16,6 @@ from training.suite import examples, parse_task
 pytestmark = pytest.mark.usefixtures("one_thread")
 
 
-def make_inventory(model, routing="sigmoid"):
-    rm = RoutedModel(model, InventorySpec(n_skills=4, n_heads=2, rank=4, routing=routing))
-    rm.reset_skills(0)
-    gen = torch.Generator().manual_seed(1)
-    with torch.no_grad():
-        for layer in rm.layers:
-            layer.lora_B.normal_(0, 0.5, generator=gen)
-    info = InventoryInfo(rm.spec, tuple(rm.names), tuple(rm.layer_dims()), "fp", "tiny", "v1", 0.0)
-    return rm, info, {k: v.clone() for k, v in rm.skill_tensors().items()}
 
 
 @pytest.fixture
