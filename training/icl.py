@@ -16,8 +16,8 @@ from collections.abc import Sequence
 from adapters_store.prompt import format_prompt, format_target
 from training.data import Example
 
-#: Room for 16 demonstrations of the procedural suite and a query (about 25 tokens each);
-#: evaluation cuts a longer prompt's left end, dropping the earliest demonstrations first.
+#: Room for a few-shot set of short demonstrations and the query; evaluation cuts a longer
+#: prompt's left end, dropping the earliest demonstrations first.
 ICL_MAX_LENGTH = 1024
 
 
