@@ -19,7 +19,7 @@ from pathlib import Path
 import server  # noqa: F401  (before torch: OpenMP spin defaults, server/openmp.py)
 
 # isort: split
-from adapters_store.store import Store
+from adapters_store.store.directory import DirectoryStore
 from bench.adaptation_setup import load, parser, run_to_end
 from training.adapt import Adaptation
 from training.retrieve import MAX_CANDIDATES, Retrieval
@@ -30,7 +30,7 @@ def main() -> None:
     ap.add_argument("--also", default="", help="comma-separated stores timed beside --store (the same shape)")
     ap.add_argument("--autocast", choices=["auto", "bf16", "none"], default="auto")
     s = load(ap.parse_args())
-    stores = [s.store] + [Store(p) for p in s.args.also.split(",") if p]
+    stores = [s.store] + [DirectoryStore(p) for p in s.args.also.split(",") if p]
     args = s.args
     inventories = {}
     for store in stores:

@@ -26,7 +26,7 @@ from server import openmp
 # isort: split
 import torch
 
-from adapters_store.prompt import format_prompt
+from adapters_store.backbone.prompt import format_prompt
 from server.engines.request import GenRequest, SamplingParams
 from server.metrics import Metrics
 from server.runtime import Runtime

@@ -10,10 +10,10 @@ from typing import Any
 
 import torch
 
-from adapters_store.backbone import load_backbone
-from adapters_store.inject import RoutedModel
-from adapters_store.records import InventoryInfo
-from adapters_store.store import Store
+from adapters_store.backbone.load import load_backbone
+from adapters_store.lora.inject import RoutedModel
+from adapters_store.store.directory import DirectoryStore
+from adapters_store.store.records import InventoryInfo
 from training.data import Example
 from training.suite import build_suite, examples
 
@@ -21,7 +21,7 @@ from training.suite import build_suite, examples
 @dataclass
 class Setup:
     args: argparse.Namespace
-    store: Store
+    store: DirectoryStore
     rm: RoutedModel
     info: InventoryInfo
     skills: dict[str, torch.Tensor]  # float32, as Adaptation takes them
@@ -42,7 +42,7 @@ def parser(doc: str | None, rounds: int) -> argparse.ArgumentParser:
 def load(args: argparse.Namespace) -> Setup:
     torch.set_num_threads(args.threads)
     bb = load_backbone("default")
-    store = Store(args.store)
+    store = DirectoryStore(args.store)
     info, skills = store.load_inventory(bb.fingerprint)
     rm = RoutedModel(bb.model, info.spec)
     rm.load_skills(skills)

@@ -20,7 +20,7 @@ import time
 
 import torch
 
-from adapters_store.backbone import load_backbone
+from adapters_store.backbone.load import load_backbone
 from server.engines.native.config import EngineConfig
 from server.engines.native.engine import NativeEngine
 from server.engines.request import GenRequest, SamplingParams

@@ -43,7 +43,7 @@ from types import SimpleNamespace
 import httpx
 import psycopg
 
-from adapters_store.backbone import warm_default_cache
+from adapters_store.backbone.load import warm_default_cache
 from bench.http_load import http_clients, report, workload
 from bench.local_server import polyserve_server
 from training.suite import build_suite, examples

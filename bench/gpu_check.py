@@ -32,8 +32,8 @@ from server import openmp
 # isort: split
 import torch
 
-from adapters_store.backbone import load_backbone
-from adapters_store.prompt import format_prompt
+from adapters_store.backbone.load import load_backbone
+from adapters_store.backbone.prompt import format_prompt
 from bench.serve_bench import WORDS, build_inventory
 from server.adapter_cache.cache import AdapterCache
 from server.adapter_cache.l1 import L1Cache

@@ -28,7 +28,7 @@ from server import openmp
 import httpx
 import torch
 
-from adapters_store.prompt import format_prompt
+from adapters_store.backbone.prompt import format_prompt
 from bench.local_server import polyserve_server
 from server.engines.request import GenRequest, SamplingParams
 from server.metrics import Metrics

@@ -18,7 +18,7 @@ import server  # noqa: F401  (before torch: OpenMP spin defaults, server/openmp.
 # isort: split
 import torch
 
-from adapters_store.backbone import load_backbone
+from adapters_store.backbone.load import load_backbone
 from server.engines.native.llama import LlamaRunner
 from server.engines.native.step import Item, StepBatch
 

@@ -23,9 +23,9 @@ import server  # noqa: F401  (before torch: OpenMP spin defaults, server/openmp.
 # isort: split
 import torch
 
-from adapters_store.combine import materialize_many
-from adapters_store.inject import RoutedModel
-from adapters_store.routing import eval_weights
+from adapters_store.lora.combine import materialize_many
+from adapters_store.lora.inject import RoutedModel
+from adapters_store.lora.routing import eval_weights
 from bench.adaptation_setup import load, parser, run_to_end
 from training.adapt import Adaptation
 

@@ -31,10 +31,10 @@ from server import openmp
 # isort: split
 import torch
 
-from adapters_store.backbone import load_backbone
-from adapters_store.inject import RoutedModel
-from adapters_store.mix import parse_mix
-from adapters_store.store import Store
+from adapters_store.backbone.load import load_backbone
+from adapters_store.lora.inject import RoutedModel
+from adapters_store.lora.mix import parse_mix
+from adapters_store.store.directory import DirectoryStore
 from bench.serve_bench import TimedHandle, pct, workload
 from server.adapter_cache.cache import AdapterCache
 from server.adapter_cache.l1 import L1Cache
@@ -51,7 +51,7 @@ FORMAT = ("json_schema", json.dumps(SCHEMA))
 def setup(threads: int):
     torch.set_num_threads(threads)
     bb = load_backbone("default", device="cpu", dtype="float32")
-    store = Store(Path(tempfile.mkdtemp(prefix="polyserve-mixbench-")) / "store")
+    store = DirectoryStore(Path(tempfile.mkdtemp(prefix="polyserve-mixbench-")) / "store")
     install_default_inventory(store)
     info, skills = store.load_inventory(bb.fingerprint)
     routed = RoutedModel(bb.model, info.spec)
@@ -141,7 +141,7 @@ def main() -> None:
         print(line)
 
 
-def admission(engine: NativeEngine, store: Store, cache: AdapterCache, tasks: list[str], mix_of: dict) -> list[str]:
+def admission(engine: NativeEngine, store: DirectoryStore, cache: AdapterCache, tasks: list[str], mix_of: dict) -> list[str]:
     """Per request, alternating task / mix: the adapter's resolve (L1 hit) and the row's table write."""
     resolve_t, resolve_m, write_t, write_m = [], [], [], []
     records = {t: store.get_task(t) for t in tasks}

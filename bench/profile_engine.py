@@ -26,7 +26,7 @@ import server  # noqa: F401  (before torch: OpenMP spin defaults, server/openmp.
 # isort: split
 import torch
 
-from adapters_store.backbone import load_backbone
+from adapters_store.backbone.load import load_backbone
 from bench.serve_bench import build_inventory, workload
 from server.adapter_cache.cache import AdapterCache
 from server.adapter_cache.l1 import L1Cache

@@ -44,7 +44,7 @@ def main() -> None:
     ap.add_argument("--seed", type=int, default=0)
     args = ap.parse_args()
     if args.source == "default":
-        from adapters_store.backbone import hf_dir
+        from adapters_store.backbone.load import hf_dir
 
         src = hf_dir("default")
     else:

@@ -27,8 +27,8 @@ from pathlib import Path
 
 import httpx
 
-from adapters_store.home import polyserve_home
-from adapters_store.store import Store
+from adapters_store.backbone.home import polyserve_home
+from adapters_store.store.directory import DirectoryStore
 from bench.local_server import polyserve_server
 from training.bigbench import load_cache
 from training.shipped_inventory import install_default_inventory
@@ -41,7 +41,7 @@ POLYSERVE = [sys.executable, "-m", "server.cli"]
 def fresh_home(cache: Path, inventory: Path | None = None) -> Path:
     home = Path(tempfile.mkdtemp(prefix="polyserve-reg-"))
     (home / "backbones").symlink_to(cache / "backbones")  # the dequantised backbone, not rebuilt
-    if not install_default_inventory(Store(home / "store"), inventory):
+    if not install_default_inventory(DirectoryStore(home / "store"), inventory):
         raise SystemExit(f"no inventory installed from {inventory or 'the shipped one'}")
     return home
 

@@ -46,11 +46,11 @@ from server import cpus, openmp
 # isort: split
 import torch
 
-from adapters_store.backbone import load_backbone
-from adapters_store.inject import RoutedModel
-from adapters_store.prompt import format_prompt
-from adapters_store.spec import ATTENTION_TARGETS, InventorySpec
-from adapters_store.store import Store
+from adapters_store.backbone.load import load_backbone
+from adapters_store.backbone.prompt import format_prompt
+from adapters_store.lora.inject import RoutedModel
+from adapters_store.lora.spec import ATTENTION_TARGETS, InventorySpec
+from adapters_store.store.directory import DirectoryStore
 from server.adapter_cache.cache import AdapterCache
 from server.adapter_cache.l1 import L1Cache
 from server.engines.dtype import serving_dtype
@@ -141,7 +141,7 @@ def build_inventory(bb, k: int, root: Path, seed: int, n_skills: int = 8):
             skills[f"{name}.A"] = layers[name].poly_lora_A["default"].detach().float().cpu().clone()
             skills[f"{name}.B"] = layers[name].poly_lora_B["default"].detach().float().cpu().clone()
     rm.load_skills(skills)
-    store = Store(root)
+    store = DirectoryStore(root)
     store.save_inventory(spec, rm.names, rm.layer_dims(), skills, backbone_fingerprint=bb.fingerprint,
                          backbone_name=bb.name, made_by={"method": "random-bench"})
     table = torch.stack(logits, dim=1).float().cpu()  # (k, L, h, S)
@@ -256,10 +256,10 @@ def run_peft(pm, tok, jobs, tasks, batch_size: int) -> dict:
     return summary("(c) PEFT Poly + generate, static batches", time.perf_counter() - t0, tokens, ttft, itl)
 
 
-def run_vllm(args, v: str, store: Store, jobs: list[tuple[str, str, int]], tmp: Path) -> dict:
+def run_vllm(args, v: str, store: DirectoryStore, jobs: list[tuple[str, str, int]], tmp: Path) -> dict:
     """Variants e/f/E/F/g/G: vLLM in its own environment (a subprocess), same jobs."""
-    from adapters_store.backbone import hf_dir
-    from adapters_store.peft_io import export_peft_lora
+    from adapters_store.backbone.load import hf_dir
+    from adapters_store.interop.peft_io import export_peft_lora
 
     if not args.vllm_python.is_file():
         raise SystemExit(f"variant {v} needs a vLLM environment: `make vllm-env` or --vllm-python ({args.vllm_python})")

@@ -24,21 +24,21 @@ import server  # noqa: F401  (before torch: OpenMP spin defaults, server/openmp.
 # isort: split
 import torch
 
-from adapters_store.materialize import task_weights
-from adapters_store.similar import rank_exact
-from adapters_store.store import Store
+from adapters_store.lora.similar import rank_exact
+from adapters_store.store.directory import DirectoryStore
+from adapters_store.store.materialize import task_weights
 from server.similar_index import RoutingIndex
 from training.shipped_inventory import PACKAGE_DIR as DEFAULT_INVENTORY_DIR
 
 
-def build(root: Path, n_tasks: int, noise: float, seed: int) -> Store:
+def build(root: Path, n_tasks: int, noise: float, seed: int) -> DirectoryStore:
     shutil.rmtree(root, ignore_errors=True)
     (root / "inventory").parent.mkdir(parents=True, exist_ok=True)
     shutil.copytree(DEFAULT_INVENTORY_DIR / "inventory", root / "inventory")
     (root / "tasks").mkdir()
-    shipped = Store(DEFAULT_INVENTORY_DIR)
+    shipped = DirectoryStore(DEFAULT_INVENTORY_DIR)
     centres = [shipped.load_routing(r.id).float() for r in shipped.list_tasks() if r.kind == "routing"]
-    store = Store(root)
+    store = DirectoryStore(root)
     gen = torch.Generator().manual_seed(seed)
     for i in range(n_tasks):
         c = centres[i % len(centres)]
@@ -58,7 +58,7 @@ def main() -> None:
     args = ap.parse_args()
     root = Path(args.out)
     started = time.perf_counter()
-    store = Store(root) if args.reuse else build(root, args.tasks, args.noise, seed=0)
+    store = DirectoryStore(root) if args.reuse else build(root, args.tasks, args.noise, seed=0)
     print(f"store: {args.tasks} tasks written in {time.perf_counter() - started:.1f} s")
     info = store.inventory_info()
     index = RoutingIndex(store, info)

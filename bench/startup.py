@@ -14,7 +14,7 @@ import statistics
 import subprocess
 import sys
 
-CODE = "from adapters_store.backbone import load_backbone; print(load_backbone({name!r}).load_seconds)"
+CODE = "from adapters_store.backbone.load import load_backbone; print(load_backbone({name!r}).load_seconds)"
 
 
 def main() -> None:

@@ -139,14 +139,14 @@ def main() -> None:
     ap.add_argument("--out", type=Path, default=Path("/tmp/vllm-client-bench"))
     args = ap.parse_args()
 
-    from adapters_store.backbone import hf_dir
-    from adapters_store.home import polyserve_home
-    from adapters_store.store import Store
+    from adapters_store.backbone.home import polyserve_home
+    from adapters_store.backbone.load import hf_dir
+    from adapters_store.store.directory import DirectoryStore
     from training.shipped_inventory import install_default_inventory
 
     if not args.vllm_python.is_file():
         raise SystemExit(f"no vLLM environment at {args.vllm_python}: `make vllm-env`")
-    store = Store(Path(args.store).expanduser() if args.store else polyserve_home() / "store")
+    store = DirectoryStore(Path(args.store).expanduser() if args.store else polyserve_home() / "store")
     if not store.has_inventory():
         install_default_inventory(store)
     tasks = sorted(r.id for r in store.list_tasks() if r.status == "ready" and r.kind == "routing")[: args.tasks]

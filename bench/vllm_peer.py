@@ -62,14 +62,14 @@ def run_polyserve(args, jobs: list[dict]) -> None:
     import torch
     from transformers import AutoTokenizer
 
-    from adapters_store.store import Store
+    from adapters_store.store.directory import DirectoryStore
     from bench.serve_bench import TimedHandle
     from server.adapter_cache.cache import AdapterCache
     from server.adapter_cache.l1 import L1Cache
     from server.engines.request import FinalEvent, GenRequest, SamplingParams
     from server.engines.vllm.engine import VllmEngine
 
-    store = Store(args.store)
+    store = DirectoryStore(args.store)
     info, skills = store.load_inventory()
     cache = AdapterCache(store, info, skills, fingerprint=info.backbone_fingerprint, device=torch.device("cpu"),
                          dtype=torch.float32, l1=L1Cache(4 << 30))

@@ -71,10 +71,10 @@ def main() -> None:
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
 
-    from adapters_store.backbone import load_backbone
-    from adapters_store.inject import RoutedModel
-    from adapters_store.materialize import mu_weights, task_layers
-    from adapters_store.store import Store
+    from adapters_store.backbone.load import load_backbone
+    from adapters_store.lora.inject import RoutedModel
+    from adapters_store.store.directory import DirectoryStore
+    from adapters_store.store.materialize import mu_weights, task_layers
     from training.adapt import adapt
     from training.arrow import arrow_score_rows
     from training.batching import FEW_SHOT_MAX_LENGTH
@@ -89,7 +89,7 @@ def main() -> None:
     from training.vocab import VOCABS
 
     bb = load_backbone(args.backbone)
-    store = Store(args.store)
+    store = DirectoryStore(args.store)
     info, skills = store.load_inventory(bb.fingerprint)
     rm = RoutedModel(bb.model, info.spec)
     rm.load_skills(skills)

@@ -21,10 +21,10 @@ from server import openmp
 # isort: split
 import torch
 
-from adapters_store.backbone import load_backbone
-from adapters_store.inject import RoutedModel
-from adapters_store.prompt import format_prompt
-from adapters_store.store import Store
+from adapters_store.backbone.load import load_backbone
+from adapters_store.backbone.prompt import format_prompt
+from adapters_store.lora.inject import RoutedModel
+from adapters_store.store.directory import DirectoryStore
 from server.adapter_cache.cache import AdapterCache
 from server.adapter_cache.l1 import L1Cache
 from server.engines.native.config import EngineConfig
@@ -58,7 +58,7 @@ def main() -> None:
 
     def setup():
         bb = load_backbone("default")
-        store = Store(Path(tempfile.mkdtemp(prefix="polyserve-dtype-")) / "store")
+        store = DirectoryStore(Path(tempfile.mkdtemp(prefix="polyserve-dtype-")) / "store")
         if not install_default_inventory(store):
             raise SystemExit("no shipped default inventory")
         info, skills = store.load_inventory(bb.fingerprint)

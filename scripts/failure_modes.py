@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import itertools
 
-from adapters_store.materialize import task_layers
+from adapters_store.store.materialize import task_layers
 from bench.adaptation_setup import load, parser
 from training.adapt import adapt
 from training.evaluate import exact, generate

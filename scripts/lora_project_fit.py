@@ -2,8 +2,8 @@
 the task's exact match is before (the LoRA) and after (the fitted row), default backbone, shipped
 inventory, held-out procedural examples.
 
-Per shipped task, two LoRAs are imported (adapters_store.lora_import) and projected
-(adapters_store.lora_project.fit_routing):
+Per shipped task, two LoRAs are imported (adapters_store.interop.lora_import) and projected
+(adapters_store.interop.lora_project.fit_routing):
     export     the routed task exported as PEFT (`polyserve export`): the round trip, whose import
                must match the routed task exactly; its projection can recover the row
     rank-4     the same update truncated to rank 4 by SVD: a LoRA the inventory did not make
@@ -25,10 +25,10 @@ import server  # noqa: F401  (before torch: OpenMP spin defaults, server/openmp.
 # isort: split
 import torch
 
-from adapters_store.lora_import import backbone_aliases, convert, read_dir
-from adapters_store.lora_project import fit_routing
-from adapters_store.materialize import mu_weights, task_layers, task_weights
-from adapters_store.peft_io import export_peft_lora
+from adapters_store.interop.lora_import import backbone_aliases, convert, read_dir
+from adapters_store.interop.lora_project import fit_routing
+from adapters_store.interop.peft_io import export_peft_lora
+from adapters_store.store.materialize import mu_weights, task_layers, task_weights
 from training.cli import _open_store, _routed
 from training.evaluate import evaluate_task
 from training.suite import examples, parse_task

@@ -38,13 +38,13 @@ PACKAGES = ["adapters_store", "server"]  # copied into mutants/; training and cl
 
 # module -> (file, the tests relevant to it)
 MODULES: dict[str, tuple[str, list[str]]] = {
-    "routing": ("adapters_store/routing.py",
+    "routing": ("adapters_store/lora/routing.py",
                 ["tests/test_routing_math.py", "tests/test_routed_model.py", "tests/test_refine.py"]),
-    "combine": ("adapters_store/combine.py",
+    "combine": ("adapters_store/lora/combine.py",
                 ["tests/test_routing_math.py", "tests/test_routed_model.py", "tests/test_slots.py",
                  "tests/test_peft_oracle.py", "tests/test_refine.py"]),
-    "batched": ("adapters_store/batched.py", ["tests/test_routing_math.py", "tests/test_routed_model.py"]),
-    "atomic": ("adapters_store/atomic.py", ["tests/test_store.py"]),
+    "batched": ("adapters_store/lora/batched.py", ["tests/test_routing_math.py", "tests/test_routed_model.py"]),
+    "atomic": ("adapters_store/store/atomic.py", ["tests/test_store.py"]),
     "codec": ("server/adapter_cache/codec.py", ["tests/test_cache_tiers.py"]),
     # the slot tables' unit tests and both runners against the routed model (compaction included)
     "slot_lora": ("server/engines/native/slot_lora.py", ["tests/test_slots.py", "tests/test_model_runner.py"]),

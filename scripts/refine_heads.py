@@ -1,4 +1,4 @@
-"""Copy a store with its inventory's routing heads refined (adapters_store.refine): every task
+"""Copy a store with its inventory's routing heads refined (adapters_store.store.refine): every task
 serves the same LoRA; routing-only adaptation on the copy learns finer rows (docs/RESULTS.md 9.9).
 
     .venv/bin/python -m scripts.refine_heads --from-store /tmp/shipped_store --to-store /tmp/h32_store --heads 32
@@ -8,9 +8,9 @@ from __future__ import annotations
 
 import argparse
 
-from adapters_store.errors import StoreError
-from adapters_store.refine import refine_store
-from adapters_store.store import Store
+from adapters_store.store.directory import DirectoryStore
+from adapters_store.store.errors import StoreError
+from adapters_store.store.refine import refine_store
 
 
 def main() -> None:
@@ -19,7 +19,7 @@ def main() -> None:
     ap.add_argument("--to-store", required=True, help="a new (empty) store directory")
     ap.add_argument("--heads", type=int, required=True, help="a multiple of the inventory's heads")
     args = ap.parse_args()
-    src, dst = Store(args.from_store), Store(args.to_store)
+    src, dst = DirectoryStore(args.from_store), DirectoryStore(args.to_store)
     try:
         info = refine_store(src, dst, args.heads)
     except (StoreError, ValueError) as err:

@@ -32,7 +32,7 @@ def main() -> None:
     from english_words import get_english_words_set  # a one-off dependency of this script only
     from transformers import AutoTokenizer
 
-    from adapters_store.backbone import hf_dir
+    from adapters_store.backbone.load import hf_dir
 
     tok = AutoTokenizer.from_pretrained(hf_dir(args.backbone))
     dictionary = get_english_words_set(["web2", "gcide"], lower=True, alpha=True)

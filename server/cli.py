@@ -3,7 +3,7 @@
     serve                                   server.serve_cli      (runs the HTTP server)
     worker                                  server.worker.cli     (runs registration jobs)
     train, adapt, eval, routing-plot        training.cli          (offline, on the store)
-    export, import-peft-poly, import-lora,  adapters_store.cli    (interop, caches, other engines,
+    export, import-peft-poly, import-lora,  adapters_store.tools.cli    (interop, caches, other engines,
     warm-cache, backbone-path, db upgrade,                         the PostgreSQL schema, copies)
     store copy
     generate, register, tasks, jobs,        client.cli            (talk HTTP to a server)
@@ -23,7 +23,7 @@ COMMANDS = {
     "server.serve_cli": ["serve"],
     "server.worker.cli": ["worker"],
     "training.cli": ["train", "adapt", "eval", "routing_plot"],
-    "adapters_store.cli": ["export", "import_peft_poly", "import_lora", "warm_cache", "backbone_path", "db",
+    "adapters_store.tools.cli": ["export", "import_peft_poly", "import_lora", "warm_cache", "backbone_path", "db",
                            "store_group"],
     "client.cli": ["generate", "register", "tasks", "jobs", "models", "usage"],
 }

@@ -1,4 +1,4 @@
-"""Resolving a per-request mix (`mix:ID=W,...`, adapters_store.mix) to its adapter.
+"""Resolving a per-request mix (`mix:ID=W,...`, adapters_store.lora.mix) to its adapter.
 
 Every member must be a ready routed task (kind "routing") made for the served inventory: a plain
 LoRA has no routing row to mix, and a row of another inventory weighs other skills. The mix's
@@ -11,8 +11,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from adapters_store.mix import Mix, MixError, parse_mix
-from adapters_store.records import TaskRecord
+from adapters_store.lora.mix import Mix, MixError, parse_mix
+from adapters_store.store.records import TaskRecord
 from server.adapter_cache.types import Adapter
 
 

@@ -15,7 +15,7 @@ keys everything is everyone's, as before tenants.
 
 from __future__ import annotations
 
-from adapters_store.records import TaskRecord
+from adapters_store.store.records import TaskRecord
 from server.tenants import ANONYMOUS, Tenant
 
 

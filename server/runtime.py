@@ -13,11 +13,11 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
-from adapters_store.backbone import Backbone, load_backbone
-from adapters_store.errors import StoreError
-from adapters_store.inject import RoutedModel
-from adapters_store.store_base import BaseStore as Store
-from adapters_store.stores import open_store
+from adapters_store.backbone.load import Backbone, load_backbone
+from adapters_store.lora.inject import RoutedModel
+from adapters_store.store.contract import AdapterStore
+from adapters_store.store.errors import StoreError
+from adapters_store.store.location import open_store
 from server import cpus, openmp
 from server.adapter_cache.breaker import CircuitBreaker
 from server.adapter_cache.cache import AdapterCache
@@ -36,7 +36,7 @@ from training.precision import resolve_autocast
 
 log = logging.getLogger("polyserve")
 
-def _maybe_install_default_inventory(store: Store, backbone_spec: str) -> bool:
+def _maybe_install_default_inventory(store: AdapterStore, backbone_spec: str) -> bool:
     if backbone_spec != "default" or store.has_inventory():
         return False
     if store.task_stamps():
@@ -58,7 +58,7 @@ def _maybe_install_default_inventory(store: Store, backbone_spec: str) -> bool:
 class Runtime:
     settings: Settings
     backbone: Backbone
-    store: Store
+    store: AdapterStore
     routed: RoutedModel | None
     cache: AdapterCache | None
     registry: TaskRegistry

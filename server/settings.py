@@ -1,6 +1,6 @@
 """Process settings: one pydantic-settings object read from POLYSERVE_* environment variables.
 
-Model/adapter hyper-parameters live in dataclasses (adapters_store.spec); wire schemas live in
+Model/adapter hyper-parameters live in dataclasses (adapters_store.lora.spec); wire schemas live in
 server.api.schemas. Nothing here is CPU-specific: device and dtype come from the environment.
 """
 
@@ -12,8 +12,8 @@ from typing import Annotated, Any, Literal
 from pydantic import Field, field_validator, model_validator
 from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
 
-from adapters_store.home import polyserve_home
-from adapters_store.stores import is_dsn
+from adapters_store.backbone.home import polyserve_home
+from adapters_store.store.location import is_dsn
 
 
 def switch(value: str) -> bool | None:

@@ -3,12 +3,12 @@ step with the store.
 
     refresh():   store.task_stamps() (stats only); a task whose stamp changed is read again: its
                  inference weights w (L, h, S) -> v = unit(centred(w)) -> unit(v @ P), P (D, dim)
-                 fixed (adapters_store.similar.projection); rows of other inventories, plain
+                 fixed (adapters_store.lora.similar.projection); rows of other inventories, plain
                  LoRAs and tasks not ready are remembered by stamp and left out
     similar(t, k):
         scores    = M @ p(t)                      M (N, dim): the projected rows (one GEMV)
         shortlist = the best max(k, shortlist) others by projected score
-        answer    = the shortlist ranked by exact score (adapters_store.similar), rows read again
+        answer    = the shortlist ranked by exact score (adapters_store.lora.similar), rows read again
 So a query costs a stat per task (at most once per max_staleness seconds: a task registered or
 changed since is seen by the next query after that), one (N, dim) GEMV and `shortlist` row reads,
 and memory is
@@ -26,10 +26,10 @@ from dataclasses import dataclass
 
 import torch
 
-from adapters_store.errors import TaskNotFound
-from adapters_store.materialize import task_weights
-from adapters_store.records import InventoryInfo, TaskRecord
-from adapters_store.similar import centred, projection, top_k, unit
+from adapters_store.lora.similar import centred, projection, top_k, unit
+from adapters_store.store.errors import TaskNotFound
+from adapters_store.store.materialize import task_weights
+from adapters_store.store.records import InventoryInfo, TaskRecord
 
 log = logging.getLogger("polyserve.similar")
 

@@ -11,12 +11,12 @@ import threading
 from collections import OrderedDict
 from typing import Any
 
-from adapters_store.errors import StoreUnavailable, TaskNotFound
-from adapters_store.ids import RESERVED_TASK_IDS, validate_task_id
-from adapters_store.mix import is_mix
-from adapters_store.records import DEFAULT_PROMPT_FORMAT, TaskRecord
-from adapters_store.store_base import BaseStore as Store
-from adapters_store.task_snapshot import TaskSnapshot
+from adapters_store.lora.mix import is_mix
+from adapters_store.store.contract import AdapterStore
+from adapters_store.store.errors import StoreUnavailable, TaskNotFound
+from adapters_store.store.ids import RESERVED_TASK_IDS, validate_task_id
+from adapters_store.store.records import DEFAULT_PROMPT_FORMAT, TaskRecord
+from adapters_store.store.snapshot import TaskSnapshot
 from server.adapter_cache.cache import AdapterCache
 from server.adapter_cache.types import Adapter
 from server.errors import ApiError
@@ -37,7 +37,7 @@ class TaskNotReady(ApiError):
 
 
 class TaskRegistry:
-    def __init__(self, store: Store, cache: AdapterCache | None, metrics: Any = None, *,
+    def __init__(self, store: AdapterStore, cache: AdapterCache | None, metrics: Any = None, *,
                  isolated: bool = False) -> None:
         self.store = store
         self.isolated = isolated  # tenants see only their own and shared tasks (server/ownership.py)
@@ -68,7 +68,7 @@ class TaskRegistry:
         return count
 
     def list(self, tenant: Tenant | None = None) -> list[TaskRecord]:
-        """Every task `tenant` may see (None: all), from the snapshot (adapters_store/task_snapshot.py)."""
+        """Every task `tenant` may see (None: all), from the snapshot (adapters_store/store/snapshot.py)."""
         records = self.snapshot.records()
         if self.metrics is not None:
             self.metrics.tasks_registered.set(len(records))

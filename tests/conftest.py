@@ -7,7 +7,7 @@ import copy
 import pytest
 import torch
 
-from adapters_store.tiny import tiny_llama, tiny_tokenizer
+from adapters_store.backbone.tiny import tiny_llama, tiny_tokenizer
 
 torch.set_num_threads(2)
 

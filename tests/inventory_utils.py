@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import torch
 
-from adapters_store.inject import RoutedModel
-from adapters_store.records import InventoryInfo
-from adapters_store.spec import InventorySpec
+from adapters_store.lora.inject import RoutedModel
+from adapters_store.lora.spec import InventorySpec
+from adapters_store.store.records import InventoryInfo
 
 
 def make_inventory(model, routing: str = "sigmoid", b_std: float = 0.5, n_skills: int = 4, n_heads: int = 2,

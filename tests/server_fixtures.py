@@ -7,11 +7,11 @@ from pathlib import Path
 
 import torch
 
-from adapters_store.backbone import Backbone, fingerprint
-from adapters_store.inject import RoutedModel
-from adapters_store.spec import InventorySpec
-from adapters_store.store import Store
-from adapters_store.tiny import tiny_llama, tiny_tokenizer
+from adapters_store.backbone.load import Backbone, fingerprint
+from adapters_store.backbone.tiny import tiny_llama, tiny_tokenizer
+from adapters_store.lora.inject import RoutedModel
+from adapters_store.lora.spec import InventorySpec
+from adapters_store.store.directory import DirectoryStore
 
 TASKS = ("alpha", "beta", "gamma", "delta")
 SPEC = InventorySpec(n_skills=4, n_heads=2, rank=4)
@@ -33,11 +33,11 @@ def random_skills(model: torch.nn.Module, spec: InventorySpec = SPEC, seed: int 
     return rm
 
 
-def build_store(root: str | Path, tasks: tuple[str, ...] = TASKS, spec: InventorySpec = SPEC, seed: int = 0) -> Store:
+def build_store(root: str | Path, tasks: tuple[str, ...] = TASKS, spec: InventorySpec = SPEC, seed: int = 0) -> DirectoryStore:
     """A store with a random inventory for the tiny backbone and one routing row per task."""
     bb = tiny_backbone()
     rm = random_skills(bb.model, spec, seed)
-    store = Store(root)
+    store = DirectoryStore(root)
     store.save_inventory(
         spec, rm.names, rm.layer_dims(), rm.skill_tensors(), backbone_fingerprint=bb.fingerprint,
         backbone_name="tiny", made_by={"method": "random-test"},
@@ -49,7 +49,7 @@ def build_store(root: str | Path, tasks: tuple[str, ...] = TASKS, spec: Inventor
     return store
 
 
-def put_task(store: Store, task: str, seed: int) -> None:
+def put_task(store: DirectoryStore, task: str, seed: int) -> None:
     """Write (or re-write: new version) one routing row."""
     info = store.inventory_info()
     gen = torch.Generator().manual_seed(seed)
@@ -166,7 +166,7 @@ def require_vllm_and_backbone() -> Path:
     python = vllm_python()
     if python is None:
         pytest.skip("no vLLM environment: `make vllm-env` creates .venv-vllm (or set POLYSERVE_VLLM_PYTHON)")
-    from adapters_store.backbone import default_gguf_path
+    from adapters_store.backbone.load import default_gguf_path
 
     try:
         default_gguf_path()

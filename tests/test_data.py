@@ -1,4 +1,4 @@
-"""Example files, task ids and the shared prompt format (training/data.py, adapters_store/ids.py)."""
+"""Example files, task ids and the shared prompt format (training/data.py, adapters_store/store/ids.py)."""
 
 from __future__ import annotations
 
@@ -6,8 +6,8 @@ import json
 
 import pytest
 
-from adapters_store.ids import RESERVED_TASK_IDS, TASK_ID_RE, validate_new_task_id, validate_task_id
-from adapters_store.prompt import PROMPT_TEMPLATE, format_prompt, format_target, strip_separator
+from adapters_store.backbone.prompt import PROMPT_TEMPLATE, format_prompt, format_target, strip_separator
+from adapters_store.store.ids import RESERVED_TASK_IDS, TASK_ID_RE, validate_new_task_id, validate_task_id
 from training.data import DataError, Example, group_by_task, load_jsonl, split_examples, write_jsonl
 
 # --- task ids ---------------------------------------------------------------------------------

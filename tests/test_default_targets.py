@@ -1,4 +1,4 @@
-"""Default LoRA targets per architecture (adapters_store.targets), on small random models of
+"""Default LoRA targets per architecture (adapters_store.lora.targets), on small random models of
 several architectures built here from transformers' own config classes."""
 
 from __future__ import annotations
@@ -11,11 +11,11 @@ import torch
 from click.testing import CliRunner
 from torch import nn
 
-from adapters_store.inject import RoutedModel, find_target_linears
-from adapters_store.spec import InventorySpec
-from adapters_store.store import Store
-from adapters_store.targets import ATTENTION_BY_MODEL_TYPE, attention_linears, default_targets
-from adapters_store.tiny import tiny_tokenizer
+from adapters_store.backbone.tiny import tiny_tokenizer
+from adapters_store.lora.inject import RoutedModel, find_target_linears
+from adapters_store.lora.spec import InventorySpec
+from adapters_store.lora.targets import ATTENTION_BY_MODEL_TYPE, attention_linears, default_targets
+from adapters_store.store.directory import DirectoryStore
 
 VOCAB = 259  # tiny_tokenizer's
 LAYERS = 2
@@ -120,6 +120,6 @@ def test_polyserve_train_on_a_phi3_directory_needs_no_targets(tmp_path: Path) ->
             "--autocast", "none", "--examples-per-task", "8"]
     res = CliRunner().invoke(cli.train, args)
     assert res.exit_code == 0, res.output
-    info = Store(store_dir).inventory_info()
+    info = DirectoryStore(store_dir).inventory_info()
     assert info.spec.target_modules == ("qkv_proj", "o_proj")
     assert len(info.layer_names) == LAYERS * 2 and all(n.endswith(("qkv_proj", "o_proj")) for n in info.layer_names)

@@ -86,7 +86,7 @@ def test_compose_fleet_shares_nothing_but_postgres_and_redis(compose: dict[str, 
     the jobs and serving replicas that only enqueue, and no volume shared between them."""
     import psycopg
 
-    from adapters_store.stores import is_dsn
+    from adapters_store.store.location import is_dsn
 
     services = compose["services"]
     pg = services["postgres"]

@@ -19,9 +19,9 @@ import torch
 import torch.multiprocessing as mp
 from safetensors.torch import load_file
 
-from adapters_store.backbone import Backbone, fingerprint
-from adapters_store.store import Store
-from adapters_store.tiny import tiny_llama, tiny_tokenizer
+from adapters_store.backbone.load import Backbone, fingerprint
+from adapters_store.backbone.tiny import tiny_llama, tiny_tokenizer
+from adapters_store.store.directory import DirectoryStore
 from training.distributed import (
     DistContext,
     all_gather_shards,
@@ -119,14 +119,14 @@ def _worker(rank: int, world: int, port: int, out: str) -> None:
     main = rank == 0
     result: dict = {}
 
-    def store(name: str) -> Store | None:  # rank 0 alone writes
-        return Store(root / name) if main else None
+    def store(name: str) -> DirectoryStore | None:  # rank 0 alone writes
+        return DirectoryStore(root / name) if main else None
 
     try:
         lo, hi = shard_bounds(5, rank, world)  # uneven shares: 3 and 2
         result["gathered"] = all_gather_shards(torch.arange(lo, hi, dtype=torch.float32), 5, ctx).tolist()
         # rank 1 is handed a store too: the trainer itself must leave it alone
-        ddp = Trainer(config(checkpoint_every=3), tiny_backbone(), toy_tasks(), store("ddp") or Store(root / "rank1"),
+        ddp = Trainer(config(checkpoint_every=3), tiny_backbone(), toy_tasks(), store("ddp") or DirectoryStore(root / "rank1"),
                       dist=ctx)
         result["ddp"] = ddp.run(progress=False)
         # --resume: a run stopped after 3 steps, then every rank loads rank 0's checkpoint
@@ -187,9 +187,9 @@ def _assert_same_store(one: Path, two: Path) -> None:
 def test_two_ranks_train_what_one_process_trains(tmp_path):
     _run_two_ranks(tmp_path)
     ranks = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(2)]
-    one = Trainer(config(checkpoint_every=3), tiny_backbone(), toy_tasks(), Store(tmp_path / "one"))
+    one = Trainer(config(checkpoint_every=3), tiny_backbone(), toy_tasks(), DirectoryStore(tmp_path / "one"))
     expected = one.run(progress=False)
-    one_u = Trainer(config(sampling="uniform"), tiny_backbone(), toy_tasks(), Store(tmp_path / "one_u"))
+    one_u = Trainer(config(sampling="uniform"), tiny_backbone(), toy_tasks(), DirectoryStore(tmp_path / "one_u"))
     expected_u = one_u.run(progress=False)
 
     for rank in ranks:  # every rank reports the global batch's loss, step by step

@@ -20,7 +20,7 @@ PROMPTS = ["hello world", "a", "the quick brown fox jumps", "0123456789", "xyz",
 
 @pytest.fixture(scope="module")
 def setup(tmp_path_factory):
-    from adapters_store.inject import RoutedModel
+    from adapters_store.lora.inject import RoutedModel
 
     store = build_store(tmp_path_factory.mktemp("store"))
     bb = tiny_backbone()

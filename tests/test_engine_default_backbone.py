@@ -21,7 +21,7 @@ PROMPT = "List the days of the week: Monday, Tuesday,"
 
 @pytest.fixture(scope="module")
 def default():
-    from adapters_store.backbone import load_backbone
+    from adapters_store.backbone.load import load_backbone
 
     bb = load_backbone("default")
     engine = NativeEngine(bb.model, bb.tokenizer)

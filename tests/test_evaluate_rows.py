@@ -6,9 +6,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from adapters_store.inject import RoutedModel
-from adapters_store.prompt import format_prompt, format_target
-from adapters_store.spec import InventorySpec
+from adapters_store.backbone.prompt import format_prompt, format_target
+from adapters_store.lora.inject import RoutedModel
+from adapters_store.lora.spec import InventorySpec
 from training import evaluate
 from training.data import Example
 from training.evaluate import choice_logprobs, generate, score_rows

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import pytest
 
-from adapters_store.tiny import tiny_llama, tiny_tokenizer
+from adapters_store.backbone.tiny import tiny_llama, tiny_tokenizer
 from server.engines.fair import TenantCaps
 from server.engines.native.config import EngineConfig
 from server.engines.native.engine import NativeEngine

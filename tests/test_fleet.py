@@ -224,7 +224,7 @@ def test_four_processes_starting_at_once_on_an_empty_database_install_the_defaul
     """Two replicas and two workers on the default backbone, started together on an empty
     database: exactly one installs the shipped inventory, and all four come up. Each home gets
     its own copy of the dequantised backbone (the first load's cache), so no directory is shared."""
-    from adapters_store.backbone import warm_default_cache
+    from adapters_store.backbone.load import warm_default_cache
     from training.shipped_inventory import PACKAGE_DIR
 
     warm = warm_default_cache()

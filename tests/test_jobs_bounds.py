@@ -9,7 +9,7 @@ import time
 import httpx
 import pytest
 
-from adapters_store.store import Store
+from adapters_store.store.directory import DirectoryStore
 from server.jobs.model import Job
 from tests.server_fixtures import build_store, live_server, settings_for, tiny_backbone
 from tests.test_registration_api import EXAMPLES
@@ -72,7 +72,7 @@ def test_queued_jobs_beyond_the_setting_are_429(bounded):
 
 
 def test_prune_removes_old_finished_jobs_and_their_files_only(tmp_path):
-    store = Store(tmp_path / "s")
+    store = DirectoryStore(tmp_path / "s")
     now = time.time()
     jobs = {
         "job-old0000001": Job(id="job-old0000001", task="a", method="routing", status="succeeded", finished_at=now - 100),

@@ -8,7 +8,7 @@ import time
 import pytest
 import torch
 
-from adapters_store.errors import StoreUnavailable
+from adapters_store.store.errors import StoreUnavailable
 from server.jobs.model import Job
 from server.jobs.runner import JobRunner
 from tests.test_jobs_runner import EXAMPLES, FakeAdaptation, make_runner, run_to_end, store  # noqa: F401

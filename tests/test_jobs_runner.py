@@ -12,9 +12,9 @@ from dataclasses import dataclass, field
 import pytest
 import torch
 
-from adapters_store.errors import StoreUnavailable
-from adapters_store.spec import InventorySpec
-from adapters_store.store import Store
+from adapters_store.lora.spec import InventorySpec
+from adapters_store.store.directory import DirectoryStore
+from adapters_store.store.errors import StoreUnavailable
 from server.jobs.model import IllegalTransition, Job
 from server.jobs.runner import JobRunner
 
@@ -45,8 +45,8 @@ class FakeAdaptation:
 
 
 @pytest.fixture
-def store(tmp_path) -> Store:
-    s = Store(tmp_path / "store")
+def store(tmp_path) -> DirectoryStore:
+    s = DirectoryStore(tmp_path / "store")
     s.save_inventory(InventorySpec(n_skills=2, n_heads=1, rank=1, target_modules=("q",)), ["m.q"], [(2, 2)],
                      {"m.q.A": torch.zeros(1, 2, 2, 1), "m.q.B": torch.zeros(1, 2, 1, 2)}, backbone_fingerprint="fp")
     return s
@@ -211,7 +211,7 @@ def test_a_cancel_marker_from_another_replica_stops_queued_and_running_jobs(stor
     running = runner.submit("t1", EXAMPLES, method="routing", steps=50, seed=0)
     queued = runner.submit("t2", EXAMPLES, method="routing", steps=50, seed=0)
     runner.step()
-    other = Store(store.root)  # another process's view of the same store
+    other = DirectoryStore(store.root)  # another process's view of the same store
     other.request_cancel(running.id)
     other.request_cancel(queued.id)
     assert runner.check_cancels() == 2  # what the poll thread does between steps
@@ -232,7 +232,7 @@ def test_step_never_reads_cancel_markers_and_the_poll_thread_finds_them(store, m
     monkeypatch.setattr(store, "cancel_requested",
                         lambda job_id: (readers.add(threading.current_thread().name), real(job_id))[1])
     runner.step()
-    Store(store.root).request_cancel(job.id)
+    DirectoryStore(store.root).request_cancel(job.id)
     deadline = time.time() + 10
     while runner.get(job.id).status != "cancelled":
         assert time.time() < deadline, "the poll thread never saw the marker"
@@ -247,7 +247,7 @@ def test_step_never_reads_cancel_markers_and_the_poll_thread_finds_them(store, m
 KILL_CHILD = r"""
 import os, sys, time, torch
 from pathlib import Path
-from adapters_store.store import Store
+from adapters_store.store.directory import DirectoryStore
 from server.jobs.runner import JobRunner
 
 root, point = sys.argv[1], sys.argv[2]
@@ -265,9 +265,9 @@ def pause():
     signal_file.write_text("")
     time.sleep(60)  # the parent SIGKILLs us here
 
-store = Store(root)
+store = DirectoryStore(root)
 if point == "weights-written":  # inside the commit: weights file written, record not yet
-    from adapters_store.atomic import atomic_write_bytes
+    from adapters_store.store.atomic import atomic_write_bytes
     real = store._commit_task
     def commit(record, blob, previous):
         if record.status != "ready":
@@ -299,7 +299,7 @@ def test_sigkill_during_the_commit_then_recover(store, point):
         time.sleep(0.01)
     proc.kill()
     proc.wait()
-    reopened = Store(store.root)
+    reopened = DirectoryStore(store.root)
     runner, _ = make_runner(reopened)
     assert runner.recover() == [job_id]
     job = runner.get(job_id)
@@ -444,16 +444,16 @@ def test_a_job_cancelled_while_it_is_built_never_runs(store):
 def test_a_delete_racing_a_finished_jobs_cleanup_neither_raises_nor_resurrects(store, status):
     """Replica b deletes a task while replica a's runner cleans up the job that trained it (a
     cancel marker or a failure): whoever comes second must find the task gone without an error,
-    and the task stays deleted. Real threads and two Store views, many rounds: before the fix the
+    and the task stays deleted. Real threads and two DirectoryStore views, many rounds: before the fix the
     cleanup's check and its change were two lock sections, and the loser raised TaskNotFound
     (the job then stayed "running" forever) or re-created the task as "failed"."""
     import threading
 
-    from adapters_store.errors import TaskNotFound
-    from adapters_store.records import TaskRecord
+    from adapters_store.store.errors import TaskNotFound
+    from adapters_store.store.records import TaskRecord
     from server.jobs.runner import _mark_task_not_ready
 
-    replica_b = Store(store.root)
+    replica_b = DirectoryStore(store.root)
     job = Job(id="job-0123456789abcdef", task="t", method="routing", steps=1, seed=0, n_examples=1, owner="a")
     error = None if status == "cancelled" else {"type": "adaptation_error", "message": "loss became NaN"}
     for _ in range(150):
@@ -487,7 +487,7 @@ def test_a_delete_racing_a_finished_jobs_cleanup_neither_raises_nor_resurrects(s
 def test_the_cleanup_leaves_a_task_that_is_not_its_placeholder(store):
     """Only the job's own unfinished placeholder is touched: another job's task and a ready
     (serve_early) version stay as they are."""
-    from adapters_store.records import TaskRecord
+    from adapters_store.store.records import TaskRecord
     from server.jobs.runner import _mark_task_not_ready
 
     job = Job(id="job-0123456789abcdef", task="t", method="routing", steps=1, seed=0, n_examples=1, owner="a")
@@ -576,7 +576,7 @@ def test_recover_goes_through_every_job_and_says_why_each_was_interrupted(store,
     """Jobs listed in id order: one unreadable, one finished, one enqueued for the workers, one a
     live replica holds, one that finished after the listing, then the orphans: each of the first
     five is skipped, not the end of the listing."""
-    from adapters_store.records import TaskRecord
+    from adapters_store.store.records import TaskRecord
 
     def job(n: int, task: str, status: str, **kw) -> str:
         job_id = f"job-{n:016d}"
@@ -590,7 +590,7 @@ def test_recover_goes_through_every_job_and_says_why_each_was_interrupted(store,
     store.put_job({"id": "job-0000000000000000"})  # unreadable: no task
     job(1, "done", "succeeded")
     store.enqueue_job(job(2, "fleet", "queued"))
-    live = Store(store.root).hold_job(job(3, "live", "running"))
+    live = DirectoryStore(store.root).hold_job(job(3, "live", "running"))
     late = job(4, "late", "running")
     queued, running, committed = job(5, "q", "queued"), job(6, "r", "running"), job(7, "c", "running")
     store.put_routing("c", torch.ones(1, 1, 2), job_id=committed)
@@ -653,7 +653,7 @@ def test_a_cancel_marker_the_poll_has_not_read_still_stops_the_commit(store):
 
 
 def test_a_task_replaced_or_deleted_without_a_marker_before_the_commit_is_left_as_it_is(store):
-    from adapters_store.records import TaskRecord
+    from adapters_store.store.records import TaskRecord
 
     runner, _ = make_runner(store, steps=2)
     replaced = runner.submit("t", EXAMPLES, method="routing", steps=2, seed=0)

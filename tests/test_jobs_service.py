@@ -7,10 +7,10 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from adapters_store.errors import TaskNotFound
-from adapters_store.records import TaskRecord
-from adapters_store.spec import InventorySpec
-from adapters_store.store import Store
+from adapters_store.lora.spec import InventorySpec
+from adapters_store.store.directory import DirectoryStore
+from adapters_store.store.errors import TaskNotFound
+from adapters_store.store.records import TaskRecord
 from server.jobs.model import Job
 from server.jobs.service import Registration
 
@@ -21,7 +21,7 @@ OTHER_JOB = Job(id="job-00000000000000aa", task="t", method="routing", steps=30,
 @pytest.fixture
 def here(tmp_path):
     """This replica's Registration over a store another replica shares (its job runs there)."""
-    store = Store(tmp_path / "store")
+    store = DirectoryStore(tmp_path / "store")
     store.save_inventory(InventorySpec(n_skills=2, n_heads=1, rank=1, target_modules=("q",)), ["m.q"], [(2, 2)],
                          {"m.q.A": torch.zeros(1, 2, 2, 1), "m.q.B": torch.zeros(1, 2, 1, 2)},
                          backbone_fingerprint="fp")
@@ -43,7 +43,7 @@ def test_delete_wins_when_the_other_replicas_job_removes_its_placeholder_first(h
     DELETE's read of the task and its removal: the DELETE still succeeds (it used to be a 404
     for a task that existed when it arrived) and the task is gone."""
     registration, store, forgotten = here
-    other_replica = Store(store.root)
+    other_replica = DirectoryStore(store.root)
     real_delete = store.delete_task
 
     def the_other_runner_lands_first(task):

@@ -36,12 +36,12 @@ def test_seal_round_trip_and_what_it_refuses():
 def test_the_store_secret_is_made_once_and_private(tmp_path):
     """A directory store keeps its secret in a mode-600 file under its root; a second process on
     the same directory reads the same one."""
-    from adapters_store.store import Store
+    from adapters_store.store.directory import DirectoryStore
 
-    first = signing.cache_secret(None, Store(tmp_path))
-    assert len(first) == 32 and signing.cache_secret(None, Store(tmp_path)) == first
+    first = signing.cache_secret(None, DirectoryStore(tmp_path))
+    assert len(first) == 32 and signing.cache_secret(None, DirectoryStore(tmp_path)) == first
     assert os.stat(tmp_path / "cache-secret").st_mode & 0o077 == 0
-    assert signing.cache_secret("configured", Store(tmp_path)) == b"configured"
+    assert signing.cache_secret("configured", DirectoryStore(tmp_path)) == b"configured"
 
 
 

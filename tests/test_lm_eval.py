@@ -109,9 +109,9 @@ def test_lm_eval_harness_matches_polyserve_eval(tmp_path):
         pytest.skip("no shipped default inventory")
     from click.testing import CliRunner
 
-    from adapters_store.backbone import hf_dir
-    from adapters_store.materialize import task_layers
-    from adapters_store.store import Store
+    from adapters_store.backbone.load import hf_dir
+    from adapters_store.store.directory import DirectoryStore
+    from adapters_store.store.materialize import task_layers
     from training.cli import _routed, eval_cmd
     from training.evaluate import evaluate_task
     from training.shipped_inventory import install_default_inventory
@@ -119,7 +119,7 @@ def test_lm_eval_harness_matches_polyserve_eval(tmp_path):
     from training.suite import parse_task
 
     settings = settings_for(tmp_path, backbone="default", dtype="float32", max_batch_rows=16, warmup=False)
-    install_default_inventory(Store(settings.store_dir))  # before the server's start-up clock runs
+    install_default_inventory(DirectoryStore(settings.store_dir))  # before the server's start-up clock runs
     hf_dir("default")
     with live_server(settings) as srv:
         rt = srv.runtime

@@ -14,10 +14,10 @@ import torch
 from click.testing import CliRunner
 from safetensors.torch import save, save_file
 
-from adapters_store.lora_import import ImportRefused, convert, import_lora, read_dir
-from adapters_store.lora_project import fit_routing, project_task
-from adapters_store.materialize import task_layers
-from adapters_store.peft_io import PREFIX, export_peft_lora
+from adapters_store.interop.lora_import import ImportRefused, convert, import_lora, read_dir
+from adapters_store.interop.lora_project import fit_routing, project_task
+from adapters_store.interop.peft_io import PREFIX, export_peft_lora
+from adapters_store.store.materialize import task_layers
 from tests.server_fixtures import build_store, live_server, settings_for, tiny_backbone
 
 openai = pytest.importorskip("openai")
@@ -100,7 +100,7 @@ def test_round_trip_export_then_import_is_the_same_adapter(store, tmp_path):
     for (a, b), (a2, b2) in zip(routed, plain, strict=True):
         torch.testing.assert_close(a, a2)
         torch.testing.assert_close(b, b2)
-    from adapters_store.errors import TaskExists
+    from adapters_store.store.errors import TaskExists
 
     with pytest.raises(TaskExists):
         import_lora(store, "alpha-lora", config, tensors)
@@ -126,7 +126,7 @@ def test_projection_recovers_a_routed_update_in_another_basis(store):
 
 
 def test_cli_import_lora(store, tmp_path):
-    from adapters_store import cli
+    from adapters_store.tools import cli
 
     info = store.inventory_info()
     cfg, tensors = peft_lora(info, r=2, alpha=2)

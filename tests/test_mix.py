@@ -7,9 +7,9 @@ import httpx
 import pytest
 import torch
 
-from adapters_store.combine import materialize
-from adapters_store.materialize import layers_from_weights, task_weights
-from adapters_store.mix import MAX_MIX_PARTS, MixError, is_mix, mix_weights, parse_mix
+from adapters_store.lora.combine import materialize
+from adapters_store.lora.mix import MAX_MIX_PARTS, MixError, is_mix, mix_weights, parse_mix
+from adapters_store.store.materialize import layers_from_weights, task_weights
 from tests.server_fixtures import build_store, live_server, settings_for, tiny_backbone
 
 openai = pytest.importorskip("openai")
@@ -126,7 +126,7 @@ def test_cache_keys_a_mix_by_its_members_versions(tmp_path, routing_layers):
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
     """Tasks alpha, beta, ...; `offline-mix` is the plain LoRA combined offline from 0.7 alpha +
-    0.3 beta (materialised by adapters_store.combine from the mixed routing weights); `plain` is
+    0.3 beta (materialised by adapters_store.lora.combine from the mixed routing weights); `plain` is
     another plain LoRA, which cannot be mixed."""
     root = tmp_path_factory.mktemp("mix")
     store = build_store(root / "store")

@@ -180,8 +180,8 @@ def test_each_slots_lora_equals_the_routed_models_forward(tiny_model, kind, targ
     """Rows of three tasks and a base row in one step: each row's logits are those of the routed
     model run alone with that task's materialised LoRA (gathered path, one task). A routed task's
     tables are combined from its routing weights; a plain LoRA's copied from its layers."""
-    from adapters_store.inject import RoutedModel
-    from adapters_store.spec import InventorySpec
+    from adapters_store.lora.inject import RoutedModel
+    from adapters_store.lora.spec import InventorySpec
     from server.adapter_cache.types import Adapter
 
     spec = InventorySpec(n_skills=3, n_heads=2, rank=4, target_modules=targets)
@@ -224,8 +224,8 @@ def test_each_slots_lora_equals_the_routed_models_forward(tiny_model, kind, targ
 def test_a_base_row_moved_into_a_tasks_slot_runs_without_its_adapter(tiny_model, kind):
     """Slot compaction moves a base row into a slot that held a task's row (copy_slot): its
     next decode step, beside a row that keeps its task, gives the plain model's logits."""
-    from adapters_store.inject import RoutedModel
-    from adapters_store.spec import InventorySpec
+    from adapters_store.lora.inject import RoutedModel
+    from adapters_store.lora.spec import InventorySpec
     from server.adapter_cache.types import Adapter
 
     rm = RoutedModel(tiny_model, InventorySpec(n_skills=3, n_heads=2, rank=4))
@@ -258,8 +258,8 @@ def test_static_decode_steps_equal_the_dynamic_ones(tiny_model):
     """The CUDA-graph path's padded, fixed-shape decode (static_decode.py), run eagerly here: rows
     padded into the spare slot, attention over the whole KV capacity, LoRA always on, give the
     dynamic path's logits; prompt chunks still take the dynamic path."""
-    from adapters_store.inject import RoutedModel
-    from adapters_store.spec import InventorySpec
+    from adapters_store.lora.inject import RoutedModel
+    from adapters_store.lora.spec import InventorySpec
     from server.adapter_cache.types import Adapter
     from server.engines.native.static_decode import bucket
 

@@ -39,7 +39,7 @@ def needs_engine(*names: str):
 def server(tmp_path_factory):
     root = tmp_path_factory.mktemp("oai")
     store = build_store(root / "store")
-    from adapters_store.records import TaskRecord
+    from adapters_store.store.records import TaskRecord
 
     store.put_record(TaskRecord(id="pending", method="routing", status="training", version=0,
                                 created_at=time.time(), updated_at=time.time()))

@@ -218,10 +218,10 @@ def test_batch_of_token_id_prompts_and_streaming(server, http):
 def plain_forward_logprobs(server, task: str, ids: list[int]) -> list[float]:
     """log p(ids[i] | ids[:i]) for i >= 1 from one plain forward of the task's adapter, computed
     from the store's routing row (not the server's cache or engine)."""
-    from adapters_store.materialize import task_weights
-    from adapters_store.store import Store
+    from adapters_store.store.directory import DirectoryStore
+    from adapters_store.store.materialize import task_weights
 
-    store = Store(server.runtime.settings.store_dir)
+    store = DirectoryStore(server.runtime.settings.store_dir)
     record = store.get_task(task)
     weights = task_weights(store.inventory_info(), store.load_weights(record)["logits"].float())
     routed = random_skills(tiny_backbone().model, SPEC, seed=0)  # the skills build_store saved

@@ -8,9 +8,9 @@ import pytest
 import torch
 from torch.testing import assert_close
 
-from adapters_store.inject import RoutedModel
-from adapters_store.routing import eval_weights
-from adapters_store.spec import InventorySpec
+from adapters_store.lora.inject import RoutedModel
+from adapters_store.lora.routing import eval_weights
+from adapters_store.lora.spec import InventorySpec
 
 peft = pytest.importorskip("peft", reason="PEFT is the test oracle (pip install -e .[test])")
 
@@ -63,15 +63,15 @@ def test_routed_forward_equals_peft_poly(tiny_base, h):
 
 
 def test_exported_lora_loaded_by_peft_equals_our_task(tiny_base, tmp_path):
-    from adapters_store.backbone import fingerprint
-    from adapters_store.peft_io import export_peft_lora, import_peft_poly
-    from adapters_store.store import Store
+    from adapters_store.backbone.load import fingerprint
+    from adapters_store.interop.peft_io import export_peft_lora, import_peft_poly
+    from adapters_store.store.directory import DirectoryStore
 
     h = 4
     pm = peft_poly(tiny_base, h)
     pm.save_pretrained(tmp_path / "poly")
     routed, _logits = ours_from_peft(tiny_base, pm, h)
-    store = Store(tmp_path / "store")
+    store = DirectoryStore(tmp_path / "store")
     _, tasks = import_peft_poly(
         tmp_path / "poly", store, layer_order=routed.names, backbone_fingerprint=fingerprint(tiny_base)
     )

@@ -13,8 +13,8 @@ import httpx
 import pytest
 import torch
 
-from adapters_store.atomic import SWEEP_GRACE_SECONDS
-from adapters_store.store import Store
+from adapters_store.store.atomic import SWEEP_GRACE_SECONDS
+from adapters_store.store.directory import DirectoryStore
 from tests.server_fixtures import build_store, free_port, live_server, redis_up, settings_for, tiny_backbone
 
 EXAMPLES = [{"input": f"w{i} x{i}", "output": f"x{i} w{i}"} for i in range(12)]
@@ -89,7 +89,7 @@ def test_retrieve_registers_a_mixture_of_existing_rows_without_training(client, 
     assert m["candidates"] == len(others) and set(m["ranked"]) <= set(others)
     assert m["eval_loss"] == pytest.approx(min(m["held_losses"].values()), abs=1e-4)
     assert m["eval_loss"] <= m["mu_eval_loss"]
-    store = Store(tmp_path / "store")
+    store = DirectoryStore(tmp_path / "store")
     stored = store.load_routing("like-alpha")
     expected = torch.stack([store.load_routing(t) for t in m["retrieved"]]).mean(0) if m["retrieved"] \
         else torch.zeros_like(stored)
@@ -125,12 +125,12 @@ def test_serve_early_serves_the_retrieved_row_while_training_then_the_trained_on
     task = client.get("/v1/tasks/early").json()
     assert task["status"] == "ready" and task["version"] == 1 and task["metrics"]["method"] == "retrieve"
     assert generate(client, "early").status_code == 200
-    retrieved = Store(tmp_path / "store").load_routing("early")
+    retrieved = DirectoryStore(tmp_path / "store").load_routing("early")
     done = wait_job(client, job["id"])
     assert done["status"] == "succeeded" and done["live_version"] == 2
     task = client.get("/v1/tasks/early").json()
     assert task["version"] == 2 and task["method"] == "routing" and task["metrics"]["steps_run"] >= 1
-    trained = Store(tmp_path / "store").load_routing("early")
+    trained = DirectoryStore(tmp_path / "store").load_routing("early")
     assert not torch.equal(trained, retrieved)
     events = [e["message"] for e in client.get(f"/v1/jobs/{job['id']}/events").json()["data"]]
     assert any("version 1 while training" in m for m in events)
@@ -248,7 +248,7 @@ def test_crash_mid_job_leaves_nothing_half_written_and_no_running_job(tmp_path):
     stale = time.time() - SWEEP_GRACE_SECONDS - 60  # the killed writer's temp files, once abandoned
     for p in store_root.rglob(".tmp-*"):
         os.utime(p, (stale, stale))
-    Store(store_root)  # reopening sweeps abandoned temp files of the killed writer
+    DirectoryStore(store_root)  # reopening sweeps abandoned temp files of the killed writer
     assert not [p for p in store_root.rglob("*") if p.name.startswith(".tmp-")]
     with live_server(settings_for(tmp_path), backbone=tiny_backbone()) as srv, \
             httpx.Client(base_url=srv.url, timeout=10) as c:
@@ -315,7 +315,7 @@ def test_a_job_no_worker_has_claimed_is_cancelled_at_once(tmp_path):
         assert r.status_code == 200 and r.json()["status"] == "cancelled", r.text
         assert client.get(f"/v1/jobs/{job['id']}").json()["status"] == "cancelled"
         assert client.get("/v1/tasks/nobody-runs").status_code == 404
-        assert not Store(tmp_path / "store").job_enqueued(job["id"])
+        assert not DirectoryStore(tmp_path / "store").job_enqueued(job["id"])
         again = client.post("/v1/tasks", json={"task": "nobody-runs", "examples": EXAMPLES})
         assert again.status_code == 202, again.text  # the id is free again
 

@@ -10,8 +10,8 @@ from types import SimpleNamespace
 
 import pytest
 
-import adapters_store.store as store_module
-from adapters_store.store import Store
+import adapters_store.store.directory as store_module
+from adapters_store.store.directory import DirectoryStore
 from server.jobs.model import Job
 from server.jobs.service import Registration
 from tests.server_fixtures import build_store
@@ -27,7 +27,7 @@ def finished_job(i: int, age: float) -> dict:
 
 
 def test_a_job_pruned_between_listing_and_reading_is_skipped(tmp_path, monkeypatch):
-    store = Store(tmp_path / "store")
+    store = DirectoryStore(tmp_path / "store")
     for i in range(3):
         store.put_job(finished_job(i, age=0))
     real = store_module.read_json
@@ -42,14 +42,14 @@ def test_a_job_pruned_between_listing_and_reading_is_skipped(tmp_path, monkeypat
 
 
 def test_an_unreadable_job_record_does_not_stop_listing(tmp_path):
-    store = Store(tmp_path / "store")
+    store = DirectoryStore(tmp_path / "store")
     store.put_job(finished_job(0, age=0))
     (store.root / "jobs" / "job-00000000000000ff.json").write_text("{not json")
     (store.root / "jobs" / "job-00000000000000fe.json").write_text("[1, 2]")
     assert [j["id"] for j in store.list_jobs()] == ["job-0000000000000000"]
 
 
-def replica(store: Store) -> Registration:
+def replica(store: DirectoryStore) -> Registration:
     rt = SimpleNamespace(
         store=store, cache=None, l2=None, routed=object(),
         settings=SimpleNamespace(redis_url=None, job_retention_seconds=3600, rescan_seconds=60.0, jobs="local",
@@ -66,7 +66,7 @@ def test_two_replicas_starting_together_both_start(tmp_path, round_):
     for i in range(300):  # old finished jobs: both replicas prune them at once
         store.put_job(finished_job(i, age=7200))
     (store.root / "jobs" / "job-00000000000000ff.json").write_text("{not json")
-    a, b = replica(Store(store.root)), replica(Store(store.root))
+    a, b = replica(DirectoryStore(store.root)), replica(DirectoryStore(store.root))
     errors: list[BaseException] = []
     barrier = threading.Barrier(2)
 

@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from adapters_store.routing import eval_weights
+from adapters_store.lora.routing import eval_weights
 from tests.inventory_utils import make_inventory
 from training.adapt import Adaptation, adapt
 from training.retrieve import MU, Retrieval, RetrievedAdaptation, mixture, mu_row, predicted_change, retrieve

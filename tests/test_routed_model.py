@@ -6,11 +6,11 @@ import pytest
 import torch
 from torch.testing import assert_close
 
-from adapters_store.inject import RoutedModel, find_target_linears
-from adapters_store.materialize import layers_from_weights
-from adapters_store.records import InventoryInfo
-from adapters_store.routing import eval_weights
-from adapters_store.spec import MLP_TARGETS, InventorySpec
+from adapters_store.lora.inject import RoutedModel, find_target_linears
+from adapters_store.lora.routing import eval_weights
+from adapters_store.lora.spec import MLP_TARGETS, InventorySpec
+from adapters_store.store.materialize import layers_from_weights
+from adapters_store.store.records import InventoryInfo
 
 TASKS = 3
 
@@ -175,7 +175,7 @@ def test_one_task_tables_are_bit_equal_to_a_combine_per_layer_and_follow_skill_c
     """set_materialized for one task combines each group of same-shape layers at once, from skills
     stacked once while frozen: the tables must equal materialize_many layer by layer, bit for bit,
     and must follow every change of the skills (load_skills, in-place writes), never a stale stack."""
-    from adapters_store.combine import materialize_many
+    from adapters_store.lora.combine import materialize_many
 
     rm = routed(tiny_model, 2, targets=("q_proj", "k_proj", "v_proj", "o_proj", *MLP_TARGETS))
     rm.set_skills_trainable(False)  # frozen, as in adaptation and serving: the stacked skills are reused

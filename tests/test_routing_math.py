@@ -6,8 +6,8 @@ import pytest
 import torch
 from torch.testing import assert_close
 
-from adapters_store.batched import apply_gathered, apply_skill_space, stack_skills
-from adapters_store.combine import (
+from adapters_store.lora.batched import apply_gathered, apply_skill_space, stack_skills
+from adapters_store.lora.combine import (
     check_heads,
     from_peft_lora,
     lora_delta,
@@ -18,7 +18,7 @@ from adapters_store.combine import (
     refine_heads,
     to_peft_lora,
 )
-from adapters_store.routing import (
+from adapters_store.lora.routing import (
     eval_weights,
     gumbel_sigmoid,
     refine_row,
@@ -278,7 +278,7 @@ def test_batched_paths_run_in_the_inputs_dtype_whatever_the_tables(G):
 
 # -- combine.py: dtypes, refusals and their messages (mutation audit) ------------------------------
 def test_check_heads_message_gives_both_remainders():
-    from adapters_store.combine import check_heads
+    from adapters_store.lora.combine import check_heads
 
     with pytest.raises(ValueError, match=r"d_in % h = 2, d_out % h = 0"):
         check_heads(10, 12, 4)
@@ -289,7 +289,7 @@ def test_check_heads_message_gives_both_remainders():
 def test_lora_delta_and_merge_compute_in_the_activations_and_weights_dtype():
     """float32 tables applied to float64 activations (and merged into a float64 weight) are cast
     to float64 first: the result equals the float64 computation."""
-    from adapters_store.combine import lora_delta, merge
+    from adapters_store.lora.combine import lora_delta, merge
 
     g = torch.Generator().manual_seed(3)
     A_t, B_t = torch.randn(6, 2, generator=g), torch.randn(2, 4, generator=g)
@@ -304,7 +304,7 @@ def test_lora_delta_and_merge_compute_in_the_activations_and_weights_dtype():
 
 def test_materialize_takes_float64_routing_weights_for_float32_skills():
     """Routing weights in another dtype than the skills are cast to the skills' dtype."""
-    from adapters_store.combine import materialize_many, materialize_stacked
+    from adapters_store.lora.combine import materialize_many, materialize_stacked
 
     g = torch.Generator().manual_seed(4)
     A, B = torch.randn(2, 3, 4, 2, generator=g), torch.randn(2, 3, 2, 5, generator=g)
@@ -317,7 +317,7 @@ def test_materialize_takes_float64_routing_weights_for_float32_skills():
 
 
 def test_combine_refusals_name_the_shapes():
-    from adapters_store.combine import materialize_many, refine_heads
+    from adapters_store.lora.combine import materialize_many, refine_heads
 
     A = torch.zeros(2, 3, 4, 2)
     bad_B = torch.zeros(2, 4, 2, 5)  # another skill count; w fits A
@@ -328,7 +328,7 @@ def test_combine_refusals_name_the_shapes():
 
 
 def test_refine_heads_to_the_same_count_is_the_identity():
-    from adapters_store.combine import refine_heads
+    from adapters_store.lora.combine import refine_heads
 
     g = torch.Generator().manual_seed(5)
     A, B = torch.randn(2, 3, 4, 2, generator=g), torch.randn(2, 3, 2, 6, generator=g)

@@ -19,7 +19,7 @@ PROMPTS = ["hello world", "a", "the quick brown fox", "0123456789", "xyz", "poly
 def server(tmp_path_factory):
     root = tmp_path_factory.mktemp("api")
     store = build_store(root / "store")
-    from adapters_store.records import TaskRecord
+    from adapters_store.store.records import TaskRecord
 
     store.put_record(TaskRecord(id="pending", method="routing", status="training", version=0,
                                 created_at=time.time(), updated_at=time.time()))
@@ -263,7 +263,7 @@ def test_api_keys(tmp_path):
 def test_generate_returns_the_answer_without_the_format_separator(client):
     """/v1/generate = /v1/completions on the formatted prompt, minus the one separator space
     that training puts between "Output:" and the answer (streamed or not)."""
-    from adapters_store.prompt import format_prompt, strip_separator
+    from adapters_store.backbone.prompt import format_prompt, strip_separator
 
     for i in range(4):
         b = body(i)

@@ -10,8 +10,8 @@ import pytest
 import torch
 from click.testing import CliRunner
 
-from adapters_store.materialize import task_weights
-from adapters_store.similar import centred, rank_exact, top_k, unit
+from adapters_store.lora.similar import centred, rank_exact, top_k, unit
+from adapters_store.store.materialize import task_weights
 from server.similar_index import NotRouted, RoutingIndex
 from tests.server_fixtures import build_store, live_server, put_task, settings_for, tiny_backbone
 
@@ -80,7 +80,7 @@ def test_index_small_is_exact_and_follows_the_store(tmp_path):
     assert "plain" not in [t for t, _ in index.similar("alpha", 10)]
     with pytest.raises(NotRouted):
         index.similar("plain", 3)
-    from adapters_store.errors import TaskNotFound
+    from adapters_store.store.errors import TaskNotFound
 
     with pytest.raises(TaskNotFound):
         index.similar("nope", 3)

@@ -162,7 +162,7 @@ def test_copy_from_a_base_row_clears_the_destination(kernel):
 def test_tables_from_routing_weights_equal_the_materialised_adapters(layers):
     """write_routing (the combine straight into the slot) writes exactly what write() writes from
     the materialised adapter of the same weights; an MHR skill set (h=2), q/k-style column order."""
-    from adapters_store.combine import materialize
+    from adapters_store.lora.combine import materialize
 
     g = torch.Generator().manual_seed(0)
     h, S, r = 2, 3, 2
@@ -246,7 +246,7 @@ def test_slot_lora_refusals_name_what_is_wrong():
 def test_routed_tables_combine_bfloat16_skills_in_float32():
     """A bfloat16 backbone's skills are combined in float32 on a CPU (then rounded once into the
     tables), not in bfloat16: the tables equal the float32 combine of the same skill values."""
-    from adapters_store.combine import materialize
+    from adapters_store.lora.combine import materialize
 
     skills = _skills(torch.bfloat16)
     w = torch.softmax(torch.randn(3, 1, 3, generator=torch.Generator().manual_seed(1)), -1)

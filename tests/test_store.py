@@ -10,15 +10,14 @@ import pytest
 import torch
 from torch.testing import assert_close
 
-from adapters_store import atomic
-from adapters_store.errors import StoreError
-from adapters_store.store import Store
+from adapters_store.store.directory import DirectoryStore, atomic
+from adapters_store.store.errors import StoreError
 from tests.test_store_contract import DIMS, NAMES, SPEC, skills
 
 
 @pytest.fixture
-def store(tmp_path) -> Store:
-    s = Store(tmp_path / "store")
+def store(tmp_path) -> DirectoryStore:
+    s = DirectoryStore(tmp_path / "store")
     s.save_inventory(SPEC, NAMES, DIMS, skills(), backbone_fingerprint="llama-abc", backbone_name="tiny")
     return s
 
@@ -87,13 +86,13 @@ def test_process_killed_mid_write_leaves_old_state_and_temp_is_swept(store, tmp_
     assert os.WEXITSTATUS(status) == 17
     leftovers = [p for p in store.root.rglob("*") if p.name.startswith(atomic.TMP_PREFIX)]
     assert leftovers, "the killed writer should have left its temp file behind"
-    reopened = Store(store.root)  # opening a store never touches a temp file that may be a live write
+    reopened = DirectoryStore(store.root)  # opening a store never touches a temp file that may be a live write
     assert_close(reopened.load_routing("t1"), logits)
     assert sorted(p for p in store.root.rglob("*") if p.name.startswith(atomic.TMP_PREFIX)) == sorted(leftovers)
     old = time.time() - atomic.SWEEP_GRACE_SECONDS - 60
     for p in leftovers:
         os.utime(p, (old, old))
-    Store(store.root)  # past the grace period: abandoned, swept
+    DirectoryStore(store.root)  # past the grace period: abandoned, swept
     assert not [p for p in store.root.rglob("*") if p.name.startswith(atomic.TMP_PREFIX)]
 
 
@@ -102,7 +101,7 @@ def test_opening_a_store_leaves_another_process_write_in_progress_alone(store):
     live = store.root / "tasks" / f"{atomic.TMP_PREFIX}task.json.{os.getpid()}.abcd1234"
     live.parent.mkdir(parents=True, exist_ok=True)
     live.write_bytes(b"half")
-    Store(store.root)
+    DirectoryStore(store.root)
     assert live.exists()
     assert atomic.sweep_temp_files(store.root, now=time.time() + atomic.SWEEP_GRACE_SECONDS + 1) == 1
 

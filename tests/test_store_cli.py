@@ -48,7 +48,7 @@ def test_import_then_export_round_trip(tiny_base, tmp_path):
 def test_export_names_the_base_model_vllm_serves(tmp_path, monkeypatch):
     """vLLM's LoRA resolvers load an adapter only if base_model_name_or_path is the served model's
     name, which is the --model directory `polyserve backbone-path` prints (default backbone)."""
-    from adapters_store.backbone import DEFAULT_NAME
+    from adapters_store.backbone.load import DEFAULT_NAME
     from tests.server_fixtures import build_store
 
     monkeypatch.setenv("POLYSERVE_HOME", str(tmp_path / "home"))
@@ -83,7 +83,7 @@ def test_backbone_path_prints_a_loadable_directory_or_refuses(tmp_path):
 
 
 def test_backbone_path_of_the_default_is_the_cached_hf_directory():
-    from adapters_store.backbone import default_gguf_path
+    from adapters_store.backbone.load import default_gguf_path
 
     try:
         default_gguf_path()

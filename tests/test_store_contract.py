@@ -13,12 +13,12 @@ import torch
 from safetensors.torch import save as st_save
 from torch.testing import assert_close
 
-from adapters_store.errors import FingerprintMismatch, JobNotFound, StoreError, TaskNotFound
-from adapters_store.records import TaskRecord
-from adapters_store.spec import InventorySpec
-from adapters_store.store import Store
-from adapters_store.store_base import BaseStore
-from adapters_store.stores import open_store
+from adapters_store.lora.spec import InventorySpec
+from adapters_store.store.contract import AdapterStore
+from adapters_store.store.directory import DirectoryStore
+from adapters_store.store.errors import FingerprintMismatch, JobNotFound, StoreError, TaskNotFound
+from adapters_store.store.location import open_store
+from adapters_store.store.records import TaskRecord
 from tests.pg_utils import temp_database
 
 NAMES = ["m.layers.0.q_proj", "m.layers.0.v_proj"]
@@ -46,7 +46,7 @@ def location(request, tmp_path):
 
 
 @pytest.fixture
-def empty(location, tmp_path) -> BaseStore:
+def empty(location, tmp_path) -> AdapterStore:
     store = open_store(location, cache_dir=tmp_path / "node-cache")
     yield store
     close = getattr(store, "close", None)
@@ -55,7 +55,7 @@ def empty(location, tmp_path) -> BaseStore:
 
 
 @pytest.fixture
-def store(empty) -> BaseStore:
+def store(empty) -> AdapterStore:
     empty.save_inventory(SPEC, NAMES, DIMS, skills(), backbone_fingerprint="llama-abc", backbone_name="tiny")
     return empty
 
@@ -120,7 +120,7 @@ def test_writing_one_task_leaves_the_others_identical(store):
 
 
 def test_get_tasks_reads_the_named_records_that_exist(store):
-    """What a listing's snapshot re-reads (adapters_store/task_snapshot.py): the same records as
+    """What a listing's snapshot re-reads (adapters_store/store/snapshot.py): the same records as
     get_task, absent ids left out, whatever the order asked."""
     for task in ("a", "b", "c"):
         store.put_routing(task, torch.randn(2, 2, 3))
@@ -239,7 +239,7 @@ def test_jobs_examples_cancel_and_prune(store):
 
 HOLDER = r"""
 import sys, time
-from adapters_store.stores import open_store
+from adapters_store.store.location import open_store
 store = open_store(sys.argv[1])
 hold = store.hold_job(sys.argv[2])
 print("held" if hold is not None else "busy", flush=True)
@@ -274,7 +274,7 @@ def test_a_job_claim_is_exclusive_and_dies_with_its_process(store, location):
 
 WRITER = r"""
 import sys, torch
-from adapters_store.stores import open_store
+from adapters_store.store.location import open_store
 store = open_store(sys.argv[1])
 for i in range(int(sys.argv[2])):
     store.put_routing("shared", torch.full((2, 2, 3), float(i)))
@@ -292,13 +292,13 @@ def test_concurrent_writers_from_two_processes_lose_no_version(store, location):
 
 
 def test_directory_store_is_the_default_for_paths(tmp_path):
-    assert isinstance(open_store(tmp_path / "s"), Store)
-    assert isinstance(open_store(str(tmp_path / "s2")), Store)
+    assert isinstance(open_store(tmp_path / "s"), DirectoryStore)
+    assert isinstance(open_store(str(tmp_path / "s2")), DirectoryStore)
 
 
 def test_change_cursor_moves_on_writes_and_deletes_or_is_absent(store):
     first = store.change_cursor()
-    if isinstance(store, Store):
+    if isinstance(store, DirectoryStore):
         assert first is None  # a directory has no O(1) cursor: re-scans compare stamps
         return
     store.put_routing("a", torch.randn(2, 2, 3))
@@ -312,7 +312,7 @@ def test_change_cursor_moves_on_writes_and_deletes_or_is_absent(store):
 def test_subscribe_pushes_changes_made_by_other_processes(store, location):
     seen: list[str | None] = []
     stop = store.subscribe(seen.append)
-    if isinstance(store, Store):
+    if isinstance(store, DirectoryStore):
         assert stop is None
         return
     try:
@@ -428,7 +428,7 @@ def test_pruning_a_finished_job_drops_its_queue_entry(store):
 
 CLAIMER = r"""
 import sys, time
-from adapters_store.stores import open_store
+from adapters_store.store.location import open_store
 store = open_store(sys.argv[1])
 print("ready", flush=True)
 sys.stdin.readline()  # every claimer starts at once

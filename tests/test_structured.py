@@ -12,7 +12,7 @@ import httpx
 import pytest
 import torch
 
-from adapters_store.tiny import tiny_tokenizer
+from adapters_store.backbone.tiny import tiny_tokenizer
 from server.engines.grammar import check_format
 from server.engines.native.grammar_mask import RowGrammar, apply_bitmask
 from server.engines.native.sampling import RowSampler, sample_tokens

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from adapters_store.ids import validate_task_id
+from adapters_store.store.ids import validate_task_id
 from training.suite import (
     PRIMITIVES,
     SPLITS,

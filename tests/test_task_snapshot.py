@@ -1,4 +1,4 @@
-"""The in-memory task list that listings read (adapters_store/task_snapshot.py), on both backends:
+"""The in-memory task list that listings read (adapters_store/store/snapshot.py), on both backends:
 it follows changes made through another connection or process at once, a quiet store costs no
 record read, a change re-reads only the changed task, a write that commits after its number was
 seen is still found, and a listing never reads weights."""
@@ -14,9 +14,9 @@ from pathlib import Path
 import psycopg
 import pytest
 
-from adapters_store.store_base import BaseStore
-from adapters_store.stores import open_store
-from adapters_store.task_snapshot import SETTLE_SECONDS, TaskSnapshot
+from adapters_store.store.contract import AdapterStore
+from adapters_store.store.location import open_store
+from adapters_store.store.snapshot import SETTLE_SECONDS, TaskSnapshot
 from server.tasks import TaskRegistry
 from tests.pg_utils import temp_database
 from tests.server_fixtures import build_store, put_task
@@ -50,11 +50,11 @@ def location(request, tmp_path) -> Iterator[str]:
         yield dsn
 
 
-def _open(location: str) -> BaseStore:
+def _open(location: str) -> AdapterStore:
     return open_store(location)
 
 
-def _close(*stores: BaseStore) -> None:
+def _close(*stores: AdapterStore) -> None:
     for store in stores:
         close = getattr(store, "close", None)
         if close:
@@ -85,7 +85,7 @@ def test_listing_follows_changes_made_through_another_connection_at_once(locatio
 
 WRITER = r"""
 import sys
-from adapters_store.stores import open_store
+from adapters_store.store.location import open_store
 from tests.server_fixtures import put_task
 store = open_store(sys.argv[1])
 put_task(store, "from-elsewhere", seed=3)
@@ -203,7 +203,7 @@ def test_a_listing_never_reads_weights(location, monkeypatch):
 class FailingOnce:
     """A store whose next read fails (a database outage), then recovers."""
 
-    def __init__(self, store: BaseStore, where: str) -> None:
+    def __init__(self, store: AdapterStore, where: str) -> None:
         self.store, self.where, self.fail = store, where, False
 
     def __getattr__(self, name: str):
@@ -212,7 +212,7 @@ class FailingOnce:
             self.fail = False
 
             def down(*_args, **_kwargs):
-                from adapters_store.errors import StoreUnavailable
+                from adapters_store.store.errors import StoreUnavailable
 
                 raise StoreUnavailable("down")
 

@@ -11,7 +11,7 @@ from types import SimpleNamespace
 import httpx
 import pytest
 
-from adapters_store.records import TaskRecord
+from adapters_store.store.records import TaskRecord
 from server.api import generation
 from server.api.errors import ApiError
 from server.engines.fair import TenantLimit

@@ -12,9 +12,9 @@ import pytest
 import torch
 from click.testing import CliRunner
 
-from adapters_store.backbone import Backbone, fingerprint
-from adapters_store.spec import InventorySpec
-from adapters_store.store import Store
+from adapters_store.backbone.load import Backbone, fingerprint
+from adapters_store.lora.spec import InventorySpec
+from adapters_store.store.directory import DirectoryStore
 from training.batch_sampling import draw_candidates, draw_rows, most_uncertain, task_probabilities
 from training.batching import IGNORE, collate, collate_prompts, encode_example, position_ids
 from training.data import Example
@@ -190,15 +190,15 @@ def test_uncertainty_sampling_trains(tiny_model, tokenizer):
 
 
 def test_store_round_trip(tiny_model, tokenizer, tmp_path):
-    trainer = Trainer(config("mhr", steps=5), backbone(tiny_model, tokenizer), toy_tasks(8), Store(tmp_path))
+    trainer = Trainer(config("mhr", steps=5), backbone(tiny_model, tokenizer), toy_tasks(8), DirectoryStore(tmp_path))
     trainer.run(progress=False)
-    info, skills = Store(tmp_path).load_inventory(trainer.backbone.fingerprint)
+    info, skills = DirectoryStore(tmp_path).load_inventory(trainer.backbone.fingerprint)
     assert info.spec == trainer.spec and list(info.layer_names) == trainer.rm.names
     for key, value in trainer.rm.skill_tensors().items():
         assert torch.equal(skills[key], value)
     for i, task in enumerate(trainer.task_names):
-        assert torch.equal(Store(tmp_path).load_routing(task), trainer.table.logits[i].detach())
-        assert Store(tmp_path).get_task(task).method == "mhr"
+        assert torch.equal(DirectoryStore(tmp_path).load_routing(task), trainer.table.logits[i].detach())
+        assert DirectoryStore(tmp_path).get_task(task).method == "mhr"
 
 
 def test_resume_continues_like_an_uninterrupted_run(tiny_base, tokenizer, tmp_path):
@@ -209,10 +209,10 @@ def test_resume_continues_like_an_uninterrupted_run(tiny_base, tokenizer, tmp_pa
     expected = straight.run(progress=False)
 
     first = Trainer(config("mhr", steps=6, checkpoint_every=3), backbone(copy.deepcopy(tiny_base), tokenizer),
-                    tasks, Store(tmp_path))
+                    tasks, DirectoryStore(tmp_path))
     head = [first.train_step() for _ in range(3)]
     first.checkpoint()
-    second = Trainer(config("mhr", steps=6), backbone(copy.deepcopy(tiny_base), tokenizer), tasks, Store(tmp_path))
+    second = Trainer(config("mhr", steps=6), backbone(copy.deepcopy(tiny_base), tokenizer), tasks, DirectoryStore(tmp_path))
     second.load_state(tmp_path)
     assert second.step == 3
     tail = second.run(progress=False)
@@ -225,7 +225,7 @@ def test_resume_refuses_another_configuration(tiny_base, tokenizer, tmp_path):
     import copy
 
     tasks = toy_tasks(4)
-    t = Trainer(config("mhr", steps=1), backbone(copy.deepcopy(tiny_base), tokenizer), tasks, Store(tmp_path))
+    t = Trainer(config("mhr", steps=1), backbone(copy.deepcopy(tiny_base), tokenizer), tasks, DirectoryStore(tmp_path))
     t.run(progress=False)
     other = Trainer(config("mhr", steps=1, rank=2), backbone(copy.deepcopy(tiny_base), tokenizer), tasks)
     with pytest.raises(ValueError, match="cannot resume"):
@@ -236,12 +236,12 @@ def test_warm_start_carries_skills_and_shared_rows_and_leaves_new_tasks_fresh(ti
     import copy
 
     source = Trainer(config("mhr", steps=4), backbone(copy.deepcopy(tiny_base), tokenizer), toy_tasks(8),
-                     Store(tmp_path / "src"))
+                     DirectoryStore(tmp_path / "src"))
     source.run(progress=False)
     wider = {**toy_tasks(8), "inc.upper": examples(parse_task("inc.upper"), 8, seed=0, split="train")}
     grown = Trainer(config("mhr", steps=4, seed=5), backbone(copy.deepcopy(tiny_base), tokenizer), wider)
     fresh_new_row = grown.table.logits[grown.task_names.index("inc.upper")].detach().clone()
-    assert sorted(grown.warm_start(Store(tmp_path / "src"))) == sorted(TASKS)
+    assert sorted(grown.warm_start(DirectoryStore(tmp_path / "src"))) == sorted(TASKS)
     for name, tensor in source.rm.skill_tensors().items():
         assert torch.equal(grown.rm.skill_tensors()[name], tensor), name  # the source saved float32 here
     for task in TASKS:
@@ -249,7 +249,7 @@ def test_warm_start_carries_skills_and_shared_rows_and_leaves_new_tasks_fresh(ti
                            source.table.logits[source.task_names.index(task)].detach()), task
     assert torch.equal(grown.table.logits[grown.task_names.index("inc.upper")].detach(), fresh_new_row)
     lineage = grown.cfg.to_json()["extra"]["init_from"]
-    assert lineage["inventory_version"] == Store(tmp_path / "src").inventory_info().version
+    assert lineage["inventory_version"] == DirectoryStore(tmp_path / "src").inventory_info().version
     assert lineage["steps"] == 4 and lineage["tasks_carried"] == len(TASKS)
     # a warm start is a better start: the shared tasks' loss is the trained one, not a fresh model's
     cold = Trainer(config("mhr", steps=4, seed=5), backbone(copy.deepcopy(tiny_base), tokenizer), wider)
@@ -260,10 +260,10 @@ def test_warm_start_refuses_another_inventory_shape(tiny_base, tokenizer, tmp_pa
     import copy
 
     Trainer(config("mhr", steps=1), backbone(copy.deepcopy(tiny_base), tokenizer), toy_tasks(4),
-            Store(tmp_path)).run(progress=False)
+            DirectoryStore(tmp_path)).run(progress=False)
     other = Trainer(config("mhr", steps=1, rank=2), backbone(copy.deepcopy(tiny_base), tokenizer), toy_tasks(4))
     with pytest.raises(ValueError, match="--init-from"):
-        other.warm_start(Store(tmp_path))
+        other.warm_start(DirectoryStore(tmp_path))
 
 
 def test_warm_start_grows_skills_and_linears_and_starts_near_the_source(tiny_base, tokenizer, tmp_path):
@@ -273,13 +273,13 @@ def test_warm_start_grows_skills_and_linears_and_starts_near_the_source(tiny_bas
 
     tasks = toy_tasks(8)
     source = Trainer(config("mhr", steps=20), backbone(copy.deepcopy(tiny_base), tokenizer), tasks,
-                     Store(tmp_path / "src"))
+                     DirectoryStore(tmp_path / "src"))
     source.run(progress=False)
     targets = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
     grown = Trainer(config("mhr", steps=4, n_skills=6, targets=targets, seed=5),
                     backbone(copy.deepcopy(tiny_base), tokenizer), tasks)
     fresh_rows = grown.table.logits.detach().clone()
-    assert sorted(grown.warm_start(Store(tmp_path / "src"))) == sorted(TASKS)
+    assert sorted(grown.warm_start(DirectoryStore(tmp_path / "src"))) == sorted(TASKS)
     old, new = source.rm.skill_tensors(), grown.rm.skill_tensors()
     assert len(new) > len(old) and set(old) < set(new)
     for key, tensor in new.items():
@@ -316,11 +316,11 @@ def test_warm_start_refuses_what_cannot_grow(tiny_base, tokenizer, tmp_path, kw,
     import copy
 
     Trainer(config("mhr", steps=1), backbone(copy.deepcopy(tiny_base), tokenizer), toy_tasks(4),
-            Store(tmp_path)).run(progress=False)
+            DirectoryStore(tmp_path)).run(progress=False)
     cfg = config(kw.pop("method", "mhr"), steps=1, **kw)
     other = Trainer(cfg, backbone(copy.deepcopy(tiny_base), tokenizer), toy_tasks(4))
     with pytest.raises(ValueError, match=f"--init-from.*{match}"):
-        other.warm_start(Store(tmp_path))
+        other.warm_start(DirectoryStore(tmp_path))
 
 
 # -- Z statistics ---------------------------------------------------------------------------------
@@ -353,19 +353,19 @@ def test_routing_plot_writes_a_png(tmp_path):
 def test_install_default_inventory_copies_once(tiny_model, tokenizer, tmp_path):
     from training.shipped_inventory import export_store, install_default_inventory
 
-    trainer = Trainer(config("mhr", steps=2), backbone(tiny_model, tokenizer), toy_tasks(4), Store(tmp_path / "a"))
+    trainer = Trainer(config("mhr", steps=2), backbone(tiny_model, tokenizer), toy_tasks(4), DirectoryStore(tmp_path / "a"))
     trainer.run(progress=False)
     shipped = tmp_path / "pkg" / "default_inventory"
     summary = export_store(tmp_path / "a", shipped)
     assert summary["tasks"] == len(TASKS) and not (shipped / "training").exists()
-    work = Store(tmp_path / "work")
+    work = DirectoryStore(tmp_path / "work")
     assert install_default_inventory(work, source=shipped) is True
     info, _skills = work.load_inventory(trainer.backbone.fingerprint)
-    assert info.version == Store(tmp_path / "a").inventory_info().version
+    assert info.version == DirectoryStore(tmp_path / "a").inventory_info().version
     assert sorted(r.id for r in work.list_tasks()) == sorted(TASKS)
-    assert torch.equal(work.load_routing("upper"), Store(tmp_path / "a").load_routing("upper"))
+    assert torch.equal(work.load_routing("upper"), DirectoryStore(tmp_path / "a").load_routing("upper"))
     assert install_default_inventory(work, source=shipped) is False  # never overwrites
-    assert install_default_inventory(Store(tmp_path / "w2"), source=tmp_path / "missing") is False
+    assert install_default_inventory(DirectoryStore(tmp_path / "w2"), source=tmp_path / "missing") is False
 
 
 def test_cli_train_eval_adapt_plot(tmp_path):
@@ -377,14 +377,14 @@ def test_cli_train_eval_adapt_plot(tmp_path):
                                     "--heads", "2", "--rank", "2", "--steps", "2", "--store", store,
                                     "--examples-per-task", "2", "--no-progress", "--autocast", "none"])
     assert res.exit_code == 0, res.output
-    assert len(Store(store).list_tasks()) == 48
+    assert len(DirectoryStore(store).list_tasks()) == 48
     ex = tmp_path / "ex.jsonl"
     ex.write_text("".join(json.dumps({"input": e.input, "output": e.output}) + "\n"
                           for e in examples(parse_task("upper.inc"), 8, seed=0)))
     res = runner.invoke(cli.adapt, ["--task", "new-task", "--examples", str(ex), "--store", store,
                                     "--backbone", "tiny", "--steps", "2"])
     assert res.exit_code == 0, res.output
-    assert Store(store).get_task("new-task").method == "routing"
+    assert DirectoryStore(store).get_task("new-task").method == "routing"
     res = runner.invoke(cli.eval, ["--store", store, "--backbone", "tiny", "--tasks", "upper,new-task", "--n", "2"])
     assert res.exit_code == 0, res.output
     summary = json.loads(res.output[res.output.index("{"):])

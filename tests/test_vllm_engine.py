@@ -19,8 +19,8 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from adapters_store.combine import from_peft_lora
-from adapters_store.peft_io import PREFIX
+from adapters_store.interop.peft_io import PREFIX
+from adapters_store.lora.combine import from_peft_lora
 from server.adapter_cache.types import Adapter
 from server.engines.request import SamplingParams
 from server.engines.vllm.lora_dirs import LoraDirectories, dir_name, lora_int_id
@@ -51,7 +51,7 @@ def test_sampling_maps_to_vllms_meaning():
 def test_each_cache_key_becomes_one_peft_directory_equal_to_the_adapter(tmp_path):
     store = build_store(tmp_path / "store")
     info, skills = store.load_inventory()
-    from adapters_store.materialize import task_layers
+    from adapters_store.store.materialize import task_layers
 
     layers = task_layers(info, skills, "routing", store.load_weights(store.get_task("alpha")))
     dirs = LoraDirectories(tmp_path / "loras", info, "/models/served")
@@ -115,7 +115,7 @@ def wait_ready(proc: subprocess.Popen, url: str, log: Path, timeout: float) -> N
 
 
 def native_answers(tmp_path: Path) -> dict[tuple[str, str], str]:
-    from adapters_store.prompt import format_prompt
+    from adapters_store.backbone.prompt import format_prompt
     from server.engines.request import GenRequest
     from server.metrics import Metrics
     from server.runtime import Runtime

@@ -18,11 +18,11 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from adapters_store.backbone import fingerprint, fingerprint_hf_dir
-from adapters_store.combine import from_peft_lora
-from adapters_store.materialize import task_layers
-from adapters_store.peft_io import PREFIX
-from adapters_store.tiny import tiny_llama
+from adapters_store.backbone.load import fingerprint, fingerprint_hf_dir
+from adapters_store.backbone.tiny import tiny_llama
+from adapters_store.interop.peft_io import PREFIX
+from adapters_store.lora.combine import from_peft_lora
+from adapters_store.store.materialize import task_layers
 from server.engines.vllm.lora_dirs import dir_name, lora_int_id
 from server.engines.vllm.resolver import StoreResolver
 from tests.server_fixtures import build_store, free_port, put_task, redis_up, require_vllm_and_backbone
@@ -75,7 +75,7 @@ def test_a_ready_task_becomes_a_peft_directory_equal_to_the_served_adapter(serve
 
 def test_refusals_say_why(served_dir, tmp_path):
     store = build_store(tmp_path / "store")
-    from adapters_store.records import TaskRecord
+    from adapters_store.store.records import TaskRecord
 
     store.put_record(TaskRecord(id="busy", method="routing", status="training", version=0, created_at=0, updated_at=0))
     resolver = StoreResolver(store.root, tmp_path / "loras")
@@ -123,11 +123,11 @@ def test_adapters_come_through_redis_with_the_servers_keys(served_dir, tmp_path)
 @pytest.mark.vllm
 def test_vllms_own_server_answers_a_store_task_through_the_plugin(tmp_path):
     python = require_vllm_and_backbone()
-    from adapters_store.backbone import hf_dir
-    from adapters_store.store import Store
+    from adapters_store.backbone.load import hf_dir
+    from adapters_store.store.directory import DirectoryStore
     from training.shipped_inventory import install_default_inventory
 
-    store = Store(tmp_path / "store")
+    store = DirectoryStore(tmp_path / "store")
     install_default_inventory(store)
     port = free_port()
     env = {**os.environ, "POLYSERVE_HOME": str(tmp_path / "home"), "POLYSERVE_STORE": str(store.root),

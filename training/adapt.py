@@ -33,10 +33,10 @@ from typing import Any, Literal
 
 import torch
 
-from adapters_store.combine import materialize_many
-from adapters_store.inject import RoutedModel
-from adapters_store.materialize import layers_from_weights, mu_weights
-from adapters_store.records import InventoryInfo
+from adapters_store.lora.combine import materialize_many
+from adapters_store.lora.inject import RoutedModel
+from adapters_store.store.materialize import layers_from_weights, mu_weights
+from adapters_store.store.records import InventoryInfo
 from training.batching import FEW_SHOT_MAX_LENGTH, collate, encode_all
 from training.data import Example, split_examples
 from training.loss import per_example_loss, target_logits, token_loss

@@ -39,9 +39,9 @@ from typing import Any
 
 import torch
 
-from adapters_store.batched import stack_skills
-from adapters_store.inject import RoutedModel
-from adapters_store.layer import AdapterBatch
+from adapters_store.lora.batched import stack_skills
+from adapters_store.lora.inject import RoutedModel
+from adapters_store.lora.layer import AdapterBatch
 from training.batching import FEW_SHOT_MAX_LENGTH
 from training.evaluate import score_rows
 
@@ -72,7 +72,7 @@ class ArrowConfig:
 
 def skill_outputs(B: torch.Tensor, scale: float = 1.0) -> torch.Tensor:
     """B: (h, S, r, d_out/h) -> each skill's whole B_s stacked, (S*r, d_out) * scale: rows s*r..(s+1)*r are
-    B_s, whose columns d_out/h*k.. are head k's B[k, s] (the layout adapters_store.combine materialises)."""
+    B_s, whose columns d_out/h*k.. are head k's B[k, s] (the layout adapters_store.lora.combine materialises)."""
     h, n_skills, r, d_out_h = B.shape
     return (B.permute(1, 2, 0, 3).reshape(n_skills * r, h * d_out_h) * scale).contiguous()
 
@@ -126,7 +126,7 @@ def arrow_delta(x: torch.Tensor, A: torch.Tensor, B: torch.Tensor, scale: float,
 
 
 class ArrowPlan:
-    """An OwnPlan (adapters_store.layer) that routes every token of every adapted linear by Arrow.
+    """An OwnPlan (adapters_store.lora.layer) that routes every token of every adapted linear by Arrow.
 
     A snapshot of the skills when built: rebuild it after the skills change."""
 

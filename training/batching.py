@@ -20,7 +20,7 @@ from typing import Any, Literal
 
 import torch
 
-from adapters_store.prompt import format_prompt, format_target
+from adapters_store.backbone.prompt import format_prompt, format_target
 from training.data import Example
 
 IGNORE = -100

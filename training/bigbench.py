@@ -32,7 +32,7 @@ from dataclasses import dataclass
 from pathlib import Path, PurePosixPath
 from typing import Any
 
-from adapters_store.home import polyserve_home
+from adapters_store.backbone.home import polyserve_home
 from training.data import Example
 
 ARCHIVE_NAME = "bigbench-1.0.0.tar.gz"

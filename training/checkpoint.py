@@ -16,8 +16,8 @@ import torch
 from safetensors.torch import load as st_load
 from safetensors.torch import save as st_save
 
-from adapters_store.atomic import atomic_write_bytes, atomic_write_json, read_json
-from adapters_store.store import tensors_digest
+from adapters_store.store.atomic import atomic_write_bytes, atomic_write_json, read_json
+from adapters_store.store.directory import tensors_digest
 
 STATE_DIR = "training"
 

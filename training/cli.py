@@ -11,7 +11,7 @@ from pathlib import Path
 
 import click
 
-from adapters_store import home
+from adapters_store.backbone import home
 
 STORE_HELP = "store directory (default: $POLYSERVE_STORE or $POLYSERVE_HOME/store)"
 
@@ -27,10 +27,10 @@ def _threads(n: int | None) -> None:
         torch.set_num_threads(n)
 
 
-def _open_store(path: str | None, *, install_default: bool = False):  # -> Store
-    from adapters_store.store import Store
+def _open_store(path: str | None, *, install_default: bool = False):  # -> DirectoryStore
+    from adapters_store.store.directory import DirectoryStore
 
-    store = Store(Path(path).expanduser() if path else default_store())
+    store = DirectoryStore(Path(path).expanduser() if path else default_store())
     if install_default and not store.has_inventory():
         from training.shipped_inventory import install_default_inventory
 
@@ -99,7 +99,7 @@ def train(suite, method, skills, heads, rank, steps, store_dir, backbone, batch_
     from training import distributed
 
     with distributed.session(device) as ctx:
-        from adapters_store.backbone import load_backbone
+        from adapters_store.backbone.load import load_backbone
         from training import checkpoint as ckpt
         from training.trainer import TrainConfig, Trainer, suite_tasks
 
@@ -111,7 +111,7 @@ def train(suite, method, skills, heads, rank, steps, store_dir, backbone, batch_
             f"{', backbone sharded' if shard_backbone else ''}; global batch {batch_size}, "
             f"{batch_size // ctx.world_size} a rank)")
 
-        cfg = TrainConfig(  # no --targets: () = the backbone architecture's default (adapters_store.targets)
+        cfg = TrainConfig(  # no --targets: () = the backbone architecture's default (adapters_store.lora.targets)
             method=method, n_skills=skills, n_heads=heads, rank=rank, steps=steps,
             targets=tuple(t for t in (targets or "").split(",") if t),
             batch_size=batch_size, lr_routing=lr_routing, lr_skills=lr_skills, weight_decay=weight_decay,
@@ -129,11 +129,11 @@ def train(suite, method, skills, heads, rank, steps, store_dir, backbone, batch_
         except ValueError as err:
             raise click.UsageError(str(err)) from None
         if init_from:
-            from adapters_store.errors import StoreError
-            from adapters_store.store import Store
+            from adapters_store.store.directory import DirectoryStore
+            from adapters_store.store.errors import StoreError
 
             try:
-                carried = trainer.warm_start(Store(init_from))
+                carried = trainer.warm_start(DirectoryStore(init_from))
             except (StoreError, ValueError) as err:
                 raise click.BadParameter(str(err), param_hint="--init-from") from err
             say(f"started from {init_from}: its skills and {len(carried)} of {len(tasks)} tasks' routing rows")
@@ -151,8 +151,8 @@ def train(suite, method, skills, heads, rank, steps, store_dir, backbone, batch_
 
 
 def _routed(store, backbone: str):  # -> (bb, rm, info, skills)
-    from adapters_store.backbone import load_backbone
-    from adapters_store.inject import RoutedModel
+    from adapters_store.backbone.load import load_backbone
+    from adapters_store.lora.inject import RoutedModel
 
     bb = load_backbone(backbone)
     info, skills = store.load_inventory(expected_fingerprint=bb.fingerprint)
@@ -178,7 +178,7 @@ def _routed(store, backbone: str):  # -> (bb, rm, info, skills)
 def adapt(task, examples_file, method, init, steps, lr, batch_size, seed, store_dir, backbone, threads) -> None:
     """Few-shot adaptation of a new task from a JSONL file of examples; stores it."""
     _threads(threads)
-    from adapters_store.ids import validate_new_task_id
+    from adapters_store.store.ids import validate_new_task_id
     from training.adapt import Adaptation
     from training.data import DataError, load_jsonl
     from training.retrieve import MAX_CANDIDATES, Retrieval, RetrievedAdaptation
@@ -248,7 +248,7 @@ def eval_cmd(store_dir, tasks, split, n, seed, examples_file, mu, vocabs, backbo
     _threads(threads)
     import torch
 
-    from adapters_store.materialize import mu_weights, task_layers
+    from adapters_store.store.materialize import mu_weights, task_layers
     from training.data import group_by_task, load_jsonl
     from training.evaluate import evaluate_task
     from training.suite import examples as suite_examples

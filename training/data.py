@@ -17,7 +17,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
 
-from adapters_store.ids import validate_task_id
+from adapters_store.store.ids import validate_task_id
 
 _FIELDS = ("task", "input", "output")
 

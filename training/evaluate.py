@@ -14,7 +14,7 @@ from typing import Any, cast
 import torch
 import torch.nn.functional as F
 
-from adapters_store.inject import RoutedModel
+from adapters_store.lora.inject import RoutedModel
 from training.batching import (
     FEW_SHOT_MAX_LENGTH,
     Encoded,

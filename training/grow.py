@@ -15,7 +15,7 @@ adapter (A_t and B_t are both mixed: the delta falls with the square of that sha
 skills start with about 2% of the sigmoid mass each; Adam moves a logit by about the routing lr per
 step whatever its gradient, so they take weight within tens of steps where the loss asks for it.
 
-Shapes as in `adapters_store.combine`: A (h, S, d_in/h, r), B (h, S, r, d_out/h), a row (L, h, S).
+Shapes as in `adapters_store.lora.combine`: A (h, S, d_in/h, r), B (h, S, r, d_out/h), a row (L, h, S).
 """
 
 from __future__ import annotations
@@ -24,7 +24,7 @@ from collections.abc import Sequence
 
 import torch
 
-from adapters_store.spec import InventorySpec
+from adapters_store.lora.spec import InventorySpec
 
 NEW_SKILL_LOGIT = -4.0
 

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from adapters_store.prompt import format_prompt, format_target
+from adapters_store.backbone.prompt import format_prompt, format_target
 from training.data import Example
 
 #: Room for a few-shot set of short demonstrations and the query; evaluation cuts a longer

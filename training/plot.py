@@ -61,8 +61,8 @@ def routing_plot(logits: torch.Tensor, task_names: list[str], out: str | Path, r
 
 def nearest_tasks(weights: torch.Tensor, task_names: list[str], k: int = 5) -> dict[str, list[dict]]:
     """weights (T, L, h, S) inference weights -> {task: [{"id", "score"}, ...]}: each task's k
-    nearest others by exact routing-row score (adapters_store.similar), best first."""
-    from adapters_store.similar import rank_exact
+    nearest others by exact routing-row score (adapters_store.lora.similar), best first."""
+    from adapters_store.lora.similar import rank_exact
 
     return {name: [{"id": task_names[j], "score": round(score, 6)}
                    for j, score in rank_exact(weights[i], weights, k, exclude=i)]
@@ -71,8 +71,8 @@ def nearest_tasks(weights: torch.Tensor, task_names: list[str], k: int = 5) -> d
 
 def write_nearest(info, logits: torch.Tensor, task_names: list[str], plot_path: str | Path, k: int = 5) -> Path:
     """The routing plot's nearest-task data, as JSON beside it (FILE.similar.json)."""
-    from adapters_store.atomic import atomic_write_json
-    from adapters_store.materialize import task_weights
+    from adapters_store.store.atomic import atomic_write_json
+    from adapters_store.store.materialize import task_weights
 
     weights = task_weights(info, logits.float())
     out = Path(plot_path).with_suffix(".similar.json")

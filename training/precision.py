@@ -24,7 +24,7 @@ from collections.abc import Iterator
 
 import torch
 
-from adapters_store.hardware import cpu_has_amx, cpu_has_avx512_bf16
+from adapters_store.backbone.hardware import cpu_has_amx, cpu_has_avx512_bf16
 
 AUTOCAST_CHOICES = ("auto", "bf16", "none")
 TRAIN_PROBE_MIN = 1.8  # bf16 autocast on AVX512_BF16 CPUs where the probe measures at least this

@@ -27,8 +27,8 @@ from typing import Any
 
 import torch
 
-from adapters_store.inject import RoutedModel
-from adapters_store.records import InventoryInfo
+from adapters_store.lora.inject import RoutedModel
+from adapters_store.store.records import InventoryInfo
 from training.adapt import AdaptResult
 from training.batching import FEW_SHOT_MAX_LENGTH, Encoded, collate, encode_all
 from training.data import Example, split_examples

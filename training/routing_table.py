@@ -24,8 +24,8 @@ from typing import Literal
 import torch
 from torch import nn
 
-from adapters_store.routing import eval_weights, train_weights
-from adapters_store.spec import InventorySpec
+from adapters_store.lora.routing import eval_weights, train_weights
+from adapters_store.lora.spec import InventorySpec
 
 Method = Literal["poly", "mhr", "shared", "private", "random-mu", "hyper"]
 METHODS: tuple[str, ...] = ("mhr", "poly", "shared", "private", "random-mu", "hyper")

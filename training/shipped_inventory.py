@@ -17,11 +17,11 @@ import json
 import shutil
 from pathlib import Path
 
-from adapters_store.atomic import read_json
-from adapters_store.ids import validate_task_id
-from adapters_store.records import InventoryInfo, TaskRecord
-from adapters_store.store import Store
-from adapters_store.store_base import BaseStore
+from adapters_store.store.atomic import read_json
+from adapters_store.store.contract import AdapterStore
+from adapters_store.store.directory import DirectoryStore
+from adapters_store.store.ids import validate_task_id
+from adapters_store.store.records import InventoryInfo, TaskRecord
 
 PACKAGE_DIR = Path(__file__).resolve().parent / "default_inventory"
 
@@ -35,12 +35,12 @@ def _task_dirs(src: Path) -> list[Path]:
     return sorted(p.parent for p in (src / "tasks").glob("*/task.json"))
 
 
-def install_default_inventory(store: BaseStore, source: Path | None = None) -> bool:
+def install_default_inventory(store: AdapterStore, source: Path | None = None) -> bool:
     """Copy the shipped inventory and its tasks' routing rows into `store` if it has no inventory.
 
     Returns True if it copied, False if the store already had an inventory (left untouched)
     or no default inventory is shipped. Tasks the store already has are never overwritten.
-    Processes starting together install it once (`BaseStore.install_once`); every task and the
+    Processes starting together install it once (`AdapterStore.install_once`); every task and the
     inventory are checked against their digests on the way in; the inventory goes last.
     """
     src = Path(source) if source is not None else PACKAGE_DIR
@@ -49,7 +49,7 @@ def install_default_inventory(store: BaseStore, source: Path | None = None) -> b
     return store.install_once(lambda target: _install(target, src))
 
 
-def _install(store: BaseStore, src: Path) -> bool:
+def _install(store: AdapterStore, src: Path) -> bool:
     for task_dir in _task_dirs(src):
         task = validate_task_id(task_dir.name)
         if store.has_task(task):
@@ -67,7 +67,7 @@ def _install(store: BaseStore, src: Path) -> bool:
 
 def export_store(store_root: Path, dest: Path = PACKAGE_DIR) -> dict[str, object]:
     """Replace `dest` with the inventory of `store_root` and its pre-training tasks' routing rows."""
-    store = Store(store_root)
+    store = DirectoryStore(store_root)
     info = store.inventory_info()
     tasks = [r for r in store.list_tasks() if r.kind == "routing" and r.source.get("kind") == "pretraining"]
     tmp = dest.with_name(dest.name + ".tmp")

@@ -29,11 +29,11 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from adapters_store.backbone import Backbone
-from adapters_store.inject import RoutedModel
-from adapters_store.spec import InventorySpec
-from adapters_store.store import Store
-from adapters_store.targets import default_targets
+from adapters_store.backbone.load import Backbone
+from adapters_store.lora.inject import RoutedModel
+from adapters_store.lora.spec import InventorySpec
+from adapters_store.lora.targets import default_targets
+from adapters_store.store.directory import DirectoryStore
 from training import checkpoint as ckpt
 from training.batch_sampling import SAMPLINGS, draw_candidates, draw_rows, most_uncertain
 from training.batching import DEFAULT_MAX_LENGTH, collate, encode_all
@@ -125,12 +125,12 @@ class Trainer:
     """Owns the routed model, the routing table, the optimizer and the data of one run."""
 
     def __init__(self, cfg: TrainConfig, backbone: Backbone, tasks: dict[str, list[Example]],
-                 store: Store | None = None, dist: DistContext | None = None, shard_backbone: bool = False) -> None:
+                 store: DirectoryStore | None = None, dist: DistContext | None = None, shard_backbone: bool = False) -> None:
         """dist: this process's rank (default: the only one). shard_backbone: FSDP over the frozen
         backbone (training/shard_backbone.py), for backbones one device cannot hold."""
         if not tasks:
             raise ValueError("no training tasks")
-        if not cfg.targets:  # the architecture's default (adapters_store.targets); ValueError if none known
+        if not cfg.targets:  # the architecture's default (adapters_store.lora.targets); ValueError if none known
             cfg = replace(cfg, targets=default_targets(backbone.model))
         self.cfg, self.backbone, self.store = cfg, backbone, store
         self.device = backbone.device
@@ -253,7 +253,7 @@ class Trainer:
         return losses
 
     # -- persistence ---------------------------------------------------------------------------
-    def publish(self, store: Store, final: bool = False) -> None:
+    def publish(self, store: DirectoryStore, final: bool = False) -> None:
         """Inventory + every training task's routing row into the store."""
         dtype = torch.bfloat16 if (final and self.cfg.save_dtype == "bfloat16") else torch.float32
         bb = self.backbone
@@ -288,7 +288,7 @@ class Trainer:
                 "backbone_fingerprint": self.backbone.fingerprint}
         ckpt.save_state(root, tensors, meta)
 
-    def warm_start(self, source: Store) -> list[str]:
+    def warm_start(self, source: DirectoryStore) -> list[str]:
         """Start from another store's trained inventory: its skills, and the routing row of every task
         both runs share. Tasks new to this run keep their fresh rows. Returns the tasks carried over.
 

@@ -16,7 +16,7 @@ routing rows. They go to L2 under their own key (suffix ":w"), so a replica that
 materialised adapter (the vLLM engine) never finds a weights-only entry under its key. Plain-LoRA
 tasks (kind "lora") are materialised in both modes.
 
-get_mix(mix, records): a per-request mix of routed tasks (adapters_store.mix) goes through the same
+get_mix(mix, records): a per-request mix of routed tasks (adapters_store.lora.mix) goes through the same
 tiers under a key made of the mix and its members' versions ("...:mix:{digest}"); L3 sums the
 members' routing weights (their own entries, L1 first), and materialises the layers only where a
 task would be (routing_layers=True: one LoRA per distinct mix, as the vLLM engine needs).
@@ -34,10 +34,10 @@ from typing import Any, Literal
 
 import torch
 
-from adapters_store.materialize import layers_from_weights, task_layers, task_weights
-from adapters_store.mix import Mix, mix_weights
-from adapters_store.records import InventoryInfo, TaskRecord
-from adapters_store.store_base import BaseStore as Store
+from adapters_store.lora.mix import Mix, mix_weights
+from adapters_store.store.contract import AdapterStore
+from adapters_store.store.materialize import layers_from_weights, task_layers, task_weights
+from adapters_store.store.records import InventoryInfo, TaskRecord
 from server.adapter_cache import codec, signing
 from server.adapter_cache.l1 import L1Cache
 from server.adapter_cache.l2 import RedisTier, adapter_key
@@ -49,7 +49,7 @@ EntryState = Literal["absent", "loading", "resident"]
 
 
 class AdapterCache:
-    def __init__(self, store: Store, info: InventoryInfo, skills: dict[str, torch.Tensor], *,
+    def __init__(self, store: AdapterStore, info: InventoryInfo, skills: dict[str, torch.Tensor], *,
                  fingerprint: str, device: torch.device, dtype: torch.dtype, l1: L1Cache,
                  l2: RedisTier | None = None, prefix: str = "polyserve", metrics: Any = None,
                  routing_layers: bool = True, secret: bytes | None = None) -> None:
@@ -88,7 +88,7 @@ class AdapterCache:
                          lambda: self.materialize(record, key))
 
     def get_mix(self, mix: Mix, records: list[TaskRecord]) -> Adapter:
-        """The adapter of a mix of routed tasks (adapters_store.mix): records[i] is the record of
+        """The adapter of a mix of routed tasks (adapters_store.lora.mix): records[i] is the record of
         mix.tasks[i]. Keyed by the mix and every member's cache_version, so a changed member is a
         new key; through the same tiers as a task (L1 -> L2 -> combine from the members)."""
         if [r.id for r in records] != list(mix.tasks):

@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 from safetensors.torch import load, save
 
-from adapters_store.records import InventoryInfo
+from adapters_store.store.records import InventoryInfo
 from server.adapter_cache.types import Adapter
 
 

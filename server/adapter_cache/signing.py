@@ -19,7 +19,7 @@ import hmac
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from adapters_store.store_base import BaseStore
+    from adapters_store.store.contract import AdapterStore
 
 MAGIC = b"psa1"
 TAG_BYTES = 32
@@ -42,9 +42,9 @@ def unseal(secret: bytes, key: str, data: bytes) -> bytes:
     return payload
 
 
-def cache_secret(configured: str | None, store: BaseStore) -> bytes:
+def cache_secret(configured: str | None, store: AdapterStore) -> bytes:
     """POLYSERVE_CACHE_SECRET, else the store's own secret, made once by the first node that asks
-    (`BaseStore.shared_secret`: a mode-600 file under a directory store's root, a row of a
+    (`AdapterStore.shared_secret`: a mode-600 file under a directory store's root, a row of a
     PostgreSQL store), so every node of one store signs and checks with the same key."""
     if configured:
         return configured.encode()

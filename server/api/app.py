@@ -28,7 +28,7 @@ log = logging.getLogger("polyserve")
 
 
 def create_app(settings: Settings | None = None, *, backbone: Any = None) -> FastAPI:
-    """backbone: an already loaded adapters_store.backbone.Backbone (tests), else settings.backbone."""
+    """backbone: an already loaded adapters_store.backbone.load.Backbone (tests), else settings.backbone."""
     settings = settings or Settings()
     metrics_ = Metrics()
 

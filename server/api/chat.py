@@ -3,7 +3,7 @@
     model = base   the backbone's own chat template (its special tokens included), with a
                    generation prompt for the assistant's turn; `developer` is sent as `system`
     model = task   the task's adapter was trained on one input -> one answer in the prompt format
-                   its record names (adapters_store.prompt), so the conversation is rendered into that
+                   its record names (adapters_store.backbone.prompt), so the conversation is rendered into that
                    format: the text of the LAST USER message is the input (a conversation
                    without one is refused); every other message (system, developer, earlier
                    turns, anything after it) is not shown to the adapter (documented as ignored). The answer is returned without
@@ -15,7 +15,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
-from adapters_store.prompt import format_prompt_as
+from adapters_store.backbone.prompt import format_prompt_as
 from server.api.openai_schemas import ChatMessage
 
 

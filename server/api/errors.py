@@ -29,7 +29,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from adapters_store.errors import JobNotFound, StoreError, StoreUnavailable, TaskExists, TaskNotFound
+from adapters_store.store.errors import JobNotFound, StoreError, StoreUnavailable, TaskExists, TaskNotFound
 from server.errors import ApiError
 
 log = logging.getLogger("polyserve.api")

@@ -27,8 +27,8 @@ from typing import Any
 from fastapi.responses import StreamingResponse
 from starlette.requests import Request
 
-from adapters_store.errors import TaskNotFound
-from adapters_store.mix import MixError
+from adapters_store.lora.mix import MixError
+from adapters_store.store.errors import TaskNotFound
 from server import tenants
 from server.api.errors import ApiError, error_payload
 from server.engines.base import EngineStopped, QueueFull

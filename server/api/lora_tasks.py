@@ -4,9 +4,9 @@
      "adapter_config": {...adapter_config.json...}, "project": false}
     -> 201 {"task": <the task, as GET /v1/tasks/{task}>, "import": {...}}
 
-The bytes are parsed as safetensors only (never pickle); adapters_store.lora_import decides what
+The bytes are parsed as safetensors only (never pickle); adapters_store.interop.lora_import decides what
 can be served and says why not (422 naming `adapter_config` or `adapter`); an existing id is 409.
-With project: true the task becomes the routing row fitted to the LoRA (adapters_store.lora_project),
+With project: true the task becomes the routing row fitted to the LoRA (adapters_store.interop.lora_project),
 and "import" reports the fit error. The work runs off the event loop.
 """
 
@@ -19,8 +19,8 @@ from typing import Any
 
 from fastapi.responses import JSONResponse
 
-from adapters_store.errors import TaskExists, TaskLimit
-from adapters_store.lora_import import ImportRefused, import_lora
+from adapters_store.interop.lora_import import ImportRefused, import_lora
+from adapters_store.store.errors import TaskExists, TaskLimit
 from server import tenants
 from server.api.errors import ApiError
 from server.ownership import owner_of_new_task
@@ -74,7 +74,7 @@ async def import_lora_task(body: Any, rt: Any) -> JSONResponse:
             raise ApiError(422, "validation_error", f"task: {err}", param="task") from None
         report: dict[str, Any] = {"kind": "lora", "params": record.params}
         if body.project:
-            from adapters_store.lora_project import project_task
+            from adapters_store.interop.lora_project import project_task
 
             report["project"] = project_task(rt.registry.store, record.id)
         rt.registry.forget(record.id)

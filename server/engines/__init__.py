@@ -50,7 +50,7 @@ def _vllm_engine(settings: Any, backbone: Any, metrics: Any, inventory: Any) -> 
 
     import torch
 
-    from adapters_store.backbone import hf_dir
+    from adapters_store.backbone.load import hf_dir
     from server.engines.vllm.engine import VllmEngine
 
     # adaptation jobs run in this process on the Hugging Face copy, beside vLLM's workers: a bounded

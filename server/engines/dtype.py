@@ -17,7 +17,7 @@ import time
 
 import torch
 
-from adapters_store.hardware import cpu_has_amx, cpu_has_avx512_bf16
+from adapters_store.backbone.hardware import cpu_has_amx, cpu_has_avx512_bf16
 
 log = logging.getLogger("polyserve.engine")
 

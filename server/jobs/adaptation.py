@@ -16,9 +16,9 @@ from typing import Any
 
 import torch
 
-from adapters_store.inject import RoutedModel
-from adapters_store.records import InventoryInfo
-from adapters_store.store_base import BaseStore
+from adapters_store.lora.inject import RoutedModel
+from adapters_store.store.contract import AdapterStore
+from adapters_store.store.records import InventoryInfo
 from server.jobs.model import Job
 
 
@@ -31,7 +31,7 @@ class TrainingModel:
     info: InventoryInfo
     skills: dict[str, torch.Tensor]
     tokenizer: Any
-    store: BaseStore
+    store: AdapterStore
 
 
 def make_adaptation(model: TrainingModel, job: Job, examples: list[dict[str, str]],

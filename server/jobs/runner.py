@@ -9,7 +9,7 @@ runs on a builder thread; the engine's slice only waits for it up to BUILD_WAIT.
 Persistence: the job record (store/jobs/<id>.json) is rewritten atomically on every transition
 and at most every `persist_every` seconds while running; the task's registry entry says
 "training" until the weights are committed. The process running a job holds the store's claim on
-it (`Store.hold_job`: an fcntl lock in a directory store, an advisory lock on its own connection in
+it (`AdapterStore.hold_job`: an fcntl lock in a directory store, an advisory lock on its own connection in
 PostgreSQL; both end with the process), so `recover()` (at start-up, any replica) can tell a job
 whose process died — claim free, status not terminal — and mark it failed with reason "interrupted".
 
@@ -21,7 +21,7 @@ disk delays the job, never decoding. Another replica's cancel markers are read b
 (`check_cancels`, every `cancel_poll_seconds`) into memory, where `step()` looks.
 
 In a fleet (POLYSERVE_JOBS=off on the replicas) a runner made with `run_here=False` only enqueues
-(`submit` persists the job and its placeholder, then `Store.enqueue_job`), and a worker's runner
+(`submit` persists the job and its placeholder, then `AdapterStore.enqueue_job`), and a worker's runner
 takes claimed jobs with `adopt(lease)`: the lease is the job's hold, renewed by `heartbeat()`. A
 job whose lease another worker took over is dropped without a write (`lose`), and `_commit`
 checks, under the task's lock, that the lease is still held and that no earlier run of the job
@@ -38,10 +38,9 @@ from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor, wait
 from typing import Any, Protocol
 
-from adapters_store.errors import JobNotFound, StoreUnavailable, TaskNotFound
-from adapters_store.records import TaskRecord
-from adapters_store.store_base import BaseStore as Store
-from adapters_store.store_base import JobHold
+from adapters_store.store.contract import AdapterStore, JobHold
+from adapters_store.store.errors import JobNotFound, StoreUnavailable, TaskNotFound
+from adapters_store.store.records import TaskRecord
 from server import openmp
 from server.jobs.model import Job, new_job_id
 from server.jobs.public_errors import public_error
@@ -65,7 +64,7 @@ AdaptationFactory = Callable[[Job, list[dict[str, str]], Callable[[dict[str, Any
 class JobRunner:
     def __init__(
         self,
-        store: Store,
+        store: AdapterStore,
         make_adaptation: AdaptationFactory,
         *,
         replica_id: str,
@@ -229,7 +228,7 @@ class JobRunner:
 
     # -- a worker's jobs: claimed from the store's queue ------------------------------------------
     def adopt(self, lease: Any, *, max_attempts: int | None = None) -> Job | None:
-        """Take a job claimed from the queue (`Store.claim_job`): its lease is its hold. A job that
+        """Take a job claimed from the queue (`AdapterStore.claim_job`): its lease is its hold. A job that
         finished, or whose result an earlier run committed, is settled without running; one tried
         more than `max_attempts` times fails. Returns the job queued here, else None."""
         try:
@@ -661,7 +660,7 @@ def _logged(fn: Callable[..., None], *args: Any) -> None:
         log.exception("a job's background write failed")
 
 
-def _mark_task_not_ready(store: Store, job: Job, status: str, error: dict[str, str] | None) -> None:
+def _mark_task_not_ready(store: AdapterStore, job: Job, status: str, error: dict[str, str] | None) -> None:
     """A cancelled job removes its placeholder task; a failed one leaves it "failed" with the error.
     A task that is ready stays (a serve_early job's retrieved version keeps being served)."""
     message = None if status == "cancelled" else (error or {}).get("message") or status

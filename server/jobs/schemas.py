@@ -6,7 +6,7 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from adapters_store.ids import TASK_ID_PATTERN
+from adapters_store.store.ids import TASK_ID_PATTERN
 from server.api.wire import Bool, Number
 
 MAX_FIELD_CHARS = 4096

@@ -15,8 +15,8 @@ import threading
 import time
 from typing import Any
 
-from adapters_store.errors import JobNotFound, TaskExists, TaskNotFound
-from adapters_store.ids import validate_new_task_id
+from adapters_store.store.errors import JobNotFound, TaskExists, TaskNotFound
+from adapters_store.store.ids import validate_new_task_id
 from server.errors import ApiError
 from server.jobs.model import Job
 from server.jobs.runner import JobRunner
@@ -165,7 +165,7 @@ class Registration:
     def check_task_quota(self, tenant: Tenant | None) -> None:
         """409 tenant_task_limit when `tenant` already owns its limit of tasks (registration and
         LoRA import). Counted in the registry's snapshot (current, and no record read when
-        nothing changed: adapters_store/task_snapshot.py); only for a quota-bound caller's new task."""
+        nothing changed: adapters_store/store/snapshot.py); only for a quota-bound caller's new task."""
         quota = self.tenant_task_limit(tenant)
         if quota is None or tenant is None:
             return

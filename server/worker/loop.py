@@ -2,7 +2,7 @@
 
     build_worker(settings)   backbone -> store (the default inventory installed once into an empty
                              one) -> routed model with the inventory's skills -> JobRunner
-    claim loop (a thread)    idle: Store.claim_job every POLYSERVE_JOB_POLL_SECONDS; holding a
+    claim loop (a thread)    idle: AdapterStore.claim_job every POLYSERVE_JOB_POLL_SECONDS; holding a
                              job: JobRunner.step() back to back (no engine to share the model with)
     heartbeat (a thread)     every lease / 3: JobRunner.heartbeat() renews the job's lease; a lease
                              another worker took over drops this run, unwritten
@@ -21,11 +21,11 @@ import socket
 import threading
 from dataclasses import dataclass
 
-from adapters_store.backbone import Backbone, load_backbone
-from adapters_store.errors import StoreError
-from adapters_store.inject import RoutedModel
-from adapters_store.store_base import BaseStore
-from adapters_store.stores import open_store
+from adapters_store.backbone.load import Backbone, load_backbone
+from adapters_store.lora.inject import RoutedModel
+from adapters_store.store.contract import AdapterStore
+from adapters_store.store.errors import StoreError
+from adapters_store.store.location import open_store
 from server import cpus
 from server.jobs.adaptation import TrainingModel, make_adaptation
 from server.jobs.model import Job
@@ -44,7 +44,7 @@ def worker_id() -> str:
 class Worker:
     settings: Settings
     backbone: Backbone
-    store: BaseStore
+    store: AdapterStore
     model: TrainingModel
     metrics: WorkerMetrics
     id: str

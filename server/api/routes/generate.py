@@ -1,7 +1,7 @@
 """POST /v1/generate: polyserve's own endpoint (applies the task's training prompt format, the
 one its record names, with the tokenizer's own specials as training encoded it).
 
-The model answers after the format's separator (adapters_store.prompt.TARGET_SEPARATOR); the text
+The model answers after the format's separator (adapters_store.backbone.prompt.TARGET_SEPARATOR); the text
 returned, streamed or not, is the answer without it. A failure after the stream started ends it
 with `data: {"error": {...}}` and `data: [DONE]` (server.api.generation).
 """
@@ -13,7 +13,7 @@ from collections.abc import AsyncIterator
 
 from fastapi import APIRouter, Request
 
-from adapters_store.prompt import format_prompt_as, strip_separator
+from adapters_store.backbone.prompt import format_prompt_as, strip_separator
 from server.api import generation
 from server.api.api_docs import ERRORS, SSE_200
 from server.api.deps import ApiKey, RuntimeDep

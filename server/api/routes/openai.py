@@ -22,7 +22,7 @@ from typing import Any
 
 from fastapi import APIRouter, Request
 
-from adapters_store.prompt import strip_separator
+from adapters_store.backbone.prompt import strip_separator
 from server import tenants
 from server.api import chat, generation, openai_completions
 from server.api.api_docs import OPENAI_ERRORS, SSE_200

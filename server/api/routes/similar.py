@@ -1,5 +1,5 @@
 """GET /v1/tasks/{task}/similar?k=5: the tasks nearest to a task by routing row
-(server/similar_index.py; the score is adapters_store.similar's centred cosine)."""
+(server/similar_index.py; the score is adapters_store.lora.similar's centred cosine)."""
 
 from __future__ import annotations
 
@@ -9,8 +9,8 @@ from typing import Annotated
 from fastapi import APIRouter, Query
 from pydantic import BaseModel
 
-from adapters_store.errors import TaskNotFound
-from adapters_store.ids import validate_task_id
+from adapters_store.store.errors import TaskNotFound
+from adapters_store.store.ids import validate_task_id
 from server import tenants
 from server.api.api_docs import ERRORS
 from server.api.deps import ApiKey, RuntimeDep

@@ -6,8 +6,8 @@ import asyncio
 
 from fastapi import APIRouter, Request, Response
 
-from adapters_store.ids import RESERVED_TASK_IDS, validate_task_id
-from adapters_store.records import TaskRecord
+from adapters_store.store.ids import RESERVED_TASK_IDS, validate_task_id
+from adapters_store.store.records import TaskRecord
 from server import tenants
 from server.api.api_docs import ERRORS
 from server.api.deps import ApiKey, RuntimeDep, SettingsDep, TenantKey, require_admin

@@ -34,7 +34,7 @@ from pathlib import Path
 
 import torch
 
-from adapters_store.home import polyserve_home
+from adapters_store.backbone.home import polyserve_home
 
 log = logging.getLogger("polyserve.engine")
 

@@ -18,7 +18,7 @@ A; a step where no row has an adapter skips the LoRA work entirely.
 
 Writing a row's tables:
     write_routing(slot, w)  a routed task from its mixing weights w (L, h, S) and the skills: the
-                            combine (adapters_store.combine.materialize_stacked) of every layer at
+                            combine (adapters_store.lora.combine.materialize_stacked) of every layer at
                             once, per group member, straight into the slot (no materialised
                             adapter anywhere: the adapter cache keeps only routing rows)
     write(slot, layers)     a plain LoRA (per linear (A_t, B_t)), e.g. a task trained with "mu"
@@ -33,7 +33,7 @@ from typing import cast
 
 import torch
 
-from adapters_store.combine import materialize_stacked
+from adapters_store.lora.combine import materialize_stacked
 from server.engines.native import lora_kernel
 from server.engines.native.step import StepBatch
 

@@ -17,8 +17,8 @@ import threading
 from pathlib import Path
 from typing import Any
 
-from adapters_store.mix import is_mix
-from adapters_store.peft_io import write_peft_lora
+from adapters_store.interop.peft_io import write_peft_lora
+from adapters_store.lora.mix import is_mix
 
 
 def lora_int_id(name: str) -> int:

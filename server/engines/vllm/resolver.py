@@ -45,7 +45,7 @@ class StoreResolver:
 
     def __init__(self, store: str | Path, out_dir: str | Path, redis_url: str | None = None,
                  redis_prefix: str = "polyserve", *, cache_dir: str | Path | None = None) -> None:
-        from adapters_store.stores import open_store
+        from adapters_store.store.location import open_store
 
         self.store = open_store(store, cache_dir=cache_dir)
         self.out = Path(out_dir)
@@ -59,7 +59,7 @@ class StoreResolver:
     def _served_fingerprint(self, base_model: str) -> str | None:
         with self._lock:
             if base_model not in self._served:
-                from adapters_store.backbone import fingerprint_hf_dir
+                from adapters_store.backbone.load import fingerprint_hf_dir
 
                 try:
                     self._served[base_model] = fingerprint_hf_dir(base_model) if Path(base_model).is_dir() else None
@@ -70,8 +70,8 @@ class StoreResolver:
 
     def resolve(self, base_model: str, task: str) -> tuple[Path, int] | str:
         """(directory, lora id) or the reason it cannot be served."""
-        from adapters_store.errors import TaskNotFound
-        from adapters_store.ids import validate_task_id
+        from adapters_store.store.errors import TaskNotFound
+        from adapters_store.store.ids import validate_task_id
 
         try:
             validate_task_id(task)
@@ -145,7 +145,7 @@ def register() -> None:
 
     if RESOLVER_NAME in LoRAResolverRegistry.get_supported_resolvers():
         return
-    from adapters_store.home import default_store, polyserve_home
+    from adapters_store.backbone.home import default_store, polyserve_home
 
     store = default_store()
     inner = StoreResolver(store, polyserve_home() / "vllm-loras", os.environ.get("POLYSERVE_REDIS_URL") or None,

@@ -22,7 +22,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from adapters_store.home import polyserve_home
+from adapters_store.backbone.home import polyserve_home
 
 DEFAULT_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 DEFAULT_CACHE_NAME = "smollm2-135m-instruct-q4_1"
@@ -178,7 +178,7 @@ def load_backbone(spec: str = "default", *, device: str = "cpu", dtype: str = "f
         raise ValueError(f"dtype must be one of {sorted(DTYPES)}, got {dtype!r}")
     started = time.perf_counter()
     if spec == "tiny":
-        from adapters_store.tiny import tiny_llama, tiny_tokenizer
+        from adapters_store.backbone.tiny import tiny_llama, tiny_tokenizer
 
         model, tokenizer, name = tiny_llama().to(device=device, dtype=DTYPES[dtype]), tiny_tokenizer(), "tiny"
     elif spec == "default":

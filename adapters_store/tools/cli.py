@@ -8,7 +8,7 @@ from pathlib import Path
 
 import click
 
-from adapters_store.home import default_store, polyserve_home
+from adapters_store.backbone.home import default_store, polyserve_home
 
 store_option = click.option(
     "--store", "store_dir", default=default_store, show_default="$POLYSERVE_STORE",
@@ -31,14 +31,14 @@ backbone_option = click.option(
 @store_option
 def export(task: str, fmt: str, out: str, base_model: str | None, store_dir: str) -> None:
     """Write a task as a standard PEFT LoRA (adapter_config.json + adapter_model.safetensors)."""
-    from adapters_store.backbone import DEFAULT_NAME, default_hf_dir
-    from adapters_store.errors import StoreError
-    from adapters_store.ids import validate_task_id
-    from adapters_store.peft_io import export_peft_lora
-    from adapters_store.store import Store
+    from adapters_store.backbone.load import DEFAULT_NAME, default_hf_dir
+    from adapters_store.interop.peft_io import export_peft_lora
+    from adapters_store.store.directory import DirectoryStore
+    from adapters_store.store.errors import StoreError
+    from adapters_store.store.ids import validate_task_id
 
     try:
-        store = Store(store_dir)
+        store = DirectoryStore(store_dir)
         if base_model is None:
             name = store.inventory_info().backbone_name
             base_model = str(default_hf_dir()) if name == DEFAULT_NAME else name
@@ -58,18 +58,18 @@ def import_peft_poly(src: str, names: str | None, replace: bool, store_dir: str,
     """Import a PEFT Poly/MHR checkpoint: its skills become the inventory, its n_tasks rows tasks."""
     import json
 
-    from adapters_store.backbone import load_backbone
-    from adapters_store.errors import StoreError
-    from adapters_store.inject import find_target_linears
-    from adapters_store.peft_io import import_peft_poly as do_import
-    from adapters_store.store import Store
+    from adapters_store.backbone.load import load_backbone
+    from adapters_store.interop.peft_io import import_peft_poly as do_import
+    from adapters_store.lora.inject import find_target_linears
+    from adapters_store.store.directory import DirectoryStore
+    from adapters_store.store.errors import StoreError
 
     config = json.loads((Path(src) / "adapter_config.json").read_text())
     bb = load_backbone(backbone)
     try:
         order = find_target_linears(bb.model, tuple(config.get("target_modules") or ()))
         info, tasks = do_import(
-            src, Store(store_dir), layer_order=order, backbone_fingerprint=bb.fingerprint,
+            src, DirectoryStore(store_dir), layer_order=order, backbone_fingerprint=bb.fingerprint,
             backbone_name=bb.name, mapping=names, replace=replace,
         )
     except (StoreError, ValueError, KeyError) as err:
@@ -90,9 +90,9 @@ def db_upgrade(dsn: str) -> None:
     """Create or migrate the schema. Idempotent; safe when several processes run it at once."""
     import psycopg
 
-    from adapters_store.pg_schema import SCHEMA_VERSION, upgrade
-    from adapters_store.pg_store import redact
-    from adapters_store.stores import is_dsn
+    from adapters_store.store.location import is_dsn
+    from adapters_store.store.postgres import redact
+    from adapters_store.store.postgres_schema import SCHEMA_VERSION, upgrade
 
     if not is_dsn(dsn):
         raise click.UsageError(f"--store must be a postgresql:// DSN (a directory store has no schema), got {dsn!r}")
@@ -119,9 +119,9 @@ def store_copy(src: str, dst: str) -> None:
 
     from tqdm import tqdm
 
-    from adapters_store.copy import copy_store
-    from adapters_store.errors import StoreError
-    from adapters_store.stores import open_store
+    from adapters_store.store.copy import copy_store
+    from adapters_store.store.errors import StoreError
+    from adapters_store.store.location import open_store
 
     if src == dst:
         raise click.UsageError("--from and --to name the same store")
@@ -165,10 +165,10 @@ def import_lora(ctx: click.Context, src: str, task: str, project: bool, store_di
 
         import_lora_over_http(url, api_key, src, task, project=project, shared=shared)
         return
-    from adapters_store.errors import StoreError
-    from adapters_store.lora_import import ImportRefused, read_dir
-    from adapters_store.lora_import import import_lora as do_import
-    from adapters_store.stores import open_store
+    from adapters_store.interop.lora_import import ImportRefused, read_dir
+    from adapters_store.interop.lora_import import import_lora as do_import
+    from adapters_store.store.errors import StoreError
+    from adapters_store.store.location import open_store
 
     try:
         store = open_store(store_dir, cache_dir=polyserve_home() / "inventories")
@@ -176,7 +176,7 @@ def import_lora(ctx: click.Context, src: str, task: str, project: bool, store_di
         record = do_import(store, task, config, tensors, source={"imported_from": str(Path(src).resolve())})
         report = {"task": record.id, "kind": record.kind, "version": record.version, "params": record.params}
         if project:
-            from adapters_store.lora_project import project_task
+            from adapters_store.interop.lora_project import project_task
 
             report["project"] = project_task(store, record.id)
     except (ImportRefused, StoreError, ValueError) as err:
@@ -187,7 +187,7 @@ def import_lora(ctx: click.Context, src: str, task: str, project: bool, store_di
 @click.command("warm-cache")
 def warm_cache() -> None:
     """Dequantise the embedded default backbone once into $POLYSERVE_HOME (used by the Docker build)."""
-    from adapters_store.backbone import warm_default_cache
+    from adapters_store.backbone.load import warm_default_cache
 
     click.echo(f"default backbone cached at {warm_default_cache()}")
 
@@ -197,7 +197,7 @@ def warm_cache() -> None:
 def backbone_path(backbone: str) -> None:
     """Print the backbone's local Hugging Face directory (dequantising the default first if
     needed), for engines that load it themselves: vllm ... --model "$(polyserve backbone-path)"."""
-    from adapters_store.backbone import hf_dir
+    from adapters_store.backbone.load import hf_dir
 
     try:
         click.echo(hf_dir(backbone))

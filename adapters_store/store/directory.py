@@ -13,7 +13,7 @@ registry and job records. safetensors + JSON only (never pickle); every write is
 
 A task's weights file is written first, then task.json pointing at it; a crash in between
 leaves the previous task.json (and an orphan file that `open` sweeps). Writing one task never
-touches another task's files. The semantics are adapters_store.store_base's; this file holds the
+touches another task's files. The semantics are adapters_store.store.contract's; this file holds the
 directory primitives (several processes on one machine, or on a filesystem with working fcntl
 locks, share such a store).
 """
@@ -31,18 +31,18 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import IO, Any
 
-from adapters_store.atomic import (
+from adapters_store.store.atomic import (
     TMP_PREFIX,
     atomic_write_bytes,
     atomic_write_json,
     read_json,
     sweep_temp_files,
 )
-from adapters_store.ids import validate_task_id
-from adapters_store.records import InventoryInfo, TaskRecord
-from adapters_store.store_base import BaseStore, check_job_id, tensors_digest
+from adapters_store.store.contract import AdapterStore, check_job_id, tensors_digest
+from adapters_store.store.ids import validate_task_id
+from adapters_store.store.records import InventoryInfo, TaskRecord
 
-__all__ = ["Store", "tensors_digest"]
+__all__ = ["DirectoryStore", "tensors_digest"]
 
 log = logging.getLogger(__name__)
 
@@ -72,7 +72,7 @@ class _FileHold:
         return not self._f.closed
 
 
-class Store(BaseStore):
+class DirectoryStore(AdapterStore):
     """The directory store (the embedded default)."""
 
     def __init__(self, root: str | Path) -> None:

@@ -1,6 +1,6 @@
 """The job queue of a fleet: jobs a replica enqueued (POLYSERVE_JOBS=off) for workers to claim.
 
-The semantics, written once over each backend's four primitives (adapters_store.store_base):
+The semantics, written once over each backend's four primitives (adapters_store.store.contract):
 
     enqueue(job)                      the job becomes claimable (after its record, examples and
                                       placeholder task are written: a worker finds them all)
@@ -28,7 +28,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from adapters_store.store_base import BaseStore
+    from adapters_store.store.contract import AdapterStore
 
 
 def new_token() -> str:
@@ -39,7 +39,7 @@ def new_token() -> str:
 class JobLease:
     """One claim on a queued job (a JobHold: the runner releases it when the job ends)."""
 
-    store: BaseStore
+    store: AdapterStore
     job_id: str
     token: str
     owner: str

@@ -5,9 +5,9 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from adapters_store.combine import materialize_many, materialize_stacked
-from adapters_store.layer import AdapterBatch, GatheredPlan, RoutedLoRALinear, SkillSpacePlan
-from adapters_store.spec import InventorySpec
+from adapters_store.lora.combine import materialize_many, materialize_stacked
+from adapters_store.lora.layer import AdapterBatch, GatheredPlan, RoutedLoRALinear, SkillSpacePlan
+from adapters_store.lora.spec import InventorySpec
 
 
 def find_target_linears(model: nn.Module, targets: tuple[str, ...]) -> list[str]:

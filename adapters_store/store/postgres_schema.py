@@ -28,7 +28,7 @@ MIGRATIONS: list[list[str]] = [
          "$$ BEGIN PERFORM nextval('task_changes'); RETURN OLD; END $$"),
         "CREATE TRIGGER tasks_deleted AFTER DELETE ON tasks FOR EACH ROW EXECUTE FUNCTION polyserve_task_deleted()",
     ],
-    [  # 2: the fleet's job queue (adapters_store.job_queue): claimed with FOR UPDATE SKIP LOCKED
+    [  # 2: the fleet's job queue (adapters_store.store.job_queue): claimed with FOR UPDATE SKIP LOCKED
         ("CREATE TABLE job_queue (id text PRIMARY KEY, enqueued_at timestamptz NOT NULL DEFAULT clock_timestamp(), "
          "owner text, token text, lease_until timestamptz, attempts int NOT NULL DEFAULT 0)"),
         "CREATE INDEX job_queue_order ON job_queue (enqueued_at, id)",

@@ -31,7 +31,7 @@ from typing import Any
 
 import torch
 
-from adapters_store.ids import RESERVED_TASK_IDS, TASK_ID_RE
+from adapters_store.store.ids import RESERVED_TASK_IDS, TASK_ID_RE
 
 MIX_PREFIX = "mix:"
 MAX_MIX_PARTS = 8

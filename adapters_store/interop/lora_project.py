@@ -23,9 +23,9 @@ from typing import Any
 
 import torch
 
-from adapters_store.combine import materialize_stacked
-from adapters_store.records import InventoryInfo
-from adapters_store.routing import routing_weights
+from adapters_store.lora.combine import materialize_stacked
+from adapters_store.lora.routing import routing_weights
+from adapters_store.store.records import InventoryInfo
 
 
 def _groups(info: InventoryInfo) -> dict[tuple[int, int], list[int]]:

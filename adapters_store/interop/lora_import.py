@@ -23,7 +23,7 @@ from typing import Any
 
 import torch
 
-from adapters_store.records import InventoryInfo
+from adapters_store.store.records import InventoryInfo
 
 PREFIXES = ("base_model.model.",)
 SUFFIXES = {".lora_A.weight": "A", ".lora_B.weight": "B", ".lora_A.default.weight": "A",
@@ -149,7 +149,7 @@ def read_dir(src: str | Path) -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
 def backbone_aliases(info: InventoryInfo) -> tuple[str, ...]:
     """Other names a LoRA may give this store's backbone: for the embedded default, the local
     directory `polyserve backbone-path` prints (what `polyserve export` writes) and its cache name."""
-    from adapters_store.backbone import DEFAULT_CACHE_NAME, DEFAULT_NAME, default_hf_dir
+    from adapters_store.backbone.load import DEFAULT_CACHE_NAME, DEFAULT_NAME, default_hf_dir
 
     if info.backbone_name != DEFAULT_NAME:
         return ()
@@ -165,9 +165,9 @@ def import_lora(store, task: str, config: dict[str, Any], tensors: dict[str, tor
     Raises ImportRefused, ValueError (bad id), TaskExists, TaskLimit (`max_tasks` reached)."""
     import time
 
-    from adapters_store.errors import TaskExists, TaskLimit
-    from adapters_store.ids import validate_new_task_id
-    from adapters_store.records import TaskRecord
+    from adapters_store.store.errors import TaskExists, TaskLimit
+    from adapters_store.store.ids import validate_new_task_id
+    from adapters_store.store.records import TaskRecord
 
     validate_new_task_id(task)
     info = store.inventory_info()

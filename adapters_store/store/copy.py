@@ -16,9 +16,9 @@ from dataclasses import dataclass, field
 
 from safetensors.torch import load as st_load
 
-from adapters_store.errors import StoreError
-from adapters_store.records import TaskRecord
-from adapters_store.store_base import TERMINAL_JOB_STATES, BaseStore, tensors_digest
+from adapters_store.store.contract import TERMINAL_JOB_STATES, AdapterStore, tensors_digest
+from adapters_store.store.errors import StoreError
+from adapters_store.store.records import TaskRecord
 
 
 @dataclass
@@ -34,7 +34,7 @@ class CopyReport:
                 "jobs": self.jobs, "unfinished_jobs_left_out": self.jobs_left_out}
 
 
-def _conflicts(src: BaseStore, dst: BaseStore, records: list[TaskRecord]) -> list[str]:
+def _conflicts(src: AdapterStore, dst: AdapterStore, records: list[TaskRecord]) -> list[str]:
     problems = []
     if dst.has_inventory() and src.has_inventory():
         if dst.inventory_info().version != src.inventory_info().version:
@@ -48,7 +48,7 @@ def _conflicts(src: BaseStore, dst: BaseStore, records: list[TaskRecord]) -> lis
     return problems
 
 
-def copy_store(src: BaseStore, dst: BaseStore, *, progress: Callable[[int], None] = lambda n: None) -> CopyReport:
+def copy_store(src: AdapterStore, dst: AdapterStore, *, progress: Callable[[int], None] = lambda n: None) -> CopyReport:
     records = src.list_tasks()
     problems = _conflicts(src, dst, records)
     if problems:
@@ -81,7 +81,7 @@ def copy_store(src: BaseStore, dst: BaseStore, *, progress: Callable[[int], None
     return report
 
 
-def verify_copy(src: BaseStore, dst: BaseStore) -> None:
+def verify_copy(src: AdapterStore, dst: AdapterStore) -> None:
     """Read the destination back: the same inventory version with skills matching it, every
     source task's record equal and its weights matching its digest, every finished job equal."""
     if src.has_inventory():

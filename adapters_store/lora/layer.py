@@ -16,9 +16,9 @@ from typing import Protocol
 import torch
 from torch import nn
 
-from adapters_store.batched import apply_gathered, apply_skill_space
-from adapters_store.combine import check_heads
-from adapters_store.spec import InventorySpec
+from adapters_store.lora.batched import apply_gathered, apply_skill_space
+from adapters_store.lora.combine import check_heads
+from adapters_store.lora.spec import InventorySpec
 
 
 @dataclass

@@ -1,7 +1,7 @@
 """The store contract: what every store backend keeps and how it changes, written once.
 
-Two backends implement it: the directory store (`adapters_store.store.Store`, the embedded
-default) and the PostgreSQL store (`adapters_store.pg_store.PostgresStore`, for a fleet). The
+Two backends implement it: the directory store (`adapters_store.store.directory.DirectoryStore`, the embedded
+default) and the PostgreSQL store (`adapters_store.store.postgres.PostgresStore`, for a fleet). The
 semantics live here: versioning, validation, the commit point of a task write, what a delete or a
 job's settle does, retrieval's choice of rows, job retention. A backend supplies only primitives
 (read/write one record, one blob, one job) and two kinds of lock:
@@ -13,7 +13,7 @@ job's settle does, retrieval's choice of rows, job retention. A backend supplies
                           commit a job's result): taken before `_transaction`, never inside it
     hold_job(job_id)     a claim on a job that the process's death releases (recover() tells a
                          job whose runner died from one still running elsewhere)
-    _queue_*             the fleet's job queue with leases (adapters_store.job_queue says what
+    _queue_*             the fleet's job queue with leases (adapters_store.store.job_queue says what
                          they mean; PostgreSQL claims with FOR UPDATE SKIP LOCKED)
 
 tests/test_store_contract.py runs the same suite against both backends.
@@ -35,11 +35,11 @@ import torch
 from safetensors.torch import load as st_load
 from safetensors.torch import save as st_save
 
-from adapters_store.errors import FingerprintMismatch, JobNotFound, StoreError, TaskNotFound
-from adapters_store.ids import validate_task_id
-from adapters_store.job_queue import JobLease, new_token
-from adapters_store.records import InventoryInfo, TaskRecord
-from adapters_store.spec import InventorySpec
+from adapters_store.lora.spec import InventorySpec
+from adapters_store.store.errors import FingerprintMismatch, JobNotFound, StoreError, TaskNotFound
+from adapters_store.store.ids import validate_task_id
+from adapters_store.store.job_queue import JobLease, new_token
+from adapters_store.store.records import InventoryInfo, TaskRecord
 
 JOB_ID_RE = re.compile(r"^job-[a-z0-9]{6,40}$")
 TERMINAL_JOB_STATES = ("succeeded", "failed", "cancelled")
@@ -71,7 +71,7 @@ class JobHold(Protocol):
     def still_held(self) -> bool: ...
 
 
-class BaseStore(ABC):
+class AdapterStore(ABC):
     """Semantics shared by every backend; see the module docstring for the primitives."""
 
     # -- identity -------------------------------------------------------------------------------
@@ -179,7 +179,7 @@ class BaseStore(ABC):
     def hold_job(self, job_id: str) -> JobHold | None:
         """Claim the job for this process without waiting; None if a live process holds it."""
 
-    # -- primitives: the job queue (adapters_store.job_queue) -----------------------------------
+    # -- primitives: the job queue (adapters_store.store.job_queue) -----------------------------------
     @abstractmethod
     def _queue_add(self, job_id: str) -> None:
         """Make the job claimable (no lease), once; enqueuing it again changes nothing."""
@@ -218,7 +218,7 @@ class BaseStore(ABC):
     def _install_lock(self) -> AbstractContextManager[None]:
         """Serialises installing an inventory into an empty store across processes."""
 
-    def install_once(self, install: Callable[[BaseStore], bool]) -> bool:
+    def install_once(self, install: Callable[[AdapterStore], bool]) -> bool:
         """Run `install(self)` unless the store already has an inventory, while every other process
         trying the same waits: processes starting together against an empty store install the
         default inventory exactly once. Returns what `install` returned, False if it did not run."""
@@ -301,7 +301,7 @@ class BaseStore(ABC):
 
     def get_tasks(self, tasks: list[str]) -> dict[str, TaskRecord]:
         """{id: record} for those of `tasks` that exist and are readable (a listing's re-read of
-        the tasks that changed: adapters_store/task_snapshot.py). Never reads weights."""
+        the tasks that changed: adapters_store/store/snapshot.py). Never reads weights."""
         records = {}
         for task, data in self._read_records(tasks):
             try:

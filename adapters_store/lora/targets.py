@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from torch import nn
 
-from adapters_store.spec import ATTENTION_TARGETS
+from adapters_store.lora.spec import ATTENTION_TARGETS
 
 __all__ = ["ATTENTION_BY_MODEL_TYPE", "attention_linears", "default_targets"]
 

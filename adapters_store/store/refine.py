@@ -15,14 +15,14 @@ from __future__ import annotations
 
 import dataclasses
 
-from adapters_store.combine import refine_heads
-from adapters_store.errors import StoreError
-from adapters_store.records import InventoryInfo
-from adapters_store.routing import refine_row
-from adapters_store.store import Store
+from adapters_store.lora.combine import refine_heads
+from adapters_store.lora.routing import refine_row
+from adapters_store.store.directory import DirectoryStore
+from adapters_store.store.errors import StoreError
+from adapters_store.store.records import InventoryInfo
 
 
-def refine_store(src: Store, dst: Store, heads: int) -> InventoryInfo:
+def refine_store(src: DirectoryStore, dst: DirectoryStore, heads: int) -> InventoryInfo:
     """Write `src`'s inventory with `heads` routing heads, and all its ready tasks, into `dst`."""
     info, skills = src.load_inventory()
     h = info.spec.n_heads

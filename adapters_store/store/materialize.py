@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import torch
 
-from adapters_store.combine import materialize_many
-from adapters_store.records import InventoryInfo
-from adapters_store.routing import eval_weights, routing_weights
+from adapters_store.lora.combine import materialize_many
+from adapters_store.lora.routing import eval_weights, routing_weights
+from adapters_store.store.records import InventoryInfo
 
 LayerLoRA = tuple[torch.Tensor, torch.Tensor]  # A_t (d_in, r), B_t (r, d_out)
 

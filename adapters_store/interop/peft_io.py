@@ -17,19 +17,19 @@ from typing import Any
 import torch
 from safetensors.torch import load_file, save_file
 
-from adapters_store.atomic import atomic_write_json
-from adapters_store.combine import to_peft_lora
-from adapters_store.errors import StoreError
-from adapters_store.ids import validate_new_task_id
-from adapters_store.materialize import task_layers
-from adapters_store.records import InventoryInfo
-from adapters_store.spec import InventorySpec
-from adapters_store.store import Store
+from adapters_store.lora.combine import to_peft_lora
+from adapters_store.lora.spec import InventorySpec
+from adapters_store.store.atomic import atomic_write_json
+from adapters_store.store.directory import DirectoryStore
+from adapters_store.store.errors import StoreError
+from adapters_store.store.ids import validate_new_task_id
+from adapters_store.store.materialize import task_layers
+from adapters_store.store.records import InventoryInfo
 
 PREFIX = "base_model.model."
 
 
-def export_peft_lora(store: Store, task: str, out_dir: str | Path, base_model: str = "") -> Path:
+def export_peft_lora(store: DirectoryStore, task: str, out_dir: str | Path, base_model: str = "") -> Path:
     info, skills = store.load_inventory()
     record = store.get_task(task)
     layers = task_layers(info, skills, record.kind or "", store.load_weights(record))
@@ -76,7 +76,7 @@ def _task_names(n_tasks: int, mapping: str | Path | None) -> list[str]:
 
 
 def import_peft_poly(
-    src: str | Path, store: Store, *, layer_order: list[str], backbone_fingerprint: str,
+    src: str | Path, store: DirectoryStore, *, layer_order: list[str], backbone_fingerprint: str,
     backbone_name: str = "", mapping: str | Path | None = None, replace: bool = False,
 ) -> tuple[InventoryInfo, list[str]]:
     """Turn a PEFT Poly/MHR checkpoint into this store's inventory + one routing row per task.

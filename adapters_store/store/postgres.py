@@ -1,7 +1,7 @@
-"""The PostgreSQL store: the store contract (adapters_store.store_base) in tables, for a fleet of
+"""The PostgreSQL store: the store contract (adapters_store.store.contract) in tables, for a fleet of
 machines that share nothing but the database.
 
-    polyserve_schema(version)                     the applied migrations (adapters_store.pg_schema)
+    polyserve_schema(version)                     the applied migrations (adapters_store.store.postgres_schema)
     inventories(version, info, skills)            content-addressed by the skills' digest, stored once
     store_meta('inventory' -> version)            the store's current inventory
     tasks(id, record, weights, stamp)             record = TaskRecord JSON; weights = its safetensors;
@@ -37,13 +37,13 @@ import psycopg
 from psycopg.types.json import Jsonb
 from psycopg_pool import ConnectionPool, PoolTimeout
 
-from adapters_store.atomic import atomic_write_bytes
-from adapters_store.errors import StoreError, StoreUnavailable
-from adapters_store.ids import validate_task_id
-from adapters_store.pg_schema import upgrade
-from adapters_store.records import InventoryInfo, TaskRecord
-from adapters_store.store_base import BaseStore, check_job_id, tensors_digest
-from adapters_store.stores import is_dsn
+from adapters_store.store.atomic import atomic_write_bytes
+from adapters_store.store.contract import AdapterStore, check_job_id, tensors_digest
+from adapters_store.store.errors import StoreError, StoreUnavailable
+from adapters_store.store.ids import validate_task_id
+from adapters_store.store.location import is_dsn
+from adapters_store.store.postgres_schema import upgrade
+from adapters_store.store.records import InventoryInfo, TaskRecord
 
 log = logging.getLogger(__name__)
 
@@ -81,7 +81,7 @@ class _ConnHold:
         return not self._conn.closed
 
 
-class PostgresStore(BaseStore):
+class PostgresStore(AdapterStore):
     def __init__(self, dsn: str, *, cache_dir: str | Path | None = None, pool_size: int = 8,
                  connect_timeout: float = 5.0, migrate: bool = True) -> None:
         if not is_dsn(dsn):

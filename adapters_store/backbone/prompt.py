@@ -14,7 +14,7 @@ from __future__ import annotations
 
 PROMPT_TEMPLATE = "Input: {input}\nOutput:"
 TARGET_SEPARATOR = " "  # between "Output:" and the answer; not part of the answer
-# The name of this format, recorded in every task record (adapters_store.records.TaskRecord
+# The name of this format, recorded in every task record (adapters_store.store.records.TaskRecord
 # .prompt_format) so that serving renders a task's inputs the way its adapter was trained.
 PROMPT_FORMAT = "input-output"
 

@@ -27,17 +27,17 @@ import time
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
-from adapters_store.records import TaskRecord
+from adapters_store.store.records import TaskRecord
 
 if TYPE_CHECKING:
-    from adapters_store.store_base import BaseStore
+    from adapters_store.store.contract import AdapterStore
 
 SETTLE_SECONDS = 1.0
 _ABSENT = object()
 
 
 class TaskSnapshot:
-    def __init__(self, store: BaseStore, *, clock: Callable[[], float] = time.monotonic) -> None:
+    def __init__(self, store: AdapterStore, *, clock: Callable[[], float] = time.monotonic) -> None:
         self.store = store
         self._clock = clock
         self._lock = threading.Lock()  # one refresh at a time; listings wait for it

@@ -5,11 +5,11 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, field, fields
 from typing import Any, Literal
 
-from adapters_store.spec import InventorySpec
+from adapters_store.lora.spec import InventorySpec
 
 TaskStatus = Literal["ready", "training", "failed"]
 AdapterKind = Literal["routing", "lora"]
-# adapters_store.prompt.PROMPT_FORMAT: the format every task so far was trained with (and the default
+# adapters_store.backbone.prompt.PROMPT_FORMAT: the format every task so far was trained with (and the default
 # for records written before the field existed)
 DEFAULT_PROMPT_FORMAT = "input-output"
 
