@@ -10,7 +10,8 @@ import pytest
 import torch
 from torch.testing import assert_close
 
-from adapters_store.store.directory import DirectoryStore, atomic
+from adapters_store.store import atomic
+from adapters_store.store.directory import DirectoryStore
 from adapters_store.store.errors import StoreError
 from tests.test_store_contract import DIMS, NAMES, SPEC, skills
 
