@@ -43,7 +43,7 @@ def main() -> None:
     ap.add_argument("--models-calls", type=int, default=10)
     args = ap.parse_args()
 
-    from adapters_store.store.location import open_store
+    from adapters_store.store import open_store
     from server.jobs.service import Registration
     from server.tasks import TaskRegistry
     from tests.pg_utils import temp_database

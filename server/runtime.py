@@ -15,9 +15,9 @@ from typing import Any
 
 from adapters_store.backbone.load import Backbone, load_backbone
 from adapters_store.lora.inject import RoutedModel
+from adapters_store.store import open_store
 from adapters_store.store.contract import AdapterStore
 from adapters_store.store.errors import StoreError
-from adapters_store.store.location import open_store
 from server import cpus, openmp
 from server.adapter_cache.breaker import CircuitBreaker
 from server.adapter_cache.cache import AdapterCache

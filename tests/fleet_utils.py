@@ -16,8 +16,8 @@ from pathlib import Path
 import httpx
 import psycopg
 
+from adapters_store.store import open_store
 from adapters_store.store.copy import copy_store
-from adapters_store.store.location import open_store
 from tests.server_fixtures import build_store, free_port
 
 REPO = Path(__file__).resolve().parents[1]

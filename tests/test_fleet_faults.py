@@ -19,7 +19,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from adapters_store.store.location import open_store
+from adapters_store.store import open_store
 from tests.pg_instance import own_postgres
 from tests.pg_utils import temp_database
 from tests.server_fixtures import build_store, free_port, live_server, put_task, settings_for, tiny_backbone

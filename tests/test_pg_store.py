@@ -15,8 +15,8 @@ import psycopg
 import pytest
 import torch
 
+from adapters_store.store import open_store
 from adapters_store.store.errors import StoreError
-from adapters_store.store.location import open_store
 from adapters_store.store.postgres_schema import SCHEMA_VERSION
 from tests.pg_utils import ADMIN_DSN, temp_database
 from tests.server_fixtures import TASKS, build_store, free_port, live_server, settings_for, tiny_backbone
@@ -60,7 +60,7 @@ def test_db_upgrade_refuses_a_directory_and_a_newer_schema(tmp_path):
 
 INSTALLER = r"""
 import sys
-from adapters_store.store.location import open_store
+from adapters_store.store import open_store
 from training.shipped_inventory import install_default_inventory
 print(install_default_inventory(open_store(sys.argv[1]), source=sys.argv[2]), flush=True)
 """

@@ -14,10 +14,10 @@ from safetensors.torch import save as st_save
 from torch.testing import assert_close
 
 from adapters_store.lora.spec import InventorySpec
+from adapters_store.store import open_store
 from adapters_store.store.contract import AdapterStore
 from adapters_store.store.directory import DirectoryStore
 from adapters_store.store.errors import FingerprintMismatch, JobNotFound, StoreError, TaskNotFound
-from adapters_store.store.location import open_store
 from adapters_store.store.records import TaskRecord
 from tests.pg_utils import temp_database
 
@@ -239,7 +239,7 @@ def test_jobs_examples_cancel_and_prune(store):
 
 HOLDER = r"""
 import sys, time
-from adapters_store.store.location import open_store
+from adapters_store.store import open_store
 store = open_store(sys.argv[1])
 hold = store.hold_job(sys.argv[2])
 print("held" if hold is not None else "busy", flush=True)
@@ -274,7 +274,7 @@ def test_a_job_claim_is_exclusive_and_dies_with_its_process(store, location):
 
 WRITER = r"""
 import sys, torch
-from adapters_store.store.location import open_store
+from adapters_store.store import open_store
 store = open_store(sys.argv[1])
 for i in range(int(sys.argv[2])):
     store.put_routing("shared", torch.full((2, 2, 3), float(i)))
@@ -428,7 +428,7 @@ def test_pruning_a_finished_job_drops_its_queue_entry(store):
 
 CLAIMER = r"""
 import sys, time
-from adapters_store.store.location import open_store
+from adapters_store.store import open_store
 store = open_store(sys.argv[1])
 print("ready", flush=True)
 sys.stdin.readline()  # every claimer starts at once

@@ -14,8 +14,8 @@ from pathlib import Path
 import psycopg
 import pytest
 
+from adapters_store.store import open_store
 from adapters_store.store.contract import AdapterStore
-from adapters_store.store.location import open_store
 from adapters_store.store.snapshot import SETTLE_SECONDS, TaskSnapshot
 from server.tasks import TaskRegistry
 from tests.pg_utils import temp_database
@@ -85,7 +85,7 @@ def test_listing_follows_changes_made_through_another_connection_at_once(locatio
 
 WRITER = r"""
 import sys
-from adapters_store.store.location import open_store
+from adapters_store.store import open_store
 from tests.server_fixtures import put_task
 store = open_store(sys.argv[1])
 put_task(store, "from-elsewhere", seed=3)

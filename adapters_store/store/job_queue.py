@@ -25,10 +25,18 @@ from __future__ import annotations
 
 import secrets
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import Protocol
 
-if TYPE_CHECKING:
-    from adapters_store.store.contract import AdapterStore
+
+class LeaseQueue(Protocol):
+    """The queue primitives a lease calls back into: every store backend has them
+    (adapters_store.store.contract declares them; the lease needs no more of the store)."""
+
+    def _queue_renew(self, job_id: str, token: str, lease_seconds: float) -> bool: ...
+
+    def _queue_holds(self, job_id: str, token: str) -> bool: ...
+
+    def _queue_remove(self, job_id: str, token: str | None) -> None: ...
 
 
 def new_token() -> str:
@@ -39,7 +47,7 @@ def new_token() -> str:
 class JobLease:
     """One claim on a queued job (a JobHold: the runner releases it when the job ends)."""
 
-    store: AdapterStore
+    store: LeaseQueue
     job_id: str
     token: str
     owner: str

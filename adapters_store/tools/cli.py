@@ -119,9 +119,9 @@ def store_copy(src: str, dst: str) -> None:
 
     from tqdm import tqdm
 
+    from adapters_store.store import open_store
     from adapters_store.store.copy import copy_store
     from adapters_store.store.errors import StoreError
-    from adapters_store.store.location import open_store
 
     if src == dst:
         raise click.UsageError("--from and --to name the same store")
@@ -167,8 +167,8 @@ def import_lora(ctx: click.Context, src: str, task: str, project: bool, store_di
         return
     from adapters_store.interop.lora_import import ImportRefused, read_dir
     from adapters_store.interop.lora_import import import_lora as do_import
+    from adapters_store.store import open_store
     from adapters_store.store.errors import StoreError
-    from adapters_store.store.location import open_store
 
     try:
         store = open_store(store_dir, cache_dir=polyserve_home() / "inventories")

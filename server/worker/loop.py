@@ -23,9 +23,9 @@ from dataclasses import dataclass
 
 from adapters_store.backbone.load import Backbone, load_backbone
 from adapters_store.lora.inject import RoutedModel
+from adapters_store.store import open_store
 from adapters_store.store.contract import AdapterStore
 from adapters_store.store.errors import StoreError
-from adapters_store.store.location import open_store
 from server import cpus
 from server.jobs.adaptation import TrainingModel, make_adaptation
 from server.jobs.model import Job

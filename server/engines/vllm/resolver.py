@@ -45,7 +45,7 @@ class StoreResolver:
 
     def __init__(self, store: str | Path, out_dir: str | Path, redis_url: str | None = None,
                  redis_prefix: str = "polyserve", *, cache_dir: str | Path | None = None) -> None:
-        from adapters_store.store.location import open_store
+        from adapters_store.store import open_store
 
         self.store = open_store(store, cache_dir=cache_dir)
         self.out = Path(out_dir)
