@@ -9,7 +9,7 @@ in one process; both under bf16 autocast. The eval loss must come out the same i
 
 from __future__ import annotations
 
-import server  # noqa: F401  (before torch: OpenMP spin defaults, server/openmp.py)
+import server  # noqa: F401  (before torch: OpenMP spin defaults, server/infra/openmp.py)
 
 # isort: split
 from bench.adaptation_setup import load, parser, run_to_end

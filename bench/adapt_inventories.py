@@ -16,7 +16,7 @@ import statistics
 import time
 from pathlib import Path
 
-import server  # noqa: F401  (before torch: OpenMP spin defaults, server/openmp.py)
+import server  # noqa: F401  (before torch: OpenMP spin defaults, server/infra/openmp.py)
 
 # isort: split
 from adapters_store.store.directory import DirectoryStore

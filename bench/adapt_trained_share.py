@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import statistics
 
-import server  # noqa: F401  (before torch: OpenMP spin defaults, server/openmp.py)
+import server  # noqa: F401  (before torch: OpenMP spin defaults, server/infra/openmp.py)
 
 # isort: split
 from bench.adaptation_setup import load, parser, run_to_end

@@ -20,17 +20,17 @@ import threading
 import time
 from pathlib import Path
 
-import server  # noqa: F401  (before torch: OpenMP spin defaults, server/openmp.py)
-from server import openmp
+import server  # noqa: F401  (before torch: OpenMP spin defaults, server/infra/openmp.py)
+from server.infra import openmp
 
 # isort: split
 import torch
 
 from adapters_store.backbone.prompt import format_prompt
 from server.engines.request import GenRequest, SamplingParams
-from server.metrics import Metrics
-from server.runtime import Runtime
-from server.settings import Settings
+from server.infra.metrics import Metrics
+from server.wiring.runtime import Runtime
+from server.wiring.settings import Settings
 from training.suite import build_suite, examples
 
 

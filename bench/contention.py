@@ -146,7 +146,7 @@ def measure(busy: list[int], rounds: int, variants: str, bench_args: list[str], 
                                                                        "one_thread_steps", "steps") if k in res}})
                 print(json.dumps(rows[-1]), flush=True)
         if quota:
-            # threads as the server sizes them inside the cgroup (server/cpus.py): 1
+            # threads as the server sizes them inside the cgroup (server/infra/cpus.py): 1
             quota_args = with_requests(bench_args, requests_at.get(0))
             if "--threads" in quota_args:
                 quota_args[quota_args.index("--threads") + 1] = "auto"

@@ -45,7 +45,7 @@ def main() -> None:
 
     from adapters_store.store import open_store
     from server.jobs.service import Registration
-    from server.tasks import TaskRegistry
+    from server.registry.tasks import TaskRegistry
     from tests.pg_utils import temp_database
     from tests.server_fixtures import build_store, free_port
     from tests.test_registration_api import wait_process_ready

@@ -5,7 +5,7 @@ shipped task, a random procedural input, greedy, --new-tokens at most, stopping 
 a Runtime built in this process (no HTTP), then against `polyserve serve` in a subprocess over
 HTTP (/v1/generate, httpx). Reports completion tokens/s and request latency p50/p99 of both and
 the ratio: what the HTTP layer, the event loop and the server's threads cost (the server keeps one
-OpenMP pool, the engine thread's: server/openmp.py).
+OpenMP pool, the engine thread's: server/infra/openmp.py).
 
     .venv/bin/python -m bench.http_load --clients 16 --seconds 30 --threads 2
 """
@@ -21,8 +21,8 @@ import threading
 import time
 from pathlib import Path
 
-import server  # noqa: F401  (before torch: OpenMP spin defaults, server/openmp.py)
-from server import openmp
+import server  # noqa: F401  (before torch: OpenMP spin defaults, server/infra/openmp.py)
+from server.infra import openmp
 
 # isort: split
 import httpx
@@ -31,9 +31,9 @@ import torch
 from adapters_store.backbone.prompt import format_prompt
 from bench.local_server import polyserve_server
 from server.engines.request import GenRequest, SamplingParams
-from server.metrics import Metrics
-from server.runtime import Runtime
-from server.settings import Settings
+from server.infra.metrics import Metrics
+from server.wiring.runtime import Runtime
+from server.wiring.settings import Settings
 from training.suite import build_suite, random_input
 
 

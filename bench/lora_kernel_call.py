@@ -15,7 +15,7 @@ import argparse
 import statistics
 import time
 
-import server  # noqa: F401  (before torch: OpenMP spin defaults, server/openmp.py)
+import server  # noqa: F401  (before torch: OpenMP spin defaults, server/infra/openmp.py)
 
 # isort: split
 import torch

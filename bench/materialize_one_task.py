@@ -18,7 +18,7 @@ import statistics
 import time
 from collections.abc import Callable
 
-import server  # noqa: F401  (before torch: OpenMP spin defaults, server/openmp.py)
+import server  # noqa: F401  (before torch: OpenMP spin defaults, server/infra/openmp.py)
 
 # isort: split
 import torch

@@ -25,8 +25,8 @@ import tempfile
 import time
 from pathlib import Path
 
-import server  # noqa: F401  (before torch: OpenMP spin defaults, server/openmp.py)
-from server import openmp
+import server  # noqa: F401  (before torch: OpenMP spin defaults, server/infra/openmp.py)
+from server.infra import openmp
 
 # isort: split
 import torch

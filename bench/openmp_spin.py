@@ -1,4 +1,4 @@
-"""libgomp's throttled spin: what a second thread's OpenMP pool costs every parallel op (server/openmp.py).
+"""libgomp's throttled spin: what a second thread's OpenMP pool costs every parallel op (server/infra/openmp.py).
 
 Each setting runs in its own process (libgomp reads its environment once, at load):
   1. per-op time of a (8, 28, 576) float32 `mul` (above torch's parallel grain: one OpenMP region)

@@ -21,7 +21,7 @@ import tempfile
 import time
 from pathlib import Path
 
-import server  # noqa: F401  (before torch: OpenMP spin defaults, server/openmp.py)
+import server  # noqa: F401  (before torch: OpenMP spin defaults, server/infra/openmp.py)
 
 # isort: split
 import torch
@@ -34,7 +34,7 @@ from server.engines.dtype import serving_dtype
 from server.engines.native.config import EngineConfig
 from server.engines.native.engine import NativeEngine
 from server.engines.request import GenRequest, RequestHandle, SamplingParams
-from server.settings import switch
+from server.wiring.settings import switch
 
 # (bucket, file suffix, function name, nested): cumulative time of these functions; nested ones
 # are inside an earlier bucket and not added to the total

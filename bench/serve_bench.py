@@ -40,8 +40,8 @@ import tempfile
 import time
 from pathlib import Path
 
-import server  # noqa: F401  (before torch: OpenMP spin defaults, server/openmp.py)
-from server import cpus, openmp
+import server  # noqa: F401  (before torch: OpenMP spin defaults, server/infra/openmp.py)
+from server.infra import cpus, openmp
 
 # isort: split
 import torch
@@ -57,7 +57,7 @@ from server.engines.dtype import serving_dtype
 from server.engines.native.config import EngineConfig
 from server.engines.native.engine import NativeEngine as Engine
 from server.engines.request import FinalEvent, GenRequest, RequestHandle, SamplingParams
-from server.settings import switch
+from server.wiring.settings import switch
 
 WORDS = ["cat", "dog", "tree", "river", "stone", "cloud", "apple", "seven", "blue", "quick", "lamp", "music", "paper", "garden", "window", "orange", "silver", "market", "engine", "rabbit", "ocean", "winter", "bridge", "candle", "forest"]
 
@@ -300,7 +300,7 @@ def main() -> None:
     ap.add_argument("--out-dist", choices=["uniform", "loguniform"], default="uniform")
     ap.add_argument("--threads", type=lambda s: s if s == "auto" else int(s), default=1,
                     help="the engine's threads; auto: as the server sizes them (the CPUs this process may use: "
-                         "server/cpus.py)")
+                         "server/infra/cpus.py)")
     ap.add_argument("--device", default="cpu", help="cpu | cuda (a, b, c, d run there; see bench/gpu_bench.sh)")
     ap.add_argument("--dtype", default="auto", help="the engine's serving dtype: auto (bfloat16 on CUDA and "
                     "AMX CPUs, else float32), float32, bfloat16")
@@ -322,7 +322,7 @@ def main() -> None:
     if args.threads == "auto":
         args.threads = cpus.default_threads()
         print(f"threads: {cpus.budget().describe()}", flush=True)
-    # One OpenMP pool at a time, as in the server (server/openmp.py): set-up runs in a thread that
+    # One OpenMP pool at a time, as in the server (server/infra/openmp.py): set-up runs in a thread that
     # ends, each engine variant gets an engine whose thread ends before the next, this thread only
     # submits and waits; PEFT's generate runs in a thread of its own while no engine is alive.
     torch.set_num_threads(args.threads)

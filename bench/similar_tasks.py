@@ -1,4 +1,4 @@
-"""Task search at scale: GET /v1/tasks/{task}/similar's index (server/similar_index.py) over N
+"""Task search at scale: GET /v1/tasks/{task}/similar's index (server/registry/similar_index.py) over N
 tasks of the shipped inventory's shape (120 linears x 8 heads x 8 skills = 7,680 numbers a row).
 
 The library: the shipped tasks' routing rows, then clusters around them (a shipped row plus
@@ -19,7 +19,7 @@ import statistics
 import time
 from pathlib import Path
 
-import server  # noqa: F401  (before torch: OpenMP spin defaults, server/openmp.py)
+import server  # noqa: F401  (before torch: OpenMP spin defaults, server/infra/openmp.py)
 
 # isort: split
 import torch
@@ -27,7 +27,7 @@ import torch
 from adapters_store.lora.similar import rank_exact
 from adapters_store.store.directory import DirectoryStore
 from adapters_store.store.materialize import task_weights
-from server.similar_index import RoutingIndex
+from server.registry.similar_index import RoutingIndex
 from training.shipped_inventory import PACKAGE_DIR as DEFAULT_INVENTORY_DIR
 
 

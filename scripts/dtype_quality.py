@@ -15,8 +15,8 @@ import argparse
 import tempfile
 from pathlib import Path
 
-import server  # noqa: F401  (before torch: OpenMP spin defaults, server/openmp.py)
-from server import openmp
+import server  # noqa: F401  (before torch: OpenMP spin defaults, server/infra/openmp.py)
+from server.infra import openmp
 
 # isort: split
 import torch

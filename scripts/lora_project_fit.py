@@ -20,7 +20,7 @@ import tempfile
 import time
 from pathlib import Path
 
-import server  # noqa: F401  (before torch: OpenMP spin defaults, server/openmp.py)
+import server  # noqa: F401  (before torch: OpenMP spin defaults, server/infra/openmp.py)
 
 # isort: split
 import torch

@@ -1,7 +1,7 @@
 """`polyserve` — the one console script. Each package contributes its own commands:
 
-    serve                                   server.serve_cli      (runs the HTTP server)
-    worker                                  server.worker.cli     (runs registration jobs)
+    serve                                   server.wiring.serve_cli      (runs the HTTP server)
+    worker                                  server.fleet.worker.cli     (runs registration jobs)
     train, adapt, eval, routing-plot        training.cli          (offline, on the store)
     export, import-peft-poly, import-lora,  adapters_store.tools.cli    (interop, caches, other engines,
     warm-cache, backbone-path, db upgrade,                         the PostgreSQL schema, copies)
@@ -20,8 +20,8 @@ import importlib
 import click
 
 COMMANDS = {
-    "server.serve_cli": ["serve"],
-    "server.worker.cli": ["worker"],
+    "server.wiring.serve_cli": ["serve"],
+    "server.fleet.worker.cli": ["worker"],
     "training.cli": ["train", "adapt", "eval", "routing_plot"],
     "adapters_store.tools.cli": ["export", "import_peft_poly", "import_lora", "warm_cache", "backbone_path", "db",
                            "store_group"],

@@ -119,7 +119,7 @@ def live_server(settings: Any, backbone: Backbone | None = None) -> Iterator[Liv
 
 
 def settings_for(root: str | Path, **overrides: Any) -> Any:
-    from server.settings import Settings
+    from server.wiring.settings import Settings
 
     root = Path(root)
     values = {"home": root, "store": root / "store", "backbone": "tiny", "redis_url": None, "api_keys": []}

@@ -10,10 +10,10 @@ import pytest
 
 from adapters_store.backbone.prompt import format_prompt
 from server.api import generation
-from server.api.chat import render_for_task, task_input
 from server.api.errors import ApiError, error_payload, openai_error, scrub
-from server.api.openai_format import TokenText, chat_logprobs, completion_logprobs, usage
-from server.api.openai_schemas import ChatMessage, effective_temperature
+from server.api.openai.chat import render_for_task, task_input
+from server.api.openai.format import TokenText, chat_logprobs, completion_logprobs, usage
+from server.api.openai.schemas import ChatMessage, effective_temperature
 from server.engines.request import GenRequest, RequestHandle, SamplingParams, TokenLogprob
 
 
@@ -165,7 +165,7 @@ def test_tiny_top_p_keeps_the_same_single_token():
     keeps exactly the most likely token, as any top_p below its probability does."""
     import torch
 
-    from server.api.openai_schemas import effective_top_p
+    from server.api.openai.schemas import effective_top_p
     from server.engines.native.sampling import apply_top_p
 
     logits = torch.randn(50_000, generator=torch.Generator().manual_seed(0))

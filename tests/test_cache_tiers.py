@@ -13,7 +13,7 @@ from server.adapter_cache.cache import AdapterCache
 from server.adapter_cache.l1 import L1Cache
 from server.adapter_cache.l2 import RedisTier, adapter_key
 from server.adapter_cache.types import Adapter
-from server.metrics import Metrics
+from server.infra.metrics import Metrics
 from tests.server_fixtures import build_store, put_task, tiny_backbone
 
 REDIS_URL = "redis://127.0.0.1:6379/0"

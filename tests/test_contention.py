@@ -1,4 +1,4 @@
-"""The engine's team size follows what the CPUs give it (server/contention.py): all threads alone,
+"""The engine's team size follows what the CPUs give it (server/infra/contention.py): all threads alone,
 one while other processes hold the CPUs, back to all when they leave; driven by a fake clock,
 fake schedstat waits and a fake loadavg running count."""
 
@@ -10,8 +10,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from server import contention
-from server.contention import PROBE_S, WINDOW_S, ThreadGovernor
+from server.infra import contention
+from server.infra.contention import PROBE_S, WINDOW_S, ThreadGovernor
 
 
 class Host:

@@ -1,4 +1,4 @@
-"""The engine's thread count follows the CPUs the process may use (server/cpus.py): cgroup v2
+"""The engine's thread count follows the CPUs the process may use (server/infra/cpus.py): cgroup v2
 `cpu.max` and cpuset, cgroup v1 CFS quota, read from a fake /proc and /sys in a temp dir; and
 POLYSERVE_THREADS wins over all of them."""
 
@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from server import cpus
+from server.infra import cpus
 
 V2_MOUNT = "30 23 0:26 / /sys/fs/cgroup rw,nosuid - cgroup2 cgroup2 rw\n"
 V1_MOUNTS = ("31 23 0:27 / /sys/fs/cgroup/cpu,cpuacct rw - cgroup cgroup rw,cpu,cpuacct\n"
@@ -86,7 +86,7 @@ def test_parse_cpu_list():
 
 
 def test_the_override_wins_over_the_quota(tmp_path, monkeypatch):
-    from server.settings import Settings
+    from server.wiring.settings import Settings
 
     root = fake_root(tmp_path, files={"sys/fs/cgroup/kubepods/pod1/c1/cpu.max": "100000 100000"})
     monkeypatch.setattr(cpus, "_budget", cpus.read_budget(root, affinity=2))
@@ -99,8 +99,8 @@ def test_the_override_wins_over_the_quota(tmp_path, monkeypatch):
 def test_the_runtime_gives_the_engine_the_quotas_thread_count(tmp_path, monkeypatch):
     """End to end: the engine built by the server runs on ceil(quota) threads, or on
     POLYSERVE_THREADS where it is set."""
-    from server.metrics import Metrics
-    from server.runtime import Runtime
+    from server.infra.metrics import Metrics
+    from server.wiring.runtime import Runtime
     from tests.server_fixtures import build_store, settings_for, tiny_backbone
 
     root = fake_root(tmp_path / "root", files={"sys/fs/cgroup/kubepods/pod1/c1/cpu.max": "100000 100000"})

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from server.engines.native.config import EngineConfig
-from server.settings import Settings
+from server.wiring.settings import Settings
 
 
 def test_from_settings_carries_every_budget_and_runner_choice():

@@ -6,9 +6,9 @@ from __future__ import annotations
 import pytest
 from click.testing import CliRunner
 
-from server.exposure import exposure_error, is_loopback
-from server.serve_cli import serve
-from server.settings import Settings
+from server.wiring.exposure import exposure_error, is_loopback
+from server.wiring.serve_cli import serve
+from server.wiring.settings import Settings
 
 
 @pytest.mark.parametrize("host,loopback", [("127.0.0.1", True), ("127.8.0.1", True), ("::1", True),

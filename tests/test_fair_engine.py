@@ -15,7 +15,7 @@ from server.engines.fair import TenantCaps
 from server.engines.native.config import EngineConfig
 from server.engines.native.engine import NativeEngine
 from server.engines.request import FinalEvent, GenRequest, SamplingParams
-from server.metrics import Metrics
+from server.infra.metrics import Metrics
 
 # 14 rows: n=4 requests fill 12, the 2 left over are where `small` starts at once under fair
 # admission (the flood's cap is 12); first come, first served leaves them to the flood's next

@@ -13,7 +13,7 @@ from server.engines.fair import TenantCaps
 from server.engines.native.config import EngineConfig
 from server.engines.native.engine import NativeEngine
 from server.engines.request import GenRequest, SamplingParams
-from server.metrics import Metrics
+from server.infra.metrics import Metrics
 from tests.engine_utils import choices
 
 WEIGHTS = {"flood": 1.0, "small": 1.0}

@@ -923,9 +923,9 @@ def test_a_stuck_job_write_delays_the_job_never_the_slice(store):
 
 def test_the_runners_threads_are_named_daemons_that_start_no_openmp_pool(store, monkeypatch):
     """The build, the job writes and the cancel poll each run on the runner's own named thread, and
-    each runs torch on one thread (server/openmp.py: no OpenMP pool beside the engine's); the poll
+    each runs torch on one thread (server/infra/openmp.py: no OpenMP pool beside the engine's); the poll
     thread is a daemon, so a process never waits for it to exit."""
-    from server import openmp
+    from server.infra import openmp
 
     chose, polling = [], threading.Event()
     real = openmp.one_thread

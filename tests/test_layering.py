@@ -4,7 +4,7 @@
     adapters_store  imports neither server nor training (the math and the store sit at the bottom)
     training        never imports server
     server          imports training only where registration jobs run and where the shipped
-                    inventory is installed (server/jobs/, server/worker/, server/runtime.py); the
+                    inventory is installed (server/jobs/, server/fleet/worker/, server/wiring/runtime.py); the
                     HTTP layer (server/api/) and the engines (server/engines/) never do
 """
 
@@ -49,7 +49,7 @@ def offenders(folder: str, forbidden: set[str], allowed_files: tuple[str, ...] =
     ("client", {"adapters_store", "training", "server"}, ()),
     ("adapters_store", {"training", "server"}, ()),
     ("training", {"server"}, ()),
-    ("server", {"training"}, ("server/jobs/", "server/worker/", "server/runtime.py")),
+    ("server", {"training"}, ("server/jobs/", "server/fleet/worker/", "server/wiring/runtime.py")),
 ])
 def test_imports_point_one_way(folder, forbidden, allowed):
     assert offenders(folder, forbidden, allowed) == {}
@@ -81,7 +81,7 @@ def test_only_the_http_shell_imports_the_http_layer():
     """server/api/ is the thin FastAPI shell over the rest: registration, task resolution, the
     engines and the worker never reach into it (ApiError lives in server/errors.py for them). The
     exceptions: serve_cli starts the app; jobs/schemas.py holds the jobs' wire shapes."""
-    allowed = {"server/serve_cli.py", "server/jobs/schemas.py"}
+    allowed = {"server/wiring/serve_cli.py", "server/jobs/schemas.py"}
     reaching = sorted(
         path.relative_to(ROOT).as_posix() for path in (ROOT / "server").rglob("*.py")
         if not path.relative_to(ROOT).as_posix().startswith("server/api/")

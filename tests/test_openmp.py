@@ -1,4 +1,4 @@
-"""`import server` sets libgomp's spin defaults before torch loads (server/openmp.py), and only then.
+"""`import server` sets libgomp's spin defaults before torch loads (server/infra/openmp.py), and only then.
 
 Each case runs in a fresh interpreter: libgomp reads its environment once, when torch loads, so
 the order of imports is the thing under test.
@@ -21,7 +21,7 @@ PROBE = """
 import json, os, sys
 {before}
 import server
-from server import openmp
+from server.infra import openmp
 print(json.dumps({{"env": {{k: os.environ.get(k) for k in {vars!r}}}, "state": openmp.state(),
                   "torch_loaded": "torch" in sys.modules}}))
 """
@@ -45,8 +45,8 @@ def test_import_server_sets_both_before_torch_loads() -> None:
 def test_a_quota_below_the_cpus_makes_waiting_threads_sleep(quota, policy):
     """Under a 1.5-CPU quota the engine still has 2 threads; spinning would spend the quota the
     other thread needs to reach the barrier."""
-    from server.cpus import CpuBudget
-    from server.openmp import wait_policy
+    from server.infra.cpus import CpuBudget
+    from server.infra.openmp import wait_policy
 
     env, why = wait_policy(CpuBudget(online=2, affinity=2, quota=quota))
     assert env["OMP_WAIT_POLICY"] == policy
@@ -69,7 +69,7 @@ def test_torch_loaded_first_sets_nothing_and_says_so() -> None:
 THREADS = """
 import json, threading
 import server
-from server import openmp
+from server.infra import openmp
 import torch
 mode = {mode!r}
 set_up, lowered, out = threading.Event(), threading.Event(), {{}}

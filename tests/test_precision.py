@@ -54,8 +54,8 @@ def test_unknown_choice_is_refused():
 def test_the_server_decides_registration_autocast_at_start_not_at_the_first_registration(monkeypatch, tmp_path):
     """A server probes while nothing is served: at its first registration, serving load would
     skew a timing probe (on the EPYC: 1.72x under load, 1.88-2.82x idle, around the 1.8x bar)."""
-    from server.metrics import Metrics
-    from server.runtime import Runtime
+    from server.infra.metrics import Metrics
+    from server.wiring.runtime import Runtime
     from tests.server_fixtures import build_store, settings_for, tiny_backbone
 
     calls = []

@@ -8,7 +8,7 @@ import uuid
 
 import pytest
 
-from server.replicas import ReplicaSync
+from server.fleet.replicas import ReplicaSync
 from tests.server_fixtures import redis_up
 
 REDIS = "redis://127.0.0.1:6379/0"

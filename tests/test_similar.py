@@ -12,7 +12,7 @@ from click.testing import CliRunner
 
 from adapters_store.lora.similar import centred, rank_exact, top_k, unit
 from adapters_store.store.materialize import task_weights
-from server.similar_index import NotRouted, RoutingIndex
+from server.registry.similar_index import NotRouted, RoutingIndex
 from tests.server_fixtures import build_store, live_server, put_task, settings_for, tiny_backbone
 
 
@@ -112,7 +112,7 @@ def server(tmp_path_factory):
 
 
 def test_route_ranks_by_routing_row(server):
-    store = server.runtime.registry.store
+    store = server.wiring.runtime.registry.store
     with httpx.Client(base_url=server.url, timeout=30) as http:
         r = http.get("/v1/tasks/alpha/similar", params={"k": 3})
         assert r.status_code == 200, r.text

@@ -1,4 +1,4 @@
-"""Start-up off the event loop (server/startup.py), through both apps' /health and /ready: loading,
+"""Start-up off the event loop (server/wiring/startup.py), through both apps' /health and /ready: loading,
 ready, a failed start-up that keeps only the error's kind, and shutdown that closes what was built or
 cancels what is still loading."""
 
@@ -10,8 +10,8 @@ import threading
 from fastapi.testclient import TestClient
 
 from server.api.app import create_app
-from server.settings import Settings
-from server.worker import app as worker_app
+from server.fleet.worker import app as worker_app
+from server.wiring.settings import Settings
 
 
 class Built:
@@ -23,7 +23,7 @@ class Built:
 
 
 def test_a_failed_server_start_up_says_its_kind_and_keeps_the_message_out(monkeypatch, tmp_path, caplog):
-    from server import runtime
+    from server.wiring import runtime
 
     def boom(*args, **kwargs):
         raise FileNotFoundError("/secret/path/of/the/store")
@@ -44,7 +44,7 @@ def test_a_failed_server_start_up_says_its_kind_and_keeps_the_message_out(monkey
 
 
 def test_the_server_closes_what_it_built_on_shutdown(monkeypatch, tmp_path):
-    from server import runtime
+    from server.wiring import runtime
 
     built = Built()
     gate = threading.Event()
@@ -110,7 +110,7 @@ def test_shutdown_while_loading_cancels_the_load_even_if_the_loop_runs_on():
 
     from fastapi import FastAPI
 
-    from server.startup import built_in_background, init_state
+    from server.wiring.startup import built_in_background, init_state
 
     app = FastAPI(title="t")
     init_state(app, "thing")

@@ -17,7 +17,7 @@ import pytest
 from adapters_store.store import open_store
 from adapters_store.store.contract import AdapterStore
 from adapters_store.store.snapshot import SETTLE_SECONDS, TaskSnapshot
-from server.tasks import TaskRegistry
+from server.registry.tasks import TaskRegistry
 from tests.pg_utils import temp_database
 from tests.server_fixtures import build_store, put_task
 

@@ -16,10 +16,10 @@ from server.api import generation
 from server.api.errors import ApiError
 from server.engines.fair import TenantLimit
 from server.engines.request import GenRequest, RequestHandle, SamplingParams
-from server.metrics import Metrics
-from server.settings import Settings
-from server.tenants import Directory, parse_entry
-from server.usage import UsageLedger
+from server.infra.metrics import Metrics
+from server.tenancy.tenants import Directory, parse_entry
+from server.tenancy.usage import UsageLedger
+from server.wiring.settings import Settings
 from tests.server_fixtures import build_store, live_server, settings_for, tiny_backbone
 
 EXAMPLES = [{"input": f"w{i} x{i}", "output": f"x{i} w{i}"} for i in range(6)]

@@ -12,7 +12,7 @@ import httpx
 import pytest
 
 from server.jobs.service import job_quota, task_quota
-from server.tenants import ANONYMOUS, Tenant, weighted_share
+from server.tenancy.tenants import ANONYMOUS, Tenant, weighted_share
 from tests.server_fixtures import build_store, live_server, settings_for, tiny_backbone
 
 EXAMPLES = [{"input": f"w{i} x{i}", "output": f"x{i} w{i}"} for i in range(6)]

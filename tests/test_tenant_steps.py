@@ -15,8 +15,8 @@ from server.engines.native.config import EngineConfig
 from server.engines.native.engine import NativeEngine
 from server.engines.native.scheduler import Prefill, Scheduler
 from server.engines.request import GenRequest, SamplingParams
-from server.metrics import Metrics
-from server.settings import Settings
+from server.infra.metrics import Metrics
+from server.wiring.settings import Settings
 from tests.engine_utils import choices
 
 WEIGHTS = {"flood": 1.0, "small": 1.0}

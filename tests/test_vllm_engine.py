@@ -117,8 +117,8 @@ def wait_ready(proc: subprocess.Popen, url: str, log: Path, timeout: float) -> N
 def native_answers(tmp_path: Path) -> dict[tuple[str, str], str]:
     from adapters_store.backbone.prompt import format_prompt
     from server.engines.request import GenRequest
-    from server.metrics import Metrics
-    from server.runtime import Runtime
+    from server.infra.metrics import Metrics
+    from server.wiring.runtime import Runtime
 
     # float32 on both engines (POLYSERVE_DTYPE in the vLLM server's environment below): bfloat16's
     # rounding differs between two engines' kernels far more than float32's summation order

@@ -15,7 +15,7 @@ A row equal to μ has no direction: it scores 0 against everything.
 At scale (many tasks of a large inventory: D = 7,680 numbers for the shipped one) the index keeps
 each row projected to `dim` dimensions by a fixed Gaussian matrix (Johnson-Lindenstrauss: inner
 products kept within about 1/sqrt(dim)), shortlists the `shortlist` best candidates in that space,
-and ranks them by their exact score (server/similar_index.py). rank_exact is the reference.
+and ranks them by their exact score (server/registry/similar_index.py). rank_exact is the reference.
 """
 
 from __future__ import annotations

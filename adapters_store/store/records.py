@@ -76,7 +76,7 @@ class TaskRecord:
     inventory_version: str | None = None
     prompt_format: str = DEFAULT_PROMPT_FORMAT  # how the task's inputs were rendered in training
     owner: str | None = None  # the tenant that registered it (None: shipped / before tenants = shared)
-    shared: bool = False  # every tenant may see and use it (server/ownership.py)
+    shared: bool = False  # every tenant may see and use it (server/registry/ownership.py)
 
     def to_json(self) -> dict[str, Any]:
         return asdict(self)

@@ -13,16 +13,18 @@ from typing import Any
 
 from fastapi import FastAPI
 
-from server import cpus, openmp
 from server.api import api_docs
 from server.api.errors import install_handlers
 from server.api.middleware import BodyLimit, RequestMetrics
-from server.api.routes import generate, health, jobs, metrics, openai, similar, tasks, tokenize, usage
-from server.metrics import Metrics
-from server.runtime import Runtime
-from server.settings import Settings
-from server.startup import built_in_background, init_state
-from server.tenants import Directory
+from server.api.openai import routes as openai
+from server.api.openai import tokenize_routes as tokenize
+from server.api.routes import generate, health, jobs, metrics, similar, tasks, usage
+from server.infra import cpus, openmp
+from server.infra.metrics import Metrics
+from server.tenancy.tenants import Directory
+from server.wiring.runtime import Runtime
+from server.wiring.settings import Settings
+from server.wiring.startup import built_in_background, init_state
 
 log = logging.getLogger("polyserve")
 
@@ -35,10 +37,10 @@ def create_app(settings: Settings | None = None, *, backbone: Any = None) -> Fas
     @asynccontextmanager
     async def lifespan(app: FastAPI):
         # the engine's thread count: POLYSERVE_THREADS, else one per CPU this process may use
-        # (affinity, cpuset, CPU quota: server/cpus.py), never torch's count of the host's cores
+        # (affinity, cpuset, CPU quota: server/infra/cpus.py), never torch's count of the host's cores
         threads = cpus.default_threads(settings.threads)
         # threads of the default executor (adapter resolution, store reads) never start an OpenMP
-        # pool: the engine thread's is the only one (server/openmp.py)
+        # pool: the engine thread's is the only one (server/infra/openmp.py)
         asyncio.get_running_loop().set_default_executor(
             ThreadPoolExecutor(thread_name_prefix="polyserve-io", initializer=openmp.one_thread))
 

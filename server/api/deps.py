@@ -8,11 +8,11 @@ from fastapi import Depends, Request, Security
 from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
 
 from server.api.errors import ApiError
-from server.metrics import Metrics
-from server.runtime import Runtime
-from server.settings import Settings
-from server.tenants import ANONYMOUS, DEFAULT, Directory, Tenant, set_current
-from server.tenants import current as current_tenant
+from server.infra.metrics import Metrics
+from server.tenancy.tenants import ANONYMOUS, DEFAULT, Directory, Tenant, set_current
+from server.tenancy.tenants import current as current_tenant
+from server.wiring.runtime import Runtime
+from server.wiring.settings import Settings
 
 
 def get_settings(request: Request) -> Settings:
@@ -67,7 +67,7 @@ def _open_caller(directory: Directory, creds: HTTPAuthorizationCredentials | Non
     return tenant or (ANONYMOUS if not directory.configured else Tenant(DEFAULT))
 
 
-# async: the tenant is set in the request's own task (server.tenants.current), which a sync
+# async: the tenant is set in the request's own task (server.tenancy.tenants.current), which a sync
 # dependency, run in a worker thread, could not do
 async def require_api_key(request: Request, settings: SettingsDep, creds: BearerDep) -> None:
     """Inference and read routes: with POLYSERVE_API_KEYS set they need `Authorization: Bearer
@@ -85,7 +85,7 @@ async def require_api_key(request: Request, settings: SettingsDep, creds: Bearer
 async def require_tenant_key(request: Request, settings: SettingsDep, creds: BearerDep) -> None:
     """Task and job changes (POST/DELETE /v1/tasks, job cancel) and GET /v1/usage: with any key
     configured, a valid key of either kind (a tenant acts on what it owns, an admin on
-    everything: the routes and server.ownership decide); open when no key is set. With only
+    everything: the routes and server.registry.ownership decide); open when no key is set. With only
     POLYSERVE_ADMIN_KEYS set, that means an admin key (no tenant key exists). Sets the caller's tenant."""
     directory = get_tenants(request)
     if not directory.configured:

@@ -29,7 +29,6 @@ from starlette.requests import Request
 
 from adapters_store.lora.mix import MixError
 from adapters_store.store.errors import TaskNotFound
-from server import tenants
 from server.api.errors import ApiError, error_payload
 from server.engines.base import EngineStopped, QueueFull
 from server.engines.fair import TenantLimit
@@ -42,7 +41,8 @@ from server.engines.request import (
     TokenLogprob,
     new_request_id,
 )
-from server.runtime import Runtime
+from server.tenancy import tenants
+from server.wiring.runtime import Runtime
 
 log = logging.getLogger("polyserve.api")
 
@@ -58,7 +58,7 @@ class Call:
     deadline: float  # event-loop time
     prompt_text: str
     names: dict[str, str]  # SamplingParams field -> request field (for error messages)
-    usage: Any = None  # server.usage.UsageLedger, once submitted: completions are counted there
+    usage: Any = None  # server.tenancy.usage.UsageLedger, once submitted: completions are counted there
 
 
 @dataclass

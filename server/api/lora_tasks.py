@@ -21,9 +21,9 @@ from fastapi.responses import JSONResponse
 
 from adapters_store.interop.lora_import import ImportRefused, import_lora
 from adapters_store.store.errors import TaskExists, TaskLimit
-from server import tenants
 from server.api.errors import ApiError
-from server.ownership import owner_of_new_task
+from server.registry.ownership import owner_of_new_task
+from server.tenancy import tenants
 
 # what JSON Schema cannot say: the bytes are not a LoRA this store can serve
 CODE = "invalid_adapter"

@@ -33,7 +33,7 @@ def build_engine(settings: Any, backbone: Any, routed: Any, metrics: Any, invent
 def tenant_caps(settings: Any) -> Any:
     """The per-tenant caps and weights of the configured keys (server.engines.fair)."""
     from server.engines.fair import TenantCaps
-    from server.tenants import Directory
+    from server.tenancy.tenants import Directory
 
     return TenantCaps(weights=Directory(settings.api_keys, settings.admin_keys).weights,
                       max_queued=settings.tenant_max_queued, max_rows=settings.tenant_max_rows,

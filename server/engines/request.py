@@ -224,7 +224,7 @@ class GenRequest:
     id: str = field(default_factory=new_request_id)
     handle: RequestHandle = field(default_factory=lambda: RequestHandle(None))
     arrival: float = field(default_factory=time.perf_counter)
-    tenant: str = "default"  # who asked (server.tenants): fair admission, caps and usage go by it
+    tenant: str = "default"  # who asked (server.tenancy.tenants): fair admission, caps and usage go by it
 
     def __post_init__(self) -> None:
         self.handle.expect = self.params.n

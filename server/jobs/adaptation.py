@@ -1,5 +1,5 @@
 """What a registration job runs, given what registration trains on: shared by the server's
-in-process runner (server.jobs.service) and the fleet's workers (server.worker).
+in-process runner (server.jobs.service) and the fleet's workers (server.fleet.worker).
 
     retrieve        a Retrieval alone (no gradient step)
     routing         a Retrieval, then training from the retrieved row (from mu when the store

@@ -45,7 +45,7 @@ class Job:
     serve_early: bool = False
     live_version: int | None = None  # the task version this job made servable (serve_early: two)
     owner: str = ""  # the replica running it
-    tenant: str | None = None  # who registered its task (server/ownership.py); None = everyone's
+    tenant: str | None = None  # who registered its task (server/registry/ownership.py); None = everyone's
     events: list[dict[str, Any]] = field(default_factory=list)
 
     @property

@@ -41,7 +41,7 @@ from typing import Any, Protocol
 from adapters_store.store.contract import AdapterStore, JobHold
 from adapters_store.store.errors import JobNotFound, StoreUnavailable, TaskNotFound
 from adapters_store.store.records import TaskRecord
-from server import openmp
+from server.infra import openmp
 from server.jobs.model import Job, new_job_id
 from server.jobs.public_errors import public_error
 
@@ -172,7 +172,7 @@ class JobRunner:
     ) -> Job:
         """Persist the job and a "training" registry entry, then queue it. The caller has
         validated the examples and checked that the task id is free. tenant / shared: the task's
-        owner and whether every tenant may use it (server/ownership.py)."""
+        owner and whether every tenant may use it (server/registry/ownership.py)."""
         job = Job(id=new_job_id(), task=task, method=method, steps=steps, seed=seed,
                   n_examples=len(examples), owner=self.replica_id, serve_early=serve_early, tenant=tenant)
         job.add_event("status", f"job queued: {len(examples)} examples, method {method}"

@@ -18,11 +18,11 @@ from typing import Any
 from adapters_store.store.errors import JobNotFound, TaskExists, TaskNotFound
 from adapters_store.store.ids import validate_new_task_id
 from server.errors import ApiError
+from server.fleet.replicas import ReplicaSync
 from server.jobs.model import Job
 from server.jobs.runner import JobRunner
-from server.ownership import can_change, can_see, can_see_job, owner_of_new_task
-from server.replicas import ReplicaSync
-from server.tenants import ANONYMOUS, Directory, Tenant, weighted_share
+from server.registry.ownership import can_change, can_see, can_see_job, owner_of_new_task
+from server.tenancy.tenants import ANONYMOUS, Directory, Tenant, weighted_share
 
 log = logging.getLogger(__name__)
 

@@ -17,7 +17,7 @@ from adapters_store.backbone.prompt import format_prompt_as, strip_separator
 from server.api import generation
 from server.api.api_docs import ERRORS, SSE_200
 from server.api.deps import ApiKey, RuntimeDep
-from server.api.openai_schemas import effective_seed, effective_temperature, effective_top_p
+from server.api.openai.schemas import effective_seed, effective_temperature, effective_top_p
 from server.api.schemas import GenerateRequest, GenerateResponse, Usage
 from server.engines.request import FinalEvent
 
@@ -27,7 +27,7 @@ router = APIRouter(prefix="/v1", tags=["generate"], dependencies=[ApiKey])
 @router.post("/generate", response_model=GenerateResponse, responses={**SSE_200, **ERRORS["generate"]})
 async def generate(body: GenerateRequest, request: Request, rt: RuntimeDep):
     """temperature below 1e-5 is greedy, one in [1e-5, 0.01) is raised to 0.01, a top_p below
-    1e-6 to 1e-6 (as on the OpenAI routes: server.api.openai_schemas)."""
+    1e-6 to 1e-6 (as on the OpenAI routes: server.api.openai.schemas)."""
     max_new = body.max_new_tokens
     if "max_new_tokens" not in body.model_fields_set:  # the default never exceeds the server's limit
         max_new = min(max_new, rt.settings.max_new_tokens)

@@ -6,11 +6,11 @@ import asyncio
 
 from fastapi import APIRouter
 
-from server import tenants
 from server.api.api_docs import ERRORS
 from server.api.deps import ApiKey, RuntimeDep, TenantKey
 from server.jobs.model import Job
 from server.jobs.schemas import JobEvents, JobOut
+from server.tenancy import tenants
 
 router = APIRouter(prefix="/v1/jobs", tags=["jobs"], dependencies=[ApiKey])
 

@@ -1,5 +1,5 @@
 """GET /v1/tasks/{task}/similar?k=5: the tasks nearest to a task by routing row
-(server/similar_index.py; the score is adapters_store.lora.similar's centred cosine)."""
+(server/registry/similar_index.py; the score is adapters_store.lora.similar's centred cosine)."""
 
 from __future__ import annotations
 
@@ -11,12 +11,12 @@ from pydantic import BaseModel
 
 from adapters_store.store.errors import TaskNotFound
 from adapters_store.store.ids import validate_task_id
-from server import tenants
 from server.api.api_docs import ERRORS
 from server.api.deps import ApiKey, RuntimeDep
 from server.api.errors import ApiError
-from server.ownership import can_see
-from server.similar_index import NotRouted
+from server.registry.ownership import can_see
+from server.registry.similar_index import NotRouted
+from server.tenancy import tenants
 
 router = APIRouter(prefix="/v1", tags=["tasks"], dependencies=[ApiKey])
 

@@ -8,7 +8,6 @@ from fastapi import APIRouter, Request, Response
 
 from adapters_store.store.ids import RESERVED_TASK_IDS, validate_task_id
 from adapters_store.store.records import TaskRecord
-from server import tenants
 from server.api.api_docs import ERRORS
 from server.api.deps import ApiKey, RuntimeDep, SettingsDep, TenantKey, require_admin
 from server.api.errors import ApiError
@@ -16,7 +15,8 @@ from server.api.lora_tasks import import_lora_task
 from server.api.routes.jobs import job_out
 from server.api.schemas import TaskList, TaskOut
 from server.jobs.schemas import JobOut, RegisterRequest
-from server.tasks import BASE
+from server.registry.tasks import BASE
+from server.tenancy import tenants
 
 router = APIRouter(prefix="/v1", tags=["tasks"], dependencies=[ApiKey])
 

@@ -8,10 +8,10 @@ from typing import Annotated
 from fastapi import APIRouter, Query, Request
 from pydantic import BaseModel
 
-from server import tenants
 from server.api.api_docs import ERRORS
 from server.api.deps import RuntimeDep, TenantKey
 from server.api.errors import ApiError
+from server.tenancy import tenants
 
 
 class UsageRow(BaseModel):

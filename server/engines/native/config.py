@@ -13,7 +13,7 @@
                        the model runner (model_runner.build_model_runner)
     threads            the engine thread's torch threads (None: the constructing thread's count)
     adaptive_threads   each step on all of them, or on one while other processes hold the CPUs
-                       (server/contention.py)
+                       (server/infra/contention.py)
     caps               per-tenant caps and weights (server/engines/fair.py)
 
 `from_settings` maps the POLYSERVE_* settings onto it; tests and benchmarks build one directly.
@@ -62,10 +62,10 @@ class EngineConfig:
 
     @classmethod
     def from_settings(cls, settings: Any, *, threads: int | None = None) -> EngineConfig:
-        """The engine the POLYSERVE_* settings describe (server/settings.py)."""
+        """The engine the POLYSERVE_* settings describe (server/wiring/settings.py)."""
         from server.engines import tenant_caps
         from server.engines.dtype import serving_dtype
-        from server.settings import switch
+        from server.wiring.settings import switch
 
         return cls(
             max_batch_rows=settings.max_batch_rows, max_batch_tokens=settings.max_batch_tokens,

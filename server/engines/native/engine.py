@@ -46,8 +46,6 @@ from typing import Any
 
 import torch
 
-from server import cpus, openmp
-from server.contention import ThreadGovernor
 from server.engines.base import EngineStopped, QueueFull, check_fits
 from server.engines.fair import TenantLimit, check_caps
 from server.engines.native.config import EngineConfig
@@ -60,6 +58,8 @@ from server.engines.native.scheduler import Prefill, Scheduler
 from server.engines.native.slots import SlotPool
 from server.engines.native.step import Item, StepBatch
 from server.engines.request import FinalEvent, FinishReason, GenRequest, TokenEvent, TokenLogprob
+from server.infra import cpus, openmp
+from server.infra.contention import ThreadGovernor
 
 log = logging.getLogger("polyserve.engine")
 
@@ -104,10 +104,10 @@ class NativeEngine:
         self.steps = 0
         self._avg_request_s = 1.0
         # the engine thread's torch threads (default: the constructing thread's); the process's only
-        # OpenMP pool (server/openmp.py)
+        # OpenMP pool (server/infra/openmp.py)
         self.threads = cfg.threads or torch.get_num_threads()
         # the team size of each step: all of them alone, one while other processes hold the CPUs
-        # (server/contention.py); None: always self.threads
+        # (server/infra/contention.py); None: always self.threads
         self.governor = ThreadGovernor(self.threads, cpus.budget().usable) if cfg.adaptive_threads else None
 
     # -- public API (any thread) -----------------------------------------------------------------

@@ -4,7 +4,7 @@
     ("json_schema", SCHEMA)  -> StructuredOutputsParams(json=schema)
 passed as vllm.SamplingParams(structured_outputs=...); a vLLM from before that name takes the
 same fields as guided_decoding=GuidedDecodingParams(...). vLLM compiles the schema itself; the
-route has already refused an invalid one (server.api.response_format).
+route has already refused an invalid one (server.api.openai.response_format).
 """
 
 from __future__ import annotations

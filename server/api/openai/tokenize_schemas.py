@@ -16,7 +16,7 @@ from typing import Annotated
 from pydantic import BaseModel, ConfigDict, Field
 
 from adapters_store.store.ids import TASK_ID_PATTERN
-from server.api.openai_schemas import ChatMessage, TokenId
+from server.api.openai.schemas import ChatMessage, TokenId
 from server.api.wire import Bool
 
 MAX_DETOKENIZE_TOKENS = 1 << 16

@@ -28,8 +28,8 @@ from starlette.requests import Request
 
 from server.api import generation
 from server.api.errors import ApiError
-from server.api.openai_format import TokenText, completion_logprobs, finish_reason, merge_completion_logprobs
-from server.api.openai_schemas import CompletionRequest
+from server.api.openai.format import TokenText, completion_logprobs, finish_reason, merge_completion_logprobs
+from server.api.openai.schemas import CompletionRequest
 from server.engines.request import FinalEvent, SamplingParams, TokenEvent
 
 

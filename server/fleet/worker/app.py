@@ -12,10 +12,10 @@ from fastapi import FastAPI
 from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST
 
-from server.settings import Settings
-from server.startup import built_in_background, init_state
-from server.worker.loop import Worker, build_worker
-from server.worker.metrics import WorkerMetrics
+from server.fleet.worker.loop import Worker, build_worker
+from server.fleet.worker.metrics import WorkerMetrics
+from server.wiring.settings import Settings
+from server.wiring.startup import built_in_background, init_state
 
 log = logging.getLogger("polyserve.worker")
 

@@ -16,7 +16,7 @@ keys everything is everyone's, as before tenants.
 from __future__ import annotations
 
 from adapters_store.store.records import TaskRecord
-from server.tenants import ANONYMOUS, Tenant
+from server.tenancy.tenants import ANONYMOUS, Tenant
 
 
 def can_see(record: TaskRecord, tenant: Tenant | None, *, isolated: bool) -> bool:

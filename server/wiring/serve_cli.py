@@ -21,12 +21,12 @@ def serve(host: str, port: int, store_dir: str | None, backbone: str | None, log
     import uvicorn
 
     from server.api.app import create_app
-    from server.settings import Settings
+    from server.wiring.settings import Settings
 
     overrides: dict[str, Any] = {k: v for k, v in {"store": store_dir, "backbone": backbone}.items()
                                  if v is not None}
     settings = Settings(**overrides)
-    from server.exposure import exposure_error
+    from server.wiring.exposure import exposure_error
 
     refused = exposure_error(host, settings)
     if refused is not None:  # before anything loads: the Docker image serves 0.0.0.0

@@ -16,7 +16,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from adapters_store.backbone.prompt import format_prompt_as
-from server.api.openai_schemas import ChatMessage
+from server.api.openai.schemas import ChatMessage
 
 
 def task_input(messages: Sequence[ChatMessage]) -> str:

@@ -15,7 +15,7 @@ step of a registration on the server's model took ~1.3x longer after the engine'
 libgomp reads them once, when torch loads, so `apply()` runs on `import server` and does nothing
 where torch is already loaded or either variable is set (a user's own setting wins).
 
-Under a CPU quota below the CPUs the threads may run on (a container's `cpu.max`: server/cpus.py)
+Under a CPU quota below the CPUs the threads may run on (a container's `cpu.max`: server/infra/cpus.py)
 the spin is the wrong choice: the kernel parks every thread of the process once the period's quota
 is spent, and a thread spinning in a barrier spends the quota its partner needs to reach it. There
 `apply()` sets OMP_WAIT_POLICY=PASSIVE instead (each waiting thread sleeps at once). The engine's
@@ -23,7 +23,7 @@ threads are then ceil(quota) (1 under a 1-CPU quota: no team, no barrier).
 
 Spinning is also wrong while other processes hold the CPUs without a quota (busy neighbours);
 that changes during a process's life, so it is handled per step, by the team's size
-(server/contention.py), not here.
+(server/infra/contention.py), not here.
 
 The spin setting is not enough for the native engine, whose steps are hundreds of small ops:
 measured on this project's 2-core AMX machine (bench/openmp_spin.py, "engine loop"), a linear +
@@ -49,8 +49,8 @@ import threading
 from collections.abc import Callable
 from typing import Any, TypeVar
 
-from server import cpus
-from server.cpus import CpuBudget
+from server.infra import cpus
+from server.infra.cpus import CpuBudget
 
 T = TypeVar("T")
 

@@ -19,7 +19,7 @@ from server.adapter_cache.types import Adapter
 def mix_records(registry: Any, mix: Mix, tenant: Any = None) -> list[TaskRecord]:
     """The members' records, checked servable and mixable (blocking: reads the store). A member
     `tenant` may not see is not found, as the task alone would be."""
-    from server.tasks import TaskNotReady
+    from server.registry.tasks import TaskNotReady
 
     records = [registry.get(task, tenant) for task in mix.tasks]
     for record in records:

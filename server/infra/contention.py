@@ -2,7 +2,7 @@
 
 A decode step is hundreds of small parallel ops, each ending in a barrier. With the host to itself
 the engine's team (its thread and one libgomp worker per extra thread) runs them on every usable
-CPU and spins between ops (server/openmp.py). Once other processes want the same CPUs, the kernel
+CPU and spins between ops (server/infra/openmp.py). Once other processes want the same CPUs, the kernel
 deschedules one member of the team for a time slice at a time; every barrier then waits for it,
 and the members that wait spin away the CPU time the descheduled one needs (measured in
 docs/history/openmp-threads.md: the same work cost 8x the CPU seconds beside two busy processes).
@@ -62,7 +62,7 @@ def runnable_threads(loadavg: Path = Path("/proc/loadavg")) -> int | None:
 class ThreadGovernor:
     """`threads()` before each step: the team size for it. max_threads: the engine's configured
     count (POLYSERVE_THREADS or the usable CPUs); usable: the CPUs the process may use
-    (server/cpus.py)."""
+    (server/infra/cpus.py)."""
 
     def __init__(self, max_threads: int, usable: float, *, clock: Callable[[], float] = time.monotonic,
                  wait_ns: Callable[[], int | None] = process_wait_ns,

@@ -30,8 +30,8 @@ class Settings(BaseSettings):
     backbone: str = "default"  # "default" | "tiny" | a local HF directory
     engine: Literal["native", "vllm"] = "native"  # the data plane (server.engines)
     device: str = "cpu"
-    threads: int | None = Field(default=None, ge=1)  # torch intra-op threads (None = usable CPUs: server/cpus.py)
-    # native engine: a step runs on one thread while other processes hold the CPUs (server/contention.py)
+    threads: int | None = Field(default=None, ge=1)  # torch intra-op threads (None = usable CPUs: server/infra/cpus.py)
+    # native engine: a step runs on one thread while other processes hold the CPUs (server/infra/contention.py)
     adaptive_threads: bool = True
     # serving dtype: float32 | bfloat16 | float16, or auto (the machine decides: server/engines/dtype.py)
     dtype: str | None = None
@@ -93,7 +93,7 @@ class Settings(BaseSettings):
     job_lease_seconds: float = Field(default=30.0, gt=0)  # a worker's claim; heartbeats renew it (lease / 3)
     job_max_attempts: int = Field(default=3, ge=1)  # runs of a job whose runners died; then it fails
     job_poll_seconds: float = Field(default=0.2, gt=0)  # a worker's idle wait between claims
-    # tenants (server/tenants.py; admission: server/engines/fair.py). None = the engine's own limit
+    # tenants (server/tenancy/tenants.py; admission: server/engines/fair.py). None = the engine's own limit
     tenant_max_queued: int | None = Field(default=None, ge=1)  # default: the tenant's weighted share of max_queue
     tenant_max_rows: int | None = Field(default=None, ge=1)
     tenant_kv_share: float = Field(default=1.0, gt=0, le=1)
@@ -106,7 +106,7 @@ class Settings(BaseSettings):
     tenant_max_jobs: int | None = Field(default=None, ge=1)
     # L2 entries carry an HMAC under this secret, shared by the replicas (server/adapter_cache/l2.py)
     cache_secret: str | None = None
-    # serving a non-loopback address with no key at all needs this (server/exposure.py)
+    # serving a non-loopback address with no key at all needs this (server/wiring/exposure.py)
     allow_unauthenticated: bool = False
     usage_window_max_seconds: int = Field(default=24 * 3600, ge=60)  # GET /v1/usage keeps this much history
 
@@ -116,7 +116,7 @@ class Settings(BaseSettings):
         if isinstance(value, str):
             value = [k.strip() for k in value.split(",") if k.strip()]
         if isinstance(value, list):
-            from server.tenants import parse_entry
+            from server.tenancy.tenants import parse_entry
 
             for entry in value:
                 parse_entry(entry)  # ValueError naming the tenant, never the key

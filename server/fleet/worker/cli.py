@@ -22,8 +22,8 @@ def worker(host: str, port: int, store_dir: str | None, backbone: str | None, lo
 
     import uvicorn
 
-    from server.settings import Settings
-    from server.worker.app import create_worker_app
+    from server.fleet.worker.app import create_worker_app
+    from server.wiring.settings import Settings
 
     overrides: dict[str, Any] = {k: v for k, v in {"store": store_dir, "backbone": backbone}.items()
                                  if v is not None}

@@ -30,7 +30,7 @@ class Metrics:
                                     buckets=BATCH_BUCKETS, registry=r)
         self.running = Gauge(P + "requests_running", "Rows in the running batch.", registry=r)
         self.waiting = Gauge(P + "requests_waiting", "Requests in the waiting queue.", registry=r)
-        # tenant: a configured tenant's name (server.tenants), never a key: bounded cardinality
+        # tenant: a configured tenant's name (server.tenancy.tenants), never a key: bounded cardinality
         self.prompt_tokens = Counter(P + "prompt_tokens", "Prompt tokens admitted.", ["tenant"], registry=r)
         self.generation_tokens = Counter(P + "generation_tokens", "Tokens generated.", ["tenant"], registry=r)
         self.tenant_refused = Counter(P + "tenant_refused", "Requests a tenant's own cap refused, by limit.",

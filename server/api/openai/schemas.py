@@ -9,7 +9,7 @@ Every request field falls in one of three groups (README "OpenAI compatibility" 
               frequency_penalty, logit_bias, best_of 1; vLLM's extensions top_k,
               repetition_penalty, ignore_eos, min_tokens, stop_token_ids,
               include_stop_str_in_output, skip_special_tokens, min_p, add_special_tokens;
-              response_format (text, json_object, json_schema: server.api.response_format)
+              response_format (text, json_object, json_schema: server.api.openai.response_format)
   ignored     user, metadata, store, service_tier, prompt_cache_key, safety_identifier,
               parallel_tool_calls: they do not change the answer
   refused     (400 naming the field) suffix, best_of > 1, tools / functions, tool_choice and
@@ -31,7 +31,7 @@ from typing import Annotated, Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from adapters_store.lora.mix import MAX_MIX_CHARS, MIX_SCHEMA_EXTRA, MODEL_ID_PATTERN
-from server.api.response_format import ResponseFormat
+from server.api.openai.response_format import ResponseFormat
 from server.api.wire import Bool, Number
 from server.engines.request import GREEDY_TEMPERATURE
 
@@ -209,7 +209,7 @@ class ChatRequest(_Common):
         {  # top_logprobs needs logprobs: true
             "if": {"properties": {"top_logprobs": {"type": "integer"}}, "required": ["top_logprobs"]},
             "then": {"properties": {"logprobs": {"const": True}}, "required": ["logprobs"]}},
-        {  # a task answers the last user message (server.api.chat): there must be one
+        {  # a task answers the last user message (server.api.openai.chat): there must be one
             "if": {"properties": {"model": {"not": {"const": "base"}}}},
             "then": {"properties": {"messages": {"contains": {
                 "type": "object", "properties": {"role": {"const": "user"}}, "required": ["role"]}}}}},

@@ -1,4 +1,4 @@
-"""vLLM's utility endpoints (shapes: server.api.tokenize_schemas), behind the same API keys as /v1/*:
+"""vLLM's utility endpoints (shapes: server.api.openai.tokenize_schemas), behind the same API keys as /v1/*:
 
     POST /tokenize     a prompt as /v1/completions tokenises it, or messages as
                        /v1/chat/completions renders and tokenises them (a task: its prompt format)
@@ -17,13 +17,12 @@ from typing import Any
 
 from fastapi import APIRouter
 
-from server import tenants
-from server.api import chat
 from server.api.api_docs import OPENAI_ERRORS
 from server.api.deps import ApiKey, RuntimeDep
 from server.api.errors import ApiError
 from server.api.generation import vocab_size
-from server.api.tokenize_schemas import (
+from server.api.openai import chat
+from server.api.openai.tokenize_schemas import (
     DetokenizeRequest,
     DetokenizeResponse,
     TokenizeChatRequest,
@@ -31,7 +30,8 @@ from server.api.tokenize_schemas import (
     TokenizeResponse,
     VersionResponse,
 )
-from server.tasks import BASE
+from server.registry.tasks import BASE
+from server.tenancy import tenants
 
 router = APIRouter(tags=["vllm"], dependencies=[ApiKey])
 

@@ -26,12 +26,12 @@ from adapters_store.lora.inject import RoutedModel
 from adapters_store.store import open_store
 from adapters_store.store.contract import AdapterStore
 from adapters_store.store.errors import StoreError
-from server import cpus
+from server.fleet.worker.metrics import WorkerMetrics
+from server.infra import cpus
 from server.jobs.adaptation import TrainingModel, make_adaptation
 from server.jobs.model import Job
 from server.jobs.runner import JobRunner
-from server.settings import Settings
-from server.worker.metrics import WorkerMetrics
+from server.wiring.settings import Settings
 
 log = logging.getLogger("polyserve.worker")
 
@@ -117,10 +117,10 @@ def build_worker(settings: Settings, metrics: WorkerMetrics) -> Worker:
     import torch
 
     from server.engines.dtype import backbone_dtype, dtype_name
-    from server.runtime import _maybe_install_default_inventory
+    from server.wiring.runtime import _maybe_install_default_inventory
     from training.precision import resolve_autocast
 
-    # POLYSERVE_THREADS, else one per CPU this process may use (server/cpus.py)
+    # POLYSERVE_THREADS, else one per CPU this process may use (server/infra/cpus.py)
     torch.set_num_threads(cpus.default_threads(settings.threads))
     bb = load_backbone(settings.backbone, device=settings.device,
                        dtype=dtype_name(backbone_dtype(settings.device, settings.dtype)))

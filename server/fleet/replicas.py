@@ -21,7 +21,7 @@ import threading
 import time
 from collections.abc import Callable
 
-from server import openmp
+from server.infra import openmp
 
 log = logging.getLogger(__name__)
 
@@ -130,7 +130,7 @@ def _is_hint(data: object, me: str) -> bool:
 
 
 def _one_thread(loop):
-    """A thread body that runs torch on one thread (no OpenMP pool beside the engine's: server/openmp.py)."""
+    """A thread body that runs torch on one thread (no OpenMP pool beside the engine's: server/infra/openmp.py)."""
 
     def run() -> None:
         openmp.one_thread()

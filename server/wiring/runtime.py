@@ -18,7 +18,6 @@ from adapters_store.lora.inject import RoutedModel
 from adapters_store.store import open_store
 from adapters_store.store.contract import AdapterStore
 from adapters_store.store.errors import StoreError
-from server import cpus, openmp
 from server.adapter_cache.breaker import CircuitBreaker
 from server.adapter_cache.cache import AdapterCache
 from server.adapter_cache.l1 import L1Cache
@@ -27,11 +26,12 @@ from server.adapter_cache.signing import cache_secret
 from server.engines import Engine, build_engine
 from server.engines.dtype import backbone_dtype, dtype_name
 from server.engines.request import GenRequest, SamplingParams
-from server.metrics import Metrics
-from server.settings import Settings
-from server.tasks import TaskRegistry
-from server.tenants import Directory
-from server.usage import UsageLedger
+from server.infra import cpus, openmp
+from server.infra.metrics import Metrics
+from server.registry.tasks import TaskRegistry
+from server.tenancy.tenants import Directory
+from server.tenancy.usage import UsageLedger
+from server.wiring.settings import Settings
 from training.precision import resolve_autocast
 
 log = logging.getLogger("polyserve")
@@ -77,7 +77,7 @@ class Runtime:
     def build(cls, settings: Settings, metrics: Metrics, backbone: Backbone | None = None,
               threads: int | None = None) -> Runtime:
         """threads: the engine's torch threads (default: settings.threads, else one per CPU this
-        process may use: server/cpus.py)."""
+        process may use: server/infra/cpus.py)."""
         threads = threads or cpus.default_threads(settings.threads)
         openmp.use_threads(threads)
         log.info("torch threads: %d (%s); OpenMP spin: %s", threads,

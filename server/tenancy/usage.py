@@ -2,7 +2,7 @@
 
 Counts land in one-minute buckets; buckets older than the longest window kept (`keep_seconds`)
 are dropped, so memory is (minutes kept) x (tenant, task) pairs seen in them. Tenants are
-configured names (server.tenants) and tasks are registered ids (a request is counted only once
+configured names (server.tenancy.tenants) and tasks are registered ids (a request is counted only once
 its task resolved), so both are bounded sets.
 
     request(tenant, task, prompt_tokens)       a generation was accepted by the engine

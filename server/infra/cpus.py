@@ -15,7 +15,7 @@ where each limit that is absent is ignored:
                (-1 = none); the smallest over the process's cgroup and its ancestors, since a
                parent's limit binds its children too
 
-`POLYSERVE_THREADS` still wins (server/settings.py). Everything is read from files under `root`,
+`POLYSERVE_THREADS` still wins (server/wiring/settings.py). Everything is read from files under `root`,
 so tests point it at a temp dir holding a fake /proc and /sys.
 """
 
@@ -49,7 +49,7 @@ class CpuBudget:
     @property
     def limited(self) -> bool:
         """A quota below the CPUs the threads may run on: threads are parked when it runs out, so a
-        thread spinning in a barrier spends the quota its partner needs (server/openmp.py)."""
+        thread spinning in a barrier spends the quota its partner needs (server/infra/openmp.py)."""
         cpus = min(x for x in (self.online, self.affinity, self.cpuset) if x is not None)
         return self.quota is not None and self.quota < cpus
 

@@ -2,12 +2,12 @@
 
     POST /v1/completions       the prompt verbatim (OpenAI semantics), the tokenizer's own
                                specials (BOS...) added as its config says; one prompt or a
-                               batch, scoring with max_tokens 0 (server.api.openai_completions)
+                               batch, scoring with max_tokens 0 (server.api.openai.completions)
     POST /v1/chat/completions  base: the backbone's chat template; a task: the conversation
-                               rendered into the task's training prompt format (server.api.chat)
+                               rendered into the task's training prompt format (server.api.openai.chat)
     GET  /v1/models, /v1/models/{model}
 
-Which request fields are supported, ignored or refused: server.api.openai_schemas. Errors come in
+Which request fields are supported, ignored or refused: server.api.openai.schemas. Errors come in
 OpenAI's shape (server.api.errors).
 """
 
@@ -23,23 +23,25 @@ from typing import Any
 from fastapi import APIRouter, Request
 
 from adapters_store.backbone.prompt import strip_separator
-from server import tenants
-from server.api import chat, generation, openai_completions
+from server.api import generation
 from server.api.api_docs import OPENAI_ERRORS, SSE_200
 from server.api.deps import ApiKey, RuntimeDep
 from server.api.errors import ApiError
-from server.api.openai_format import TokenText, chat_logprobs, finish_reason, usage
-from server.api.openai_schemas import (
+from server.api.openai import chat
+from server.api.openai import completions as openai_completions
+from server.api.openai.format import TokenText, chat_logprobs, finish_reason, usage
+from server.api.openai.response_format import format_spec
+from server.api.openai.schemas import (
     ChatRequest,
     CompletionRequest,
     effective_seed,
     effective_temperature,
     effective_top_p,
 )
-from server.api.response_format import format_spec
 from server.api.schemas import ModelList, ModelOut
 from server.engines.request import FinalEvent, SamplingParams
-from server.tasks import BASE
+from server.registry.tasks import BASE
+from server.tenancy import tenants
 
 router = APIRouter(prefix="/v1", tags=["openai"], dependencies=[ApiKey])
 

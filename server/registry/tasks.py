@@ -20,10 +20,10 @@ from adapters_store.store.snapshot import TaskSnapshot
 from server.adapter_cache.cache import AdapterCache
 from server.adapter_cache.types import Adapter
 from server.errors import ApiError
-from server.mixes import mix_prompt_format, resolve_mix
-from server.ownership import can_see
-from server.similar_index import RoutingIndex
-from server.tenants import Tenant
+from server.registry.mixes import mix_prompt_format, resolve_mix
+from server.registry.ownership import can_see
+from server.registry.similar_index import RoutingIndex
+from server.tenancy.tenants import Tenant
 
 BASE = "base"
 HELD_RECORDS = 4096  # records kept for serving through a store outage (a few hundred bytes each)
@@ -40,7 +40,7 @@ class TaskRegistry:
     def __init__(self, store: AdapterStore, cache: AdapterCache | None, metrics: Any = None, *,
                  isolated: bool = False) -> None:
         self.store = store
-        self.isolated = isolated  # tenants see only their own and shared tasks (server/ownership.py)
+        self.isolated = isolated  # tenants see only their own and shared tasks (server/registry/ownership.py)
         self.cache = cache
         self.metrics = metrics
         self._lock = threading.Lock()
@@ -115,7 +115,7 @@ class TaskRegistry:
         """The adapter a request for `task` runs with (None = the bare backbone).
         Raises ValueError (malformed id), TaskNotFound (404: also someone else's task),
         TaskNotReady (409). Blocking. A mix `mix:ID=W,...` resolves to its members' combined
-        adapter (server.mixes); every member must be visible to `tenant`."""
+        adapter (server.registry.mixes); every member must be visible to `tenant`."""
         if is_mix(task):
             return resolve_mix(self, task, tenant)
         validate_task_id(task)

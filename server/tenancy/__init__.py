@@ -1,0 +1,1 @@
+"""Tenants: API keys, weights and the admin role (tenants), and what each tenant used (usage)."""
