@@ -27,7 +27,7 @@ def server(tmp_path_factory):
 def slow_engine(server, delay: float = 0.01, fail_after: int | None = None):
     """Every decode step takes `delay` s and the random model never stops on its own; with
     fail_after, the decode step raises after that many steps (an engine bug)."""
-    engine = server.wiring.runtime.engine
+    engine = server.runtime.engine
     eos, engine.eos_ids = engine.eos_ids, frozenset()
     run_step, steps = engine._run_step, [0]
 

@@ -44,7 +44,7 @@ def stream_gaps(c: httpx.Client, until: float) -> list[float]:
 
 
 def test_streams_flow_while_another_process_holds_the_store_lock(server):
-    lock = server.wiring.runtime.store.root / ".lock"
+    lock = server.runtime.store.root / ".lock"
     holder = subprocess.Popen(  # holds the store lock until told (or 120 s)
         [sys.executable, "-c", (f"import fcntl,sys,select;f=open({str(lock)!r},'a+');fcntl.flock(f,fcntl.LOCK_EX);"
                                "print('locked',flush=True);select.select([sys.stdin],[],[],120)")],
@@ -55,7 +55,7 @@ def test_streams_flow_while_another_process_holds_the_store_lock(server):
             r = c.post("/v1/tasks", json={"task": "during-lock", "examples": EXAMPLES, "method": "retrieve"})
             assert r.status_code == 202, r.text
             job_id = r.json()["id"]
-            runner = server.wiring.runtime.registration.runner
+            runner = server.runtime.registration.runner
             deadline = time.monotonic() + 60
             while runner._busy is None or runner._busy.done():  # until its commit waits on the lock
                 assert time.monotonic() < deadline and holder.poll() is None

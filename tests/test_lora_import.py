@@ -162,7 +162,7 @@ def upload(info, cfg, tensors, task, project=False):
 
 
 def test_post_lora_round_trip_answers_the_same(server, tmp_path):
-    store = server.wiring.runtime.registry.store
+    store = server.runtime.registry.store
     info = store.inventory_info()
     export_peft_lora(store, "gamma", tmp_path / "peft", base_model=info.backbone_name)
     config, tensors = read_dir(tmp_path / "peft")
@@ -183,7 +183,7 @@ def test_post_lora_round_trip_answers_the_same(server, tmp_path):
 
 
 def test_post_lora_refusals_are_4xx_naming_the_field(server):
-    info = server.wiring.runtime.registry.store.inventory_info()
+    info = server.runtime.registry.store.inventory_info()
     admin = {"Authorization": "Bearer akey"}
     with httpx.Client(base_url=server.url, timeout=60) as http:
         for i, (message, cfg, tensors) in enumerate(refused_cases(info)):

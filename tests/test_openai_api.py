@@ -185,7 +185,7 @@ def test_chat_to_a_task_answers_like_generate(oc, http, task):
 
 
 def test_base_chat_uses_the_chat_template(server, http):
-    tok = server.wiring.runtime.tokenizer
+    tok = server.runtime.tokenizer
     msgs = [{"role": "user", "content": "hi"}]
     chat = http.post("/v1/chat/completions", json={"model": "base", "messages": msgs, "max_tokens": 1,
                                                   "temperature": 0}).json()
@@ -204,7 +204,7 @@ def test_tiny_temperature_is_answered(http):
 
 
 def test_completion_prompt_as_token_ids(server, http):
-    ids = server.wiring.runtime.tokenizer("Input: abc\nOutput:").input_ids
+    ids = server.runtime.tokenizer("Input: abc\nOutput:").input_ids
     by_ids = http.post("/v1/completions", json={"model": "gamma", "prompt": ids, "max_tokens": 6,
                                                 "temperature": 0}).json()
     by_text = http.post("/v1/completions", json={"model": "gamma", "prompt": "Input: abc\nOutput:",
@@ -284,7 +284,7 @@ def test_penalties_change_a_repetitive_answer(oc):
 
 @needs_engine("logit_bias")
 def test_logit_bias_forces_a_token(server, oc):
-    token = server.wiring.runtime.tokenizer("Z", add_special_tokens=False).input_ids[0]
+    token = server.runtime.tokenizer("Z", add_special_tokens=False).input_ids[0]
     c = oc.completions.create(model="alpha", prompt="hello", max_tokens=4, temperature=0,
                               logit_bias={str(token): 100})
     assert c.choices[0].text == "ZZZZ"

@@ -75,7 +75,7 @@ def oc(server):
 
 
 def expected_text(server, i: int, n_tokens: int) -> str:
-    tok = server.wiring.runtime.tokenizer
+    tok = server.runtime.tokenizer
     return "".join(tok.decode([ScriptedEngine.token(i, k)]) for k in range(n_tokens))
 
 

@@ -39,7 +39,7 @@ def http(server):
 
 @pytest.fixture(scope="module")
 def z(server) -> int:
-    return server.wiring.runtime.tokenizer("Z", add_special_tokens=False).input_ids[0]
+    return server.runtime.tokenizer("Z", add_special_tokens=False).input_ids[0]
 
 
 def sse(text: str) -> list:
@@ -166,7 +166,7 @@ def test_bad_extensions_are_400_naming_the_field(http, extra, param):
 def test_batch_prompts_are_prompt_major_and_equal_single_requests(server, http):
     prompts = ["hello", "Input: x\nOutput:", "abc"]
     submitted = []
-    engine = server.wiring.runtime.engine
+    engine = server.runtime.engine
     original = engine.submit
 
     def counting(req):
@@ -192,7 +192,7 @@ def test_batch_prompts_are_prompt_major_and_equal_single_requests(server, http):
 
 
 def test_batch_of_token_id_prompts_and_streaming(server, http):
-    tok = server.wiring.runtime.tokenizer
+    tok = server.runtime.tokenizer
     prompts = ["hello", "abc"]
     ids = [tok(p, add_special_tokens=False).input_ids for p in prompts]
     by_text = complete(http, prompt=prompts, max_tokens=4)
@@ -221,7 +221,7 @@ def plain_forward_logprobs(server, task: str, ids: list[int]) -> list[float]:
     from adapters_store.store.directory import DirectoryStore
     from adapters_store.store.materialize import task_weights
 
-    store = DirectoryStore(server.wiring.runtime.settings.store_dir)
+    store = DirectoryStore(server.runtime.settings.store_dir)
     record = store.get_task(task)
     weights = task_weights(store.inventory_info(), store.load_weights(record)["logits"].float())
     routed = random_skills(tiny_backbone().model, SPEC, seed=0)  # the skills build_store saved
@@ -234,7 +234,7 @@ def plain_forward_logprobs(server, task: str, ids: list[int]) -> list[float]:
 
 def test_scoring_without_generating_equals_a_plain_forward(server, http):
     prompts = ["Input: abc\nOutput: abc", "hello world"]
-    tok = server.wiring.runtime.tokenizer
+    tok = server.runtime.tokenizer
     scored = complete(http, prompt=prompts, max_tokens=0, echo=True, logprobs=2)
     assert scored["usage"]["completion_tokens"] == 0
     for prompt, choice in zip(prompts, scored["choices"], strict=True):
@@ -254,7 +254,7 @@ def test_scoring_without_generating_equals_a_plain_forward(server, http):
 
 # -- /tokenize, /detokenize, /version -------------------------------------------------------------
 def test_tokenize_and_detokenize_in_vllm_shapes(server, http):
-    tok = server.wiring.runtime.tokenizer
+    tok = server.runtime.tokenizer
     for model in ("base", "alpha"):
         r = http.post("/tokenize", json={"model": model, "prompt": "hello", "return_token_strs": True})
         assert r.status_code == 200, r.text

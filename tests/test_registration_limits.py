@@ -56,7 +56,7 @@ def wait_job(c: httpx.Client, job_id: str) -> None:
 
 
 def test_max_tasks_refuses_a_new_task_with_task_limit(server):
-    store: DirectoryStore = server.wiring.runtime.store
+    store: DirectoryStore = server.runtime.store
     with httpx.Client(base_url=server.url, timeout=60) as c:
         assert len(store.task_stamps()) == 4  # alpha .. delta
         for task in ("fifth", "sixth"):
@@ -72,7 +72,7 @@ def test_max_tasks_refuses_a_new_task_with_task_limit(server):
 
 
 def test_deleting_a_task_that_does_not_exist_makes_no_lock_file(server):
-    store: DirectoryStore = server.wiring.runtime.store
+    store: DirectoryStore = server.runtime.store
     with httpx.Client(base_url=server.url, timeout=60) as c:
         for i in range(20):
             assert c.delete(f"/v1/tasks/never-{i}").status_code == 404
@@ -80,7 +80,7 @@ def test_deleting_a_task_that_does_not_exist_makes_no_lock_file(server):
 
 
 def test_lock_files_of_deleted_tasks_are_swept(server):
-    store: DirectoryStore = server.wiring.runtime.store
+    store: DirectoryStore = server.runtime.store
     with httpx.Client(base_url=server.url, timeout=60) as c:
         assert c.delete("/v1/tasks/beta").status_code == 204
     assert not (store.root / "locks" / "task-beta.lock").exists()

@@ -115,7 +115,7 @@ def test_completions_feed_the_prompt_verbatim(client):
 
 
 def test_disconnect_cancels_the_row(server):
-    engine = server.wiring.runtime.engine
+    engine = server.runtime.engine
     eos, engine.eos_ids = engine.eos_ids, frozenset()  # the random model must not stop on its own
     run_step = engine._run_step
 

@@ -112,7 +112,7 @@ def server(tmp_path_factory):
 
 
 def test_route_ranks_by_routing_row(server):
-    store = server.wiring.runtime.registry.store
+    store = server.runtime.registry.store
     with httpx.Client(base_url=server.url, timeout=30) as http:
         r = http.get("/v1/tasks/alpha/similar", params={"k": 3})
         assert r.status_code == 200, r.text

@@ -89,7 +89,7 @@ def test_the_vllm_engine_without_vllm_says_how_to_get_it(tmp_path):
         pass
     else:
         pytest.skip("vLLM is installed in this environment")
-    from server.engines import build_engine
+    from server.engines.factory import build_engine
 
     with pytest.raises(RuntimeError, match=r"pip install -e '\.\[vllm\]'"):
         build_engine(settings_for(tmp_path, engine="vllm"), None, None, None)

@@ -30,7 +30,7 @@ import threading
 import time
 from collections.abc import Callable
 from concurrent.futures import Future
-from typing import Any, Literal
+from typing import Literal
 
 import torch
 
@@ -42,6 +42,7 @@ from server.adapter_cache import codec, signing
 from server.adapter_cache.l1 import L1Cache
 from server.adapter_cache.l2 import RedisTier, adapter_key
 from server.adapter_cache.types import Adapter
+from server.infra.metrics import Metrics
 
 log = logging.getLogger("polyserve.cache")
 
@@ -51,7 +52,7 @@ EntryState = Literal["absent", "loading", "resident"]
 class AdapterCache:
     def __init__(self, store: AdapterStore, info: InventoryInfo, skills: dict[str, torch.Tensor], *,
                  fingerprint: str, device: torch.device, dtype: torch.dtype, l1: L1Cache,
-                 l2: RedisTier | None = None, prefix: str = "polyserve", metrics: Any = None,
+                 l2: RedisTier | None = None, prefix: str = "polyserve", metrics: Metrics | None = None,
                  routing_layers: bool = True, secret: bytes | None = None) -> None:
         self.store, self.info, self.fingerprint = store, info, fingerprint
         self.routing_layers = routing_layers

@@ -12,6 +12,7 @@ import logging
 from typing import Any, cast
 
 from server.adapter_cache.breaker import CircuitBreaker
+from server.infra.metrics import Metrics
 
 log = logging.getLogger("polyserve.cache")
 
@@ -22,7 +23,7 @@ def adapter_key(prefix: str, fingerprint: str, inventory_version: str, task: str
 
 class RedisTier:
     def __init__(self, url: str, *, ttl_seconds: int, socket_timeout: float, connect_timeout: float,
-                 breaker: CircuitBreaker, metrics: Any = None, client: Any = None) -> None:
+                 breaker: CircuitBreaker, metrics: Metrics | None = None, client: Any = None) -> None:
         import redis
 
         self.ttl = ttl_seconds

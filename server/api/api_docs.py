@@ -18,6 +18,7 @@ from fastapi.routing import APIRoute
 from server.api.deps import require_api_key, require_tenant_key
 from server.api.errors import all_routes, is_openai_path
 from server.api.schemas import ErrorResponse, OpenAIErrorResponse
+from server.wiring.settings import Settings
 
 WHY = {
     400: "Bad request: a field the server refuses (named in `param`), or a malformed Content-Length",
@@ -97,7 +98,7 @@ def _set_bound(schema: dict, key: str, value: int) -> None:
         schema["default"] = value
 
 
-def _bounds(settings: Any) -> dict[str, dict[str, tuple[str, int]]]:
+def _bounds(settings: Settings) -> dict[str, dict[str, tuple[str, int]]]:
     tokens = ("maximum", settings.max_new_tokens)
     stop = ("maxItems", settings.max_stop_strings)
     n = ("maximum", settings.max_n)
@@ -173,7 +174,7 @@ TOKEN_ID_FIELDS = {"CompletionRequest": ("prompt", "stop_token_ids"), "ChatReque
                    "DetokenizeRequest": ("tokens",)}
 
 
-def build(app: FastAPI, settings: Any) -> dict[str, Any]:
+def build(app: FastAPI, settings: Settings) -> dict[str, Any]:
     doc = get_openapi(title=app.title, version=app.version, description=app.description, routes=app.routes)
     any_keys = bool(settings.api_keys or settings.admin_keys)
     for route in api_routes(app):
@@ -214,7 +215,7 @@ def _query_bounds(doc: dict[str, Any], bounds: dict[tuple[str, str, str], tuple[
                 _set_bound(param["schema"], key, value)
 
 
-def install(app: FastAPI, settings: Any) -> None:
+def install(app: FastAPI, settings: Settings) -> None:
     def openapi() -> dict[str, Any]:
         if app.openapi_schema is not None:
             return app.openapi_schema

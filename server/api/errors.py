@@ -29,10 +29,61 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from adapters_store.store.errors import JobNotFound, StoreError, StoreUnavailable, TaskExists, TaskNotFound
-from server.errors import ApiError
+from adapters_store.store.errors import (
+    JobNotFound,
+    StoreError,
+    StoreUnavailable,
+    TaskExists,
+    TaskLimit,
+    TaskNotFound,
+)
+from server.registry.errors import (
+    JobsBusy,
+    RegistryError,
+    TaskForbidden,
+    TaskNotReady,
+    TenantJobLimit,
+    TenantTaskLimit,
+)
 
 log = logging.getLogger("polyserve.api")
+
+
+class ApiError(Exception):
+    """How a request ends in an HTTP error, raised by the HTTP layer where the reason is known.
+    The domain code below it raises its own errors (DOMAIN_ERRORS), mapped here."""
+
+    def __init__(self, status: int, type_: str, message: str, headers: dict[str, str] | None = None, *,
+                 param: str | None = None, code: str | None = None) -> None:
+        super().__init__(message)
+        self.status, self.type, self.message, self.headers = status, type_, message, headers or {}
+        self.param, self.code = param, code
+
+
+# every domain error the API answers, and its status and type (the most specific class wins)
+DOMAIN_ERRORS: dict[type[Exception], tuple[int, str]] = {
+    TaskNotFound: (404, "not_found"),
+    JobNotFound: (404, "not_found"),
+    TaskExists: (409, "conflict"),
+    TaskLimit: (409, "task_limit"),
+    TaskNotReady: (409, "task_not_ready"),
+    TaskForbidden: (403, "forbidden"),
+    JobsBusy: (429, "overloaded"),
+    TenantJobLimit: (429, "tenant_job_limit"),
+    TenantTaskLimit: (409, "tenant_task_limit"),
+}
+
+
+def api_error(exc: Exception) -> ApiError | None:
+    """The ApiError a domain error answers as; None for an exception the table does not name."""
+    if isinstance(exc, ApiError):
+        return exc
+    for cls in type(exc).__mro__:
+        if cls in DOMAIN_ERRORS:
+            status, type_ = DOMAIN_ERRORS[cls]
+            retry = getattr(exc, "retry_after", None) if isinstance(exc, RegistryError) else None
+            return ApiError(status, type_, str(exc), {"Retry-After": str(retry)} if retry else None)
+    return None
 
 TYPES = {400: "invalid_request", 401: "unauthorized", 403: "forbidden", 404: "not_found", 405: "method_not_allowed",
          409: "conflict", 413: "too_large", 422: "validation_error", 429: "overloaded", 500: "internal_error",
@@ -164,17 +215,13 @@ def install_handlers(app: FastAPI) -> None:
             headers["Allow"] = ", ".join(allowed_methods(request.app, request.scope))
         return respond(request, exc.status_code, TYPES.get(exc.status_code, "error"), str(exc.detail), headers)
 
-    @app.exception_handler(TaskNotFound)
-    async def _task_missing(request: Request, exc: TaskNotFound) -> JSONResponse:
-        return respond(request, 404, "not_found", str(exc))
+    async def _domain(request: Request, exc: Exception) -> JSONResponse:
+        err = api_error(exc)
+        assert err is not None  # registered for DOMAIN_ERRORS' classes only
+        return respond(request, err.status, err.type, err.message, err.headers, err.param, err.code)
 
-    @app.exception_handler(JobNotFound)
-    async def _job_missing(request: Request, exc: JobNotFound) -> JSONResponse:
-        return respond(request, 404, "not_found", str(exc))
-
-    @app.exception_handler(TaskExists)
-    async def _exists(request: Request, exc: TaskExists) -> JSONResponse:
-        return respond(request, 409, "conflict", str(exc))
+    for cls in DOMAIN_ERRORS:
+        app.add_exception_handler(cls, _domain)
 
     @app.exception_handler(StoreUnavailable)
     async def _store_down(request: Request, exc: StoreUnavailable) -> JSONResponse:

@@ -29,7 +29,7 @@ from starlette.requests import Request
 
 from adapters_store.lora.mix import MixError
 from adapters_store.store.errors import TaskNotFound
-from server.api.errors import ApiError, error_payload
+from server.api.errors import ApiError, api_error, error_payload
 from server.engines.base import EngineStopped, QueueFull
 from server.engines.fair import TenantLimit
 from server.engines.request import (
@@ -318,11 +318,12 @@ def stream_response(request: Request, chunks: AsyncIterator[bytes]) -> Streaming
         try:
             async for chunk in chunks:
                 yield chunk
-        except ApiError as err:
+        except Exception as exc:
+            err = api_error(exc)
+            if err is None:  # a bug: logged, answered in general terms
+                log.exception("stream failed")
+                err = ApiError(500, "internal_error", "internal server error")
             _, body = error_payload(path, err.status, err.type, err.message, err.param, err.code)
-        except Exception:  # a bug: logged, answered in general terms
-            log.exception("stream failed")
-            _, body = error_payload(path, 500, "internal_error", "internal server error")
         else:
             return
         yield sse(json.dumps(body))

@@ -22,8 +22,10 @@ from fastapi.responses import JSONResponse
 from adapters_store.interop.lora_import import ImportRefused, import_lora
 from adapters_store.store.errors import TaskExists, TaskLimit
 from server.api.errors import ApiError
+from server.api.schemas import task_out
 from server.registry.ownership import owner_of_new_task
 from server.tenancy import tenants
+from server.wiring.runtime import Runtime
 
 # what JSON Schema cannot say: the bytes are not a LoRA this store can serve
 CODE = "invalid_adapter"
@@ -43,8 +45,7 @@ def _tensors(data: str) -> dict[str, Any]:
                        code=CODE) from None
 
 
-async def import_lora_task(body: Any, rt: Any) -> JSONResponse:
-    from server.api.routes.tasks import task_out
+async def import_lora_task(body: Any, rt: Runtime) -> JSONResponse:
 
     if body.adapter is None:
         raise ApiError(422, "validation_error", "adapter: required with method lora", param="adapter")

@@ -7,6 +7,7 @@ import time
 from typing import Any
 
 from server.api.errors import error_payload
+from server.infra.metrics import Metrics
 
 
 async def _send_error(send: Any, scope: dict, status: int, type_: str, message: str) -> None:
@@ -62,7 +63,7 @@ class BodyLimit:
 class RequestMetrics:
     """requests_total{endpoint,status,tenant} and request_duration_seconds; endpoint = route template."""
 
-    def __init__(self, app: Any, metrics: Any) -> None:
+    def __init__(self, app: Any, metrics: Metrics) -> None:
         self.app, self.metrics = app, metrics
 
     async def __call__(self, scope: dict, receive: Any, send: Any) -> None:

@@ -7,6 +7,7 @@ from typing import Annotated, Any, Literal
 from pydantic import BaseModel, ConfigDict, Field
 
 from adapters_store.lora.mix import MAX_MIX_CHARS, MIX_SCHEMA_EXTRA, MODEL_ID_PATTERN
+from adapters_store.store.records import TaskRecord
 from server.api.wire import Bool, Number
 
 
@@ -92,3 +93,12 @@ class ModelOut(BaseModel):
 class ModelList(BaseModel):
     object: Literal["list"] = "list"
     data: list[ModelOut]
+
+def task_out(record: TaskRecord) -> TaskOut:
+    """A stored task record as the API shows it."""
+    return TaskOut(
+        id=record.id, status=record.status, method=record.method, version=record.version,
+        created_at=record.created_at, updated_at=record.updated_at, params=record.params, kind=record.kind,
+        inventory_version=record.inventory_version, job_id=record.job_id, error=record.error,
+        metrics=record.metrics,
+    )

@@ -1,67 +1,6 @@
-"""Engines: the data plane behind polyserve's API. `build_engine` picks one from the settings.
+"""Engines: the data plane behind polyserve's API. `factory.build_engine` picks one from the
+settings; `base.Engine` is what every engine offers the API.
 
     native   server/engines/native: continuous batching over the in-process routed backbone
     vllm     server/engines/vllm:   vLLM's async engine with tasks materialised as LoRAs
 """
-
-from __future__ import annotations
-
-from typing import Any
-
-from server.engines.base import Engine, EngineStopped, QueueFull
-from server.engines.dtype import dtype_name, serving_dtype
-
-__all__ = ["Engine", "EngineStopped", "QueueFull", "build_engine"]
-
-
-def build_engine(settings: Any, backbone: Any, routed: Any, metrics: Any, inventory: Any = None,
-                 threads: int | None = None) -> Engine:
-    """The engine named by settings.engine, not started. backbone: adapters_store Backbone;
-    routed: the RoutedModel on backbone.model (None without an inventory); inventory: its
-    InventoryInfo (the vLLM engine writes tasks as PEFT LoRAs of that shape)."""
-    if settings.engine == "native":
-        from server.engines.native.config import EngineConfig
-        from server.engines.native.engine import NativeEngine
-
-        return NativeEngine(backbone.model, backbone.tokenizer, routed,
-                            EngineConfig.from_settings(settings, threads=threads), metrics=metrics)
-    if settings.engine == "vllm":
-        return _vllm_engine(settings, backbone, metrics, inventory)
-    raise ValueError(f"unknown engine {settings.engine!r} (known: native, vllm)")
-
-
-def tenant_caps(settings: Any) -> Any:
-    """The per-tenant caps and weights of the configured keys (server.engines.fair)."""
-    from server.engines.fair import TenantCaps
-    from server.tenancy.tenants import Directory
-
-    return TenantCaps(weights=Directory(settings.api_keys, settings.admin_keys).weights,
-                      max_queued=settings.tenant_max_queued, max_rows=settings.tenant_max_rows,
-                      kv_share=settings.tenant_kv_share, fair=settings.tenant_fairness)
-
-
-def _vllm_engine(settings: Any, backbone: Any, metrics: Any, inventory: Any) -> Engine:
-    try:
-        import vllm  # noqa: F401
-    except ImportError as err:
-        raise RuntimeError("POLYSERVE_ENGINE=vllm needs vLLM in this environment: pip install -e '.[vllm]' "
-                           f"(make vllm-env builds one); import failed: {err}") from None
-    import os
-
-    import torch
-
-    from adapters_store.backbone.load import hf_dir
-    from server.engines.vllm.engine import VllmEngine
-
-    # adaptation jobs run in this process on the Hugging Face copy, beside vLLM's workers: a bounded
-    # share of the threads (background_share of them, at least one)
-    threads = settings.threads or torch.get_num_threads() or os.cpu_count() or 1
-    return VllmEngine(
-        str(hf_dir(settings.backbone)), backbone.tokenizer, lora_root=str(settings.home / "vllm-loras"),
-        inventory=inventory, max_batch_rows=settings.max_batch_rows, max_batch_tokens=settings.max_batch_tokens,
-        max_queue=settings.max_queue, dtype=dtype_name(serving_dtype(settings.device, settings.dtype)), metrics=metrics, extra_args=settings.vllm_args,
-        background_threads=max(1, round(threads * settings.background_share)),
-        max_model_len=min(settings.max_batch_tokens,
-                          int(getattr(backbone.model.config, "max_position_embeddings", 0) or settings.max_batch_tokens)),
-        caps=tenant_caps(settings),
-    )

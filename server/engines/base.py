@@ -2,7 +2,7 @@
 
 The HTTP layer, the task registry, the cache tiers and the jobs talk to an engine only through
 this interface; each engine lives in its own folder (`native/`, `vllm/`) and is chosen once at
-start-up (`server.engines.build_engine`, setting `POLYSERVE_ENGINE`).
+start-up (`server.engines.factory.build_engine`, setting `POLYSERVE_ENGINE`).
 
     submit(req)              queue a GenRequest whose adapter is already resolved (cache tiers);
                              raises QueueFull (-> 429 + Retry-After), EngineStopped (-> 503),

@@ -53,8 +53,13 @@ import math
 from collections import deque
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from server.engines.request import GenRequest
+from server.tenancy.tenants import Directory
+
+if TYPE_CHECKING:
+    from server.wiring.settings import Settings
 
 ONE_QUEUE = ""  # the key of the single queue when fairness is off
 
@@ -370,3 +375,10 @@ def check_submit_caps(req: GenRequest, caps: TenantCaps, others: Iterable[GenReq
     if caps.kv_share < 1 and tokens + req.budget_tokens > caps.kv_cap(max_tokens):
         raise TenantLimit(req.tenant, "kv_share", f"this tenant already holds {tokens} KV tokens in flight "
                           f"(POLYSERVE_TENANT_KV_SHARE: {caps.kv_cap(max_tokens)} tokens)", retry_after=retry_after)
+
+
+def tenant_caps(settings: Settings) -> TenantCaps:
+    """The per-tenant caps and weights of the configured keys (server.engines.fair)."""
+    return TenantCaps(weights=Directory(settings.api_keys, settings.admin_keys).weights,
+                      max_queued=settings.tenant_max_queued, max_rows=settings.tenant_max_rows,
+                      kv_share=settings.tenant_kv_share, fair=settings.tenant_fairness)

@@ -40,6 +40,7 @@ from typing import Any, Protocol
 
 from adapters_store.store.contract import AdapterStore, JobHold
 from adapters_store.store.errors import JobNotFound, StoreUnavailable, TaskNotFound
+from adapters_store.store.job_queue import JobLease
 from adapters_store.store.records import TaskRecord
 from server.infra import openmp
 from server.jobs.model import Job, new_job_id
@@ -227,7 +228,7 @@ class JobRunner:
         return self.cancel(job_id)
 
     # -- a worker's jobs: claimed from the store's queue ------------------------------------------
-    def adopt(self, lease: Any, *, max_attempts: int | None = None) -> Job | None:
+    def adopt(self, lease: JobLease, *, max_attempts: int | None = None) -> Job | None:
         """Take a job claimed from the queue (`AdapterStore.claim_job`): its lease is its hold. A job that
         finished, or whose result an earlier run committed, is settled without running; one tried
         more than `max_attempts` times fails. Returns the job queued here, else None."""
@@ -250,7 +251,7 @@ class JobRunner:
             self._drop(job)  # unwritten: its lease expires, and the job is claimed again
             raise
 
-    def _adopt(self, job: Job, lease: Any, max_attempts: int | None) -> Job | None:
+    def _adopt(self, job: Job, lease: JobLease, max_attempts: int | None) -> Job | None:
         cancelled, committed = self.store.cancel_requested(job.id), self._committed(job)
         if cancelled:
             with self._lock:

@@ -15,14 +15,16 @@ import threading
 import time
 from typing import Any
 
-from adapters_store.store.errors import JobNotFound, TaskExists, TaskNotFound
+from adapters_store.store.errors import JobNotFound, TaskExists, TaskLimit, TaskNotFound
 from adapters_store.store.ids import validate_new_task_id
-from server.errors import ApiError
+from adapters_store.store.records import TaskRecord
 from server.fleet.replicas import ReplicaSync
 from server.jobs.model import Job
 from server.jobs.runner import JobRunner
+from server.registry.errors import JobsBusy, TaskForbidden, TenantJobLimit, TenantTaskLimit
 from server.registry.ownership import can_change, can_see, can_see_job, owner_of_new_task
 from server.tenancy.tenants import ANONYMOUS, Directory, Tenant, weighted_share
+from server.wiring.settings import Settings
 
 log = logging.getLogger(__name__)
 
@@ -32,7 +34,7 @@ def _quota_bound(tenant: Tenant | None) -> bool:
     return tenant is not None and tenant is not ANONYMOUS and not tenant.admin
 
 
-def job_quota(settings: Any, weights: dict[str, float], tenant: Tenant | None) -> int | None:
+def job_quota(settings: Settings, weights: dict[str, float], tenant: Tenant | None) -> int | None:
     """Jobs queued or running `tenant` may have: POLYSERVE_TENANT_MAX_JOBS, by default its weighted
     share of POLYSERVE_MAX_QUEUED_JOBS (so one tenant cannot fill the queue); None: no quota."""
     if tenant is None or not _quota_bound(tenant):
@@ -42,7 +44,7 @@ def job_quota(settings: Any, weights: dict[str, float], tenant: Tenant | None) -
     return weighted_share(settings.max_queued_jobs, weights, tenant.name)
 
 
-def task_quota(settings: Any, weights: dict[str, float], tenant: Tenant | None) -> int | None:
+def task_quota(settings: Settings, weights: dict[str, float], tenant: Tenant | None) -> int | None:
     """Tasks `tenant` may own: POLYSERVE_TENANT_MAX_TASKS, by default its weighted share of
     POLYSERVE_MAX_TASKS; None: no quota (an exempt caller, or neither setting)."""
     if tenant is None or not _quota_bound(tenant):
@@ -101,10 +103,9 @@ class Registration:
                seed: int | None, *, serve_early: bool = False, tenant: Tenant | None = None,
                shared: bool = False) -> Job:
         """Raises ValueError (bad / reserved id), TaskExists (409), RuntimeError (no inventory),
-        ApiError 429 (POLYSERVE_MAX_QUEUED_JOBS unfinished here), 429 tenant_job_limit (the
-        tenant's own jobs), 409 task_limit (POLYSERVE_MAX_TASKS) or 409 tenant_task_limit (the
-        tasks it owns); the limits are checked and the job queued under one lock, so a burst of
-        POSTs cannot pass them together (in this process: replicas submitting at the same moment
+        JobsBusy (POLYSERVE_MAX_QUEUED_JOBS unfinished here), TenantJobLimit (the tenant's own
+        jobs), TaskLimit (POLYSERVE_MAX_TASKS) or TenantTaskLimit (the tasks it owns); the limits
+        are checked and the job queued under one lock, so a burst of POSTs cannot pass them together (in this process: replicas submitting at the same moment
         may each pass a limit once, as for the global ones)."""
         validate_new_task_id(task)
         self.prune()
@@ -118,16 +119,15 @@ class Registration:
             pending = self.runner.pending if here else self.rt.store.queued_jobs()
             if pending >= settings.max_queued_jobs:
                 where = "queued or running here" if here else "waiting in the fleet's queue for its workers"
-                raise ApiError(429, "overloaded", f"{settings.max_queued_jobs} registration jobs are already "
-                               f"{where}; retry later", {"Retry-After": "30"})
+                raise JobsBusy(f"{settings.max_queued_jobs} registration jobs are already {where}; retry later")
             quota = self.tenant_job_limit(tenant)
             if quota is not None and tenant is not None:
                 mine = self.runner.pending_of(tenant.name) if here else self.rt.store.queued_jobs(tenant.name)
                 if mine >= quota:
                     self._refused(tenant, "jobs")
-                    raise ApiError(429, "tenant_job_limit", f"tenant {tenant.name!r} already has {mine} registration "
-                                   f"jobs queued or running, its limit (POLYSERVE_TENANT_MAX_JOBS: {quota}); "
-                                   "retry when one finishes", {"Retry-After": "30"})
+                    raise TenantJobLimit(f"tenant {tenant.name!r} already has {mine} registration jobs queued or "
+                                         f"running, its limit (POLYSERVE_TENANT_MAX_JOBS: {quota}); retry when "
+                                         "one finishes")
             with self.rt.store.task_lock(task):
                 job = self._submit_locked(task, examples, method, steps, seed, serve_early, tenant, shared)
         if self.runner.run_here:  # POLYSERVE_JOBS=off: a worker claims it from the store's queue
@@ -147,8 +147,7 @@ class Registration:
                 raise TaskExists(f"task id {task!r} is taken")
         limit = self.rt.settings.max_tasks
         if not exists and limit is not None and len(self.rt.store.task_stamps()) >= limit:
-            raise ApiError(409, "task_limit", f"this store already holds {limit} tasks (POLYSERVE_MAX_TASKS); "
-                           "delete one first")
+            raise TaskLimit(f"this store already holds {limit} tasks (POLYSERVE_MAX_TASKS); delete one first")
         if not exists:
             self.check_task_quota(tenant)
         return self.runner.submit(task, examples, method=method, steps=steps, seed=seed,
@@ -163,7 +162,7 @@ class Registration:
         return task_quota(self.rt.settings, self._weights, tenant)
 
     def check_task_quota(self, tenant: Tenant | None) -> None:
-        """409 tenant_task_limit when `tenant` already owns its limit of tasks (registration and
+        """TenantTaskLimit when `tenant` already owns its limit of tasks (registration and
         LoRA import). Counted in the registry's snapshot (current, and no record read when
         nothing changed: adapters_store/store/snapshot.py); only for a quota-bound caller's new task."""
         quota = self.tenant_task_limit(tenant)
@@ -172,10 +171,10 @@ class Registration:
         owned = sum(1 for record in self.rt.registry.list() if record.owner == tenant.name)
         if owned >= quota:
             self._refused(tenant, "tasks")
-            raise ApiError(409, "tenant_task_limit", f"tenant {tenant.name!r} already owns {owned} tasks, its limit "
-                           f"(POLYSERVE_TENANT_MAX_TASKS: {quota}); delete one first")
+            raise TenantTaskLimit(f"tenant {tenant.name!r} already owns {owned} tasks, its limit "
+                                  f"(POLYSERVE_TENANT_MAX_TASKS: {quota}); delete one first")
 
-    def _may_change(self, record: Any, tenant: Tenant | None) -> bool:
+    def _may_change(self, record: TaskRecord, tenant: Tenant | None) -> bool:
         return can_change(record, tenant, isolated=self.rt.registry.isolated, admins_exist=self._admins_exist)
 
     def _refused(self, tenant: Tenant, limit: str) -> None:
@@ -193,8 +192,7 @@ class Registration:
             if tenant is not None and not can_see(record, tenant, isolated=self.rt.registry.isolated):
                 raise TaskNotFound(task)  # someone else's task: as if it did not exist
             if not self._may_change(record, tenant):
-                raise ApiError(403, "forbidden", f"task {task!r} is shared: only an admin key "
-                               "(POLYSERVE_ADMIN_KEYS) may delete it")
+                raise TaskForbidden(f"task {task!r} is shared: only an admin key (POLYSERVE_ADMIN_KEYS) may delete it")
             if record.job_id and (record.status == "training" or self._unfinished(record.job_id)):
                 self.cancel(record.job_id)  # serve_early: the task is ready while its job still trains
             cache = self.rt.cache

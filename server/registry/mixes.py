@@ -9,17 +9,30 @@ an unknown member -> TaskNotFound (404), a member not ready -> TaskNotReady (409
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Protocol
 
 from adapters_store.lora.mix import Mix, MixError, parse_mix
 from adapters_store.store.records import TaskRecord
+from server.adapter_cache.cache import AdapterCache
 from server.adapter_cache.types import Adapter
+from server.registry.errors import TaskNotReady
+from server.tenancy.tenants import Tenant
 
 
-def mix_records(registry: Any, mix: Mix, tenant: Any = None) -> list[TaskRecord]:
+class Members(Protocol):
+    """What resolving a mix asks of the task registry (server/registry/tasks.py)."""
+
+    cache: AdapterCache | None
+
+    @property
+    def inventory_version(self) -> str | None: ...
+
+    def get(self, task: str, tenant: Tenant | None = None) -> TaskRecord: ...
+
+
+def mix_records(registry: Members, mix: Mix, tenant: Tenant | None = None) -> list[TaskRecord]:
     """The members' records, checked servable and mixable (blocking: reads the store). A member
     `tenant` may not see is not found, as the task alone would be."""
-    from server.registry.tasks import TaskNotReady
 
     records = [registry.get(task, tenant) for task in mix.tasks]
     for record in records:
@@ -33,7 +46,7 @@ def mix_records(registry: Any, mix: Mix, tenant: Any = None) -> list[TaskRecord]
     return records
 
 
-def resolve_mix(registry: Any, text: str, tenant: Any = None) -> Adapter:
+def resolve_mix(registry: Members, text: str, tenant: Tenant | None = None) -> Adapter:
     mix = parse_mix(text)
     records = mix_records(registry, mix, tenant)
     if registry.cache is None:
@@ -41,7 +54,7 @@ def resolve_mix(registry: Any, text: str, tenant: Any = None) -> Adapter:
     return registry.cache.get_mix(mix, records)
 
 
-def mix_prompt_format(registry: Any, text: str, tenant: Any = None) -> str:
+def mix_prompt_format(registry: Members, text: str, tenant: Tenant | None = None) -> str:
     """The members' common prompt format (a mix of tasks trained on different formats has none)."""
     mix = parse_mix(text)
     formats = {registry.get(task, tenant).prompt_format for task in mix.tasks}

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import threading
 from collections import OrderedDict
-from typing import Any
 
 from adapters_store.lora.mix import is_mix
 from adapters_store.store.contract import AdapterStore
@@ -19,7 +18,8 @@ from adapters_store.store.records import DEFAULT_PROMPT_FORMAT, TaskRecord
 from adapters_store.store.snapshot import TaskSnapshot
 from server.adapter_cache.cache import AdapterCache
 from server.adapter_cache.types import Adapter
-from server.errors import ApiError
+from server.infra.metrics import Metrics
+from server.registry.errors import TaskNotReady
 from server.registry.mixes import mix_prompt_format, resolve_mix
 from server.registry.ownership import can_see
 from server.registry.similar_index import RoutingIndex
@@ -29,15 +29,8 @@ BASE = "base"
 HELD_RECORDS = 4096  # records kept for serving through a store outage (a few hundred bytes each)
 
 
-class TaskNotReady(ApiError):
-    def __init__(self, task: str, status: str, job_id: str | None = None) -> None:
-        job = f"; job {job_id}" if job_id else ""
-        super().__init__(409, "task_not_ready", f"task {task!r} is not ready (status {status!r}{job})")
-        self.job_id = job_id
-
-
 class TaskRegistry:
-    def __init__(self, store: AdapterStore, cache: AdapterCache | None, metrics: Any = None, *,
+    def __init__(self, store: AdapterStore, cache: AdapterCache | None, metrics: Metrics | None = None, *,
                  isolated: bool = False) -> None:
         self.store = store
         self.isolated = isolated  # tenants see only their own and shared tasks (server/registry/ownership.py)

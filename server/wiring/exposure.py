@@ -4,7 +4,8 @@ would be open to the network), unless POLYSERVE_ALLOW_UNAUTHENTICATED=1 says it 
 from __future__ import annotations
 
 import ipaddress
-from typing import Any
+
+from server.wiring.settings import Settings
 
 
 def is_loopback(host: str) -> bool:
@@ -17,7 +18,7 @@ def is_loopback(host: str) -> bool:
         return False
 
 
-def exposure_error(host: str, settings: Any) -> str | None:
+def exposure_error(host: str, settings: Settings) -> str | None:
     """Why serving `host` with these settings is refused, or None."""
     if settings.api_keys or settings.admin_keys or settings.allow_unauthenticated or is_loopback(host):
         return None

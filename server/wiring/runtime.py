@@ -3,7 +3,7 @@
     backbone (load_backbone) -> store (install the default inventory into an empty one)
     -> RoutedModel with the inventory's skills (none: only `base` is servable)
     -> adapter cache tiers (L1, optional L2 Redis) -> task registry
-    -> engine (settings.engine: server.engines.build_engine) -> warm-up
+    -> engine (settings.engine: server.engines.factory.build_engine) -> warm-up
 """
 
 from __future__ import annotations
@@ -23,8 +23,9 @@ from server.adapter_cache.cache import AdapterCache
 from server.adapter_cache.l1 import L1Cache
 from server.adapter_cache.l2 import RedisTier
 from server.adapter_cache.signing import cache_secret
-from server.engines import Engine, build_engine
+from server.engines.base import Engine
 from server.engines.dtype import backbone_dtype, dtype_name
+from server.engines.factory import build_engine
 from server.engines.request import GenRequest, SamplingParams
 from server.infra import cpus, openmp
 from server.infra.metrics import Metrics

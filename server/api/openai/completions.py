@@ -31,6 +31,7 @@ from server.api.errors import ApiError
 from server.api.openai.format import TokenText, completion_logprobs, finish_reason, merge_completion_logprobs
 from server.api.openai.schemas import CompletionRequest
 from server.engines.request import FinalEvent, SamplingParams, TokenEvent
+from server.wiring.runtime import Runtime
 
 
 def batch_usage(finals_per_prompt: Sequence[Sequence[FinalEvent]], scoring: bool = False) -> dict[str, int]:
@@ -40,7 +41,7 @@ def batch_usage(finals_per_prompt: Sequence[Sequence[FinalEvent]], scoring: bool
     return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
 
 
-async def prepare_all(rt: Any, body: CompletionRequest, params: SamplingParams,
+async def prepare_all(rt: Runtime, body: CompletionRequest, params: SamplingParams,
                       names: dict[str, str]) -> list[generation.Call]:
     prompts = body.prompt_values()
     limit = rt.settings.max_prompts_per_request
@@ -55,7 +56,7 @@ async def prepare_all(rt: Any, body: CompletionRequest, params: SamplingParams,
     return calls
 
 
-def submit_all(rt: Any, calls: list[generation.Call]) -> None:
+def submit_all(rt: Runtime, calls: list[generation.Call]) -> None:
     """Every prompt into the engine's queue; if one is refused, the ones already queued are cancelled."""
     done: list[generation.Call] = []
     try:
@@ -134,7 +135,7 @@ def _prompt_entries(call: generation.Call, finals: Sequence[FinalEvent]) -> list
     return [None] * len(call.req.prompt_ids)
 
 
-async def respond(body: CompletionRequest, request: Request, rt: Any, params: SamplingParams,
+async def respond(body: CompletionRequest, request: Request, rt: Runtime, params: SamplingParams,
                   names: dict[str, str]) -> Any:
     scoring = body.max_tokens == 0
     calls = await prepare_all(rt, body, params, names)

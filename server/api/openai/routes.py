@@ -23,6 +23,7 @@ from typing import Any
 from fastapi import APIRouter, Request
 
 from adapters_store.backbone.prompt import strip_separator
+from adapters_store.store.records import TaskRecord
 from server.api import generation
 from server.api.api_docs import OPENAI_ERRORS, SSE_200
 from server.api.deps import ApiKey, RuntimeDep
@@ -42,6 +43,7 @@ from server.api.schemas import ModelList, ModelOut
 from server.engines.request import FinalEvent, SamplingParams
 from server.registry.tasks import BASE
 from server.tenancy import tenants
+from server.wiring.runtime import Runtime
 
 router = APIRouter(prefix="/v1", tags=["openai"], dependencies=[ApiKey])
 
@@ -49,7 +51,7 @@ COMPLETION_NAMES = {"max_new_tokens": "max_tokens", "prompt_logprobs": "echo", "
 CHAT_NAMES = {"max_new_tokens": "max_tokens", "prompt_logprobs": "messages", "task": "model"}
 
 
-def _params(rt: Any, body: CompletionRequest | ChatRequest, max_tokens: int, names: dict[str, str], *,
+def _params(rt: Runtime, body: CompletionRequest | ChatRequest, max_tokens: int, names: dict[str, str], *,
             logprobs: int | None, prompt_logprobs: int | None = None,
             response_format: tuple[str, str] | None = None) -> SamplingParams:
     return generation.sampling(
@@ -88,7 +90,7 @@ async def completions(body: CompletionRequest, request: Request, rt: RuntimeDep)
     return await openai_completions.respond(body, request, rt, params, names)
 
 
-def _render_chat(rt: Any, body: ChatRequest):
+def _render_chat(rt: Runtime, body: ChatRequest):
     def render(prompt_format: str) -> str:
         if body.model == BASE:
             return chat.render_with_template(rt.tokenizer, body.messages)
@@ -156,7 +158,7 @@ async def chat_completions(body: ChatRequest, request: Request, rt: RuntimeDep):
     return generation.stream_response(request, stream())
 
 
-def _model(rt: Any, record: Any = None) -> ModelOut:
+def _model(rt: Runtime, record: TaskRecord | None = None) -> ModelOut:
     if record is None:
         return ModelOut(id=BASE, created=int(rt.started_at), owned_by="polyserve", root=rt.backbone.name)
     return ModelOut(id=record.id, created=int(record.created_at), owned_by="polyserve", root=rt.backbone.name,

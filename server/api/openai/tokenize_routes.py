@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import asyncio
 from importlib import metadata
-from typing import Any
 
 from fastapi import APIRouter
 
@@ -32,6 +31,7 @@ from server.api.openai.tokenize_schemas import (
 )
 from server.registry.tasks import BASE
 from server.tenancy import tenants
+from server.wiring.runtime import Runtime
 
 router = APIRouter(tags=["vllm"], dependencies=[ApiKey])
 
@@ -43,7 +43,7 @@ def version() -> str:
         return "0.1.0"
 
 
-def _prompt_format(rt: Any, model: str) -> str:
+def _prompt_format(rt: Runtime, model: str) -> str:
     """The model's prompt format; 404 unless it is `base` or a servable task. Blocking."""
     tenant = tenants.current()  # someone else's task is not found
     if model != BASE:
@@ -56,13 +56,13 @@ def _prompt_format(rt: Any, model: str) -> str:
     return rt.registry.prompt_format(model, tenant)
 
 
-def _max_model_len(rt: Any) -> int:
+def _max_model_len(rt: Runtime) -> int:
     config = getattr(rt.backbone.model, "config", None)
     positions = getattr(config, "max_position_embeddings", None)
     return int(positions) if positions else rt.settings.max_prompt_tokens + rt.settings.max_new_tokens
 
 
-def _render(rt: Any, body: TokenizeChatRequest, prompt_format: str) -> str:
+def _render(rt: Runtime, body: TokenizeChatRequest, prompt_format: str) -> str:
     if body.model != BASE:
         return chat.render_for_task(body.messages, prompt_format)
     if getattr(rt.tokenizer, "chat_template", None) is None:

@@ -8,8 +8,8 @@ from fastapi import APIRouter
 
 from server.api.api_docs import ERRORS
 from server.api.deps import ApiKey, RuntimeDep, TenantKey
+from server.api.job_schemas import JobEvents, JobOut
 from server.jobs.model import Job
-from server.jobs.schemas import JobEvents, JobOut
 from server.tenancy import tenants
 
 router = APIRouter(prefix="/v1/jobs", tags=["jobs"], dependencies=[ApiKey])

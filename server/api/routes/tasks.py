@@ -7,27 +7,18 @@ import asyncio
 from fastapi import APIRouter, Request, Response
 
 from adapters_store.store.ids import RESERVED_TASK_IDS, validate_task_id
-from adapters_store.store.records import TaskRecord
 from server.api.api_docs import ERRORS
 from server.api.deps import ApiKey, RuntimeDep, SettingsDep, TenantKey, require_admin
 from server.api.errors import ApiError
+from server.api.job_schemas import JobOut, RegisterRequest
 from server.api.lora_tasks import import_lora_task
 from server.api.routes.jobs import job_out
-from server.api.schemas import TaskList, TaskOut
-from server.jobs.schemas import JobOut, RegisterRequest
+from server.api.schemas import TaskList, TaskOut, task_out
 from server.registry.tasks import BASE
 from server.tenancy import tenants
 
 router = APIRouter(prefix="/v1", tags=["tasks"], dependencies=[ApiKey])
 
-
-def task_out(record: TaskRecord) -> TaskOut:
-    return TaskOut(
-        id=record.id, status=record.status, method=record.method, version=record.version,
-        created_at=record.created_at, updated_at=record.updated_at, params=record.params, kind=record.kind,
-        inventory_version=record.inventory_version, job_id=record.job_id, error=record.error,
-        metrics=record.metrics,
-    )
 
 
 def base_out(rt) -> TaskOut:

@@ -22,11 +22,11 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any
 
 import torch
 
 from server.engines.fair import TenantCaps
+from server.wiring.settings import Settings
 
 
 @dataclass(frozen=True)
@@ -61,10 +61,10 @@ class EngineConfig:
                              "prompt chunks")
 
     @classmethod
-    def from_settings(cls, settings: Any, *, threads: int | None = None) -> EngineConfig:
+    def from_settings(cls, settings: Settings, *, threads: int | None = None) -> EngineConfig:
         """The engine the POLYSERVE_* settings describe (server/wiring/settings.py)."""
-        from server.engines import tenant_caps
         from server.engines.dtype import serving_dtype
+        from server.engines.fair import tenant_caps
         from server.wiring.settings import switch
 
         return cls(

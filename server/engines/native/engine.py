@@ -46,6 +46,7 @@ from typing import Any
 
 import torch
 
+from adapters_store.lora.inject import RoutedModel
 from server.engines.base import EngineStopped, QueueFull, check_fits
 from server.engines.fair import TenantLimit, check_caps
 from server.engines.native.config import EngineConfig
@@ -60,6 +61,7 @@ from server.engines.native.step import Item, StepBatch
 from server.engines.request import FinalEvent, FinishReason, GenRequest, TokenEvent, TokenLogprob
 from server.infra import cpus, openmp
 from server.infra.contention import ThreadGovernor
+from server.infra.metrics import Metrics
 
 log = logging.getLogger("polyserve.engine")
 
@@ -69,8 +71,8 @@ class NativeEngine:
 
     name = "native"
 
-    def __init__(self, model: torch.nn.Module, tokenizer: Any, routed_model: Any = None,
-                 config: EngineConfig | None = None, *, metrics: Any = None, runner: ModelRunner | None = None) -> None:
+    def __init__(self, model: torch.nn.Module, tokenizer: Any, routed_model: RoutedModel | None = None,
+                 config: EngineConfig | None = None, *, metrics: Metrics | None = None, runner: ModelRunner | None = None) -> None:
         cfg = self.config = config or EngineConfig()
         self.background_share = cfg.background_share
         self._serve_debt = 0.0  # seconds of serving owed before the next background slice

@@ -32,12 +32,14 @@ from collections.abc import Callable
 from concurrent.futures import Future
 from typing import Any
 
+from adapters_store.store.records import InventoryInfo
 from server.engines.base import EngineStopped, QueueFull, check_fits
 from server.engines.fair import TenantCaps, check_submit_caps
 from server.engines.request import FinalEvent, GenRequest, TokenEvent, TokenLogprob
 from server.engines.vllm.lora_dirs import LoraDirectories
 from server.engines.vllm.params import vllm_kwargs
 from server.engines.vllm.structured import structured_kwargs
+from server.infra.metrics import Metrics
 
 log = logging.getLogger("polyserve.engine.vllm")
 
@@ -63,9 +65,9 @@ class VllmEngine:
     name = "vllm"
 
     def __init__(
-        self, model_dir: str, tokenizer: Any, *, lora_root: str | None = None, inventory: Any = None,
+        self, model_dir: str, tokenizer: Any, *, lora_root: str | None = None, inventory: InventoryInfo | None = None,
         max_batch_rows: int = 32, max_batch_tokens: int = 16384, max_queue: int = 256, dtype: str = "float32",
-        metrics: Any = None, extra_args: dict[str, Any] | None = None, background_threads: int = 1,
+        metrics: Metrics | None = None, extra_args: dict[str, Any] | None = None, background_threads: int = 1,
         max_model_len: int | None = None, caps: TenantCaps | None = None,
     ) -> None:
         self.caps = caps or TenantCaps()  # per-tenant caps, applied before a request reaches vLLM (fair.py)
@@ -78,7 +80,7 @@ class VllmEngine:
         }
         if max_model_len:
             args["max_model_len"] = max_model_len
-        if self.loras is not None:
+        if self.loras is not None and inventory is not None:
             args.update(enable_lora=True, max_lora_rank=_vllm_rank(inventory.spec.rank),
                         max_loras=min(max_batch_rows, 16), max_cpu_loras=max(64, max_batch_rows))
         args.update(extra_args or {})  # POLYSERVE_VLLM_ARGS wins (tensor_parallel_size, ...)

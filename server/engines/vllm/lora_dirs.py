@@ -19,6 +19,7 @@ from typing import Any
 
 from adapters_store.interop.peft_io import write_peft_lora
 from adapters_store.lora.mix import is_mix
+from adapters_store.store.records import InventoryInfo
 
 
 def lora_int_id(name: str) -> int:
@@ -36,7 +37,7 @@ def dir_name(task: str, key: str) -> str:
 class LoraDirectories:
     """Adapter -> (name, int id, directory); remembers which ids belong to which task."""
 
-    def __init__(self, root: str | Path, info: Any, base_model: str) -> None:
+    def __init__(self, root: str | Path, info: InventoryInfo, base_model: str) -> None:
         self.root = Path(root)
         self.root.mkdir(parents=True, exist_ok=True)
         self.info, self.base_model = info, base_model
