@@ -2,7 +2,7 @@
 
 What counts as a path (``doc_paths``):
 - a token that starts with one of the repository's top-level directories and a slash
-  (``server/app.py``, ``bench/``, ``tests/test_x.py::test_y``), wherever it stands: in prose,
+  (``server/api/app.py``, ``bench/``, ``docs/history/``), wherever it stands: in prose,
   in backticks, in a command line. A token preceded by ``/``, ``.``, ``~``, ``$`` or a word
   character is not one (``/tmp/bench/x``, ``../shared/docs/x.md``, ``.venv/bin``);
 - a top-level file named as a word (``Makefile``, ``pyproject.toml``, ``docker-compose.yml``);
@@ -15,6 +15,7 @@ placeholders or patterns and are skipped. A path may name a file or a folder.
 
 from __future__ import annotations
 
+import ast
 import re
 from pathlib import Path
 
@@ -108,3 +109,37 @@ def test_a_made_up_path_is_caught(tmp_path: Path) -> None:
         encoding="utf-8",
     )
     assert missing_paths(doc) == ["nowhere.png", "server/engine/lora_plan.py"]
+
+
+# -- the same rule over the code's own docstrings ---------------------------------------------------
+
+CODE_DIRS = ("server", "adapters_store", "client", "training", "bench", "scripts", "tests")
+
+
+def docstrings(path: Path) -> list[str]:
+    """The module's, its classes' and its functions' docstrings."""
+    tree = ast.parse(path.read_text(encoding="utf-8"), str(path))
+    nodes = [tree, *(n for n in ast.walk(tree)
+                     if isinstance(n, (ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef)))]
+    return [doc for doc in (ast.get_docstring(n, clean=False) for n in nodes) if doc]
+
+
+def missing_in_docstrings(path: Path) -> list[str]:
+    named = set().union(*(doc_paths(doc) for doc in docstrings(path)))
+    return sorted(p for p in named if not (ROOT / p).exists())
+
+
+def _modules() -> list[Path]:
+    return sorted(p for d in CODE_DIRS for p in (ROOT / d).rglob("*.py"))
+
+
+def test_every_path_a_docstring_names_exists() -> None:
+    missing = {str(p.relative_to(ROOT)): m for p in _modules() if (m := missing_in_docstrings(p))}
+    assert not missing, f"docstrings name paths that do not exist: {missing}"
+
+
+def test_a_made_up_path_in_a_docstring_is_caught(tmp_path: Path) -> None:
+    module = tmp_path / "m.py"
+    module.write_text('"""Reads server/registry/tasks.py."""\n\n\nclass A:\n'
+                      '    def f(self):\n        """Then server/registry/task.py."""\n', encoding="utf-8")
+    assert missing_in_docstrings(module) == ["server/registry/task.py"]
