@@ -39,21 +39,21 @@ PACKAGES = ["adapters_store", "server"]  # copied into mutants/; training and cl
 # module -> (file, the tests relevant to it)
 MODULES: dict[str, tuple[str, list[str]]] = {
     "routing": ("adapters_store/lora/routing.py",
-                ["tests/test_routing_math.py", "tests/test_routed_model.py", "tests/test_refine.py"]),
+                ["tests/adapters_store/lora/test_routing_math.py", "tests/adapters_store/lora/test_routed_model.py", "tests/adapters_store/store/test_refine.py"]),
     "combine": ("adapters_store/lora/combine.py",
-                ["tests/test_routing_math.py", "tests/test_routed_model.py", "tests/test_slots.py",
-                 "tests/test_peft_oracle.py", "tests/test_refine.py"]),
-    "batched": ("adapters_store/lora/batched.py", ["tests/test_routing_math.py", "tests/test_routed_model.py"]),
-    "atomic": ("adapters_store/store/atomic.py", ["tests/test_store.py"]),
-    "codec": ("server/adapter_cache/codec.py", ["tests/test_cache_tiers.py"]),
+                ["tests/adapters_store/lora/test_routing_math.py", "tests/adapters_store/lora/test_routed_model.py", "tests/server/engines/test_slots.py",
+                 "tests/adapters_store/lora/test_peft_oracle.py", "tests/adapters_store/store/test_refine.py"]),
+    "batched": ("adapters_store/lora/batched.py", ["tests/adapters_store/lora/test_routing_math.py", "tests/adapters_store/lora/test_routed_model.py"]),
+    "atomic": ("adapters_store/store/atomic.py", ["tests/adapters_store/store/test_directory.py"]),
+    "codec": ("server/adapter_cache/codec.py", ["tests/integration/redis/test_cache_tiers.py"]),
     # the slot tables' unit tests and both runners against the routed model (compaction included)
-    "slot_lora": ("server/engines/native/slot_lora.py", ["tests/test_slots.py", "tests/test_model_runner.py"]),
-    "rows": ("server/engines/native/rows.py", ["tests/test_sampling_units.py", "tests/test_engine_features.py"]),
-    "isolate": ("server/engines/native/isolate.py", ["tests/test_sampling_units.py", "tests/test_engine_faults.py"]),
-    "ledger": ("server/engines/native/ledger.py", ["tests/test_sampling_units.py", "tests/test_engine_faults.py"]),
+    "slot_lora": ("server/engines/native/slot_lora.py", ["tests/server/engines/test_slots.py", "tests/server/engines/test_model_runner.py"]),
+    "rows": ("server/engines/native/rows.py", ["tests/server/engines/test_sampling_units.py", "tests/server/engines/test_engine_features.py"]),
+    "isolate": ("server/engines/native/isolate.py", ["tests/server/engines/test_sampling_units.py", "tests/server/engines/test_engine_faults.py"]),
+    "ledger": ("server/engines/native/ledger.py", ["tests/server/engines/test_sampling_units.py", "tests/server/engines/test_engine_faults.py"]),
     "runner": ("server/jobs/runner.py",
-               ["tests/test_jobs_runner.py", "tests/test_jobs_bounds.py", "tests/test_jobs_service.py",
-                "tests/test_jobs_lease.py"]),
+               ["tests/server/jobs/test_jobs_runner.py", "tests/server/jobs/test_jobs_bounds.py", "tests/server/jobs/test_jobs_service.py",
+                "tests/server/jobs/test_jobs_lease.py"]),
 }
 
 # mutmut's exit codes (mutmut/stats.py): what a mutant's result means

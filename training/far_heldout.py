@@ -5,7 +5,7 @@ nearest training task of the reference suite (REFERENCE_PAIRS/TRIPLES) agrees wi
 half of all random inputs. FAR_HELDOUT are compositions on which its nearest agrees on at most FAR_BOUND
 of the fixed random inputs `agreement_inputs()`: a model can only get them right by composing
 skills anew. scripts/far_heldout.py chose them (its docstring says how) and prints the figures;
-tests/test_far_heldout.py fails if one of them enters the training suite or the bound stops holding.
+tests/training/test_far_heldout.py fails if one of them enters the training suite or the bound stops holding.
 
 Agreement of two tasks = the share of inputs on which their outputs are equal (exact match).
 """

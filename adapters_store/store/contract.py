@@ -16,7 +16,7 @@ job's settle does, retrieval's choice of rows, job retention. A backend supplies
     _queue_*             the fleet's job queue with leases (adapters_store.store.job_queue says what
                          they mean; PostgreSQL claims with FOR UPDATE SKIP LOCKED)
 
-tests/test_store_contract.py runs the same suite against both backends.
+tests/adapters_store/store/test_contract.py runs the same suite against both backends.
 """
 
 from __future__ import annotations

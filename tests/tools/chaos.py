@@ -132,7 +132,7 @@ def start_redis(port: int) -> subprocess.Popen:
 @contextmanager
 def server(backbone: str, redis_url: str | None = None, **env: str) -> Iterator[tuple[str, subprocess.Popen]]:
     with tempfile.TemporaryDirectory(prefix="polyserve-chaos-") as tmp:
-        from tests.server_fixtures import build_store
+        from tests.support.server_fixtures import build_store
 
         if backbone == "tiny":
             build_store(Path(tmp) / "store")

@@ -8,7 +8,7 @@ Without --url it starts polyserve in this process on a free loopback port: tiny 
 a random skill inventory with four tasks, API and admin keys set (so the auth checks run), small
 limits so that generations stay short. It prints one JSON line: the exit status of schemathesis,
 the number of requests it sent, and its failures; the exit code is schemathesis's (0 = nothing
-found). `run_fuzz()` is the same as a function (tests/test_fuzz_api.py, tests/tools/chaos.py).
+found). `run_fuzz()` is the same as a function (tests/server/api/test_fuzz_api.py, tests/tools/chaos.py).
 """
 
 from __future__ import annotations
@@ -33,7 +33,7 @@ CONFIG = Path(__file__).with_name("schemathesis.toml")
 @contextmanager
 def local_server(root: Path) -> Iterator[str]:
     """polyserve on the tiny backbone with a random inventory; yields its URL."""
-    from tests.server_fixtures import build_store, live_server, settings_for, tiny_backbone
+    from tests.support.server_fixtures import build_store, live_server, settings_for, tiny_backbone
 
     build_store(root / "store")
     settings = settings_for(root, api_keys=[KEY], admin_keys=[ADMIN_KEY], max_new_tokens=16,

@@ -1,0 +1,143 @@
+"""The engine's team size follows what the CPUs give it (server/infra/contention.py): all threads alone,
+one while other processes hold the CPUs, back to all when they leave; driven by a fake clock,
+fake schedstat waits and a fake loadavg running count."""
+
+from __future__ import annotations
+
+import itertools
+from pathlib import Path
+
+import pytest
+import torch
+
+from server.infra import contention
+from server.infra.contention import PROBE_S, WINDOW_S, ThreadGovernor
+
+
+class Host:
+    """A fake host: time, the process's summed runnable-wait nanoseconds, runnable threads."""
+
+    def __init__(self) -> None:
+        self.t = 0.0
+        self.wait_ns = 0
+        self.running = 1
+
+    def gov(self, max_threads: int = 2, usable: float = 2.0) -> ThreadGovernor:
+        return ThreadGovernor(max_threads, usable, clock=lambda: self.t, wait_ns=lambda: self.wait_ns,
+                              runnable=lambda: self.running)
+
+    def run(self, gov: ThreadGovernor, seconds: float, *, wait_per_s: float = 0.0, steps_per_s: int = 40) -> list[int]:
+        """Steps for `seconds`, the process waiting wait_per_s runnable seconds each second."""
+        out = []
+        for _ in range(int(seconds * steps_per_s)):
+            self.t += 1 / steps_per_s
+            self.wait_ns += int(wait_per_s / steps_per_s * 1e9)
+            out.append(gov.threads())
+        return out
+
+
+def test_alone_the_team_stays_whole():
+    host = Host()
+    gov = host.gov()
+    assert set(host.run(gov, 5, wait_per_s=0.02)) == {2}
+    assert gov.switches == 0
+
+
+def test_contention_drops_to_one_thread_within_a_window_and_recovers_when_it_ends():
+    host = Host()
+    gov = host.gov()
+    host.run(gov, 1)
+    host.running = 4  # this thread + 3 busy processes, each waiting for a CPU
+    seen = host.run(gov, 2 * WINDOW_S, wait_per_s=0.9)
+    assert seen[-1] == 1
+    assert seen.index(1) <= int(2 * WINDOW_S * 40)
+    host.running = 1  # they ended: the other CPU is free
+    seen = host.run(gov, 2 * WINDOW_S)
+    assert seen[-1] == 2
+
+
+def test_niced_load_counts_as_runnable_but_probes_bring_the_team_back():
+    """Low-priority work shows in loadavg's running count but leaves the team's waits near zero:
+    a probe finds that and stays at full size."""
+    host = Host()
+    gov = host.gov()
+    host.running = 3
+    host.run(gov, 1, wait_per_s=0.9)  # a burst of real contention: down to one
+    assert gov.current == 1
+    seen = host.run(gov, PROBE_S + 2 * WINDOW_S, wait_per_s=0.01)  # only niced work left
+    assert seen[-1] == 2
+    assert set(host.run(gov, 5, wait_per_s=0.01)) == {2}
+
+
+def test_probes_back_off_while_the_cpus_stay_taken():
+    host = Host()
+    gov = host.gov()
+    host.running = 7
+    seen = host.run(gov, 60, wait_per_s=1.5)
+    probes = sum(1 for a, b in itertools.pairwise(seen) if (a, b) == (1, 2))
+    # at 2, 4, 8, 16, 32 s after the first drop: 5 probes in a minute, not 30
+    assert 3 <= probes <= 6
+    assert seen.count(2) / len(seen) < 0.05
+
+
+def test_one_thread_configured_means_one_thread():
+    host = Host()
+    host.running = 1
+    gov = host.gov(max_threads=1, usable=1.0)
+    assert set(host.run(gov, 2, wait_per_s=0.9)) == {1}
+
+
+def test_the_readers_on_this_kernel():
+    wait = contention.process_wait_ns()
+    running = contention.runnable_threads()
+    if wait is None:
+        pytest.skip("no schedstat on this kernel")
+    assert wait >= 0 and running is not None and running >= 1
+
+
+def test_the_readers_on_fake_files(tmp_path: Path):
+    for tid, line in (("10", "500 7000 3"), ("11", "20 300 1"), ("12", "garbage")):
+        (tmp_path / "task" / tid).mkdir(parents=True)
+        (tmp_path / "task" / tid / "schedstat").write_text(line + "\n")
+    assert contention.process_wait_ns(tmp_path / "task") == 7300
+    (tmp_path / "loadavg").write_text("4.50 3.56 1.74 3/157 11979\n")
+    assert contention.runnable_threads(tmp_path / "loadavg") == 3
+
+
+def test_the_engine_runs_each_step_on_the_governors_team(monkeypatch, tiny_base, tokenizer):
+    """The engine thread's torch count is the one the governor gave before the step: a
+    governor saying 1 under a configured 2 runs every step on one thread."""
+    from server.engines.native import engine as engine_mod
+    from server.engines.native.config import EngineConfig
+    from server.engines.native.engine import NativeEngine
+    from server.engines.request import GenRequest, SamplingParams
+    from tests.support.engine_utils import wait_all
+
+    seen: list[int] = []
+    real_step = NativeEngine.step
+
+    def step(self):
+        seen.append(torch.get_num_threads())
+        real_step(self)
+
+    class SaysOne:
+        current = 1
+
+        def __init__(self, max_threads: int, usable: float) -> None:
+            assert max_threads == 2
+            self.steps_at: dict[int, int] = {}
+
+        def threads(self) -> int:
+            return self.current
+
+    monkeypatch.setattr(engine_mod, "ThreadGovernor", SaysOne)
+    monkeypatch.setattr(NativeEngine, "step", step)
+    eng = NativeEngine(tiny_base, tokenizer, config=EngineConfig(threads=2))
+    eng.start()
+    try:
+        req = eng.submit(GenRequest(tokenizer("hello", add_special_tokens=False).input_ids,
+                                    SamplingParams(max_new_tokens=4, ignore_eos=True)))
+        wait_all([req])
+    finally:
+        eng.stop()
+    assert seen and set(seen) == {1}

@@ -1,0 +1,113 @@
+"""The open vocabulary (training/vocab.py): held-out words never reach a training input."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import random
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from training.suite import build_suite, examples
+from training.trainer import NAMED_SUITES, suite_tasks
+from training.vocab import (
+    LEGACY_WORDS,
+    VOCABS,
+    draw_word,
+    english_words,
+    heldout_words,
+    is_heldout_word,
+    train_words,
+)
+
+ROOT = Path(__file__).resolve().parents[2]
+# The held-out English words, pinned: a change of the word list or of the split rule changes what
+# "held-out" means for every figure measured on it, so it must be a deliberate change of this test.
+HELDOUT_COUNT, HELDOUT_SHA256 = 1858, "59e40f3fac173a1e"
+
+
+def words_of(text: str) -> list[str]:
+    return [t for t in text.split() if not t.isdigit()]
+
+
+def test_the_held_out_word_list_is_pinned_and_disjoint_from_the_training_words():
+    held, train = heldout_words(), train_words()
+    assert len(held) == HELDOUT_COUNT
+    assert hashlib.sha256("\n".join(held).encode()).hexdigest()[:16] == HELDOUT_SHA256
+    assert not set(held) & set(train)
+    assert set(held) | set(train) == set(english_words())
+    assert len(english_words()) > 5000  # thousands of words, not a lookup table
+    assert set(LEGACY_WORDS) <= set(train)  # the old inventory saw them: they can never be "held out"
+
+
+def test_every_training_suite_input_is_free_of_held_out_and_made_up_held_out_words():
+    """The leak test: the named suite and the wide suite's JSONL (scripts/wide_suite.py) draw
+    training inputs from the training side only."""
+    seen = 0
+    for exs in suite_tasks("procedural", 60, seed=0).values():
+        for ex in exs:
+            for w in words_of(ex.input):
+                assert not is_heldout_word(w), (ex.task, ex.input)
+                seen += 1
+    assert seen > 48 * 60  # every task drew words
+    for task in build_suite(0, n_pairs=(103, 8), n_triples=(381, 8)).train_tasks[::25]:
+        for ex in examples(task, 40, seed=0, split="train", vocab="train"):
+            assert not any(is_heldout_word(w) for w in words_of(ex.input)), (ex.task, ex.input)
+
+
+def test_the_wide_suite_script_writes_no_held_out_word(tmp_path):
+    out = tmp_path / "suite.jsonl"
+    subprocess.run([sys.executable, "-m", "scripts.wide_suite", "--pairs", "20", "--triples", "12",
+                    "--examples-per-task", "30", "--out", str(out)], cwd=ROOT, check=True, capture_output=True)
+    rows = [json.loads(line) for line in out.read_text().splitlines()]
+    assert len(rows) == 48 * 30
+    assert not [r["input"] for r in rows if any(is_heldout_word(w) for w in words_of(r["input"]))]
+    assert len({w for r in rows for w in words_of(r["input"])} - set(LEGACY_WORDS)) > 300
+
+
+@pytest.mark.parametrize("vocab", ["heldout", "madeup"])
+def test_held_out_vocabularies_draw_only_held_out_strings(vocab):
+    task = build_suite(0).heldout_tasks[0]
+    words = [w for ex in examples(task, 100, seed=0, split="test", vocab=vocab) for w in words_of(ex.input)]
+    assert words and all(is_heldout_word(w) for w in words)
+    english = set(english_words())
+    if vocab == "heldout":
+        assert set(words) <= set(heldout_words())
+    else:
+        assert not set(words) & english  # made-up strings are no English word of the list
+
+
+def test_training_draws_mix_english_and_made_up_strings_and_legacy_keeps_its_24_words():
+    rng = random.Random(0)
+    drawn = [draw_word(rng, "train") for _ in range(2000)]
+    english = set(english_words())
+    made_up = [w for w in drawn if w not in english]
+    assert 0.2 < len(made_up) / len(drawn) < 0.4
+    assert {draw_word(rng, "legacy") for _ in range(500)} == set(LEGACY_WORDS)
+    with pytest.raises(ValueError, match="vocab"):
+        draw_word(rng, "klingon")
+    with pytest.raises(ValueError, match="vocab"):
+        examples(build_suite(0).train_tasks[0], 1, seed=0, vocab="klingon")
+
+
+def test_the_legacy_vocabulary_reproduces_the_first_suites_examples():
+    """Older figures stay comparable: the same inputs as before the open vocabulary (pinned)."""
+    exs = examples(build_suite(0).heldout_tasks[0], 3, seed=1000, split="train", vocab="legacy")
+    assert all(set(words_of(e.input)) <= set(LEGACY_WORDS) for e in exs)
+    digest = hashlib.sha256(json.dumps([(e.input, e.output) for e in exs]).encode()).hexdigest()[:16]
+    assert digest == LEGACY_DIGEST
+
+
+def test_named_suites():
+    assert set(NAMED_SUITES) == {"procedural", "procedural24"} and set(NAMED_SUITES.values()) <= set(VOCABS)
+    legacy = suite_tasks("procedural24", 20, seed=0)
+    assert all(set(words_of(e.input)) <= set(LEGACY_WORDS) for exs in legacy.values() for e in exs)
+    open_ = suite_tasks("procedural", 20, seed=0)
+    assert legacy.keys() == open_.keys() and len(legacy) == 48
+    assert {w for exs in open_.values() for e in exs for w in words_of(e.input)} - set(LEGACY_WORDS)
+
+
+LEGACY_DIGEST = "af21d4e8de2762d2"  # computed with the suite before the open vocabulary
