@@ -1,6 +1,6 @@
 """The store contract, run against every backend: the directory store and the PostgreSQL store
 (a fresh database on the real server per test). Backend-specific behaviour (files, fcntl, temp
-sweeps; schema migrations) is tested in test_store.py and test_pg_store.py."""
+sweeps; schema migrations) is tested in test_directory.py and tests/integration/postgres/test_pg_store.py."""
 
 from __future__ import annotations
 

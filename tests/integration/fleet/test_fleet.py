@@ -111,7 +111,7 @@ def test_delete_through_b_while_a_worker_commits(fleet):
     task = "delete-race"
     with procs["a"].client() as a, procs["b"].client() as b, psycopg.connect(dsn, autocommit=True) as lock:
         job = a.post("/v1/tasks", json={"task": task, "examples": ONE, "steps": 200}).json()
-        lock.execute("SELECT pg_advisory_lock(7301, hashtext(%s))", (task,))  # pg_store's _NS_DECIDE
+        lock.execute("SELECT pg_advisory_lock(7301, hashtext(%s))", (task,))  # the PostgreSQL store's _NS_DECIDE
         answer: dict = {}
         deleter = threading.Thread(target=lambda: answer.setdefault("r", b.delete(f"/v1/tasks/{task}")))
         deleter.start()
