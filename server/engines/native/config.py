@@ -25,8 +25,9 @@ from dataclasses import dataclass, field
 
 import torch
 
-from server.engines.fair import TenantCaps
-from server.wiring.settings import Settings
+from server.engines.dtype import serving_dtype
+from server.engines.fair import TenantCaps, tenant_caps
+from server.wiring.settings import Settings, switch
 
 
 @dataclass(frozen=True)
@@ -63,10 +64,6 @@ class EngineConfig:
     @classmethod
     def from_settings(cls, settings: Settings, *, threads: int | None = None) -> EngineConfig:
         """The engine the POLYSERVE_* settings describe (server/wiring/settings.py)."""
-        from server.engines.dtype import serving_dtype
-        from server.engines.fair import tenant_caps
-        from server.wiring.settings import switch
-
         return cls(
             max_batch_rows=settings.max_batch_rows, max_batch_tokens=settings.max_batch_tokens,
             max_prefill_rows=settings.max_prefill_rows, max_queue=settings.max_queue,
