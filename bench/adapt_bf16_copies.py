@@ -14,6 +14,7 @@ import server  # noqa: F401  (before torch: OpenMP spin defaults, server/infra/o
 # isort: split
 from bench.adaptation_setup import load, parser, run_to_end
 from training.adapt import Adaptation
+from training.adapt_config import AdaptConfig
 
 
 def main() -> None:
@@ -21,7 +22,8 @@ def main() -> None:
     times: dict[bool, list[float]] = {False: [], True: []}
     for _ in range(s.args.rounds):
         for copies in (False, True):
-            job = Adaptation(s.rm, s.info, s.skills, s.few, s.tokenizer, method="routing", seed=0, autocast="bf16")
+            config = AdaptConfig(method="routing", seed=0, autocast="bf16")
+            job = Adaptation(s.rm, s.info, s.skills, s.few, s.tokenizer, config)
             job._bf16_weights.enabled = copies
             times[copies].append(run_to_end(job))
             print(f"{'bf16 copies' if copies else 'casts':12s} {times[copies][-1]:6.2f} s  eval loss "

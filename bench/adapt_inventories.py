@@ -22,6 +22,7 @@ import server  # noqa: F401  (before torch: OpenMP spin defaults, server/infra/o
 from adapters_store.store.directory import DirectoryStore
 from bench.adaptation_setup import load, parser, run_to_end
 from training.adapt import Adaptation
+from training.adapt_config import AdaptConfig
 from training.retrieve import MAX_CANDIDATES, Retrieval
 
 
@@ -49,7 +50,7 @@ def main() -> None:
             run_to_end(retrieval)
             retrieved = time.perf_counter() - started
             job = Adaptation(s.rm, info, skills_f32, s.few, s.tokenizer,
-                             method="routing", seed=0, autocast=args.autocast,
+                             AdaptConfig(method="routing", seed=0, autocast=args.autocast),
                              init_row=retrieval.result().tensors["logits"])
             adapted = run_to_end(job)
             m = job.result().metrics

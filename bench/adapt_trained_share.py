@@ -18,6 +18,7 @@ import server  # noqa: F401  (before torch: OpenMP spin defaults, server/infra/o
 # isort: split
 from bench.adaptation_setup import load, parser, run_to_end
 from training.adapt import Adaptation
+from training.adapt_config import AdaptConfig
 from training.retrieve import retrieve
 
 
@@ -33,8 +34,8 @@ def main() -> None:
     times: dict[tuple[float, int], list[float]] = {s: [] for s in settings}
     for _ in range(args.rounds):
         for share, steps in settings:
-            job = Adaptation(s.rm, s.info, s.skills, s.few, s.tokenizer, method="routing", steps=steps, seed=0,
-                             autocast=args.autocast, init_row=init, trained_share=share)
+            config = AdaptConfig(method="routing", steps=steps, seed=0, autocast=args.autocast, trained_share=share)
+            job = Adaptation(s.rm, s.info, s.skills, s.few, s.tokenizer, config, init_row=init)
             times[(share, steps)].append(run_to_end(job))
             m = job.result().metrics
             print(f"share {share:4.2f} steps {steps:3d}  {times[(share, steps)][-1]:6.2f} s  eval loss "

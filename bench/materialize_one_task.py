@@ -28,6 +28,7 @@ from adapters_store.lora.inject import RoutedModel
 from adapters_store.lora.routing import eval_weights
 from bench.adaptation_setup import load, parser, run_to_end
 from training.adapt import Adaptation
+from training.adapt_config import AdaptConfig
 
 STACKED = RoutedModel._materialize_one
 
@@ -66,7 +67,8 @@ def main() -> None:
             combine[name].append(combine_ms(rm, 10))
         for name in order:
             RoutedModel._materialize_one = PATHS[name]  # type: ignore[method-assign]
-            job = Adaptation(rm, s.info, s.skills, s.few, s.tokenizer, method="routing", seed=0, autocast=args.autocast)
+            config = AdaptConfig(method="routing", seed=0, autocast=args.autocast)
+            job = Adaptation(rm, s.info, s.skills, s.few, s.tokenizer, config)
             adapt[name].append(run_to_end(job))
             print(f"{name:9s} combine + backward {combine[name][-1]:6.1f} ms   adaptation {adapt[name][-1]:6.2f} s  "
                   f"eval loss {job.result().metrics['eval_loss']!r}", flush=True)

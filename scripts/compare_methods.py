@@ -56,7 +56,7 @@ def main() -> None:
     ap.add_argument("--max-steps", type=int, default=None,
                     help="go on past --steps while the held-out loss still falls, up to this many (routing)")
     ap.add_argument("--lr", type=float, default=None)
-    ap.add_argument("--batch-size", type=int, default=None, help="default: the method's (training.adapt.DEFAULTS)")
+    ap.add_argument("--batch-size", type=int, default=None, help="default: the method's (training.adapt_config.DEFAULTS)")
     ap.add_argument("--eval-every", type=int, default=5)
     ap.add_argument("--patience", type=int, default=3)
     ap.add_argument("--holdout", type=float, default=0.25,
@@ -76,6 +76,7 @@ def main() -> None:
     from adapters_store.store.directory import DirectoryStore
     from adapters_store.store.materialize import mu_weights, task_layers
     from training.adapt import adapt
+    from training.adapt_config import AdaptConfig
     from training.arrow import arrow_score_rows
     from training.batching import FEW_SHOT_MAX_LENGTH
     from training.bigbench import load_cache
@@ -156,13 +157,13 @@ def main() -> None:
                         res = retrieve(rm, info, {n: r for n, r in candidates.items() if n != name}, few,
                                        bb.tokenizer, seed=seed, autocast=args.autocast, max_length=max_length)
                     if method == "routing-r":
-                        res = adapt(rm, info, skills, few, bb.tokenizer, method="routing", steps=args.steps,
-                                    seed=seed, init_row=res.tensors["logits"], trained_share=args.trained_share,
-                                    **recipe)
+                        config = AdaptConfig(method="routing", steps=args.steps, seed=seed,
+                                             trained_share=args.trained_share, **recipe)
+                        res = adapt(rm, info, skills, few, bb.tokenizer, config, init_row=res.tensors["logits"])
                     elif method not in ("retrieve", "mix"):
                         share = {"trained_share": args.trained_share} if method == "routing" else {}
-                        res = adapt(rm, info, skills, few, bb.tokenizer, method=method, steps=args.steps, seed=seed,
-                                    **share, **recipe)
+                        config = AdaptConfig(method=method, steps=args.steps, seed=seed, **share, **recipe)
+                        res = adapt(rm, info, skills, few, bb.tokenizer, config)
                     layers, params, metrics = task_layers(info, skills, res.kind, res.tensors), res.params, res.metrics
                     # as a server stores it: a routing row in float32, a LoRA in the skills' dtype
                     stored = sum(t.numel() * (4 if res.kind == "routing" else store_itemsize)

@@ -15,6 +15,7 @@ import itertools
 from adapters_store.store.materialize import task_layers
 from bench.adaptation_setup import load, parser
 from training.adapt import adapt
+from training.adapt_config import AdaptConfig
 from training.evaluate import exact, generate
 from training.retrieve import MAX_CANDIDATES, retrieve
 from training.suite import TaskSpec, examples, parse_task
@@ -31,8 +32,8 @@ def main() -> None:
         test = examples(task, 16, seed=0, split="test")
         library = s.store.routing_rows(limit=MAX_CANDIDATES, exclude=name)  # what a registration retrieves from
         found = retrieve(s.rm, s.info, library, few, s.tokenizer, autocast=s.args.autocast)
-        res = adapt(s.rm, s.info, s.skills, few, s.tokenizer, method="routing", init_row=found.tensors["logits"],
-                    autocast=s.args.autocast)
+        res = adapt(s.rm, s.info, s.skills, few, s.tokenizer, AdaptConfig(method="routing", autocast=s.args.autocast),
+                    init_row=found.tensors["logits"])
         preds = generate(s.rm, task_layers(s.info, s.skills, res.kind, res.tensors), s.tokenizer,
                          [ex.input for ex in test], max_new_tokens=40)
         alternatives = [TaskSpec(".".join(p), p) for k in range(1, len(task.primitives) + 1)

@@ -19,7 +19,8 @@ copies. Methods (what is trained -> what is stored):
               differentiably every step
 
 Part of the examples is held out; the held-out loss is measured every `eval_every` steps and
-the best-so-far tensors are kept (early stopping with `patience` evaluations).
+the best-so-far tensors are kept (early stopping with `patience` evaluations). The
+hyper-parameters come in one AdaptConfig (training/adapt_config.py), checked when it is made.
 """
 
 from __future__ import annotations
@@ -37,27 +38,15 @@ from adapters_store.lora.combine import materialize_many
 from adapters_store.lora.inject import RoutedModel
 from adapters_store.store.materialize import layers_from_weights, mu_weights
 from adapters_store.store.records import InventoryInfo
-from training.batching import FEW_SHOT_MAX_LENGTH, collate, encode_all
+from training.adapt_config import AdaptConfig
+from training.batching import collate, encode_all
 from training.data import Example, split_examples
 from training.loss import per_example_loss, target_logits, token_loss
 from training.precision import FrozenBf16Weights, resolve_autocast
 from training.routing_table import INIT, row_weights
 
-ADAPT_METHODS = ("routing", "mu", "full", "plain-lora")
 #: Methods whose trained tensors are one LoRA per linear (A (1, d_in, r), B (1, r, d_out)).
 _SINGLE_LORA = ("mu", "plain-lora")
-# Routing: batches of 4 at lr 0.3 from a sweep on held-out compositions: smaller batches and more
-# steps beat larger ones at the same examples seen and cost; a higher lr lowered the loss but lost
-# exact match. 15 steps: within about one seed's spread of 30 steps' exact match at about half the
-# time, which keeps a registration through the server within its time budget on the 2-core hosts measured
-# (docs/RESULTS.md; docs/history/registration-recipes.md). mu / full: chosen on a training task of
-# the suite (never a held-out one).
-DEFAULTS: dict[str, dict[str, float]] = {
-    "routing": {"steps": 15, "lr": 0.3, "batch_size": 4},
-    "mu": {"steps": 40, "lr": 3e-3, "batch_size": 8},
-    "full": {"steps": 40, "lr": 1e-3, "batch_size": 8},  # lr of the skills' copy; its routing row uses FULL_ROW_LR
-    "plain-lora": {"steps": 40, "lr": 3e-3, "batch_size": 8},  # mu's budget: a baseline, not a registration path
-}
 FULL_ROW_LR = 0.1
 
 
@@ -82,62 +71,39 @@ class Adaptation:
         skills: dict[str, torch.Tensor],
         examples: list[Example],
         tokenizer: Any,
-        method: str = "routing",
-        steps: int | None = None,
-        seed: int = 0,
-        batch_size: int | None = None,
-        lr: float | None = None,
-        holdout_fraction: float = 0.25,
-        progress: Callable[[dict], None] | None = None,
+        config: AdaptConfig | None = None,
         *,
-        eval_every: int = 5,
-        patience: int = 3,
-        max_length: int = FEW_SHOT_MAX_LENGTH,
-        autocast: bool | str | None = None,
+        progress: Callable[[dict], None] | None = None,
         init_row: torch.Tensor | None = None,
-        trained_share: float = 1.0,
-        max_steps: int | None = None,
     ) -> None:
-        if method not in ADAPT_METHODS:
-            raise ValueError(f"method must be one of {'|'.join(ADAPT_METHODS)}, got {method!r}")
+        config = config if config is not None else AdaptConfig()
         if not examples:
             raise ValueError("adaptation needs at least one example")
         if tuple(rm.names) != tuple(info.layer_names):
             raise ValueError("the RoutedModel's layers do not match the inventory's")
-        self.rm, self.info, self.method, self.tokenizer = rm, info, method, tokenizer
-        self.steps = int(steps if steps is not None else DEFAULTS[method]["steps"])
-        if self.steps < 0:
-            raise ValueError(f"steps must be >= 0, got {steps}")
-        # early stopping both ways: past `steps`, training goes on `eval_every` steps at a time while
-        # the latest held-out loss is the best so far, up to `max_steps`
-        self.max_steps = self.steps if max_steps is None else int(max_steps)
-        if self.max_steps < self.steps:
-            raise ValueError(f"max_steps must be >= steps ({self.steps}), got {max_steps}")
+        method = config.method
+        self.config, self.rm, self.info, self.method, self.tokenizer = config, rm, info, method, tokenizer
+        self.steps, self.max_steps = config.resolved_steps, config.resolved_max_steps
         self.warmup = max(1, self.steps // 10)
-        self.lr = float(lr if lr is not None else DEFAULTS[method]["lr"])
-        self.progress, self.eval_every, self.patience = progress, max(1, eval_every), patience
-        train, held = split_examples(list(examples), holdout_fraction, seed)
+        self.lr = config.resolved_lr
+        self.progress, self.eval_every, self.patience = progress, max(1, config.eval_every), config.patience
+        train, held = split_examples(list(examples), config.holdout_fraction, config.seed)
         self.n_train, self.n_held = len(train), len(held)
-        self.train = encode_all(tokenizer, train, max_length)
-        self.held = encode_all(tokenizer, held, max_length)
-        batch_size = int(batch_size if batch_size is not None else DEFAULTS[method]["batch_size"])
-        self.batch_size = max(1, min(batch_size, len(self.train)))
+        self.train = encode_all(tokenizer, train, config.max_length)
+        self.held = encode_all(tokenizer, held, config.max_length)
+        self.batch_size = max(1, min(config.resolved_batch_size, len(self.train)))
         self.pad = int(tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id)
-        self.rng = random.Random(seed)
+        self.rng = random.Random(config.seed)
         self.order: list[int] = []
-        gen = torch.Generator().manual_seed(seed)
+        gen = torch.Generator().manual_seed(config.seed)
         self.device = rm.layers[0].lora_A.device
-        self.autocast = resolve_autocast(autocast, self.device)  # None = bf16 only where it is fast
+        self.autocast = resolve_autocast(config.autocast, self.device)  # None = bf16 only where it is fast
         self._bf16_weights = FrozenBf16Weights(rm.model, self.autocast)  # no per-forward weight casts
         L, h, S = len(info.layer_names), info.spec.n_heads, info.spec.n_skills
         self.hyper = info.spec.routing == "hyper"
-        if not 0.0 < trained_share <= 1.0:
-            raise ValueError(f"trained_share must be in (0, 1], got {trained_share}")
-        if trained_share < 1.0 and method != "routing":
-            raise ValueError("trained_share < 1 applies to the routing method only")
         # the top `trained_share` of the adapted linears train their routing; the ones below keep
         # the initial row (retrieved, or μ) and a backward pass stops at the first trained one
-        self.frozen_layers = L - max(1, round(L * trained_share))
+        self.frozen_layers = L - max(1, round(L * config.trained_share))
 
         self.row: torch.Tensor | None = None
         self.A: list[torch.Tensor] = []
@@ -363,13 +329,13 @@ def adapt(
     skills: dict[str, torch.Tensor],
     examples: list[Example],
     tokenizer: Any,
-    method: str = "routing",
-    steps: int | None = None,
-    seed: int = 0,
-    **kwargs: Any,
+    config: AdaptConfig | None = None,
+    *,
+    progress: Callable[[dict], None] | None = None,
+    init_row: torch.Tensor | None = None,
 ) -> AdaptResult:
     """Run an Adaptation to the end and return its result."""
-    job = Adaptation(rm, info, skills, examples, tokenizer, method=method, steps=steps, seed=seed, **kwargs)
+    job = Adaptation(rm, info, skills, examples, tokenizer, config, progress=progress, init_row=init_row)
     while job.step():
         pass
     return job.result()

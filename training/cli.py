@@ -180,6 +180,7 @@ def adapt(task, examples_file, method, init, steps, lr, batch_size, seed, store_
     _threads(threads)
     from adapters_store.store.ids import validate_new_task_id
     from training.adapt import Adaptation
+    from training.adapt_config import AdaptConfig
     from training.data import DataError, load_jsonl
     from training.retrieve import MAX_CANDIDATES, Retrieval, RetrievedAdaptation
 
@@ -202,8 +203,8 @@ def adapt(task, examples_file, method, init, steps, lr, batch_size, seed, store_
         bar.refresh()
 
     def adaptation(init_row=None):
-        return Adaptation(rm, info, skills, examples, bb.tokenizer, method=method, steps=steps, seed=seed,
-                          batch_size=batch_size, lr=lr, progress=progress, init_row=init_row)
+        config = AdaptConfig(method=method, steps=steps, seed=seed, batch_size=batch_size, lr=lr)
+        return Adaptation(rm, info, skills, examples, bb.tokenizer, config, progress=progress, init_row=init_row)
 
     candidates = store.routing_rows(limit=MAX_CANDIDATES, exclude=task) \
         if method == "retrieve" or (method == "routing" and init == "retrieve") else {}

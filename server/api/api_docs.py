@@ -223,7 +223,7 @@ def install(app: FastAPI, settings: Settings) -> None:
         runtime = getattr(app.state, "runtime", None)
         if runtime is None:  # the vocabulary is not known yet: not cached
             return doc
-        from server.api.generation import vocab_size
+        from server.api.validation import vocab_size
 
         schemas = doc.get("components", {}).get("schemas", {})
         _vocab_bound(schemas, vocab_size(runtime))

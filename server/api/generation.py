@@ -1,8 +1,8 @@
 """Shared request path of every generating endpoint (polyserve's own and OpenAI's):
 
     prepare:  resolve the task's adapter (cache tiers) + render + tokenise, off the event loop;
-              limits -> 413 / context_length_exceeded (prompt), 422 (max tokens, n, stop,
-              logit_bias), 404/409 (task); starts the request's deadline
+              limits (server/api/validation.py) -> 413 / context_length_exceeded (prompt), 422
+              (max tokens, n, stop, logit_bias), 404/409 (task); starts the request's deadline
     submit:   into the engine's bounded queue -> 429 with Retry-After when full; an engine that
               refuses a sampling field (ValueError "field: ...") -> 400 naming the request field
     collect:  await every choice's final event; a client that disconnects cancels the row
@@ -27,9 +27,8 @@ from typing import Any
 from fastapi.responses import StreamingResponse
 from starlette.requests import Request
 
-from adapters_store.lora.mix import MixError
-from adapters_store.store.errors import TaskNotFound
 from server.api.errors import ApiError, api_error, error_payload
+from server.api.validation import check_prompt_ids, check_rendered, check_sampling, task_errors, vocab_size
 from server.engines.base import EngineStopped, QueueFull
 from server.engines.fair import TenantLimit
 from server.engines.request import (
@@ -69,11 +68,6 @@ class Choice:
     final: FinalEvent | None = None
 
 
-def vocab_size(rt: Runtime) -> int:
-    config = getattr(rt.backbone.model, "config", None)
-    return int(getattr(config, "vocab_size", 0) or len(rt.tokenizer))
-
-
 def engine_param(err: ValueError, names: dict[str, str]) -> str | None:
     """The request field an engine's ValueError is about: its `param` attribute, else a leading
     SamplingParams field name ("n: not supported ..."), mapped to the route's field name."""
@@ -98,100 +92,39 @@ async def prepare(
     id_prefix: str = "gen", names: dict[str, str] | None = None, prompt_field: str = "prompt",
     special_tokens: bool = True,
 ) -> Call:
-    """Validate against the limits, resolve the adapter, render (given the task's prompt format)
-    and tokenise; returns an unsubmitted request. special_tokens: add the tokenizer's own specials
-    (BOS...) as its config says, the way training encodes prompts; False for chat templates,
-    which carry their own."""
+    """Validate against the limits (server/api/validation.py), resolve the adapter, render (given
+    the task's prompt format) and tokenise; returns an unsubmitted request. special_tokens: add the
+    tokenizer's own specials (BOS...) as its config says, the way training encodes prompts; False
+    for chat templates, which carry their own."""
     loop = asyncio.get_running_loop()
     s = rt.settings
     deadline = loop.time() + s.request_timeout_seconds
     names = names or {}
-    tokens_field = names.get("max_new_tokens", "max_new_tokens")
-    if params.max_new_tokens > s.max_new_tokens:
-        raise ApiError(422, "validation_error", f"{tokens_field}: must be <= {s.max_new_tokens}", param=tokens_field)
-    if params.n > s.max_n:
-        raise ApiError(422, "validation_error", f"n: must be <= {s.max_n}", param="n")
-    if len(params.stop) > s.max_stop_strings:
-        raise ApiError(422, "validation_error", f"stop: at most {s.max_stop_strings} stop strings", param="stop")
     vocab = vocab_size(rt)
-    bad = [t for t, _ in params.logit_bias if t >= vocab]
-    if bad:
-        raise ApiError(422, "validation_error", f"logit_bias: token id {bad[0]} is not in the vocabulary "
-                       f"(ids < {vocab})", param="logit_bias")
-    bad = [t for t in params.stop_token_ids if t >= vocab]
-    if bad:
-        raise ApiError(422, "validation_error", f"stop_token_ids: token id {bad[0]} is not in the vocabulary "
-                       f"(ids < {vocab})", param="stop_token_ids")
-    too_long = ApiError(413, "too_large", "", param=prompt_field, code="context_length_exceeded")
+    check_sampling(params, s, vocab, names)
     tenant = tenants.current()
 
     def work() -> tuple[object, list[int], str]:
         # the prompt is checked before any work for it (adapter resolution, decoding, tokenising)
-        try:
+        with task_errors(names):
             prompt_format = rt.registry.prompt_format(task, tenant)
-        except TaskNotFound as err:  # err.task: the task, or the mix member, not found
-            raise ApiError(404, "not_found", f"task {err.task!r} not found", param="model") from None
-        except ValueError as err:
-            field = names.get("task", "task")
-            code = "invalid_mix" if isinstance(err, MixError) else None
-            raise ApiError(422, "validation_error", f"{field}: {err}", param=field, code=code) from None
         try:
             rendered = render(prompt_format)
         except ValueError as err:  # unknown prompt format, unrenderable messages
             raise ApiError(400, "invalid_request", str(err), param=prompt_field) from None
-        if isinstance(rendered, list):
-            check_token_ids(rendered, vocab, s.max_prompt_tokens, prompt_field)
-        else:
-            check_text(rendered, prompt_field)
-            if len(rendered) > 16 * s.max_prompt_tokens + 1024:  # cheap bound before tokenising
-                too_long.message = f"{prompt_field} is longer than max_prompt_tokens={s.max_prompt_tokens}"
-                raise too_long
-        try:
+        check_rendered(rendered, vocab, s.max_prompt_tokens, prompt_field)
+        with task_errors(names):
             adapter = rt.registry.resolve(task, tenant)
-        except TaskNotFound as err:
-            raise ApiError(404, "not_found", f"task {err.task!r} not found", param="model") from None
-        except ValueError as err:
-            field = names.get("task", "task")
-            code = "invalid_mix" if isinstance(err, MixError) else None
-            raise ApiError(422, "validation_error", f"{field}: {err}", param=field, code=code) from None
         if isinstance(rendered, list):
             return adapter, rendered, rt.tokenizer.decode(rendered)
         ids = list(rt.tokenizer(rendered, add_special_tokens=special_tokens).input_ids)
         return adapter, ids, rendered
 
     adapter, ids, text = await asyncio.to_thread(work)
-    if not ids:
-        raise ApiError(422, "validation_error", f"{prompt_field}: must not be empty", param=prompt_field)
-    if any(t >= vocab for t in ids):
-        raise ApiError(422, "validation_error", f"{prompt_field}: token ids must be < {vocab}", param=prompt_field)
-    if len(ids) > s.max_prompt_tokens:
-        too_long.message = f"{prompt_field} has {len(ids)} tokens, the limit is {s.max_prompt_tokens}"
-        raise too_long
+    check_prompt_ids(ids, vocab, s.max_prompt_tokens, prompt_field)
     req = GenRequest(ids, params, adapter, task, id=new_request_id(id_prefix), handle=RequestHandle(loop),
                      tenant=tenant.name)
     return Call(req, deadline, text, names)
-
-
-def check_token_ids(ids: list, vocab: int, max_tokens: int, field: str) -> None:
-    """A token-id prompt, before anything reads it: its length, then every id an int in
-    [0, vocab) (a huge integer is just out of range here, never an overflow further on)."""
-    if len(ids) > max_tokens:
-        raise ApiError(413, "too_large", f"{field} has {len(ids)} tokens, the limit is {max_tokens}", param=field,
-                       code="context_length_exceeded")
-    bad = next((i for i, t in enumerate(ids) if type(t) is not int or not 0 <= t < vocab), None)
-    if bad is not None:
-        raise ApiError(422, "validation_error", f"{field}: token id at position {bad} is not in [0, {vocab})",
-                       param=field)
-
-
-def check_text(text: str, field: str) -> None:
-    """Text a tokenizer can take: JSON may carry an unpaired UTF-16 surrogate (\\ud800), which
-    is no Unicode character (the tokenizer would fail on it)."""
-    try:
-        text.encode("utf-8")
-    except UnicodeEncodeError as err:
-        raise ApiError(400, "invalid_request", f"{field}: holds an unpaired UTF-16 surrogate at position "
-                       f"{err.start}", param=field) from None
 
 
 def submit(rt: Runtime, call: Call) -> Call:

@@ -37,6 +37,7 @@ class TrainingModel:
 def make_adaptation(model: TrainingModel, job: Job, examples: list[dict[str, str]],
                     progress: Callable[[dict[str, Any]], None], on_early: Callable[[Any], None] | None) -> Any:
     from training.adapt import Adaptation
+    from training.adapt_config import AdaptConfig
     from training.data import Example
     from training.retrieve import MAX_CANDIDATES, Retrieval, RetrievedAdaptation
 
@@ -44,8 +45,8 @@ def make_adaptation(model: TrainingModel, job: Job, examples: list[dict[str, str
     seed = job.seed or 0
 
     def adaptation(init_row=None):
-        return Adaptation(model.routed, model.info, model.skills, exs, model.tokenizer, method=job.method,
-                          steps=job.steps, seed=seed, progress=progress,
+        config = AdaptConfig(method=job.method, steps=job.steps, seed=seed)
+        return Adaptation(model.routed, model.info, model.skills, exs, model.tokenizer, config, progress=progress,
                           init_row=init_row if job.method in ("routing", "full") else None)
 
     if job.method not in ("retrieve", "routing") and not job.serve_early:

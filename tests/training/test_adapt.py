@@ -15,6 +15,7 @@ from adapters_store.store.directory import DirectoryStore
 from adapters_store.store.materialize import layers_from_lora, layers_from_weights, mu_weights, task_layers
 from adapters_store.store.records import InventoryInfo
 from training.adapt import Adaptation, AdaptResult, adapt
+from training.adapt_config import AdaptConfig
 from training.evaluate import evaluate_task, generate
 from training.suite import examples, parse_task
 
@@ -57,7 +58,7 @@ def test_adaptation_leaves_shared_skills_and_model_state_untouched(inventory, to
     rm.set_weights(other)  # the engine's plan, to be given back after every step
     plan = rm.batch.plan
     flags = [p.requires_grad for p in rm.skill_parameters()]
-    job = Adaptation(rm, info, skills, few(), tokenizer, method=method, steps=6, lr=0.05)
+    job = Adaptation(rm, info, skills, few(), tokenizer, AdaptConfig(method=method, steps=6, lr=0.05))
     while job.step():
         assert rm.batch.plan is plan
         assert [p.requires_grad for p in rm.skill_parameters()] == flags
@@ -89,8 +90,8 @@ def test_bf16_autocast_trains_on_bf16_copies_of_the_frozen_weights_with_bit_equa
     hook = linears[-1].register_forward_pre_hook(lambda m, _: seen.append(m.weight.dtype))
 
     def run(copies: bool):
-        job = Adaptation(rm, info, skills, few(), tokenizer, method=method, steps=6, lr=0.05, autocast="bf16",
-                         eval_every=2)
+        config = AdaptConfig(method=method, steps=6, lr=0.05, autocast="bf16", eval_every=2)
+        job = Adaptation(rm, info, skills, few(), tokenizer, config)
         job._bf16_weights.enabled = copies
         losses = []
         while job.step():
@@ -120,7 +121,7 @@ def test_routing_adaptation_changes_only_its_own_row(inventory, tokenizer, tmp_p
     for t, row in rows.items():
         store.put_routing(t, row, method="mhr")
     files = {p: p.read_bytes() for p in (tmp_path / "tasks").rglob("*") if p.is_file()}
-    res = adapt(rm, info, skills, few(), tokenizer, method="routing", steps=10, lr=0.2)
+    res = adapt(rm, info, skills, few(), tokenizer, AdaptConfig(method="routing", steps=10, lr=0.2))
     store.put_routing("new", res.tensors["logits"], method="routing", metrics=res.metrics)
     for p, data in files.items():
         assert p.read_bytes() == data  # the other tasks' rows, byte for byte
@@ -135,7 +136,8 @@ def test_routing_adaptation_changes_only_its_own_row(inventory, tokenizer, tmp_p
 def test_adaptation_lowers_the_held_out_loss_and_keeps_the_best(inventory, tokenizer, method):
     rm, info, skills = inventory
     lr = {"routing": 0.3, "mu": 3e-2, "full": 1e-2, "plain-lora": 3e-2}[method]
-    res = adapt(rm, info, skills, few(), tokenizer, method=method, steps=15, lr=lr, eval_every=3, patience=10)
+    config = AdaptConfig(method=method, steps=15, lr=lr, eval_every=3, patience=10)
+    res = adapt(rm, info, skills, few(), tokenizer, config)
     m = res.metrics
     assert m["n_train"] == 12 and m["n_held"] == 4
     assert m["eval_loss"] < m["initial_eval_loss"]
@@ -150,7 +152,7 @@ def test_adaptation_lowers_the_held_out_loss_and_keeps_the_best(inventory, token
 
 def test_mu_starts_from_the_skills_average(inventory, tokenizer):
     rm, info, skills = inventory
-    job = Adaptation(rm, info, skills, few(), tokenizer, method="mu", steps=0)
+    job = Adaptation(rm, info, skills, few(), tokenizer, AdaptConfig(method="mu", steps=0))
     while job.step():
         pass
     res = job.result()
@@ -164,7 +166,7 @@ def test_plain_lora_starts_at_the_bare_backbone_with_peft_initialisation(invento
     """The baseline a user without an inventory trains: B = 0 (the bare model), A within ±1/sqrt(d_in),
     nothing taken from the skills."""
     rm, info, skills = inventory
-    job = Adaptation(rm, info, skills, few(), tokenizer, method="plain-lora", steps=0)
+    job = Adaptation(rm, info, skills, few(), tokenizer, AdaptConfig(method="plain-lora", steps=0))
     while job.step():
         pass
     res = job.result()
@@ -185,7 +187,7 @@ def test_long_examples_are_kept_whole_up_to_the_few_shot_cap(inventory, tokenize
     from training.data import Example
 
     long = [Example("t", "word " * 60 + str(i), "ok") for i in range(8)]  # ~300 tokens of the byte tokenizer
-    job = Adaptation(rm, info, skills, long, tokenizer, method="routing", steps=1)
+    job = Adaptation(rm, info, skills, long, tokenizer, AdaptConfig(method="routing", steps=1))
     lengths = {len(e.input_ids) for e in job.train}
     assert DEFAULT_MAX_LENGTH < min(lengths) and max(lengths) <= FEW_SHOT_MAX_LENGTH
     assert all(e.input_ids[-1] == tokenizer.eos_token_id for e in job.train)  # the answer is whole too
@@ -193,7 +195,7 @@ def test_long_examples_are_kept_whole_up_to_the_few_shot_cap(inventory, tokenize
 
 def test_routing_row_starts_near_mu(inventory, tokenizer):
     rm, info, skills = inventory
-    job = Adaptation(rm, info, skills, few(), tokenizer, method="routing", steps=0)
+    job = Adaptation(rm, info, skills, few(), tokenizer, AdaptConfig(method="routing", steps=0))
     while job.step():
         pass
     w = eval_weights(job.result().tensors["logits"])
@@ -203,7 +205,7 @@ def test_routing_row_starts_near_mu(inventory, tokenizer):
 def test_cancel_stops_and_keeps_the_best_so_far(inventory, tokenizer):
     rm, info, skills = inventory
     seen = []
-    job = Adaptation(rm, info, skills, few(), tokenizer, steps=100, progress=seen.append)
+    job = Adaptation(rm, info, skills, few(), tokenizer, AdaptConfig(steps=100), progress=seen.append)
     for _ in range(3):
         assert job.step()
     with pytest.raises(RuntimeError, match="still running"):
@@ -218,26 +220,26 @@ def test_cancel_stops_and_keeps_the_best_so_far(inventory, tokenizer):
 
 def test_seeded_runs_are_identical_and_seeds_differ(inventory, tokenizer):
     rm, info, skills = inventory
-    a = adapt(rm, info, skills, few(), tokenizer, steps=4, seed=3)
-    b = adapt(rm, info, skills, few(), tokenizer, steps=4, seed=3)
-    c = adapt(rm, info, skills, few(), tokenizer, steps=4, seed=4)
+    a = adapt(rm, info, skills, few(), tokenizer, AdaptConfig(steps=4, seed=3))
+    b = adapt(rm, info, skills, few(), tokenizer, AdaptConfig(steps=4, seed=3))
+    c = adapt(rm, info, skills, few(), tokenizer, AdaptConfig(steps=4, seed=4))
     assert torch.equal(a.tensors["logits"], b.tensors["logits"])
     assert not torch.equal(a.tensors["logits"], c.tensors["logits"])
 
 
 def test_works_from_eight_examples_and_without_holdout(inventory, tokenizer):
     rm, info, skills = inventory
-    res = adapt(rm, info, skills, few(8), tokenizer, steps=3)
+    res = adapt(rm, info, skills, few(8), tokenizer, AdaptConfig(steps=3))
     assert (res.metrics["n_train"], res.metrics["n_held"]) == (6, 2)
-    res = adapt(rm, info, skills, few(1), tokenizer, steps=2, holdout_fraction=0.0)
+    res = adapt(rm, info, skills, few(1), tokenizer, AdaptConfig(steps=2, holdout_fraction=0.0))
     assert res.metrics["n_held"] == 0 and res.metrics["eval_loss"] is None and res.metrics["steps_run"] == 2
 
 
 def test_training_goes_on_past_steps_only_while_the_held_out_loss_still_falls(inventory, tokenizer):
     rm, info, skills = inventory
     seen: list[dict] = []
-    res = adapt(rm, info, skills, few(), tokenizer, steps=3, max_steps=12, eval_every=3, lr=0.3, patience=10,
-                progress=seen.append)
+    config = AdaptConfig(steps=3, max_steps=12, eval_every=3, lr=0.3, patience=10)
+    res = adapt(rm, info, skills, few(), tokenizer, config, progress=seen.append)
     evals = [(e["step"], e["eval_loss"]) for e in seen if e["phase"] == "eval" and e["eval_loss"] is not None]
     # evaluated at 0, 3, 6, ...: each evaluation at or past 3 that was a new best (and below the cap)
     # bought eval_every more steps; the first one that was not ended the run
@@ -256,20 +258,38 @@ def test_training_goes_on_past_steps_only_while_the_held_out_loss_still_falls(in
 
 def test_without_max_steps_or_when_the_loss_stops_falling_training_ends_at_steps(inventory, tokenizer):
     rm, info, skills = inventory
-    assert adapt(rm, info, skills, few(), tokenizer, steps=3, eval_every=3, lr=0.3).metrics["steps_run"] == 3
+    res = adapt(rm, info, skills, few(), tokenizer, AdaptConfig(steps=3, eval_every=3, lr=0.3))
+    assert res.metrics["steps_run"] == 3
     # lr 0: the held-out loss never improves on the first evaluation, so nothing is extended
-    flat = adapt(rm, info, skills, few(), tokenizer, steps=3, max_steps=30, eval_every=3, lr=0.0)
+    flat = adapt(rm, info, skills, few(), tokenizer, AdaptConfig(steps=3, max_steps=30, eval_every=3, lr=0.0))
     assert flat.metrics["steps_run"] == 3
     with pytest.raises(ValueError, match="max_steps"):
-        Adaptation(rm, info, skills, few(), tokenizer, steps=10, max_steps=5)
+        AdaptConfig(steps=10, max_steps=5)
 
 
 def test_bad_arguments_are_refused(inventory, tokenizer):
     rm, info, skills = inventory
-    with pytest.raises(ValueError, match="method"):
-        Adaptation(rm, info, skills, few(), tokenizer, method="lora")
+    with pytest.raises(ValueError, match="^method must be one of routing"):
+        AdaptConfig(method="lora")
+    with pytest.raises(ValueError, match="^steps must be >= 0"):
+        AdaptConfig(steps=-1)
+    with pytest.raises(ValueError, match=r"^max_steps must be >= steps \(15\)"):  # routing's default steps
+        AdaptConfig(max_steps=10)
+    with pytest.raises(ValueError, match="^autocast must be one of"):
+        AdaptConfig(autocast="fp8")
     with pytest.raises(ValueError, match="at least one example"):
         Adaptation(rm, info, skills, [], tokenizer)
+
+
+def test_config_leaves_unset_budgets_to_the_method():
+    from training.adapt_config import DEFAULTS
+
+    mu = AdaptConfig(method="mu")
+    assert (mu.resolved_steps, mu.resolved_lr, mu.resolved_batch_size) == (
+        DEFAULTS["mu"]["steps"], DEFAULTS["mu"]["lr"], DEFAULTS["mu"]["batch_size"])
+    assert mu.resolved_max_steps == mu.resolved_steps and mu.steps is None
+    own = AdaptConfig(steps=0, lr=0.0, batch_size=2, max_steps=7)
+    assert (own.resolved_steps, own.resolved_lr, own.resolved_batch_size, own.resolved_max_steps) == (0, 0.0, 2, 7)
 
 
 def test_evaluate_task_scores_exact_matches(inventory, tokenizer):
@@ -317,7 +337,7 @@ def test_routing_adaptation_on_the_default_backbone_and_inventory(tmp_path):
     rm.load_skills(skills)
     before = snapshot(rm)
     started = time.perf_counter()
-    res = adapt(rm, info, skills, few(16, task="upper.inc"), bb.tokenizer, method="routing", seed=0)
+    res = adapt(rm, info, skills, few(16, task="upper.inc"), bb.tokenizer, AdaptConfig(method="routing", seed=0))
     print(f"routing adaptation, 16 examples: {time.perf_counter() - started:.1f} s (timed in bench/, not here)")
     # Judge on 16 inputs adaptation never saw (its own held-out loss is a min over a set that contains
     # the start, so it cannot fail): the learned row must beat the uniform mu row on them.
@@ -340,8 +360,8 @@ def test_each_step_runs_at_most_one_bounded_forward(inventory, tokenizer):
     rows: list[int] = []
     hook = rm.model.get_input_embeddings().register_forward_hook(lambda _m, _args, out: rows.append(out.shape[0]))
     try:
-        job = Adaptation(rm, info, skills, few(80), tokenizer, method="routing", steps=2, lr=0.1,
-                         holdout_fraction=0.5, eval_every=1)
+        config = AdaptConfig(method="routing", steps=2, lr=0.1, holdout_fraction=0.5, eval_every=1)
+        job = Adaptation(rm, info, skills, few(80), tokenizer, config)
         per_step = []
         while True:
             before = len(rows)
@@ -361,7 +381,8 @@ def test_trained_share_trains_only_the_top_rows_and_the_backward_stops_below_the
     rm, info, skills = inventory
     L = len(rm.layers)
     init = torch.randn(L, 2, 4, generator=torch.Generator().manual_seed(5))
-    job = Adaptation(rm, info, skills, few(), tokenizer, steps=4, lr=0.3, init_row=init, trained_share=0.5)
+    config = AdaptConfig(steps=4, lr=0.3, trained_share=0.5)
+    job = Adaptation(rm, info, skills, few(), tokenizer, config, init_row=init)
     cut = job.frozen_layers
     assert cut == L // 2 and job.params == (L - cut) * 2 * 4
     start = job.row.detach().clone()
@@ -387,12 +408,12 @@ def test_trained_share_trains_only_the_top_rows_and_the_backward_stops_below_the
     assert not torch.equal(row[cut:], start[cut:])
 
 
-def test_trained_share_is_validated(inventory, tokenizer):
-    rm, info, skills = inventory
+def test_trained_share_is_validated(inventory):
+    rm = inventory[0]
     for share in (0.0, 1.5):
         with pytest.raises(ValueError, match="trained_share"):
-            Adaptation(rm, info, skills, few(), tokenizer, trained_share=share)
+            AdaptConfig(trained_share=share)
     with pytest.raises(ValueError, match="routing method only"):
-        Adaptation(rm, info, skills, few(), tokenizer, method="mu", trained_share=0.5)
+        AdaptConfig(method="mu", trained_share=0.5)
     with pytest.raises(ValueError, match="frozen_layers"):
         rm.set_materialized(torch.zeros(len(rm.layers), 2, 4), rows=1, frozen_layers=len(rm.layers) + 1)

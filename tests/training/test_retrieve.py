@@ -10,6 +10,7 @@ import torch
 from adapters_store.lora.routing import eval_weights
 from tests.support.inventory_utils import make_inventory
 from training.adapt import Adaptation, adapt
+from training.adapt_config import AdaptConfig
 from training.retrieve import MU, Retrieval, RetrievedAdaptation, mixture, mu_row, predicted_change, retrieve
 from training.suite import examples, parse_task
 
@@ -31,7 +32,8 @@ def few(task, n=16, seed=0):
 def library(inventory, tokenizer):
     """Rows learned on two tasks, plus two rows pushed hard to random corners."""
     rm, info, skills = inventory
-    rows = {name: adapt(rm, info, skills, few(name, seed=1), tokenizer, steps=40, lr=0.3, seed=0).tensors["logits"]
+    config = AdaptConfig(steps=40, lr=0.3, seed=0)
+    rows = {name: adapt(rm, info, skills, few(name, seed=1), tokenizer, config).tensors["logits"]
             for name in ("upper", "rev-words")}
     gen = torch.Generator().manual_seed(5)
     L, h, S = len(info.layer_names), info.spec.n_heads, info.spec.n_skills
@@ -191,7 +193,7 @@ def test_routing_training_starts_from_the_retrieved_row(inventory, tokenizer, li
     exs = few("upper", seed=7)
     staged = RetrievedAdaptation(
         Retrieval(rm, info, library, exs, tokenizer, seed=0),
-        lambda row: Adaptation(rm, info, skills, exs, tokenizer, steps=5, seed=0, init_row=row),
+        lambda row: Adaptation(rm, info, skills, exs, tokenizer, AdaptConfig(steps=5, seed=0), init_row=row),
     )
     while staged.step():
         pass
@@ -207,4 +209,4 @@ def test_routing_training_starts_from_the_retrieved_row(inventory, tokenizer, li
 def test_init_row_is_validated(inventory, tokenizer):
     rm, info, skills = inventory
     with pytest.raises(ValueError, match="init_row"):
-        Adaptation(rm, info, skills, few("upper"), tokenizer, method="mu", init_row=torch.zeros(2, 2, 4))
+        Adaptation(rm, info, skills, few("upper"), tokenizer, AdaptConfig(method="mu"), init_row=torch.zeros(2, 2, 4))

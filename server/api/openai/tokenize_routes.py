@@ -19,7 +19,6 @@ from fastapi import APIRouter
 from server.api.api_docs import OPENAI_ERRORS
 from server.api.deps import ApiKey, RuntimeDep
 from server.api.errors import ApiError
-from server.api.generation import vocab_size
 from server.api.openai import chat
 from server.api.openai.tokenize_schemas import (
     DetokenizeRequest,
@@ -29,6 +28,7 @@ from server.api.openai.tokenize_schemas import (
     TokenizeResponse,
     VersionResponse,
 )
+from server.api.validation import check_in_vocab, vocab_size
 from server.registry.tasks import BASE
 from server.tenancy import tenants
 from server.wiring.runtime import Runtime
@@ -94,11 +94,7 @@ async def tokenize(body: TokenizeCompletionRequest | TokenizeChatRequest, rt: Ru
 @router.post("/detokenize", response_model=DetokenizeResponse, responses=OPENAI_ERRORS["lookup"] | {
     400: OPENAI_ERRORS["generate"][400]})
 async def detokenize(body: DetokenizeRequest, rt: RuntimeDep) -> DetokenizeResponse:
-    vocab = vocab_size(rt)
-    bad = next((t for t in body.tokens if t >= vocab), None)
-    if bad is not None:
-        raise ApiError(422, "validation_error", f"tokens: token id {bad} is not in the vocabulary (ids < {vocab})",
-                       param="tokens")
+    check_in_vocab("tokens", body.tokens, vocab_size(rt))
     await asyncio.to_thread(_prompt_format, rt, body.model)
     return DetokenizeResponse(prompt=await asyncio.to_thread(rt.tokenizer.decode, body.tokens))
 

@@ -1,0 +1,82 @@
+"""The hyper-parameters of one few-shot adaptation (training/adapt.py), checked once when made.
+
+An AdaptConfig holds what is configuration (method, budget, learning rate, batching, seeding,
+held-out split, early stopping, precision); an Adaptation takes it with its collaborators (the
+RoutedModel, the inventory, the examples, the tokenizer, a progress callback, a starting row).
+Checks that need a collaborator (the examples, the model's layers, the starting row's shape)
+stay with the Adaptation.
+
+`steps`, `lr` and `batch_size` left as None mean the method's default (DEFAULTS); the
+`resolved_*` properties give the values a run uses.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from training.batching import FEW_SHOT_MAX_LENGTH
+from training.precision import AUTOCAST_CHOICES
+
+ADAPT_METHODS = ("routing", "mu", "full", "plain-lora")
+# Routing: batches of 4 at lr 0.3 from a sweep on held-out compositions: smaller batches and more
+# steps beat larger ones at the same examples seen and cost; a higher lr lowered the loss but lost
+# exact match. 15 steps: within about one seed's spread of 30 steps' exact match at about half the
+# time, which keeps a registration through the server within its time budget on the 2-core hosts measured
+# (docs/RESULTS.md; docs/history/registration-recipes.md). mu / full: chosen on a training task of
+# the suite (never a held-out one).
+DEFAULTS: dict[str, dict[str, float]] = {
+    "routing": {"steps": 15, "lr": 0.3, "batch_size": 4},
+    "mu": {"steps": 40, "lr": 3e-3, "batch_size": 8},
+    "full": {"steps": 40, "lr": 1e-3, "batch_size": 8},  # lr of the skills' copy; its routing row uses FULL_ROW_LR
+    "plain-lora": {"steps": 40, "lr": 3e-3, "batch_size": 8},  # mu's budget: a baseline, not a registration path
+}
+
+
+@dataclass(frozen=True)
+class AdaptConfig:
+    """How one adaptation trains (training/adapt.py): see the module docstring there for the methods."""
+
+    method: str = "routing"
+    steps: int | None = None  # None: DEFAULTS[method]
+    lr: float | None = None  # None: DEFAULTS[method]
+    batch_size: int | None = None  # None: DEFAULTS[method]; at most the training examples
+    seed: int = 0
+    holdout_fraction: float = 0.25
+    eval_every: int = 5  # values below 1 act as 1
+    patience: int = 3  # held-out evaluations without a new best before stopping
+    max_length: int = FEW_SHOT_MAX_LENGTH
+    autocast: bool | str | None = None  # None / "auto": bf16 only where it is fast (training/precision.py)
+    trained_share: float = 1.0  # routing only: the top share of the adapted linears that train
+    # early stopping both ways: past `steps`, training goes on `eval_every` steps at a time while
+    # the latest held-out loss is the best so far, up to `max_steps` (None: `steps`, no extension)
+    max_steps: int | None = None
+
+    def __post_init__(self) -> None:
+        if self.method not in ADAPT_METHODS:
+            raise ValueError(f"method must be one of {'|'.join(ADAPT_METHODS)}, got {self.method!r}")
+        if self.resolved_steps < 0:
+            raise ValueError(f"steps must be >= 0, got {self.steps}")
+        if self.resolved_max_steps < self.resolved_steps:
+            raise ValueError(f"max_steps must be >= steps ({self.resolved_steps}), got {self.max_steps}")
+        if not 0.0 < self.trained_share <= 1.0:
+            raise ValueError(f"trained_share must be in (0, 1], got {self.trained_share}")
+        if self.trained_share < 1.0 and self.method != "routing":
+            raise ValueError("trained_share < 1 applies to the routing method only")
+        if not (self.autocast is None or isinstance(self.autocast, bool) or self.autocast in AUTOCAST_CHOICES):
+            raise ValueError(f"autocast must be one of {'|'.join(AUTOCAST_CHOICES)}, got {self.autocast!r}")
+
+    @property
+    def resolved_steps(self) -> int:
+        return int(self.steps if self.steps is not None else DEFAULTS[self.method]["steps"])
+
+    @property
+    def resolved_max_steps(self) -> int:
+        return self.resolved_steps if self.max_steps is None else int(self.max_steps)
+
+    @property
+    def resolved_lr(self) -> float:
+        return float(self.lr if self.lr is not None else DEFAULTS[self.method]["lr"])
+
+    @property
+    def resolved_batch_size(self) -> int:
+        return int(self.batch_size if self.batch_size is not None else DEFAULTS[self.method]["batch_size"])
