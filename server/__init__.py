@@ -14,7 +14,9 @@
     adapter_cache/    adapter cache tiers: L1 LRU (bytes), L2 Redis (sealed safetensors), L3 compute
     registry/         the task registry (store-backed), mixes, routing search, ownership, and
                       the domain errors the API maps
-    jobs/             registration jobs: service (enqueue, cancel, recover), runner (the slices)
+    jobs/             registration jobs: service (enqueue, cancel, recover), runner (the slices),
+                      journal (the job writes, on one I/O thread), leases, cancels (the poll
+                      thread), recovery (start-up), state (their shared memory), contract
     tenancy/          tenants (keys, weights, admins) and usage
     fleet/            replicas (agreement between processes sharing a store) and worker/
                       (`polyserve worker`: runs leased jobs from the store's queue)

@@ -18,7 +18,7 @@ The semantics, written once over each backend's four primitives (adapters_store.
 Delivery is at least once: a claimer that dies (or stops heart-beating) loses its lease when it
 expires, and the next claim runs the job again. The result is committed once: the commit checks,
 under the task's lock, that the claim is still held and that no earlier run committed the result
-(server/jobs/runner.py `_commit`).
+(server/jobs/journal.py `Journal.commit`).
 """
 
 from __future__ import annotations

@@ -19,6 +19,7 @@ import torch
 from adapters_store.lora.inject import RoutedModel
 from adapters_store.store.contract import AdapterStore
 from adapters_store.store.records import InventoryInfo
+from server.jobs.contract import AdaptationLike, AdaptationResult, Progress
 from server.jobs.model import Job
 
 
@@ -35,7 +36,7 @@ class TrainingModel:
 
 
 def make_adaptation(model: TrainingModel, job: Job, examples: list[dict[str, str]],
-                    progress: Callable[[dict[str, Any]], None], on_early: Callable[[Any], None] | None) -> Any:
+                    progress: Progress, on_early: Callable[[AdaptationResult], None] | None) -> AdaptationLike:
     from training.adapt import Adaptation
     from training.adapt_config import AdaptConfig
     from training.data import Example

@@ -57,7 +57,7 @@ def test_streams_flow_while_another_process_holds_the_store_lock(server):
             job_id = r.json()["id"]
             runner = server.runtime.registration.runner
             deadline = time.monotonic() + 60
-            while runner._busy is None or runner._busy.done():  # until its commit waits on the lock
+            while runner.journal._busy is None or runner.journal._busy.done():  # until its commit waits on the lock
                 assert time.monotonic() < deadline and holder.poll() is None
                 time.sleep(0.05)
             gaps = stream_gaps(c, time.monotonic() + STREAM_S)

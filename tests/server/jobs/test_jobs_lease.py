@@ -145,7 +145,7 @@ def test_heartbeat_renews_leases_and_drops_a_lost_job_unwritten(store):  # noqa:
     job = replica.submit("beat", EXAMPLES, method="routing", steps=5, seed=0)
     made: list = []
     w = worker(store, "w1", made, steps=5)
-    w._holds["job-00000000000000ff"] = _Unreachable()  # an outage on the first lease renewed
+    w.state.holds["job-00000000000000ff"] = _Unreachable()  # an outage on the first lease renewed
     w.adopt(store.claim_job("w1", 0.4))
     w.flush()
     assert w.step() and w.step()  # built and running
@@ -153,9 +153,9 @@ def test_heartbeat_renews_leases_and_drops_a_lost_job_unwritten(store):  # noqa:
         time.sleep(0.2)
         assert w.heartbeat() == []
     assert store.claim_job("w2", 30) is None  # renewed: still w1's
-    del w._holds["job-00000000000000ff"]
-    w._holds = {"job-00000000000000ff": _Unreachable(), **w._holds}
-    lease = w._holds[job.id]
+    del w.state.holds["job-00000000000000ff"]
+    w.state.holds = {"job-00000000000000ff": _Unreachable(), **w.state.holds}
+    lease = w.state.holds[job.id]
     time.sleep(0.6)  # w1 stops beating; w2 takes the job over
     assert store.claim_job("w2", 30) is not None and not lease.still_held()
     assert w.heartbeat() == [job.id]

@@ -145,7 +145,7 @@ def test_recover_marks_orphaned_jobs_interrupted(store):
     runner.step()  # running
     runner.flush()  # persisted
     # "crash": the process dies; its flock vanishes with it. Simulate by dropping the runner's lock.
-    runner._release_lock(job.id)
+    runner.leases.release(job.id)
     fresh, _ = make_runner(store)
     assert fresh.recover() == [job.id]
     after = fresh.get(job.id)
@@ -359,7 +359,7 @@ def test_finished_jobs_leave_memory_after_the_retention(store):
     assert runner.forget_finished(older_than=time.time() - 60) == 0 and runner.owns(job.id)
     assert runner.forget_finished(older_than=finished_at) == 0 and runner.owns(job.id)  # ended at the cutoff: kept
     assert runner.forget_finished(older_than=time.time() + 1) == 1 and not runner.owns(job.id)
-    assert runner.owns(queued.id) and job.id not in runner._io  # its write lock leaves memory with it
+    assert runner.owns(queued.id) and job.id not in runner.journal._io  # its write lock leaves memory with it
     assert runner.get(job.id).status == "succeeded"  # still readable from the store until pruned there
 
 
@@ -370,14 +370,14 @@ def test_serve_early_version_survives_a_crash_but_is_not_the_jobs_result(store):
     job = runner.submit("t", EXAMPLES, method="routing", steps=10, seed=0, serve_early=True)
     runner.step()
     early = FakeResult(tensors={"logits": torch.full((1, 1, 2), 2.0)}, metrics={"method": "retrieve"})
-    runner.commit_early(runner._jobs[job.id], early)
+    runner.commit_early(runner.state.jobs[job.id], early)
     runner.flush()
     record = store.get_task("t")
     assert record.status == "ready" and record.version == 1 and record.source["stage"] == "early"
     assert runner.get(job.id).live_version == 1
     runner.step()
     runner.flush()  # a dead process writes nothing later: let this one's hand-offs land first
-    runner._release_lock(job.id)  # the "crash"
+    runner.leases.release(job.id)  # the "crash"
     fresh, _ = make_runner(store)
     assert fresh.recover() == [job.id]
     assert fresh.get(job.id).status == "failed" and fresh.get(job.id).error["type"] == "interrupted"
@@ -388,7 +388,7 @@ def test_serve_early_then_the_trained_result_is_the_next_version(store):
     runner, _ = make_runner(store, steps=3)
     job = runner.submit("t", EXAMPLES, method="routing", steps=3, seed=0, serve_early=True)
     runner.step()
-    runner.commit_early(runner._jobs[job.id], FakeResult(tensors={"logits": torch.full((1, 1, 2), 2.0)}))
+    runner.commit_early(runner.state.jobs[job.id], FakeResult(tensors={"logits": torch.full((1, 1, 2), 2.0)}))
     run_to_end(runner)
     done = runner.get(job.id)
     assert done.status == "succeeded" and done.live_version == 2
@@ -451,7 +451,7 @@ def test_a_delete_racing_a_finished_jobs_cleanup_neither_raises_nor_resurrects(s
 
     from adapters_store.store.errors import TaskNotFound
     from adapters_store.store.records import TaskRecord
-    from server.jobs.runner import _mark_task_not_ready
+    from server.jobs.journal import mark_task_not_ready
 
     replica_b = DirectoryStore(store.root)
     job = Job(id="job-0123456789abcdef", task="t", method="routing", steps=1, seed=0, n_examples=1, owner="a")
@@ -464,7 +464,7 @@ def test_a_delete_racing_a_finished_jobs_cleanup_neither_raises_nor_resurrects(s
         def cleanup(barrier=barrier, raised=raised):
             barrier.wait()
             try:
-                _mark_task_not_ready(store, job, status, error)
+                mark_task_not_ready(store, job, status, error)
             except Exception as err:  # noqa: BLE001 - recorded for the assertion
                 raised.append(err)
 
@@ -488,19 +488,19 @@ def test_the_cleanup_leaves_a_task_that_is_not_its_placeholder(store):
     """Only the job's own unfinished placeholder is touched: another job's task and a ready
     (serve_early) version stay as they are."""
     from adapters_store.store.records import TaskRecord
-    from server.jobs.runner import _mark_task_not_ready
+    from server.jobs.journal import mark_task_not_ready
 
     job = Job(id="job-0123456789abcdef", task="t", method="routing", steps=1, seed=0, n_examples=1, owner="a")
     other = store.put_routing("t", torch.ones(1, 1, 2), job_id="job-ffffffffffffffff")
-    _mark_task_not_ready(store, job, "cancelled", None)
+    mark_task_not_ready(store, job, "cancelled", None)
     assert store.get_task("t") == other
     early = store.put_routing("t", torch.ones(1, 1, 2), job_id=job.id, source={"stage": "early"})
-    _mark_task_not_ready(store, job, "failed", {"message": "x"})
+    mark_task_not_ready(store, job, "failed", {"message": "x"})
     assert store.get_task("t") == early
     store.delete_task("t")
     store.put_record(TaskRecord(id="t", method="routing", status="training", version=0,
                                 created_at=0.0, updated_at=0.0, job_id=job.id))
-    _mark_task_not_ready(store, job, "failed", {"message": "loss became NaN"})
+    mark_task_not_ready(store, job, "failed", {"message": "loss became NaN"})
     failed = store.get_task("t")
     assert failed.status == "failed" and failed.error == "loss became NaN"
 
@@ -559,7 +559,7 @@ def test_the_early_version_carries_the_jobs_source_method_and_metrics(store):
     job = runner.submit("t", EXAMPLES, method="retrieve", steps=3, seed=0, serve_early=True)
     runner.step()
     changed.clear()
-    runner.commit_early(runner._jobs[job.id], FakeResult(tensors={"logits": torch.full((1, 1, 2), 2.0)},
+    runner.commit_early(runner.state.jobs[job.id], FakeResult(tensors={"logits": torch.full((1, 1, 2), 2.0)},
                                                          metrics={"exact_match": 0.5}))
     runner.flush()
     record = store.get_task("t")
@@ -795,7 +795,7 @@ def test_submit_records_the_job_and_its_placeholder_as_asked(store):
     queued = fleet.submit("u", EXAMPLES, method="routing", steps=2, seed=0, serve_early=True)
     assert queued.events[0]["message"] == "job queued: 1 examples, method routing (for the fleet's workers)"
     assert queued.serve_early and store.get_task("u").shared is False
-    assert queued.id not in fleet._io and changed == ["t", "u"]
+    assert queued.id not in fleet.journal._io and changed == ["t", "u"]
 
 
 def test_a_job_taken_off_the_queue_still_counts_as_pending_before_its_build_starts(store, monkeypatch):
@@ -950,7 +950,7 @@ def test_the_runners_threads_are_named_daemons_that_start_no_openmp_pool(store, 
     assert runner.get(job.id).status == "succeeded" and polling.wait(10)
     assert built == ["polyserve-job-build_0"]
     assert {"polyserve-job-build_0", "polyserve-job-io_0", "polyserve-job-cancels"} <= set(chose)
-    assert runner._poller is not None and runner._poller.daemon
+    assert runner.cancels.thread is not None and runner.cancels.thread.daemon
 
 
 def test_a_runners_default_periods_are_the_readmes(store):
@@ -973,11 +973,11 @@ def test_a_background_write_that_fails_is_logged(store, caplog, monkeypatch):
     monkeypatch.setattr(store, "put_routing", full)
     monkeypatch.setattr(store, "put_job", full)
     caplog.clear()
-    runner.commit_early(runner._jobs[job.id], FakeResult())  # its commit fails
+    runner.commit_early(runner.state.jobs[job.id], FakeResult())  # its commit fails
     runner.flush()
     runner.step()  # a progress write, which fails
     runner.flush()
-    logged = [r for r in caplog.records if r.name == "server.jobs.runner" and r.exc_info]
+    logged = [r for r in caplog.records if r.name == "server.jobs.journal" and r.exc_info]
     assert [(r.levelname, str(r.exc_info[1])) for r in logged] == [("ERROR", "disk full"), ("ERROR", "disk full")]
 
 
