@@ -46,9 +46,9 @@ def main() -> None:
     from adapters_store.store import open_store
     from server.jobs.service import Registration
     from server.registry.tasks import TaskRegistry
+    from tests.server.jobs.test_registration_api import wait_process_ready
     from tests.support.pg_utils import temp_database
     from tests.support.server_fixtures import build_store, free_port
-    from tests.server.jobs.test_registration_api import wait_process_ready
 
     with tempfile.TemporaryDirectory() as tmp, temp_database("polyserve_bench") as dsn:
         store = open_store(dsn)

@@ -37,6 +37,10 @@ WORK = ROOT / ".mutation"
 PACKAGES = ["adapters_store", "server"]  # copied into mutants/; training and client come from ROOT
 
 # module -> (file, the tests relevant to it)
+# the job runner's parts (server/jobs/) share their tests
+JOBS_TESTS = ["tests/server/jobs/test_jobs_runner.py", "tests/server/jobs/test_jobs_bounds.py",
+              "tests/server/jobs/test_jobs_service.py", "tests/server/jobs/test_jobs_lease.py"]
+
 MODULES: dict[str, tuple[str, list[str]]] = {
     "routing": ("adapters_store/lora/routing.py",
                 ["tests/adapters_store/lora/test_routing_math.py", "tests/adapters_store/lora/test_routed_model.py", "tests/adapters_store/store/test_refine.py"]),
@@ -51,9 +55,9 @@ MODULES: dict[str, tuple[str, list[str]]] = {
     "rows": ("server/engines/native/rows.py", ["tests/server/engines/test_sampling_units.py", "tests/server/engines/test_engine_features.py"]),
     "isolate": ("server/engines/native/isolate.py", ["tests/server/engines/test_sampling_units.py", "tests/server/engines/test_engine_faults.py"]),
     "ledger": ("server/engines/native/ledger.py", ["tests/server/engines/test_sampling_units.py", "tests/server/engines/test_engine_faults.py"]),
-    "runner": ("server/jobs/runner.py",
-               ["tests/server/jobs/test_jobs_runner.py", "tests/server/jobs/test_jobs_bounds.py", "tests/server/jobs/test_jobs_service.py",
-                "tests/server/jobs/test_jobs_lease.py"]),
+    "runner": ("server/jobs/runner.py", JOBS_TESTS),
+    "journal": ("server/jobs/journal.py", JOBS_TESTS),
+    "leases": ("server/jobs/leases.py", JOBS_TESTS),
 }
 
 # mutmut's exit codes (mutmut/stats.py): what a mutant's result means
