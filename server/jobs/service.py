@@ -13,16 +13,23 @@ import logging
 import secrets
 import threading
 import time
-from typing import Any
+from typing import Any, Protocol
 
+from adapters_store.lora.inject import RoutedModel
+from adapters_store.store.contract import AdapterStore
 from adapters_store.store.errors import JobNotFound, TaskExists, TaskLimit, TaskNotFound
 from adapters_store.store.ids import validate_new_task_id
 from adapters_store.store.records import TaskRecord
+from server.adapter_cache.cache import AdapterCache
+from server.adapter_cache.l2 import RedisTier
+from server.engines.base import Engine
 from server.fleet.replicas import ReplicaSync
+from server.infra.metrics import Metrics
 from server.jobs.model import Job
 from server.jobs.runner import JobRunner
 from server.registry.errors import JobsBusy, TaskForbidden, TenantJobLimit, TenantTaskLimit
 from server.registry.ownership import can_change, can_see, can_see_job, owner_of_new_task
+from server.registry.tasks import TaskRegistry
 from server.tenancy.tenants import ANONYMOUS, Directory, Tenant, weighted_share
 from server.wiring.settings import Settings
 
@@ -56,8 +63,31 @@ def task_quota(settings: Settings, weights: dict[str, float], tenant: Tenant | N
     return weighted_share(settings.max_tasks, weights, tenant.name)
 
 
+class Served(Protocol):
+    """What registration asks of the runtime that builds it (server/wiring/runtime.py's Runtime)."""
+
+    @property
+    def settings(self) -> Settings: ...
+    @property
+    def store(self) -> AdapterStore: ...
+    @property
+    def routed(self) -> RoutedModel | None: ...
+    @property
+    def cache(self) -> AdapterCache | None: ...
+    @property
+    def l2(self) -> RedisTier | None: ...
+    @property
+    def registry(self) -> TaskRegistry: ...
+    @property
+    def engine(self) -> Engine: ...
+    @property
+    def metrics(self) -> Metrics: ...
+    @property
+    def tokenizer(self) -> Any: ...
+
+
 class Registration:
-    def __init__(self, rt: Any, *, rescan_every: float = 1.0) -> None:
+    def __init__(self, rt: Served, *, rescan_every: float = 1.0) -> None:
         self.rt = rt
         self.replica_id = f"replica-{secrets.token_hex(4)}"
         self.runner = JobRunner(rt.store, self._make_adaptation, replica_id=self.replica_id,

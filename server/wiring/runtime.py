@@ -29,6 +29,7 @@ from server.engines.factory import build_engine
 from server.engines.request import GenRequest, SamplingParams
 from server.infra import cpus, openmp
 from server.infra.metrics import Metrics
+from server.jobs.service import Registration
 from server.registry.tasks import TaskRegistry
 from server.tenancy.tenants import Directory
 from server.tenancy.usage import UsageLedger
@@ -66,7 +67,7 @@ class Runtime:
     engine: Engine
     metrics: Metrics
     l2: RedisTier | None = None
-    registration: Any = None  # server.jobs.service.Registration (task registration + jobs)
+    registration: Registration = field(init=False)  # task registration + jobs, set by build()
     usage: UsageLedger = field(default_factory=UsageLedger)  # GET /v1/usage
     started_at: float = field(default_factory=time.time)
 
@@ -122,8 +123,6 @@ class Runtime:
         engine.start()
         rt = cls(settings, bb, store, routed, cache, registry, engine, metrics, l2,
                  usage=UsageLedger(settings.usage_window_max_seconds))
-        from server.jobs.service import Registration
-
         rt.registration = Registration(rt, rescan_every=settings.rescan_seconds)
         rt.registration.start()
         if settings.warmup:
