@@ -76,9 +76,7 @@ class JobRunner:
         self.make_adaptation = make_adaptation
         self.replica_id = replica_id
         self.on_task_changed = on_task_changed
-        self.on_job_finished = on_job_finished
         self.persist_every = persist_every
-        self.cancel_poll_seconds = cancel_poll_seconds
         self.run_here = run_here  # False: submit() only enqueues, for the fleet's workers
         # the runner's parts (server/jobs/state.py, leases.py, journal.py, cancels.py)
         self.state = RunnerState()
