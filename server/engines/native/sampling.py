@@ -12,7 +12,7 @@ Common path: rows that are greedy with no processors and no logprobs take one ve
 over the batch (plus an O(N) NaN check on the argmax values); only the other rows are touched
 one by one.
 
-Safe math: never NaN/inf into multinomial. Temperature scales (l - max(l)) / T, which is <= 0
+Safe math: never NaN/inf into the draw. Temperature scales (l - max(l)) / T, which is <= 0
 with its max exactly 0, so it cannot overflow whatever T (>= 1e-5) is and every filtered softmax
 is a valid distribution. Processed logits that are already +inf (a repetition_penalty near 0
 dividing a large logit) mean "infinitely more likely than the rest": the row samples uniformly
@@ -115,8 +115,24 @@ def sample_row(logits: torch.Tensor, temperature: float, top_k: int, top_p: floa
     if not temperature >= GREEDY_TEMPERATURE:
         raise SamplingError(f"temperature {temperature} is below {GREEDY_TEMPERATURE}: sample greedily")
     scaled = apply_top_p(apply_top_k(apply_min_p(scale(logits.float(), temperature), min_p), top_k), top_p)
-    probs = torch.softmax(scaled, dim=-1)
-    return int(torch.multinomial(probs.cpu(), 1, generator=generator).item())
+    return draw(scaled.cpu().exp_(), generator)
+
+
+def draw(weights: torch.Tensor, generator: torch.Generator) -> int:
+    """weights: (V,) float, >= 0, not normalised, the largest exactly 1 -> index i with
+    probability weights[i] / sum(weights), by inverse CDF: one uniform from the row's generator
+    and one cumulative sum. torch.multinomial draws one exponential per vocabulary entry, which
+    made it a sampled row's largest cost in a decode step (BENCHMARKS.md, "The long-prompt flood").
+
+    A zero weight is never drawn: its cumulative sum equals its predecessor's, and the search
+    returns the first index whose sum is strictly above the target, which is below the total.
+    """
+    cdf = torch.cumsum(weights, dim=0)
+    target = float(torch.rand((), generator=generator, dtype=torch.float64)) * float(cdf[-1])
+    i = int(torch.searchsorted(cdf, torch.tensor([target], dtype=cdf.dtype), right=True)[0])
+    if i >= len(cdf):  # target rounded up to the total: the last token with any weight
+        i = int(weights.nonzero()[-1, 0])
+    return i
 
 
 def sample_tokens(logits: torch.Tensor, rows: list[RowSampler]) -> Sampled:

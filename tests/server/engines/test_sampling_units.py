@@ -19,6 +19,7 @@ from server.engines.native.sampling import (
     RowSampler,
     SamplingError,
     apply_top_p,
+    draw,
     sample_row,
     sample_tokens,
     scale,
@@ -434,3 +435,27 @@ def test_ledger_logs_name_the_request_and_choice(caplog):
     with caplog.at_level(logging.ERROR, logger="polyserve.engine"):
         deliver(other, FinalEvent("", "stop", 1, 1, index=0))  # logged, not raised
     assert f"could not deliver the final event of {other.id} choice 0" in caplog.text
+
+
+def test_draw_follows_the_weights_and_never_draws_a_zero_weight():
+    weights = torch.tensor([0.0, 1.0, 0.0, 0.5, 0.25, 0.0])
+    gen = torch.Generator().manual_seed(11)
+    n = 14_000
+    counts = torch.bincount(torch.tensor([draw(weights, gen) for _ in range(n)]), minlength=6)
+    assert counts[[0, 2, 5]].tolist() == [0, 0, 0]
+    expected = weights / weights.sum() * n
+    for i in (1, 3, 4):  # within 5 standard deviations of a binomial count
+        sd = math.sqrt(float(expected[i]) * (1 - float(weights[i] / weights.sum())))
+        assert abs(float(counts[i]) - float(expected[i])) < 5 * sd, (i, counts.tolist())
+
+
+def test_draw_is_reproducible_from_the_generator():
+    weights = torch.rand(1000, generator=torch.Generator().manual_seed(1))
+    gen_a, gen_b = torch.Generator().manual_seed(5), torch.Generator().manual_seed(5)
+    assert [draw(weights, gen_a) for _ in range(5)] == [draw(weights, gen_b) for _ in range(5)]
+
+
+def test_draw_of_a_uniform_that_rounds_up_to_the_total_takes_the_last_weighted_token(monkeypatch):
+    just_below_one = torch.tensor(1.0 - 2.0**-53, dtype=torch.float64)
+    monkeypatch.setattr(torch, "rand", lambda *a, **k: just_below_one)
+    assert draw(torch.tensor([1.0, 0.3, 0.0, 0.0]), torch.Generator()) == 1
