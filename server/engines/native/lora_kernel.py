@@ -12,9 +12,7 @@ calling thread's OpenMP team (torch's own libgomp, lora_rows.cpp): single-thread
 engine's spinning OpenMP worker it gained nothing end to end. Figures: BENCHMARKS.md ("The LoRA
 kernel"); what was tried: docs/history/lora-kernel.md.
 
-The source is compiled once per machine with the system C++ compiler (g++ -O3 -march=native
--fopenmp) into $POLYSERVE_HOME/kernels/, keyed by the source, the flags, the compiler and the CPU,
-and loaded with ctypes.
+Built and loaded as cpp_kernel.py says (g++ on first use, cached per machine).
 Where no compiler works, `load()` says why and the torch path runs (POLYSERVE_LORA_KERNEL: auto =
 use it when it builds, on = fail when it does not, off = torch ops always).
 """
@@ -22,90 +20,28 @@ use it when it builds, on = fail when it does not, off = torch ops always).
 from __future__ import annotations
 
 import ctypes
-import hashlib
-import logging
-import os
-import platform
-import shutil
-import subprocess
-import tempfile
-import threading
 from pathlib import Path
 
 import torch
 
-from adapters_store.backbone.home import polyserve_home
-
-log = logging.getLogger("polyserve.engine")
-
-SOURCE = Path(__file__).with_name("lora_rows.cpp")
-_lock = threading.Lock()
-_loaded: dict[str, object] = {}  # "fn" -> the ctypes function, or "error" -> why not
+from server.engines.native.cpp_kernel import CppKernel
 
 _I64, _PTR = ctypes.c_int64, ctypes.c_void_p
 _ARGTYPES: list[type[ctypes.c_int64 | ctypes.c_void_p | ctypes.c_int]] = [
     _I64, _PTR, ctypes.c_int, _I64, _PTR, _PTR, ctypes.c_int, _I64, _I64, _PTR, _PTR, _PTR, ctypes.c_int, _I64,
     _I64, _I64, _I64, _I64, _PTR, _PTR]
 
-
-def _cpu_key() -> str:
-    """What -march=native depends on: the CPU's model and flags."""
-    try:
-        info = Path("/proc/cpuinfo").read_text()
-        lines = [ln for ln in info.splitlines() if ln.startswith(("model name", "flags"))][:2]
-        return "\n".join(lines)
-    except OSError:
-        return platform.processor() or platform.machine()
-
-
-def _compiler() -> str | None:
-    return os.environ.get("CXX") or shutil.which("g++") or shutil.which("c++")
-
-
-# -fopenmp: the library's libgomp.so.1 is torch's, already loaded (lora_rows.cpp)
-FLAGS = ["-O3", "-march=native", "-fopenmp", "-fPIC", "-shared", "-std=c++17"]
-
-
-def _build(cxx: str, target: Path) -> None:
-    target.parent.mkdir(parents=True, exist_ok=True)
-    with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
-        out = Path(tmp) / target.name
-        cmd = [cxx, *FLAGS, "-o", str(out), str(SOURCE)]
-        done = subprocess.run(cmd, check=False, capture_output=True, text=True, timeout=300)
-        if done.returncode != 0:
-            raise RuntimeError(f"{' '.join(cmd)} failed: {done.stderr.strip()[-800:]}")
-        os.replace(out, target)  # atomic: another process never loads a half-written library
+KERNEL = CppKernel(Path(__file__).with_name("lora_rows.cpp"), "polyserve_lora_rows", _ARGTYPES, None, "LoRA")
 
 
 def load() -> object | None:
     """The kernel's ctypes function, built on first use; None (and the reason in `error()`) where
     it cannot be built or loaded."""
-    with _lock:
-        if "fn" in _loaded or "error" in _loaded:
-            return _loaded.get("fn")
-        try:
-            cxx = _compiler()
-            if cxx is None:
-                raise RuntimeError("no C++ compiler (g++ or $CXX) on PATH")
-            version = subprocess.run([cxx, "--version"], check=False, capture_output=True, text=True, timeout=30).stdout
-            key = hashlib.sha256(SOURCE.read_bytes() + " ".join(FLAGS).encode() + version.encode()
-                                 + _cpu_key().encode()).hexdigest()[:16]
-            target = polyserve_home() / "kernels" / f"lora_rows-{key}.so"
-            if not target.exists():
-                log.info("building the native LoRA kernel: %s", target)
-                _build(cxx, target)
-            lib = ctypes.CDLL(str(target))
-            fn = lib.polyserve_lora_rows
-            fn.argtypes, fn.restype = _ARGTYPES, None
-            _loaded["fn"] = fn
-        except (OSError, RuntimeError, subprocess.SubprocessError) as exc:
-            _loaded["error"] = str(exc)
-            log.warning("native LoRA kernel unavailable, torch ops instead: %s", exc)
-        return _loaded.get("fn")
+    return KERNEL.load()
 
 
 def error() -> str | None:
-    return _loaded.get("error")  # type: ignore[return-value]
+    return KERNEL.error()
 
 
 def resolve(setting: str, device: torch.device, dtype: torch.dtype = torch.float32, rank: int = 8) -> bool:

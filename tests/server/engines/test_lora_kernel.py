@@ -148,10 +148,16 @@ def test_setting_resolves_where_the_kernel_cannot_run():
         lora_kernel.resolve("yes", cpu)
 
 
+def unloaded(monkeypatch, kernel):
+    """The kernel loads afresh in this test; what it had loaded is back after it."""
+    monkeypatch.setattr(kernel, "_fn", None)
+    monkeypatch.setattr(kernel, "_error", None)
+
+
 def test_no_compiler_falls_back_under_auto_and_fails_under_on(monkeypatch, tmp_path):
-    monkeypatch.setattr(lora_kernel, "_loaded", {})
     monkeypatch.setenv("POLYSERVE_HOME", str(tmp_path))
     monkeypatch.setenv("CXX", str(tmp_path / "no-such-compiler"))
+    unloaded(monkeypatch, lora_kernel.KERNEL)
     cpu = torch.device("cpu")
     assert lora_kernel.resolve("auto", cpu) is False
     assert "no-such-compiler" in (lora_kernel.error() or "")
@@ -162,9 +168,9 @@ def test_no_compiler_falls_back_under_auto_and_fails_under_on(monkeypatch, tmp_p
 def test_a_broken_source_is_reported_not_loaded(monkeypatch, tmp_path):
     bad = tmp_path / "lora_rows.cpp"
     bad.write_text("this is not C++\n")
-    monkeypatch.setattr(lora_kernel, "_loaded", {})
-    monkeypatch.setattr(lora_kernel, "SOURCE", bad)
+    monkeypatch.setattr(lora_kernel.KERNEL, "source", bad)
     monkeypatch.setenv("POLYSERVE_HOME", str(tmp_path))
+    unloaded(monkeypatch, lora_kernel.KERNEL)
     assert lora_kernel.load() is None
     assert "failed" in (lora_kernel.error() or "")
     assert not list((tmp_path / "kernels").glob("*.so")), "no library left behind"
