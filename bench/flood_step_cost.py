@@ -35,6 +35,8 @@ def main() -> None:
     ap.add_argument("--prompt-tokens", type=int, default=500)
     ap.add_argument("--prefill-tokens", type=int, default=0, help="POLYSERVE_TENANT_PREFILL_TOKENS (one tenant "
                     "here, so it never binds: the steps are timed as the flood alone makes them)")
+    ap.add_argument("--attention-kernel", default="auto", choices=("auto", "on", "off"),
+                    help="POLYSERVE_ATTENTION_KERNEL: the decode rows' attention in the native kernel, or SDPA")
     args = ap.parse_args()
     bb = load_backbone(args.backbone)
     dtype = serving_dtype("cpu", None)
@@ -43,10 +45,10 @@ def main() -> None:
     def prompt(n: int) -> list[int]:
         return [rng.randrange(10, 40000) for _ in range(n)]
 
-    print(f"dtype {dtype}, torch threads {torch.get_num_threads()}")
+    print(f"dtype {dtype}, torch threads {torch.get_num_threads()}, attention kernel {args.attention_kernel}")
     with torch.inference_mode():
         config = EngineConfig(max_batch_rows=32, max_step_tokens=256, dtype=dtype,
-                              tenant_prefill_tokens=args.prefill_tokens)
+                              tenant_prefill_tokens=args.prefill_tokens, attention_kernel=args.attention_kernel)
         alone = NativeEngine(bb.model, bb.tokenizer, None, config)
         alone.submit(GenRequest(prompt(6), SamplingParams(max_new_tokens=30, ignore_eos=True)))
         alone.step()

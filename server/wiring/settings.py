@@ -47,6 +47,10 @@ class Settings(BaseSettings):
     # builds, else torch ops; on = fail where it does not; off = torch ops; engines/native/lora_kernel.py).
     # auto: faster end to end than torch ops where it builds (BENCHMARKS.md, "The LoRA kernel")
     lora_kernel: Literal["auto", "on", "off"] = "auto"
+    # native engine: the decode rows' attention in a C++ kernel built on first use, each row over
+    # its own KV slot (auto = where it builds, else torch's SDPA; on = fail where it does not;
+    # off = SDPA; engines/native/attention_kernel.py)
+    attention_kernel: Literal["auto", "on", "off"] = "auto"
     redis_url: str | None = None  # unset = no L2 cache
     redis_prefix: str = "polyserve"
     redis_ttl_seconds: int = Field(default=24 * 3600, ge=1)

@@ -2,9 +2,10 @@
 
     write k, v of every item at its slot's positions start .. end - 1
     decode group (n one-token items, step.StepBatch.decode):
-        q (n, kv_heads, rep, hd)  x  K[slots, :, :L]   masked by each row's length
-        (grouped-query attention folded into the query length: the rep query heads that share
-        a kv head are that head's "queries"; no copy of K/V per query head)
+        kernel (CPU, attention_kernel.py): each row over its own slot's positions, in place
+        SDPA:   q (n, kv_heads, rep, hd)  x  K[slots, :, :L]   masked by each row's length
+                (grouped-query attention folded into the query length: the rep query heads that
+                share a kv head are that head's "queries"; no copy of K/V per query head)
     each chunk: causal SDPA of its c queries over its slot's first start + c positions
 """
 
@@ -13,13 +14,15 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from server.engines.native.attention_kernel import decode_attention
 from server.engines.native.step import StepBatch
 
 
 def slot_attention(K: torch.Tensor, V: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                   batch: StepBatch, scale: float | None = None) -> torch.Tensor:
+                   batch: StepBatch, scale: float | None = None, kernel: bool = False) -> torch.Tensor:
     """K, V (slots, kv_heads, capacity, hd) of this layer; q (T, heads, hd), k/v (T, kv_heads, hd)
-    of the batch's flat tokens -> attention output (T, heads * hd)."""
+    of the batch's flat tokens -> attention output (T, heads * hd). kernel: the decode group in
+    the native kernel (the caller has checked it loads: attention_kernel.resolve)."""
     T, heads, hd = q.shape
     kvh = k.shape[1]
     out = q.new_empty((T, heads * hd))
@@ -31,13 +34,21 @@ def slot_attention(K: torch.Tensor, V: torch.Tensor, q: torch.Tensor, k: torch.T
         K[slots, :, pos] = k[:n]
         V[slots, :, pos] = v[:n]
         width = mask.shape[-1]
-        if batch.decode_contiguous:
-            keys, values = K[:n, :, :width], V[:n, :, :width]
+        if kernel:
+            assert batch.decode_ends_t is not None
+            if width > K.shape[2] or batch.decode_slots[-1] >= K.shape[0]:  # the kernel reads by address
+                raise ValueError(f"decode rows up to slot {batch.decode_slots[-1]}, {width} positions: "
+                                 f"past the KV cache {tuple(K.shape)}")
+            decode_attention(q[:n].contiguous(), K, V, slots, batch.decode_ends_t,
+                             hd**-0.5 if scale is None else scale, out[:n])
         else:
-            keys, values = K[:, :, :width].index_select(0, slots), V[:, :, :width].index_select(0, slots)
-        att = F.scaled_dot_product_attention(q[:n].reshape(n, kvh, heads // kvh, hd), keys, values,
-                                             attn_mask=mask, scale=scale)
-        out[:n] = att.reshape(n, heads * hd)
+            if batch.decode_contiguous:
+                keys, values = K[:n, :, :width], V[:n, :, :width]
+            else:
+                keys, values = K[:, :, :width].index_select(0, slots), V[:, :, :width].index_select(0, slots)
+            att = F.scaled_dot_product_attention(q[:n].reshape(n, kvh, heads // kvh, hd), keys, values,
+                                                 attn_mask=mask, scale=scale)
+            out[:n] = att.reshape(n, heads * hd)
     for chunk in batch.chunks:
         it, a, b = chunk.item, chunk.offset, chunk.offset + len(chunk.item.tokens)
         K[it.slot, :, it.start : it.end] = k[a:b].transpose(0, 1)

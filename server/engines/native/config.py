@@ -44,6 +44,7 @@ class EngineConfig:
     packed_weights: bool | None = None
     static_decode: bool | None = None
     lora_kernel: str = "auto"
+    attention_kernel: str = "auto"
     threads: int | None = None
     adaptive_threads: bool = True
     caps: TenantCaps = field(default_factory=TenantCaps)
@@ -73,6 +74,6 @@ class EngineConfig:
             background_share=settings.background_share,
             dtype=serving_dtype(settings.device, settings.dtype), runner_kind=settings.native_executor,
             packed_weights=switch(settings.packed_weights), static_decode=switch(settings.static_decode),
-            lora_kernel=settings.lora_kernel, threads=threads, adaptive_threads=settings.adaptive_threads,
+            lora_kernel=settings.lora_kernel, attention_kernel=settings.attention_kernel, threads=threads, adaptive_threads=settings.adaptive_threads,
             caps=tenant_caps(settings),
         )

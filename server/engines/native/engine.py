@@ -81,12 +81,15 @@ class NativeEngine:
         self.metrics = metrics
         self.runner = runner or build_model_runner(model, routed_model, slots=cfg.max_batch_rows, dtype=cfg.dtype,
                                                    kind=cfg.runner_kind, packed=cfg.packed_weights,
-                                                   static_decode=cfg.static_decode, lora_kernel=cfg.lora_kernel)
+                                                   static_decode=cfg.static_decode, lora_kernel=cfg.lora_kernel,
+                                                   attention_kernel=cfg.attention_kernel)
         self.device = self.runner.device
         lora = getattr(self.runner, "lora", None)
-        log.info("native engine: %s runner, %s, %d slots, %d tokens per step, LoRA %s", self.runner.name,
-                 str(self.runner.dtype).removeprefix("torch."), cfg.max_batch_rows, cfg.max_step_tokens,
-                 "none" if lora is None else "in the native kernel" if lora.kernel is not None else "as torch ops")
+        log.info("native engine: %s runner, %s, %d slots, %d tokens per step, LoRA %s, decode attention %s",
+                 self.runner.name, str(self.runner.dtype).removeprefix("torch."), cfg.max_batch_rows,
+                 cfg.max_step_tokens,
+                 "none" if lora is None else "in the native kernel" if lora.kernel is not None else "as torch ops",
+                 "in the native kernel" if getattr(self.runner, "attention_kernel", False) else "as SDPA")
         self.pool = SlotPool(cfg.max_batch_rows)
         self.eos_ids = _eos_ids(model, tokenizer)
         self.vocab_size = self.runner.vocab_size

@@ -30,6 +30,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from server.engines.native import attention_kernel as attention_kernels
 from server.engines.native import lora_kernel as lora_kernels
 from server.engines.native.attention import slot_attention
 from server.engines.native.slot_lora import Group, Member, SlotLoRA, SlotLoRAStep, write_adapter
@@ -187,12 +188,14 @@ class LlamaRunner:
                  adapted: list[str] | None = None, rank: int = 0, scale: float = 1.0,
                  skills: list[tuple[torch.Tensor, torch.Tensor]] | None = None,
                  lora_dtype: torch.dtype | None = None, static_decode: bool | None = None,
-                 lora_kernel: str = "auto") -> None:
+                 lora_kernel: str = "auto", attention_kernel: str = "auto") -> None:
         """adapted: the qualified names of the routed linears (the inventory's order); skills: their
         (A, B) skill tensors, so routed tasks are written from their routing weights. static_decode:
         decode steps padded to fixed shapes and, on CUDA, replayed as graphs (static_decode.py);
         None = on CUDA only. lora_kernel: the decode rows' LoRA in
-        the native CPU kernel (lora_kernel.py): auto | on | off. The KV cache and the adapter tables get one spare slot for padding."""
+        the native CPU kernel (lora_kernel.py): auto | on | off. attention_kernel: the decode rows'
+        attention in the native CPU kernel (attention_kernel.py): auto | on | off. The KV cache and
+        the adapter tables get one spare slot for padding."""
         reason = unsupported(model)
         if reason is not None:
             raise ValueError(f"the flat Llama runner cannot run this model: {reason}")
@@ -226,6 +229,8 @@ class LlamaRunner:
         self._rope_version = 0  # bumped whenever the table is replaced (as SlotKV.version)
         self._rope_table(256)
         self.spare_slot = slots  # never given to a row: static decode steps pad into it
+        self.attention_kernel = attention_kernels.resolve(attention_kernel, self.device, dtype, self.heads,
+                                                          self.kv_heads, self.head_dim)
         self.kv = SlotKV(len(self.layers), slots + 1, self.kv_heads, self.head_dim, dtype=dtype, device=self.device)
         self.lora: SlotLoRA | None = None
         if groups is not None:
@@ -333,7 +338,8 @@ class LlamaRunner:
         qk = torch.view_as_complex(qkv[:, : (heads + kvh) * hd].float().view(T, heads + kvh, hd // 2, 2))
         qk = torch.view_as_real(qk * rope).view(T, heads + kvh, hd).to(x.dtype)
         v = qkv[:, (heads + kvh) * hd :].view(T, kvh, hd)
-        attn = slot_attention(self.kv.k[i], self.kv.v[i], qk[:, :heads], qk[:, heads:], v, batch)  # (T, heads*hd)
+        attn = slot_attention(self.kv.k[i], self.kv.v[i], qk[:, :heads], qk[:, heads:], v, batch,
+                              kernel=self.attention_kernel)  # (T, heads*hd)
         x = layer.o.binary(attn, x, "add")  # the residual add inside the GEMM
         if lora is not None:
             lora.apply(i, 1, attn, x)

@@ -45,10 +45,12 @@ class ModelRunner(Protocol):
 
 def build_model_runner(model: torch.nn.Module, routed: Any = None, *, slots: int, dtype: torch.dtype | None = None,
                    kind: str = "auto", packed: bool | None = None, static_decode: bool | None = None,
-                   lora_kernel: str = "auto") -> ModelRunner:
+                   lora_kernel: str = "auto", attention_kernel: str = "auto") -> ModelRunner:
     """kind auto: the Llama runner where it can run the model, else the HF one. dtype None: the
     model's own. routed: the RoutedModel (its adapted linears get per-slot LoRA tables).
-    lora_kernel: the decode rows' LoRA in the native CPU kernel (lora_kernel.py): auto | on | off."""
+    lora_kernel: the decode rows' LoRA in the native CPU kernel (lora_kernel.py): auto | on | off.
+    attention_kernel: the decode rows' attention in the native CPU kernel (attention_kernel.py), the
+    Llama runner only: auto | on | off."""
     from server.engines.native.hf_runner import HFRunner
     from server.engines.native.llama import LlamaRunner, unsupported
 
@@ -65,7 +67,8 @@ def build_model_runner(model: torch.nn.Module, routed: Any = None, *, slots: int
         skills = [(layer.lora_A.detach(), layer.lora_B.detach()) for layer in routed.layers] if routed else None
         return LlamaRunner(model, dtype=dtype, slots=slots, packed=packed, adapted=adapted,
                              rank=spec.rank if spec else 0, scale=spec.scale if spec else 1.0, skills=skills,
-                             static_decode=static_decode, lora_kernel=lora_kernel)
+                             static_decode=static_decode, lora_kernel=lora_kernel,
+                             attention_kernel=attention_kernel)
     if reason is not None:
         log.info("native engine: the model's own forward (%s)", reason)
     if dtype != model_dtype:

@@ -81,7 +81,8 @@ class StaticDecode:
             mask = torch.zeros((size, 1, 1, self.capacity()), dtype=torch.bool, device=dev)
             static = StepBatch(items=[], tokens=tokens, positions=positions, decode=list(range(size)),
                                decode_slots=[self.spare] * size, decode_slots_t=slots, decode_contiguous=False,
-                               decode_mask=mask, chunks=[], logit_index=torch.arange(size, device=dev))
+                               decode_mask=mask, decode_ends_t=torch.ones(size, dtype=torch.long, device=dev),
+                               chunks=[], logit_index=torch.arange(size, device=dev))
             self._buckets[size] = _Bucket(static, positions)
         return self._buckets[size]
 
@@ -108,6 +109,8 @@ class StaticDecode:
         assert st.decode_slots_t is not None and st.decode_mask is not None
         st.decode_slots_t.copy_(host[:, 2], non_blocking=True)
         st.decode_mask.copy_((torch.arange(cap, device=self.device)[None, :] <= st.positions[:, None])[:, None, None, :])
+        assert st.decode_ends_t is not None
+        torch.add(st.positions, 1, out=st.decode_ends_t)
         st.decode_slots = [it.slot for it in items] + [self.spare] * (size - n)
         if not self.graphs:
             return self.forward(st)[:n]

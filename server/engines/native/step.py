@@ -69,6 +69,7 @@ class StepBatch:
     decode_slots_t: torch.Tensor | None  # (N_d,) long
     decode_contiguous: bool  # decode_slots == [0, 1, .., N_d - 1]: slot tables/KV are plain views
     decode_mask: torch.Tensor | None  # (N_d, 1, 1, L) bool, L = longest decode context
+    decode_ends_t: torch.Tensor | None  # (N_d,) long: each decode row's context length (start + 1)
     chunks: list[Chunk]
     logit_index: torch.Tensor  # (R,) long flat positions
     logit_rows: list[slice] = field(default_factory=list)  # per item: its rows of the logits
@@ -119,7 +120,7 @@ class StepBatch:
                 index.extend(range(flat_start[i], flat_start[i] + len(it.tokens)))
             rows.append(slice(first, len(index)))
         decode_slots = [items[i].slot for i in decode]
-        slots_t = mask = None
+        slots_t = mask = ends = None
         if decode:
             slots_t = torch.tensor(decode_slots, dtype=torch.long, device=device)
             ends = torch.tensor([items[i].end for i in decode], dtype=torch.long, device=device)
@@ -131,7 +132,7 @@ class StepBatch:
             positions=torch.tensor(positions, dtype=torch.long, device=device),
             decode=decode, decode_slots=decode_slots, decode_slots_t=slots_t,
             decode_contiguous=decode_slots == list(range(len(decode))),
-            decode_mask=mask, chunks=chunks,
+            decode_mask=mask, decode_ends_t=ends, chunks=chunks,
             logit_index=torch.tensor(index, dtype=torch.long, device=device), logit_rows=rows,
         )
 

@@ -7,6 +7,7 @@ import pytest
 import torch
 
 from server.engines.dtype import serving_dtype
+from server.engines.native import attention_kernel
 from server.engines.native.llama import unsupported
 from server.engines.native.model_runner import build_model_runner
 from server.engines.native.step import Item, StepBatch
@@ -55,6 +56,15 @@ def check_against(model, runner, vocab: int, atol: float, rtol: float = 0.0):
 def test_runner_equals_the_models_forward(tiny_base, kind):
     ex = build_model_runner(tiny_base, slots=4, kind=kind)
     assert ex.name == kind
+    check_against(tiny_base, ex, 259, atol=1e-5)
+
+
+@pytest.mark.parametrize("attention", ["on", "off"])
+def test_llama_runner_equals_the_models_forward_with_and_without_the_attention_kernel(tiny_base, attention):
+    if attention == "on" and attention_kernel.KERNEL.load() is None:
+        pytest.skip(f"no decode attention kernel: {attention_kernel.KERNEL.error()}")
+    ex = build_model_runner(tiny_base, slots=4, kind="llama", attention_kernel=attention)
+    assert ex.attention_kernel is (attention == "on")
     check_against(tiny_base, ex, 259, atol=1e-5)
 
 

@@ -1,0 +1,85 @@
+"""The decode group's attention on a CPU as one native call per layer (decode_attention.cpp)
+instead of torch's SDPA over gathered, padded slots.
+
+SDPA needs the rows' keys and values as one (n, kv_heads, L, hd) batch: when the decode rows'
+slots are not 0..n-1 that is a gather of every row's cache up to the longest row, and every row
+is padded to the longest and masked. Its CPU flash kernel then runs a small GEMM per block of
+positions. The kernel reads each row's own slot in place, only its own positions, with the
+query heads that share a kv head together; float32 sums whatever the storage. Rows are
+independent: a row's output is the same in any batch.
+
+On by default where it builds (POLYSERVE_ATTENTION_KERNEL=auto; on = fail where it does not,
+off = SDPA always), built and loaded as cpp_kernel.py says. Figures: BENCHMARKS.md ("The
+long-prompt flood").
+"""
+
+from __future__ import annotations
+
+import ctypes
+from pathlib import Path
+
+import torch
+
+from server.engines.native.cpp_kernel import CppKernel
+
+_I64, _PTR, _INT = ctypes.c_int64, ctypes.c_void_p, ctypes.c_int
+_ARGTYPES = [_I64, _PTR, _INT, _PTR, _PTR, _INT, _PTR, _PTR, _I64, _I64, _I64, _I64, _I64, _I64, ctypes.c_float,
+             _PTR, _INT]
+
+KERNEL = CppKernel(Path(__file__).with_name("decode_attention.cpp"), "polyserve_decode_attention", _ARGTYPES,
+                   ctypes.c_int, "decode attention")
+
+DTYPES = (torch.float32, torch.bfloat16)
+MAX_REP, MAX_HEAD_DIM = 16, 256  # as decode_attention.cpp
+
+
+def resolve(setting: str, device: torch.device, dtype: torch.dtype, heads: int, kv_heads: int,
+            head_dim: int) -> bool:
+    """Whether the decode group's attention runs in the kernel: POLYSERVE_ATTENTION_KERNEL
+    auto | on | off."""
+    if setting not in ("auto", "on", "off"):
+        raise ValueError(f"attention_kernel must be auto, on or off; got {setting!r}")
+    if setting == "off":
+        return False
+    rep = heads // kv_heads
+    why = ("it runs on CPUs only" if device.type != "cpu" else
+           f"it takes a float32/bfloat16 KV cache, not {dtype}" if dtype not in DTYPES else
+           f"it takes up to {MAX_REP} query heads per kv head, not {rep}" if rep > MAX_REP else
+           f"it takes head dims up to {MAX_HEAD_DIM}, not {head_dim}" if head_dim > MAX_HEAD_DIM else None)
+    if why is not None:
+        if setting == "on":
+            raise ValueError(f"POLYSERVE_ATTENTION_KERNEL=on: {why}")
+        return False
+    if KERNEL.load() is None:
+        if setting == "on":
+            raise RuntimeError(f"POLYSERVE_ATTENTION_KERNEL=on but the kernel is unavailable: {KERNEL.error()}")
+        return False
+    return True
+
+
+def decode_attention(q: torch.Tensor, K: torch.Tensor, V: torch.Tensor, slots: torch.Tensor, ends: torch.Tensor,
+                     scale: float, out: torch.Tensor) -> None:
+    """q (n, heads, hd); K, V (slots, kv_heads, capacity, hd) of one layer, already holding the
+    rows' new positions; slots, ends (n,) int64: row i attends to K[slots[i], :, :ends[i]].
+    Writes out (n, heads * hd), of q's dtype; query head h reads kv head h // (heads / kv_heads)."""
+    fn = KERNEL.load()
+    if fn is None:
+        raise RuntimeError(f"the decode attention kernel is unavailable: {KERNEL.error()}")
+    n, heads, hd = q.shape
+    kvh = K.shape[1]
+    if (K.shape != V.shape or K.stride() != V.stride() or K.stride(-1) != 1 or K.dtype != V.dtype
+            or K.dtype not in DTYPES or q.dtype not in DTYPES or out.dtype != q.dtype or K.shape[-1] != hd
+            or heads % kvh or not q.is_contiguous() or not out.is_contiguous() or out.shape != (n, heads * hd)):
+        raise ValueError(f"decode attention kernel: q {tuple(q.shape)} {q.dtype}, K/V {tuple(K.shape)} {K.dtype}, "
+                         f"out {tuple(out.shape)} {out.dtype}")
+    for t in (slots, ends):
+        if t.dtype != torch.int64 or not t.is_contiguous() or t.shape != (n,):
+            raise ValueError("slots and ends must be contiguous int64 tensors with an entry per row")
+    if n == 0:
+        return
+    rc = fn(n, q.data_ptr(), int(q.dtype == torch.bfloat16), K.data_ptr(), V.data_ptr(),
+            int(K.dtype == torch.bfloat16), slots.data_ptr(), ends.data_ptr(), K.stride(0), K.stride(1), K.stride(2),
+            kvh, heads // kvh, hd, scale, out.data_ptr(), int(out.dtype == torch.bfloat16))
+    if rc != 0:
+        raise ValueError(f"decode attention kernel refused q {tuple(q.shape)}, K {tuple(K.shape)}: "
+                         "a row with no position, or a shape past its limits")

@@ -1,0 +1,104 @@
+"""The native decode-attention kernel (server/engines/native/attention_kernel.py,
+decode_attention.cpp) against a float64 reference: every storage dtype, grouped-query shapes,
+head dims with and without a compiled-in specialisation, rows in any slots with their own
+lengths; a row's output does not depend on its batch; and how the setting resolves where it
+cannot run."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from server.engines.native import attention_kernel
+
+pytestmark = pytest.mark.skipif(attention_kernel.KERNEL.load() is None,
+                                reason=f"no decode attention kernel: {attention_kernel.KERNEL.error()}")
+
+
+def _cache(slots, kvh, cap, hd, dtype, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    return (torch.randn(slots, kvh, cap, hd, generator=g).to(dtype),
+            torch.randn(slots, kvh, cap, hd, generator=g).to(dtype))
+
+
+def _want(q, K, V, slots, ends, scale):
+    """float64 softmax attention of each row over its own slot's first ends[i] positions."""
+    n, heads, hd = q.shape
+    rep = heads // K.shape[1]
+    out = torch.empty(n, heads, hd, dtype=torch.float64)
+    for i in range(n):
+        for h in range(heads):
+            keys = K[slots[i], h // rep, : ends[i]].double()
+            values = V[slots[i], h // rep, : ends[i]].double()
+            p = torch.softmax(keys @ q[i, h].double() * scale, dim=0)
+            out[i, h] = p @ values
+    return out.reshape(n, heads * hd)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("heads,kvh,hd", [(9, 3, 64), (4, 4, 128), (8, 2, 24), (16, 1, 64)])
+def test_kernel_equals_the_reference(dtype, heads, kvh, hd):
+    K, V = _cache(7, kvh, 40, hd, dtype)
+    g = torch.Generator().manual_seed(1)
+    slots = torch.tensor([5, 0, 3, 6])
+    ends = torch.tensor([40, 1, 17, 9])  # the whole cache, a single position, and in between
+    q = torch.randn(4, heads, hd, generator=g).to(dtype)
+    out = torch.full((4, heads * hd), float("nan"), dtype=dtype)
+    attention_kernel.decode_attention(q, K, V, slots, ends, hd**-0.5, out)
+    want = _want(q, K, V, slots.tolist(), ends.tolist(), hd**-0.5)
+    tol = 1e-5 if dtype == torch.float32 else 1e-2  # bf16: one rounding of the output
+    torch.testing.assert_close(out.double(), want, atol=tol, rtol=tol)
+
+
+def test_a_row_is_the_same_alone_as_in_any_batch():
+    K, V = _cache(6, 3, 64, 64, torch.bfloat16)
+    g = torch.Generator().manual_seed(2)
+    q = torch.randn(5, 9, 64, generator=g).to(torch.bfloat16)
+    slots, ends = torch.tensor([4, 1, 0, 5, 2]), torch.tensor([64, 3, 50, 12, 33])
+    together = torch.empty(5, 9 * 64, dtype=torch.bfloat16)
+    attention_kernel.decode_attention(q, K, V, slots, ends, 0.125, together)
+    for i in range(5):
+        alone = torch.empty(1, 9 * 64, dtype=torch.bfloat16)
+        attention_kernel.decode_attention(q[i : i + 1].contiguous(), K, V, slots[i : i + 1], ends[i : i + 1], 0.125,
+                                          alone)
+        assert torch.equal(alone[0], together[i])
+
+
+def test_bad_shapes_are_refused_before_the_kernel_reads_anything():
+    K, V = _cache(2, 2, 8, 16, torch.float32)
+    q = torch.randn(1, 4, 16)
+    out = torch.empty(1, 64)
+    one, zero = torch.tensor([1]), torch.tensor([0])
+    with pytest.raises(ValueError, match="no position"):
+        attention_kernel.decode_attention(q, K, V, one, zero, 0.25, out)  # a row with no position
+    with pytest.raises(ValueError, match="int64"):
+        attention_kernel.decode_attention(q, K, V, one.int(), one, 0.25, out)
+    with pytest.raises(ValueError, match="decode attention kernel"):
+        attention_kernel.decode_attention(q, K, V, one, one, 0.25, torch.empty(1, 64, dtype=torch.bfloat16))
+    with pytest.raises(ValueError, match="decode attention kernel"):
+        attention_kernel.decode_attention(torch.randn(1, 3, 16), K, V, one, one, 0.25, torch.empty(1, 48))
+
+
+def test_the_setting_resolves_by_device_dtype_and_shape():
+    cpu = torch.device("cpu")
+    assert attention_kernel.resolve("auto", cpu, torch.bfloat16, 9, 3, 64)
+    assert not attention_kernel.resolve("off", cpu, torch.bfloat16, 9, 3, 64)
+    assert not attention_kernel.resolve("auto", torch.device("cuda"), torch.bfloat16, 9, 3, 64)
+    assert not attention_kernel.resolve("auto", cpu, torch.float16, 9, 3, 64)
+    assert not attention_kernel.resolve("auto", cpu, torch.float32, 32, 1, 64)  # 32 query heads a kv head
+    assert not attention_kernel.resolve("auto", cpu, torch.float32, 2, 1, 512)
+    with pytest.raises(ValueError, match="head dims"):
+        attention_kernel.resolve("on", cpu, torch.float32, 2, 1, 512)
+    with pytest.raises(ValueError, match="auto, on or off"):
+        attention_kernel.resolve("yes", cpu, torch.float32, 2, 1, 64)
+
+
+def test_no_compiler_falls_back_under_auto_and_fails_under_on(monkeypatch, tmp_path):
+    monkeypatch.setattr(attention_kernel.KERNEL, "_fn", None)  # loads afresh here, restored after
+    monkeypatch.setattr(attention_kernel.KERNEL, "_error", None)
+    monkeypatch.setenv("POLYSERVE_HOME", str(tmp_path))
+    monkeypatch.setenv("CXX", str(tmp_path / "no-such-compiler"))
+    cpu = torch.device("cpu")
+    assert attention_kernel.resolve("auto", cpu, torch.float32, 4, 2, 64) is False
+    with pytest.raises(RuntimeError, match="unavailable"):
+        attention_kernel.resolve("on", cpu, torch.float32, 4, 2, 64)
