@@ -71,10 +71,10 @@ class Settings(BaseSettings):
     # tokens in one forward: every decoding row's next token + prompt chunks (chunked prefill)
     max_step_tokens: int = Field(default=256, ge=2)
     # native engine: while a tenant's rows decode, prompt tokens of other tenants' requests in one
-    # step (engines/native/scheduler.py); 0 = no such bound. Off by default: on CPU a step's cost
-    # grows with every token it holds, so spreading prompts thinner moves no work away from the
-    # decoding rows (BENCHMARKS.md, "Two tenants": no latency gained, throughput lost)
-    tenant_prefill_tokens: int = Field(default=0, ge=0)
+    # step (engines/native/scheduler.py); 0 = no such bound. Another tenant's long prompt is then
+    # spread thin over the steps a short request decodes in, instead of a few steps that cost
+    # several decode steps each (BENCHMARKS.md, "The long-prompt flood")
+    tenant_prefill_tokens: int = Field(default=32, ge=0)
     max_queue: int = Field(default=256, ge=0)
     max_prompt_tokens: int = Field(default=2048, ge=1)
     max_new_tokens: int = Field(default=1024, ge=1)

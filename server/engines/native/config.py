@@ -37,7 +37,7 @@ class EngineConfig:
     max_prefill_rows: int = 16
     max_queue: int = 256
     max_step_tokens: int = 256
-    tenant_prefill_tokens: int = 0
+    tenant_prefill_tokens: int = 32
     background_share: float = 0.2
     dtype: torch.dtype | None = None
     runner_kind: str = "auto"

@@ -6,14 +6,16 @@
                      rows      every admitted request takes n KV slots (one per choice)
                      KV tokens prompt + max_new_tokens of everything in flight <= max_batch_tokens
                      prefill   prompt tokens still waiting for their forward stay under one
-                               step's room (max_step_tokens less the decoding rows)
+                               step's room (max_step_tokens less the decoding rows), each
+                               tenant's own under fair admission (another tenant's long
+                               prompt never holds a short one out)
                      burst     at most max_prefill_rows requests per step
                  then preempted rows resume in the rows left over (see below)
     plan_step    every decoding row's next token, then prompt chunks of the admitted requests in
                  admission order while the step's token budget lasts (chunked prefill: a long
                  prompt is spread over several steps, the decoding rows never wait for it);
                  optionally, while a tenant's rows decode, other tenants' chunks share a
-                 smaller budget (tenant_prefill_tokens, off by default)
+                 smaller budget (tenant_prefill_tokens)
 
 Rows are lent, and taken back by preemption (fair admission only). No tenant has rows held for
 it: a tenant alone may fill every row. When a tenant's head request finds no room, and after
@@ -115,6 +117,8 @@ class Scheduler:
         self.waiting = FairQueue(config.caps, max_queue=config.max_queue, max_rows=config.max_batch_rows,
                                  max_tokens=config.max_batch_tokens)
         self.preempted: list[Preempted] = []  # oldest first
+        self._pending: dict[str, int] = {}  # during a pass: prompt tokens admitted, not yet forwarded, by _room_key
+        self._room = 1  # during a pass: one step's room for them
         self._passes = 0
         self._recent: dict[str, tuple[int, int]] = {}  # tenant -> (rows it held, pass) while it held any
 
@@ -123,8 +127,10 @@ class Scheduler:
         cfg = self.config
         self._tokens = sum(row_budget(r.req) for r in rows) + sum(p.budget for p in prefills)
         self._running = len(rows) + sum(p.rows for p in prefills)
-        self._pending = sum(p.remaining for p in prefills)
-        room = max(1, cfg.max_step_tokens - len(rows))
+        self._pending = {}
+        for p in prefills:
+            self._pending[self._room_key(p.req)] = self._pending.get(self._room_key(p.req), 0) + p.remaining
+        self._room = max(1, cfg.max_step_tokens - len(rows))
         picker = self.waiting.begin(in_flight(
             [(r.req.tenant, 1, row_budget(r.req)) for r in rows]
             + [(p.req.tenant, p.rows, p.budget) for p in prefills]), [e.row.req.tenant for e in self.preempted])
@@ -141,18 +147,21 @@ class Scheduler:
             keep.append(entry)
         self.preempted = keep
         overdue = [e for e in self.preempted if e.waited > cfg.caps.patience]
-        self._resume(overdue, picker, out, room)  # a row that waited long enough goes first
+        self._resume(overdue, picker, out)  # a row that waited long enough goes first
         lendable = {id(r): r for r in rows}
         tried: set[str] = set()
-        while self.waiting and self._pending < room and len(out.admitted) < cfg.max_prefill_rows:
+        while self.waiting and len(out.admitted) < cfg.max_prefill_rows:
+            if "" in self._pending and not self._has_room(""):
+                break  # one queue (no fairness): its prompts fill the room
+            picker.passed.update(t for t in self._pending if not self._has_room(t))  # theirs do
             req = picker.next(cfg.max_batch_rows - self._running, cfg.max_batch_tokens - self._tokens)
             if req is None:
                 if not self._make_room(picker, lendable, out, tried):
                     break
                 continue
             self._take(Prefill(req, []), out)
-        self._resume(list(self.preempted), picker, out, room)
-        self._split(picker, out, room)
+        self._resume(list(self.preempted), picker, out)
+        self._split(picker, out)
         out.cancelled = list(picker.cancelled)
         return out
 
@@ -160,7 +169,7 @@ class Scheduler:
         """A choice of a request that started split: it waits for a slot (its prompt is recomputed)."""
         self.preempted.append(Preempted(row, list(row.req.prompt_ids)))
 
-    def _split(self, picker: Pass, out: Admission, room: int) -> None:
+    def _split(self, picker: Pass, out: Admission) -> None:
         """Rows still free while a head waits for more: it starts in them, split (lending only).
         Its other choices are sampled with the first ones, then wait for slots as preempted rows
         do. A 4-choice request is not left waiting for 4 free rows while 1-3 sit idle."""
@@ -170,9 +179,11 @@ class Scheduler:
             return
         for key in list(picker.blocked):
             free = cfg.max_batch_rows - self._running - picker.reserved.rows - picker.kept(key)
-            if free < 1 or self._pending >= room or len(out.admitted) >= cfg.max_prefill_rows:
+            if free < 1 or len(out.admitted) >= cfg.max_prefill_rows:
                 return
             head = picker.head(key)
+            if not self._has_room(self._room_key(head)):
+                continue
             use = picker.use.get(key, InFlight())
             width = min(free, head.params.n - 1, caps.rows_cap(cfg.max_batch_rows) - use.rows)
             budget = width * row_budget(head)
@@ -204,8 +215,18 @@ class Scheduler:
     def _take(self, prefill: Prefill, out: Admission) -> None:
         self._tokens += prefill.budget
         self._running += prefill.rows
-        self._pending += prefill.remaining
+        key = self._room_key(prefill.req)
+        self._pending[key] = self._pending.get(key, 0) + prefill.remaining
         out.admitted.append(prefill)
+
+    def _room_key(self, req: GenRequest) -> str:
+        """Whose prompts share a step's room: each tenant's own (fair admission), or everyone's."""
+        return req.tenant if self.config.caps.fair else ""
+
+    def _has_room(self, key: str) -> bool:
+        """Prompt tokens admitted and not yet forwarded stay under one step's room, per tenant
+        under fair admission: another tenant's long prompt never holds a short one out."""
+        return self._pending.get(key, 0) < self._room
 
     def _make_room(self, picker: Pass, lendable: dict[int, Any], out: Admission, tried: set[str]) -> bool:
         """Preempt rows for the first blocked tenant that may reclaim them; whether it did."""
@@ -241,7 +262,7 @@ class Scheduler:
             return True
         return False
 
-    def _resume(self, entries: list[Preempted], picker: Pass, out: Admission, room: int) -> None:
+    def _resume(self, entries: list[Preempted], picker: Pass, out: Admission) -> None:
         """Preempted rows take the rows left over, oldest first, within their tenant's caps."""
         cfg = self.config
         caps = cfg.caps
@@ -249,8 +270,10 @@ class Scheduler:
             row = entry.row
             if row in out.preempted:
                 continue  # preempted in this very pass
-            if self._pending >= room or len(out.admitted) >= cfg.max_prefill_rows:
+            if len(out.admitted) >= cfg.max_prefill_rows:
                 return
+            if not self._has_room(self._room_key(row.req)):
+                continue
             budget = row_budget(row.req)
             if (self._running + 1 > cfg.max_batch_rows - picker.reserved.rows - picker.kept(row.req.tenant)
                     or self._tokens + budget > cfg.max_batch_tokens - picker.reserved.tokens):
@@ -275,10 +298,10 @@ class Scheduler:
         chunks of the *other* tenants' requests (new prompts, resumed rows' recomputes) hold at
         most tenant_prefill_tokens tokens of the step, and the shortest prompts go first
         (Sarathi-Serve's chunked-prefill budget, applied between tenants); a tenant's own chunks,
-        and steps with no other tenant decoding, keep the whole max_step_tokens. Where a decode
-        step is bound by reading the weights (a GPU), chunks riding along are nearly free and a
-        small budget keeps the other tenants' steps short. Where every token costs compute (a
-        CPU) it moves no work away from them, hence off by default (README, "Tenants").
+        and steps with no other tenant decoding, keep the whole max_step_tokens. A long prompt is
+        then spread thin over the steps another tenant decodes in, instead of filling a few of
+        them (on a CPU a step of a few hundred prompt tokens costs several decode steps); the
+        prompt's own rows start later (README, "Tenants").
         """
         items: list[Item] = []
         owners: list[Any] = []

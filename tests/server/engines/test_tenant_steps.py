@@ -113,3 +113,23 @@ def test_a_small_tenants_decode_steps_carry_at_most_the_bound_of_the_floods_prom
                    for c in choices(r))
     unbounded, _ = flood_and_small(0)  # the same traffic, no bound: the flood's prompts fill those steps
     assert max(unbounded) > 100
+
+
+# -- admission: each tenant's prompts have their own room ------------------------------------------------
+def test_another_tenants_long_prompt_does_not_hold_a_short_one_out_of_admission():
+    """Prompt tokens admitted and not yet forwarded stay under one step's room: under fair
+    admission per tenant, so the flood's 500-token prompt (more than a step) does not keep the
+    small tenant's next request waiting until it is forwarded; the flood's own next one waits."""
+    config = EngineConfig(max_batch_rows=8, max_step_tokens=64, caps=TenantCaps(weights=WEIGHTS))
+    sched = Scheduler(config)
+    decoding = [row("flood", 0), row("small", 1)]
+    pending = [prefill("flood", 500, 2)]
+    late_flood = GenRequest(list(range(5, 25)), SamplingParams(max_new_tokens=8), tenant="flood")
+    small = GenRequest([5, 6, 7], SamplingParams(max_new_tokens=8), tenant="small")
+    assert sched.waiting.push(late_flood) is None and sched.waiting.push(small) is None
+    admitted = [p.req for p in sched.admit(decoding, pending).admitted]
+    assert admitted == [small]
+    # fairness off: one queue, one room, which the flood's prompt fills
+    fcfs = Scheduler(EngineConfig(max_batch_rows=8, max_step_tokens=64, caps=TenantCaps(weights=WEIGHTS, fair=False)))
+    assert fcfs.waiting.push(GenRequest([5, 6, 7], SamplingParams(max_new_tokens=8), tenant="small")) is None
+    assert fcfs.admit(decoding, pending).admitted == []
