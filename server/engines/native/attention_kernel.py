@@ -27,7 +27,7 @@ _ARGTYPES = [_I64, _PTR, _INT, _PTR, _PTR, _INT, _PTR, _PTR, _I64, _I64, _I64, _
              _PTR, _INT]
 
 KERNEL = CppKernel(Path(__file__).with_name("decode_attention.cpp"), "polyserve_decode_attention", _ARGTYPES,
-                   ctypes.c_int, "decode attention")
+                   ctypes.c_int, "decode attention", headers=(Path(__file__).with_name("bf16.h"),))
 
 DTYPES = (torch.float32, torch.bfloat16)
 MAX_REP, MAX_HEAD_DIM = 16, 256  # as decode_attention.cpp

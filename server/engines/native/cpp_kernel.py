@@ -57,8 +57,10 @@ def _build(cxx: str, source: Path, target: Path) -> None:
 class CppKernel:
     """One exported function of one source file, built and loaded on first use."""
 
-    def __init__(self, source: Path, symbol: str, argtypes: list[Any], restype: Any, what: str) -> None:
-        self.source, self.symbol, self.what = source, symbol, what
+    def __init__(self, source: Path, symbol: str, argtypes: list[Any], restype: Any, what: str,
+                 headers: tuple[Path, ...] = ()) -> None:
+        """headers: the files next to the source that it includes (part of the build's key)."""
+        self.source, self.symbol, self.what, self.headers = source, symbol, what, headers
         self._argtypes, self._restype = argtypes, restype
         self._lock = threading.Lock()
         self._fn: Any = None
@@ -76,7 +78,8 @@ class CppKernel:
                     raise RuntimeError("no C++ compiler (g++ or $CXX) on PATH")
                 version = subprocess.run([cxx, "--version"], check=False, capture_output=True, text=True,
                                          timeout=30).stdout
-                key = hashlib.sha256(self.source.read_bytes() + " ".join(FLAGS).encode() + version.encode()
+                text = self.source.read_bytes() + b"".join(h.read_bytes() for h in self.headers)
+                key = hashlib.sha256(text + " ".join(FLAGS).encode() + version.encode()
                                      + _cpu_key().encode()).hexdigest()[:16]
                 target = polyserve_home() / "kernels" / f"{self.source.stem}-{key}.so"
                 if not target.exists():

@@ -18,6 +18,8 @@
 #include <type_traits>
 #include <vector>
 
+#include "bf16.h"
+
 #if defined(__AVX512F__)
 #include <immintrin.h>
 #endif
@@ -27,28 +29,12 @@ namespace {
 constexpr int64_t MAX_REP = 16;
 constexpr int64_t MAX_HD = 256;
 
-inline float cvt(float v) { return v; }
-inline float cvt(uint16_t v) {
-    uint32_t bits = static_cast<uint32_t>(v) << 16;
-    float f;
-    std::memcpy(&f, &bits, 4);
-    return f;
-}
+using polyserve_bf16::cvt;
 
 inline void store(float* p, float v) { *p = v; }
-inline void store(uint16_t* p, float f) {
-    uint32_t bits;
-    std::memcpy(&bits, &f, 4);
-    if ((bits & 0x7f800000u) == 0x7f800000u && (bits & 0x007fffffu)) {  // NaN stays NaN
-        *p = static_cast<uint16_t>((bits >> 16) | 0x40);
-        return;
-    }
-    bits += 0x7fffu + ((bits >> 16) & 1u);  // round to nearest, ties to even
-    *p = static_cast<uint16_t>(bits >> 16);
-}
+inline void store(uint16_t* p, float f) { *p = polyserve_bf16::to_bf16(f); }
 
-// e^x for x <= 0 (a score less the row's best), vectorisable (std::exp is a scalar libm call per
-// element): x = n ln2 + f with |f| <= ln2 / 2 (ln2 in two parts, Cody-Waite), e^f by Cephes'
+// e^x for x <= 0 (a score less the row's best) without a libm call: x = n ln2 + f with |f| <= ln2 / 2 (ln2 in two parts, Cody-Waite), e^f by Cephes'
 // expf polynomial (relative error ~1e-7), 2^n through the exponent bits. Below -87, e^x is
 // under float's smallest normal: 1.6e-38 instead, nothing against a total of at least 1.
 inline float exp_nonpositive(float x) {

@@ -31,7 +31,8 @@ _ARGTYPES: list[type[ctypes.c_int64 | ctypes.c_void_p | ctypes.c_int]] = [
     _I64, _PTR, ctypes.c_int, _I64, _PTR, _PTR, ctypes.c_int, _I64, _I64, _PTR, _PTR, _PTR, ctypes.c_int, _I64,
     _I64, _I64, _I64, _I64, _PTR, _PTR]
 
-KERNEL = CppKernel(Path(__file__).with_name("lora_rows.cpp"), "polyserve_lora_rows", _ARGTYPES, None, "LoRA")
+KERNEL = CppKernel(Path(__file__).with_name("lora_rows.cpp"), "polyserve_lora_rows", _ARGTYPES, None, "LoRA",
+                   headers=(Path(__file__).with_name("bf16.h"),))
 
 
 def load() -> object | None:

@@ -18,25 +18,14 @@
 #include <cstring>
 #include <vector>
 
+#include "bf16.h"
+
 namespace {
 
 constexpr int64_t PARALLEL_MIN_ROWS = 4;  // fewer rows run on the calling thread alone
 
-inline float cvt(float v) { return v; }
-inline float cvt(uint16_t v) {
-    uint32_t bits = static_cast<uint32_t>(v) << 16;
-    float f;
-    std::memcpy(&f, &bits, 4);
-    return f;
-}
-
-inline uint16_t to_bf16(float f) {
-    uint32_t bits;
-    std::memcpy(&bits, &f, 4);
-    if ((bits & 0x7f800000u) == 0x7f800000u && (bits & 0x007fffffu)) return static_cast<uint16_t>((bits >> 16) | 0x40);  // NaN stays NaN
-    bits += 0x7fffu + ((bits >> 16) & 1u);  // round to nearest, ties to even
-    return static_cast<uint16_t>(bits >> 16);
-}
+using polyserve_bf16::cvt;
+using polyserve_bf16::to_bf16;
 
 // RC: the rank when known at compile time (the loops unroll, sums stay in registers), 0: rank r.
 // u[0..r) = x[0..d_in) @ A[:, off..off+r) of A (d_in, k): four partial sums, so consecutive

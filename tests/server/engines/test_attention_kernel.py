@@ -102,3 +102,21 @@ def test_no_compiler_falls_back_under_auto_and_fails_under_on(monkeypatch, tmp_p
     assert attention_kernel.resolve("auto", cpu, torch.float32, 4, 2, 64) is False
     with pytest.raises(RuntimeError, match="unavailable"):
         attention_kernel.resolve("on", cpu, torch.float32, 4, 2, 64)
+
+
+def test_the_wheel_ships_every_file_the_native_kernels_compile():
+    """An installed server builds its kernels from package data: each source and the headers it
+    includes must match the package-data globs (pyproject.toml), or it falls back to torch ops."""
+    import tomllib
+    from pathlib import Path
+
+    from server.engines.native import lora_kernel
+
+    root = Path(__file__).resolve().parents[3]
+    globs = tomllib.loads((root / "pyproject.toml").read_text())["tool"]["setuptools"]["package-data"]["server"]
+    for kernel in (lora_kernel.KERNEL, attention_kernel.KERNEL):
+        for path in (kernel.source, *kernel.headers):
+            rel = path.relative_to(root / "server")
+            assert any(rel.match(g) for g in globs), f"{rel} is not in the wheel ({globs})"
+        local = [line.split('"')[1] for line in kernel.source.read_text().splitlines() if line.startswith('#include "')]
+        assert sorted(local) == sorted(h.name for h in kernel.headers), "a local include the build key misses"
