@@ -171,7 +171,8 @@ def test_a_polyserve_server_on_the_vllm_engine(tmp_path):
             print(f"greedy answers equal to the native engine's on {len(PAIRS) - len(differ)}/{len(PAIRS)} pairs;"
                   f" differing: {differ}")
             assert len(differ) <= len(PAIRS) // 10, differ  # issue #10: >= 90% equal (fp32 sums differ in order)
-            assert answers[0].json()["text"].strip() == "dbu eph 3"
+            # the task is applied, not only equal: a word-order task the shipped inventory holds on any words
+            assert answers[PAIRS.index(("rev-words", "cat dog 3"))].json()["text"].strip() == "3 dog cat"
 
             import openai
 

@@ -156,13 +156,14 @@ def test_vllms_own_server_answers_a_store_task_through_the_plugin(tmp_path):
             time.sleep(2)
         else:
             pytest.fail("vLLM did not start in 400 s")
-        body = {"model": "caesar", "prompt": "Input: cat dog 3\nOutput:", "max_tokens": 8, "temperature": 0}
+        # a word-order task: the shipped inventory holds those on any words (spelling ones it does not)
+        body = {"model": "rev-words", "prompt": "Input: cat dog 3\nOutput:", "max_tokens": 8, "temperature": 0}
         r = httpx.post(f"{url}/v1/completions", json=body, timeout=120)
         assert r.status_code == 200, r.text
-        assert r.json()["choices"][0]["text"].strip() == "dbu eph 3"
+        assert r.json()["choices"][0]["text"].strip() == "3 dog cat"
         missing = httpx.post(f"{url}/v1/completions", json={**body, "model": "no-such-task"}, timeout=60)
         assert missing.status_code == 404
-        assert "Resolved and loaded LoRA adapter 'caesar' using PolyserveResolver" in (tmp_path / "vllm.log").read_text()
+        assert "Resolved and loaded LoRA adapter 'rev-words' using PolyserveResolver" in (tmp_path / "vllm.log").read_text()
     finally:
         proc.terminate()
         try:
