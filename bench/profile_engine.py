@@ -4,7 +4,8 @@ Drives NativeEngine.step() in this thread (no engine thread, no HTTP) under cPro
 the wall time of the whole run into buckets (the runner's forwards, of which the LoRA work,
 adapter tables written at admission, slot moves, sampling, detokenisation + events, the rest);
 then profiles `--op-steps` decode steps at full batch with torch.profiler and lists the top
-operators.
+operators. The same requests run once before without the profiler: that run's tok/s is the one
+to compare.
 
     flock -x /tmp/polyserve-cpu.lock .venv/bin/python -m bench.profile_engine --threads 2
     .venv/bin/python -m bench.profile_engine --backbone tiny --requests 8   # a quick smoke run
@@ -76,7 +77,15 @@ def main() -> None:
     ap.add_argument("--device", default="cpu")
     ap.add_argument("--dtype", default="auto", help="serving dtype (auto: bfloat16 on CUDA and AMX CPUs)")
     ap.add_argument("--max-step-tokens", type=int, default=256)
+    ap.add_argument("--top", type=int, default=0, help="also list the N functions of most own time (cProfile)")
+    ap.add_argument("--cudnn-attention", action="store_true",
+                    help="let dynamic steps use cuDNN's attention on CUDA (attention.cuda_backends leaves it out)")
     args = ap.parse_args()
+    if args.cudnn_attention:
+        from torch.nn.attention import SDPBackend
+
+        from server.engines.native import attention
+        attention.CUDA_BACKENDS.append(SDPBackend.CUDNN_ATTENTION)
     torch.set_num_threads(args.threads)
 
     dtype = serving_dtype(args.device, None if args.dtype == "auto" else args.dtype)
@@ -105,6 +114,14 @@ def main() -> None:
         engine.step()  # warm-up
 
     reqs = submit_all(jobs)
+    started = time.perf_counter()
+    while engine.waiting or engine.running:
+        engine.step()
+    wall = time.perf_counter() - started
+    tokens = sum(r.handle.events[-1].completion_tokens for r in reqs)
+    print(f"no profiler: {tokens} tokens in {wall:.1f} s = {tokens / wall:.1f} tok/s")
+
+    reqs = submit_all(jobs)
     prof = cProfile.Profile()
     started = time.perf_counter()
     prof.enable()
@@ -125,6 +142,8 @@ def main() -> None:
         print(f"{label:32s} {t:8.2f} {100 * t / wall:5.1f}%")
     counted = sum(t for _, t, nested in rows if not nested)
     print(f"{'everything else':32s} {wall - counted:8.2f} {100 * (wall - counted) / wall:5.1f}%")
+    if args.top:
+        stats.sort_stats("tottime").print_stats(args.top)
 
     # operator view of full-batch decode steps
     submit_all([(t, p, 10_000) for t, p, _ in jobs[: args.batch]])

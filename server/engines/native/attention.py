@@ -7,15 +7,34 @@
                 (grouped-query attention folded into the query length: the rep query heads that
                 share a kv head are that head's "queries"; no copy of K/V per query head)
     each chunk: causal SDPA of its c queries over its slot's first start + c positions
+
+On CUDA a dynamic step's SDPA calls run without cuDNN's attention (cuda_backends): cuDNN builds
+a plan per new shape, and a dynamic step's shapes are new every step (the decode group's mask
+width grows by one, each chunk has its own length), so its planning cost CPU time on every call
+(BENCHMARKS.md, "The native engine on a GPU"). The captured static steps keep torch's choice:
+their shapes are fixed per bucket.
 """
 
 from __future__ import annotations
 
+import contextlib
+
 import torch
 import torch.nn.functional as F
+from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from server.engines.native.attention_kernel import decode_attention
 from server.engines.native.step import StepBatch
+
+# the backends a dynamic step may use on CUDA, in torch's order of preference, cuDNN left out
+CUDA_BACKENDS = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
+
+
+def cuda_backends(device: torch.device) -> contextlib.AbstractContextManager[None]:
+    """The SDPA backends for a dynamic step's attention on device (no restriction off CUDA)."""
+    if device.type != "cuda":
+        return contextlib.nullcontext()
+    return sdpa_kernel(CUDA_BACKENDS)
 
 
 def slot_attention(K: torch.Tensor, V: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,

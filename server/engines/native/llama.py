@@ -32,7 +32,7 @@ from torch import nn
 
 from server.engines.native import attention_kernel as attention_kernels
 from server.engines.native import lora_kernel as lora_kernels
-from server.engines.native.attention import slot_attention
+from server.engines.native.attention import cuda_backends, slot_attention
 from server.engines.native.slot_lora import Group, Member, SlotLoRA, SlotLoRAStep, write_adapter
 from server.engines.native.slots import SlotKV
 from server.engines.native.static_decode import StaticDecode
@@ -306,7 +306,8 @@ class LlamaRunner:
         self.prepare(batch)
         if self.static is not None and self.static.fits(batch):
             return self.static.run(batch)
-        return self._compute(batch, self.lora.step(batch) if self.lora is not None else None)
+        with cuda_backends(batch.tokens.device):
+            return self._compute(batch, self.lora.step(batch) if self.lora is not None else None)
 
     def _static_compute(self, batch: StepBatch) -> torch.Tensor:
         """A static decode step: the LoRA work always runs (rows may change adapters between replays)."""

@@ -120,3 +120,17 @@ def test_the_wheel_ships_every_file_the_native_kernels_compile():
             assert any(rel.match(g) for g in globs), f"{rel} is not in the wheel ({globs})"
         local = [line.split('"')[1] for line in kernel.source.read_text().splitlines() if line.startswith('#include "')]
         assert sorted(local) == sorted(h.name for h in kernel.headers), "a local include the build key misses"
+
+
+def test_dynamic_steps_on_cuda_leave_cudnn_attention_out_and_restore_it():
+    # cuDNN plans per new shape and a dynamic step's shapes change every step; the switch is
+    # torch's process-wide flag, so it must come back after the step
+    from server.engines.native.attention import cuda_backends
+
+    before = torch.backends.cuda.cudnn_sdp_enabled()
+    with cuda_backends(torch.device("cuda")):
+        assert not torch.backends.cuda.cudnn_sdp_enabled()
+        assert torch.backends.cuda.flash_sdp_enabled() and torch.backends.cuda.mem_efficient_sdp_enabled()
+    assert torch.backends.cuda.cudnn_sdp_enabled() == before
+    with cuda_backends(torch.device("cpu")):
+        assert torch.backends.cuda.cudnn_sdp_enabled() == before
