@@ -11,9 +11,12 @@ rows, cached under ``$POLYSERVE_HOME/bigbench/``:
   answer matching any one counts).
 - Multiple-choice tasks (``target_scores``): the choices are appended to the input as BIG-Bench Hard
   does ("Options:" and one per line), ``output`` is the best-scored choice, and ``choices`` keeps them
-  all, so a task is scored by exact match of the chosen answer and by log-likelihood ranking.
-- Each example's split (train 80% / valid 10% / test 10%) is a hash of its task and text, so it never
-  moves between runs.
+  all, so a task is scored by exact match of the chosen answer and by log-likelihood ranking. The
+  options are listed in an order drawn from a hash of the example, not the task file's: several
+  task files list the right answer first (date_understanding in 99% of its examples,
+  temporal_sequences in all), which a model learns from 16 examples without reading the question.
+- Each example's split (train 80% / valid 10% / test 10%) is a hash of its task and text (the options
+  in the task file's order), so it never moves between runs, nor with the displayed order.
 - Held out for evaluation (never trained on, whole source tasks with every subtask): every BIG-Bench
   Hard source task in the archive, :data:`BBH_SOURCES`. The rest are training tasks when enough of
   their examples fit the backbone's context (:data:`TRAIN_MAX_CHARS`).
@@ -40,7 +43,7 @@ ARCHIVE_NAME = "bigbench-1.0.0.tar.gz"
 ARCHIVE_SHA256 = "1bb398a5512c6d798cdebe0dfa0ac03f67f6033fa6b39c6ef71df978c7cbc5c2"
 INDEX_URL = "https://pypi.org/simple/bigbench/"
 #: Bump when the conversion changes: the cache of another version is rebuilt.
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2
 
 #: The BIG-bench source tasks of BIG-Bench Hard (the set published few-shot reuse results, LoraHub's
 #: among them, are measured on). Held out whole, with their subtasks.
@@ -105,8 +108,16 @@ def with_options(question: str, choices: list[str]) -> str:
     return question.rstrip() + "\nOptions:\n" + "\n".join(f"- {c}" for c in choices)
 
 
-def convert_example(tid: str, ex: dict[str, Any]) -> dict[str, Any] | None:
-    """One task.json example -> a suite row, or None when it has no usable answer."""
+def option_order(tid: str, question: str, choices: list[str]) -> list[str]:
+    """The order the options are shown in: a hash of the example and each choice, so the right
+    answer's place says nothing (the task files often list it first) and never moves between runs."""
+    return sorted(choices, key=lambda c: _hash("bb-options", tid, question, c))
+
+
+def convert_example(tid: str, ex: dict[str, Any]) -> tuple[dict[str, Any], str] | None:
+    """One task.json example -> (a suite row, the example's key), or None when it has no usable
+    answer. The key (the question with its options in the task file's order) is what the split
+    and the sampling hash."""
     question = _text(ex.get("input")).strip()
     if not question:
         return None
@@ -114,15 +125,17 @@ def convert_example(tid: str, ex: dict[str, Any]) -> dict[str, Any] | None:
     if isinstance(scores, dict) and scores:
         choices = [str(c) for c in scores]
         best = max(choices, key=lambda c: float(scores[c]))
-        text = with_options(question, choices)
-        return {"task": tid, "input": text, "output": best, "choices": choices, "split": split_of(tid, text)}
+        key = with_options(question, choices)
+        shown = option_order(tid, question, choices)
+        return ({"task": tid, "input": with_options(question, shown), "output": best, "choices": shown,
+                 "split": split_of(tid, key)}, key)
     target = ex.get("target")
     targets = [target] if isinstance(target, str) else [t for t in (target or []) if isinstance(t, str)]
     targets = [t.strip() for t in targets if t.strip()]
     if not targets:
         return None
     return {"task": tid, "input": question, "output": targets[0], "targets": targets,
-            "split": split_of(tid, question)}
+            "split": split_of(tid, question)}, question
 
 
 def _task_jsons(archive: Path) -> Iterator[tuple[str, str | None, dict[str, Any]]]:
@@ -151,18 +164,18 @@ def convert(archive: Path) -> list[BBTask]:
     out = []
     for source, subtask, data in _task_jsons(archive):
         tid = task_id(source, subtask)
-        rows = [r for ex in data["examples"] if isinstance(ex, dict) and (r := convert_example(tid, ex))]
+        keyed = [c for ex in data["examples"] if isinstance(ex, dict) and (c := convert_example(tid, ex))]
         seen: set[str] = set()
-        rows = [r for r in rows if not (r["input"] in seen or seen.add(r["input"]))]  # type: ignore[func-returns-value]
+        keyed = [(r, k) for r, k in keyed if not (k in seen or seen.add(k))]  # type: ignore[func-returns-value]
         heldout = source in BBH_SOURCES
         if not heldout:
-            rows = [r for r in rows if len(r["input"]) + len(r["output"]) <= TRAIN_MAX_CHARS]
-            if len(rows) < MIN_TRAIN_EXAMPLES:
+            keyed = [(r, k) for r, k in keyed if len(r["input"]) + len(r["output"]) <= TRAIN_MAX_CHARS]
+            if len(keyed) < MIN_TRAIN_EXAMPLES:
                 continue
-        if not rows:
+        if not keyed:
             continue
-        rows.sort(key=lambda r: _hash("bb-order", tid, r["input"]))  # a fixed sample of the largest tasks
-        rows = rows[:MAX_EXAMPLES_PER_TASK]
+        keyed.sort(key=lambda rk: _hash("bb-order", tid, rk[1]))  # a fixed sample of the largest tasks
+        rows = [r for r, _ in keyed[:MAX_EXAMPLES_PER_TASK]]
         kind = "multiple_choice" if "choices" in rows[0] else "generative"
         out.append(BBTask(tid, source, kind, heldout, tuple(rows)))
     return sorted(out, key=lambda t: t.id)

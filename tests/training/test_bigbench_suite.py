@@ -92,8 +92,8 @@ def test_the_script_builds_the_suite_from_the_archive(built):
     m = tasks["bb-toy_mc"]
     assert m.kind == "multiple_choice" and len(m.rows) == 50  # the duplicate input is dropped
     r0 = next(r for r in m.rows if r["input"].startswith("question 0?"))
-    assert r0["output"] == "yes 0" and r0["choices"] == ["yes 0", "no 0", "maybe"]
-    assert r0["input"] == "question 0?\nOptions:\n- yes 0\n- no 0\n- maybe"
+    assert r0["output"] == "yes 0" and sorted(r0["choices"]) == ["maybe", "no 0", "yes 0"]
+    assert r0["input"] == "question 0?\nOptions:\n" + "\n".join(f"- {c}" for c in r0["choices"])
     # held-out tasks are kept whole, long inputs included, subtasks included
     assert tasks["bb-word_sorting"].heldout and len(tasks["bb-word_sorting"].rows) == 10
     assert tasks["bb-logical_deduction.three_objects"].heldout
@@ -104,7 +104,13 @@ def test_splits_are_fixed_and_disjoint(built):
     for t in bigbench.load_cache(out):
         by_split = {s: {r["input"] for r in t.split_rows(s)} for s in bigbench.SPLITS}
         assert sum(map(len, by_split.values())) == len(t.rows)
-        assert all(r["split"] == bigbench.split_of(t.id, r["input"]) for r in t.rows)
+        # a hash of the example as the task file gives it (options in its order), not as shown
+        for r in t.rows:
+            question, _, _ = r["input"].partition("\nOptions:\n")
+            original = next(ex for ex in (mc(i) for i in range(50)) if ex["input"] == question) if r.get("choices") \
+                else None
+            key = bigbench.with_options(question, list(original["target_scores"])) if original else r["input"]
+            assert r["split"] == bigbench.split_of(t.id, key)
     rows = [r for t in bigbench.load_cache(out) for r in t.rows]
     assert {r["split"] for r in rows} == set(bigbench.SPLITS)
 
@@ -140,3 +146,37 @@ def test_the_real_suite_when_built_here():
     assert len(held) == REAL_HELDOUT_COUNT and len({t.source for t in held}) == REAL_HELDOUT_SOURCES
     assert not [t.id for t in tasks if not t.heldout and t.source in BBH_SOURCES]
     assert not [t.id for t in held if t.source not in BBH_SOURCES]
+
+
+def answer_places(rows: list[dict]) -> dict[int, int]:
+    places: dict[int, int] = {}
+    for r in rows:
+        if r.get("choices"):
+            shown = r["input"].split("\nOptions:\n", 1)[1].split("\n")
+            assert shown == [f"- {c}" for c in r["choices"]]  # the input lists the choices as stored
+            i = r["choices"].index(r["output"])
+            places[i] = places.get(i, 0) + 1
+    return places
+
+
+def test_the_right_answer_is_not_always_the_first_option(built):
+    """The task files list the right answer first (mc() here; date_understanding and
+    temporal_sequences in the real archive): 16 examples teach that, not the task."""
+    out, _, _ = built
+    mc_rows = [r for t in bigbench.load_cache(out) if t.kind == "multiple_choice" for r in t.rows]
+    places = answer_places(mc_rows)
+    assert len(places) == 3 and max(places.values()) < 0.6 * len(mc_rows), places
+    again = bigbench.convert_example("bb-toy_mc", mc(7))
+    assert again == bigbench.convert_example("bb-toy_mc", mc(7))  # the same order every build
+
+
+def test_no_held_out_task_of_the_real_suite_keeps_its_answer_in_one_place():
+    try:
+        tasks = bigbench.load_cache()
+    except FileNotFoundError:
+        pytest.skip("no BIG-bench suite built here (python -m scripts.bigbench_suite)")
+    for t in tasks:
+        if t.heldout and t.kind == "multiple_choice":
+            places = answer_places(list(t.rows))
+            n_choices = len(t.rows[0]["choices"])
+            assert max(places.values()) <= max(0.75, 2.0 / n_choices) * len(t.rows), (t.id, places)
