@@ -46,6 +46,8 @@ def main() -> None:
                          "bigbench: the BIG-bench suite's held-out (BIG-Bench Hard) tasks (training/bigbench.py)")
     ap.add_argument("--max-length", type=int, default=None,
                     help="prompt + answer tokens in adaptation and evaluation (default: training.batching.FEW_SHOT_MAX_LENGTH)")
+    ap.add_argument("--task-ids", default="",
+                    help="comma-separated task names to run instead of --tasks evenly spaced ones")
     ap.add_argument("--seeds", default="0,1,2")
     ap.add_argument("--k", type=int, default=16)
     ap.add_argument("--n-test", type=int, default=16)
@@ -57,6 +59,10 @@ def main() -> None:
                     help="go on past --steps while the held-out loss still falls, up to this many (routing)")
     ap.add_argument("--lr", type=float, default=None)
     ap.add_argument("--batch-size", type=int, default=None, help="default: the method's (training.adapt_config.DEFAULTS)")
+    ap.add_argument("--step-tokens", type=int, default=None,
+                    help="padded tokens a training batch may hold (0: no cap; default: the method's)")
+    ap.add_argument("--screen-tokens", type=int, default=None,
+                    help="retrieval: padded tokens of the screen's examples (0: no cap; default: SCREEN_TOKENS)")
     ap.add_argument("--eval-every", type=int, default=5)
     ap.add_argument("--patience", type=int, default=3)
     ap.add_argument("--holdout", type=float, default=0.25,
@@ -104,7 +110,13 @@ def main() -> None:
     else:
         by_name = {t.name: t for t in (build_suite(0).heldout_tasks if args.task_set == "heldout" else far_tasks())}
         names = list(by_name)
-    names = [names[(i * len(names)) // args.tasks] for i in range(min(args.tasks, len(names)))]
+    if args.task_ids:
+        unknown = sorted(set(args.task_ids.split(",")) - set(names))
+        if unknown:
+            ap.error(f"--task-ids: not held-out tasks of this set: {unknown}")
+        names = args.task_ids.split(",")
+    else:
+        names = [names[(i * len(names)) // args.tasks] for i in range(min(args.tasks, len(names)))]
 
     def case(name: str, vocab: str, seed: int) -> tuple[list[Example], list[dict]]:
         """The k examples a user gives (seeded) and the fixed test rows."""
@@ -126,7 +138,8 @@ def main() -> None:
         ap.error(f"--vocabs: each of {VOCABS}")
     label = args.label or info.made_by.get("method", "?")
     candidates = {r.id: store.load_routing(r.id) for r in store.list_tasks() if r.kind == "routing" and r.status == "ready"}
-    recipe = {"lr": args.lr, "max_steps": args.max_steps, "batch_size": args.batch_size,
+    screen = {} if args.screen_tokens is None else {"screen_tokens": args.screen_tokens}
+    recipe = {"lr": args.lr, "max_steps": args.max_steps, "batch_size": args.batch_size, "step_tokens": args.step_tokens,
               "eval_every": args.eval_every, "patience": args.patience,
               "autocast": args.autocast, "holdout_fraction": args.holdout, "max_length": max_length}
     for name, vocab in [(n, v) for n in names for v in vocabs]:
@@ -155,7 +168,7 @@ def main() -> None:
                                                 bb.tokenizer, seed=seed, autocast=args.autocast, max_length=max_length)
                     if method in ("retrieve", "routing-r"):
                         res = retrieve(rm, info, {n: r for n, r in candidates.items() if n != name}, few,
-                                       bb.tokenizer, seed=seed, autocast=args.autocast, max_length=max_length)
+                                       bb.tokenizer, seed=seed, autocast=args.autocast, max_length=max_length, **screen)
                     if method == "routing-r":
                         config = AdaptConfig(method="routing", steps=args.steps, seed=seed,
                                              trained_share=args.trained_share, **recipe)
@@ -183,7 +196,7 @@ def main() -> None:
                        "k": args.k, "n_test": len(test), **scores, "params": params, "stored_bytes": stored,
                        "adapt_seconds": round(adapt_s, 2),
                        "steps_run": metrics.get("steps_run"), "best_step": metrics.get("best_step"),
-                       "steps": args.steps, "trained_share": args.trained_share, **recipe}
+                       "steps": args.steps, "trained_share": args.trained_share, **screen, **recipe}
                 records.append(rec)
                 out.write_text(json.dumps(records, indent=1))
                 print(json.dumps(rec), flush=True)

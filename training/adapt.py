@@ -39,7 +39,7 @@ from adapters_store.lora.inject import RoutedModel
 from adapters_store.store.materialize import layers_from_weights, mu_weights
 from adapters_store.store.records import InventoryInfo
 from training.adapt_config import AdaptConfig
-from training.batching import collate, encode_all
+from training.batching import collate, encode_all, within_tokens
 from training.data import Example, split_examples
 from training.loss import per_example_loss, target_logits, token_loss
 from training.precision import FrozenBf16Weights, resolve_autocast
@@ -92,6 +92,7 @@ class Adaptation:
         self.train = encode_all(tokenizer, train, config.max_length)
         self.held = encode_all(tokenizer, held, config.max_length)
         self.batch_size = max(1, min(config.resolved_batch_size, len(self.train)))
+        self.step_tokens = config.resolved_step_tokens
         self.pad = int(tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id)
         self.rng = random.Random(config.seed)
         self.order: list[int] = []
@@ -209,7 +210,8 @@ class Adaptation:
             perm = list(range(len(self.train)))
             self.rng.shuffle(perm)
             self.order += perm
-        picked, self.order = self.order[: self.batch_size], self.order[self.batch_size :]
+        take = within_tokens([len(self.train[i].input_ids) for i in self.order[: self.batch_size]], self.step_tokens)
+        picked, self.order = self.order[:take], self.order[take:]
         batch = collate([self.train[i] for i in picked], self.pad)
         mult = min(1.0, (self.step_count + 1) / self.warmup)
         for g in self.opt.param_groups:

@@ -24,8 +24,13 @@ ADAPT_METHODS = ("routing", "mu", "full", "plain-lora")
 # time, which keeps a registration through the server within its time budget on the 2-core hosts measured
 # (docs/RESULTS.md; docs/history/registration-recipes.md). mu / full: chosen on a training task of
 # the suite (never a held-out one).
+# step_tokens: a training batch takes batch_size examples, fewer where their padded batch would pass
+# this many tokens (at least one; 0: no cap). A step's time grows with its tokens, so long examples
+# (BIG-bench questions run to 200-450 tokens, the procedural suite's to under 50) train one or two a
+# step and a registration keeps its time budget; short ones batch as before (4 of them pad to at most
+# ~200 tokens). Figures: docs/RESULTS.md, "Registration time on BIG-bench-length inputs".
 DEFAULTS: dict[str, dict[str, float]] = {
-    "routing": {"steps": 15, "lr": 0.3, "batch_size": 4},
+    "routing": {"steps": 15, "lr": 0.3, "batch_size": 4, "step_tokens": 256},
     "mu": {"steps": 40, "lr": 3e-3, "batch_size": 8},
     "full": {"steps": 40, "lr": 1e-3, "batch_size": 8},  # lr of the skills' copy; its routing row uses FULL_ROW_LR
     "plain-lora": {"steps": 40, "lr": 3e-3, "batch_size": 8},  # mu's budget: a baseline, not a registration path
@@ -40,6 +45,7 @@ class AdaptConfig:
     steps: int | None = None  # None: DEFAULTS[method]
     lr: float | None = None  # None: DEFAULTS[method]
     batch_size: int | None = None  # None: DEFAULTS[method]; at most the training examples
+    step_tokens: int | None = None  # None: DEFAULTS[method] (0 where it names none: no cap)
     seed: int = 0
     holdout_fraction: float = 0.25
     eval_every: int = 5  # values below 1 act as 1
@@ -58,6 +64,8 @@ class AdaptConfig:
             raise ValueError(f"steps must be >= 0, got {self.steps}")
         if self.resolved_max_steps < self.resolved_steps:
             raise ValueError(f"max_steps must be >= steps ({self.resolved_steps}), got {self.max_steps}")
+        if self.resolved_step_tokens < 0:
+            raise ValueError(f"step_tokens must be >= 0 (0: no cap), got {self.step_tokens}")
         if not 0.0 < self.trained_share <= 1.0:
             raise ValueError(f"trained_share must be in (0, 1], got {self.trained_share}")
         if self.trained_share < 1.0 and self.method != "routing":
@@ -72,6 +80,10 @@ class AdaptConfig:
     @property
     def resolved_max_steps(self) -> int:
         return self.resolved_steps if self.max_steps is None else int(self.max_steps)
+
+    @property
+    def resolved_step_tokens(self) -> int:
+        return int(self.step_tokens if self.step_tokens is not None else DEFAULTS[self.method].get("step_tokens", 0))
 
     @property
     def resolved_lr(self) -> float:

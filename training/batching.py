@@ -32,6 +32,19 @@ FEW_SHOT_MAX_LENGTH = 512
 Side = Literal["left", "right"]
 
 
+def within_tokens(lengths: Sequence[int], max_tokens: int) -> int:
+    """How many of the examples, from the front, one padded batch takes so that it holds at most
+    max_tokens tokens (rows x the longest): at least one; all of them when max_tokens is 0 (no cap)."""
+    if max_tokens < 0:
+        raise ValueError(f"max_tokens must be >= 0, got {max_tokens}")
+    longest = 0
+    for n, length in enumerate(lengths):
+        longest = max(longest, length)
+        if n and max_tokens and longest * (n + 1) > max_tokens:
+            return n
+    return len(lengths)
+
+
 @dataclass(frozen=True)
 class Encoded:
     """One tokenised example: input_ids and labels have the same length."""

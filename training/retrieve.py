@@ -30,7 +30,7 @@ import torch
 from adapters_store.lora.inject import RoutedModel
 from adapters_store.store.records import InventoryInfo
 from training.adapt import AdaptResult
-from training.batching import FEW_SHOT_MAX_LENGTH, Encoded, collate, encode_all
+from training.batching import FEW_SHOT_MAX_LENGTH, Encoded, collate, encode_all, within_tokens
 from training.data import Example, split_examples
 from training.loss import per_example_loss, target_logits
 from training.precision import resolve_autocast
@@ -41,6 +41,11 @@ DEFAULT_KS = (1, 2, 4)
 # the library a new task is retrieved from: the most recently updated tasks' rows (the screen costs
 # one training step whatever their number; loading 1,024 rows reads ~30 MB)
 MAX_CANDIDATES = 1024
+# the screen's examples: as many training examples as one padded batch of this many tokens holds (at
+# least one). The procedural suite's 12 fit whole (~550 tokens); BIG-bench-length ones (200-450
+# tokens each) give 2-5, which keeps a registration's retrieval to a couple of seconds on 2 cores;
+# the choice after it still scores every candidate on all the held-out examples.
+SCREEN_TOKENS = 1024
 
 
 def mu_row(L: int, h: int, S: int, hyper: bool) -> torch.Tensor:
@@ -74,6 +79,7 @@ class Retrieval:
         holdout_fraction: float = 0.25,
         ks: tuple[int, ...] = DEFAULT_KS,
         rows_per_step: int = 32,
+        screen_tokens: int = SCREEN_TOKENS,
         max_length: int = FEW_SHOT_MAX_LENGTH,
         autocast: bool | str | None = None,
         progress: Callable[[dict], None] | None = None,
@@ -84,6 +90,8 @@ class Retrieval:
             raise ValueError("the RoutedModel's layers do not match the inventory's")
         if rows_per_step < 1 or not ks or min(ks) < 1:
             raise ValueError("rows_per_step and every k must be >= 1")
+        if screen_tokens < 0:
+            raise ValueError(f"screen_tokens must be >= 0 (0: no cap), got {screen_tokens}")
         L, h, S = len(info.layer_names), info.spec.n_heads, info.spec.n_skills
         self.shape = (L, h, S)
         self.routing = "hyper" if info.spec.routing == "hyper" else "sigmoid"
@@ -102,8 +110,11 @@ class Retrieval:
         self.rows_per_step, self.ks = rows_per_step, tuple(sorted(set(ks)))
         train, held = split_examples(list(examples), holdout_fraction, seed)
         self.n_train, self.n_held = len(train), len(held)
-        self.train: list[Encoded] = encode_all(tokenizer, train, max_length)
-        self.held: list[Encoded] = encode_all(tokenizer, held, max_length) or self.train
+        train_encoded = encode_all(tokenizer, train, max_length)
+        self.held: list[Encoded] = encode_all(tokenizer, held, max_length) or train_encoded
+        # the screen's examples (SCREEN_TOKENS); 0: all of them
+        self.train: list[Encoded] = train_encoded[: within_tokens([len(e.input_ids) for e in train_encoded],
+                                                                  screen_tokens)]
         self.pad = int(tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id)
 
         self.grad = torch.zeros(L, h, S)
@@ -232,7 +243,7 @@ class Retrieval:
             "eval_loss": self.held_loss[self.chosen], "mu_eval_loss": self.held_loss[MU],
             "held_losses": {n: round(v, 4) for n, v in self.held_loss.items()},
             "mu_train_loss": self.mu_train_loss if self.names else None,
-            "n_train": self.n_train, "n_held": self.n_held, "forwards": self.forwards,
+            "n_train": self.n_train, "n_held": self.n_held, "n_screened": len(self.train), "forwards": self.forwards,
             "seconds": round(time.perf_counter() - self.started, 3),
         }
         return AdaptResult("routing", {"logits": self.choices[self.chosen].clone()}, metrics, params=0)

@@ -417,3 +417,52 @@ def test_trained_share_is_validated(inventory):
         AdaptConfig(method="mu", trained_share=0.5)
     with pytest.raises(ValueError, match="frozen_layers"):
         rm.set_materialized(torch.zeros(len(rm.layers), 2, 4), rows=1, frozen_layers=len(rm.layers) + 1)
+
+
+def test_within_tokens_takes_examples_while_their_padded_batch_fits():
+    from training.batching import within_tokens
+
+    assert within_tokens([30, 40, 50, 20], 256) == 4  # 4 x 50 = 200
+    assert within_tokens([200, 210, 190], 256) == 1  # one long example per step
+    assert within_tokens([100, 120, 130], 256) == 1 + 1  # 2 x 120 = 240; 3 x 130 = 390
+    assert within_tokens([600], 256) == 1  # at least one, however long
+    assert within_tokens([600, 600, 600], 0) == 3  # 0: no cap
+    assert within_tokens([], 256) == 0
+    with pytest.raises(ValueError, match="max_tokens must be >= 0"):
+        within_tokens([1], -1)
+
+
+def first_step(job: Adaptation, forwards: list) -> None:
+    """step() until the job's first forward (an evaluation before training runs none without held-out examples)."""
+    while not forwards and job.step():
+        pass
+
+
+def test_a_training_step_takes_fewer_long_examples_and_all_short_ones(inventory, tokenizer):
+    """step_tokens bounds a step's padded batch, so long examples train one or two a step (a
+    registration keeps its time), while short ones batch as before."""
+    from training.adapt_config import DEFAULTS
+    from training.data import Example
+
+    rm, info, skills = inventory
+    rows: list[tuple[int, int]] = []
+    hook = rm.model.get_input_embeddings().register_forward_hook(lambda _m, _args, out: rows.append(out.shape[:2]))
+    try:
+        long = [Example("t", "word " * 30 + str(i), "ok") for i in range(8)]  # ~150 tokens of the byte tokenizer
+        config = AdaptConfig(method="routing", steps=3, holdout_fraction=0.0)
+        assert config.resolved_step_tokens == DEFAULTS["routing"]["step_tokens"] == 256
+        first_step(Adaptation(rm, info, skills, long, tokenizer, config), rows)
+        (n, t), = rows
+        assert n == 1 and 128 < t <= 256, rows
+        rows.clear()
+        first_step(Adaptation(rm, info, skills, long, tokenizer,
+                              AdaptConfig(method="routing", steps=3, holdout_fraction=0.0, step_tokens=0)), rows)
+        assert rows[0][0] == 4  # no cap: the method's batch of 4
+        rows.clear()
+        first_step(Adaptation(rm, info, skills, few(16), tokenizer, AdaptConfig(method="routing", steps=3, holdout_fraction=0.0)), rows)
+        assert rows[0][0] == 4 and rows[0][0] * rows[0][1] <= 256  # the suite's examples: unchanged
+    finally:
+        hook.remove()
+    assert AdaptConfig(method="mu").resolved_step_tokens == 0
+    with pytest.raises(ValueError, match=r"^step_tokens must be >= 0 \(0: no cap\)"):
+        AdaptConfig(step_tokens=-1)

@@ -140,7 +140,7 @@ def test_every_step_is_one_forward_of_at_most_rows_per_step_rows(inventory, toke
     hook = rm.model.get_decoder().register_forward_pre_hook(
         lambda _m, args, kwargs: seen.append(kwargs["input_ids"].shape[0]), with_kwargs=True)
     try:
-        job = Retrieval(rm, info, library, few("upper", n=40), tokenizer, rows_per_step=8)
+        job = Retrieval(rm, info, library, few("upper", n=40), tokenizer, rows_per_step=8, screen_tokens=0)
         steps = 0
         while True:
             before = len(seen)
@@ -210,3 +210,35 @@ def test_init_row_is_validated(inventory, tokenizer):
     rm, info, skills = inventory
     with pytest.raises(ValueError, match="init_row"):
         Adaptation(rm, info, skills, few("upper"), tokenizer, AdaptConfig(method="mu"), init_row=torch.zeros(2, 2, 4))
+
+
+def test_the_screen_takes_as_many_training_examples_as_screen_tokens_hold(inventory, tokenizer, library):
+    """Long examples screen a few (the choice still scores every held-out one); short ones all."""
+    from training.batching import within_tokens
+    from training.data import Example
+    from training.retrieve import SCREEN_TOKENS
+
+    rm, info, _ = inventory
+    seen: list[tuple[int, int]] = []
+    hook = rm.model.get_decoder().register_forward_pre_hook(
+        lambda _m, args, kwargs: seen.append(tuple(kwargs["input_ids"].shape)), with_kwargs=True)
+    long = [Example("t", "word " * 30 + str(i), str(i)) for i in range(16)]  # ~150 tokens of the byte tokenizer
+    try:
+        job = Retrieval(rm, info, library, long, tokenizer, screen_tokens=512)
+        job.step()
+        (n, t), = seen
+        assert n == within_tokens([t] * 12, 512) == 3 and job.n_train == 12
+        while job.step():
+            pass
+        assert job.result().metrics["n_screened"] == 3
+        assert sum(r for r, _ in seen[1:]) == 4 * 4  # every choice on all 4 held-out examples
+        seen.clear()
+        Retrieval(rm, info, library, few("upper"), tokenizer).step()
+        assert seen[0][0] == 12 and seen[0][0] * seen[0][1] <= SCREEN_TOKENS  # the suite's: all 12
+        seen.clear()
+        Retrieval(rm, info, library, long, tokenizer, screen_tokens=0).step()
+        assert seen[0][0] == 12  # 0: no cap
+    finally:
+        hook.remove()
+    with pytest.raises(ValueError, match=r"screen_tokens must be >= 0"):
+        Retrieval(rm, info, library, long, tokenizer, screen_tokens=-1)
