@@ -26,9 +26,9 @@ ADAPT_METHODS = ("routing", "mu", "full", "plain-lora")
 # the suite (never a held-out one).
 # step_tokens: a training batch takes batch_size examples, fewer where their padded batch would pass
 # this many tokens (at least one; 0: no cap). A step's time grows with its tokens, so long examples
-# (BIG-bench questions run to 200-450 tokens, the procedural suite's to under 50) train one or two a
-# step and a registration keeps its time budget; short ones batch as before (4 of them pad to at most
-# ~200 tokens). Figures: docs/RESULTS.md, "Registration time on BIG-bench-length inputs".
+# (real tasks' questions) train one or two a step and a registration keeps its time budget, while
+# the procedural suite's short ones batch as before. Why this value, and what it costs in answers:
+# docs/RESULTS.md, "Registration time on BIG-bench-length inputs".
 DEFAULTS: dict[str, dict[str, float]] = {
     "routing": {"steps": 15, "lr": 0.3, "batch_size": 4, "step_tokens": 256},
     "mu": {"steps": 40, "lr": 3e-3, "batch_size": 8},

@@ -13,8 +13,8 @@ rows, cached under ``$POLYSERVE_HOME/bigbench/``:
   does ("Options:" and one per line), ``output`` is the best-scored choice, and ``choices`` keeps them
   all, so a task is scored by exact match of the chosen answer and by log-likelihood ranking. The
   options are listed in an order drawn from a hash of the example, not the task file's: several
-  task files list the right answer first (date_understanding in 99% of its examples,
-  temporal_sequences in all), which a model learns from 16 examples without reading the question.
+  task files list the right answer first nearly always (date_understanding, temporal_sequences;
+  docs/RESULTS.md), which a model learns from 16 examples without reading the question.
 - Each example's split (train 80% / valid 10% / test 10%) is a hash of its task and text (the options
   in the task file's order), so it never moves between runs, nor with the displayed order.
 - Held out for evaluation (never trained on, whole source tasks with every subtask): every BIG-Bench

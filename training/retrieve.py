@@ -42,9 +42,9 @@ DEFAULT_KS = (1, 2, 4)
 # one training step whatever their number; loading 1,024 rows reads ~30 MB)
 MAX_CANDIDATES = 1024
 # the screen's examples: as many training examples as one padded batch of this many tokens holds (at
-# least one). The procedural suite's 12 fit whole (~550 tokens); BIG-bench-length ones (200-450
-# tokens each) give 2-5, which keeps a registration's retrieval to a couple of seconds on 2 cores;
-# the choice after it still scores every candidate on all the held-out examples.
+# least one). The procedural suite's fit whole; long real-task examples give a few, which bounds a
+# registration's retrieval time; the choice after it still scores every candidate on all the
+# held-out examples (docs/RESULTS.md, "Registration time on BIG-bench-length inputs").
 SCREEN_TOKENS = 1024
 
 

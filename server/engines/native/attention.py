@@ -26,7 +26,7 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 from server.engines.native.attention_kernel import decode_attention
 from server.engines.native.step import StepBatch
 
-# the backends a dynamic step may use on CUDA, in torch's order of preference, cuDNN left out
+# the backends a dynamic step may use on CUDA (torch still picks among them per call): all but cuDNN's
 CUDA_BACKENDS = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
 
 

@@ -374,3 +374,29 @@ def test_graphs_are_captured_again_when_the_rope_table_grows(tiny_model):
     assert runner.static.layout() != layout and runner.kv.version == kv_version + 1
     runner.forward(StepBatch.build([Item(0, 5, (6,))]))
     assert len(log) == 3
+
+
+def test_every_dynamic_steps_attention_runs_under_the_devices_backend_choice(tiny_base, monkeypatch):
+    # on CUDA that choice leaves cuDNN's attention out (attention.cuda_backends); here it checks the
+    # wiring: the runner asks for it with the batch's device around every layer's attention
+    import contextlib
+
+    from server.engines.native import llama
+
+    inside: list[torch.device] = []
+    calls: list[bool] = []
+
+    @contextlib.contextmanager
+    def recording(device):
+        inside.append(device)
+        try:
+            yield
+        finally:
+            inside.pop()
+
+    attend = llama.slot_attention
+    monkeypatch.setattr(llama, "cuda_backends", recording)
+    monkeypatch.setattr(llama, "slot_attention", lambda *a, **kw: (calls.append(bool(inside)), attend(*a, **kw))[1])
+    ex = build_model_runner(tiny_base, slots=4, kind="llama")
+    check_against(tiny_base, ex, 259, atol=1e-5)
+    assert calls and all(calls)
