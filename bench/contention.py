@@ -163,22 +163,26 @@ def spread(xs: list[float]) -> str:
 
 
 def report(rows: list[dict]) -> str:
+    """The table; the peer is vLLM bare at the dtype that was run: (F) bfloat16 or (f) float32 (its
+    fastest on a CPU without bf16)."""
     def tps(busy, v: str) -> dict[tuple[int, int], float]:
         return {row["round"]: row["tok_per_s"] for row in rows if row["busy"] == busy and row["variant"] == v}
 
-    lines = [("| busy processes | rounds | (a) polyserve tok/s: median (spread) | (F) vLLM bare: median (spread) "
-              "| (a)/(F): median (per round) | (a) kept | (F) kept | fair share |"),
+    peer = "F" if any(row["variant"] == "F" for row in rows) else "f"
+    name = {"F": "vLLM bare", "f": "vLLM bare, float32"}[peer]
+    lines = [(f"| busy processes | rounds | (a) polyserve tok/s: median (spread) | ({peer}) {name}: median (spread) "
+              f"| (a)/({peer}): median (per round) | (a) kept | ({peer}) kept | fair share |"),
              "|---:|---:|---|---|---|---:|---:|---:|"]
     levels = sorted({row["busy"] for row in rows if row["busy"] != "quota"})
-    alone = {v: statistics.median(tps(0, v).values()) for v in "aF" if tps(0, v)}
+    alone = {v: statistics.median(tps(0, v).values()) for v in ("a", peer) if tps(0, v)}
     for n in levels:
-        a, f = tps(n, "a"), tps(n, "F")
+        a, f = tps(n, "a"), tps(n, peer)
         ratios = [a[k] / f[k] for k in a if k in f]
-        med = {v: statistics.median(x.values()) if x else float("nan") for v, x in (("a", a), ("F", f))}
-        kept = {v: f"{med[v] / alone[v]:.2f}" if alone.get(v) else "-" for v in "aF"}
+        med = {v: statistics.median(x.values()) if x else float("nan") for v, x in (("a", a), (peer, f))}
+        kept = {v: f"{med[v] / alone[v]:.2f}" if alone.get(v) else "-" for v in ("a", peer)}
         lines.append(
-            f"| {n} | {len(a)} | {med['a']:.1f} ({spread(list(a.values()))}) | {med['F']:.1f} ({spread(list(f.values()))}) "
-            f"| {statistics.median(ratios):.2f} ({', '.join(f'{x:.2f}' for x in ratios)}) | {kept['a']} | {kept['F']} "
+            f"| {n} | {len(a)} | {med['a']:.1f} ({spread(list(a.values()))}) | {med[peer]:.1f} ({spread(list(f.values()))}) "
+            f"| {statistics.median(ratios):.2f} ({', '.join(f'{x:.2f}' for x in ratios)}) | {kept['a']} | {kept[peer]} "
             f"| {2 / (2 + n):.2f} |" if ratios else
             f"| {n} | {len(a)} | {med['a']:.1f} ({spread(list(a.values()))}) | - | - | {kept['a']} | - | {2 / (2 + n):.2f} |")
     q = [row for row in rows if row["busy"] == "quota"]

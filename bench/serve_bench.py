@@ -316,6 +316,9 @@ def main() -> None:
                     help="the engine's POLYSERVE_STATIC_DECODE (CUDA graphs of decode steps; auto = on CUDA)")
     ap.add_argument("--adaptive-threads", choices=["on", "off"], default="on",
                     help="the engine's POLYSERVE_ADAPTIVE_THREADS (one thread while other processes hold the CPUs)")
+    ap.add_argument("--contended", choices=["lanes", "one"], default="lanes",
+                    help="native engine under contention: the step's items over single-thread lanes, or all on "
+                         "one thread (POLYSERVE_CONTENDED_LANES)")
     ap.add_argument("--packed-weights", choices=["auto", "on", "off"], default="auto",
                     help="the engine's POLYSERVE_PACKED_WEIGHTS")
     args = ap.parse_args()
@@ -339,7 +342,7 @@ def main() -> None:
                 max_batch_rows=args.batch, max_batch_tokens=1 << 20, max_prefill_rows=args.batch, max_queue=1 << 16,
                 max_step_tokens=args.max_step_tokens, dtype=serving, packed_weights=packed, threads=args.threads,
                 static_decode=switch(args.static_decode), lora_kernel=lora_kernel,
-                adaptive_threads=args.adaptive_threads == "on"))
+                adaptive_threads=args.adaptive_threads == "on", contended_lanes=args.contended == "lanes"))
             eng.start()
             return eng
 
@@ -347,7 +350,7 @@ def main() -> None:
         try:
             run_engine(eng, bb.tokenizer, jobs[:4], adapters, "warm-up")
             before, steps = thread_times(), eng.steps
-            one_before = eng.governor.steps_at.get(1, 0) if eng.governor else 0
+            one_before = eng.governor.steps_at.get(1, 0) if eng.governor else 0  # steps without the team
             out = run_engine(eng, bb.tokenizer, jobs, adapters, name, **kw)
             out["steps"] = eng.steps - steps
             one = (eng.governor.steps_at.get(1, 0) if eng.governor else 0) - one_before
@@ -382,7 +385,7 @@ def main() -> None:
         r = results[-1]
         print(f"{r['variant']:45s} {r['tok_per_s']:8.1f} tok/s  TTFT p50 {r['ttft_p50']:.2f}s p99 {r['ttft_p99']:.2f}s"
               f"  ITL p50 {1000 * r['itl_p50']:.0f}ms p99 {1000 * r['itl_p99']:.0f}ms  ({r['wall_s']:.0f}s"
-              + (f"; {r['steps']} steps ({r['one_thread_steps']} on 1 thread), CPU {r['cpu_s']:.1f}s, "
+              + (f"; {r['steps']} steps ({r['one_thread_steps']} without the team, {args.contended}), CPU {r['cpu_s']:.1f}s, "
                  f"waited runnable {r['runnable_wait_s']:.1f}s"
                  if "cpu_s" in r else "") + ")", flush=True)
     results = merge_repeats(results)

@@ -7,7 +7,9 @@ deschedules one member of the team for a time slice at a time; every barrier the
 and the members that wait spin away the CPU time the descheduled one needs (measured in
 docs/history/openmp-threads.md: the same work cost 8x the CPU seconds beside two busy processes).
 One thread has no barrier to wait at. So the governor switches the team between its full size and
-one thread, step by step:
+one thread, step by step; with one, the engine splits each step's rows over as many lanes as the
+team had (server/engines/native/lanes.py: threads of one torch thread each, no barrier inside the
+step), which the scheduler gives one share of the CPUs each:
 
     full team  each window (WINDOW_S of steps), the seconds the process's threads spent runnable
                but not running (/proc/self/task/*/schedstat) over the window's wall time; above

@@ -31,8 +31,11 @@ class Settings(BaseSettings):
     engine: Literal["native", "vllm"] = "native"  # the data plane (server.engines)
     device: str = "cpu"
     threads: int | None = Field(default=None, ge=1)  # torch intra-op threads (None = usable CPUs: server/infra/cpus.py)
-    # native engine: a step runs on one thread while other processes hold the CPUs (server/infra/contention.py)
+    # native engine: a step runs without its OpenMP team while other processes hold the CPUs
+    # (server/infra/contention.py): its items split over `threads` single-thread lanes
+    # (contended_lanes, server/engines/native/lanes.py) or all on the engine thread
     adaptive_threads: bool = True
+    contended_lanes: bool = True
     # serving dtype: float32 | bfloat16 | float16, or auto (the machine decides: server/engines/dtype.py)
     dtype: str | None = None
     # vllm engine: other vLLM engine arguments as a JSON object, e.g. {"tensor_parallel_size": 2}

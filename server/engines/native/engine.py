@@ -112,8 +112,10 @@ class NativeEngine:
         # OpenMP pool (server/infra/openmp.py)
         self.threads = cfg.threads or torch.get_num_threads()
         # the team size of each step: all of them alone, one while other processes hold the CPUs
-        # (server/infra/contention.py); None: always self.threads
+        # (server/infra/contention.py), the step's rows then split over self.threads lanes
+        # (lanes.py) unless contended_lanes is off; None: always self.threads
         self.governor = ThreadGovernor(self.threads, cpus.budget().usable) if cfg.adaptive_threads else None
+        self.lanes = 1  # threads the step's items are split over (runner.use_lanes), while the team is 1
 
     # -- public API (any thread) -----------------------------------------------------------------
     def start(self) -> None:
@@ -200,6 +202,8 @@ class NativeEngine:
                 if self.governor is not None and self.governor.threads() != team:
                     team = self.governor.current
                     torch.set_num_threads(team)  # this thread's team from the next parallel op on
+                    # without the team, the step's items over as many single-thread lanes
+                    self.lanes = self.runner.use_lanes(self.threads if team == 1 and self.config.contended_lanes else 1)
                 try:
                     self.step()
                 except Exception:  # a bug outside the isolated parts: fail the rows in flight only

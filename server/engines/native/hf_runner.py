@@ -139,6 +139,11 @@ class HFRunner:
     def idle(self) -> None:
         self.kv.reset()
 
+    def use_lanes(self, n: int) -> int:
+        """Always 1: a step here sets state every caller shares (the model config's attention
+        implementation, the routed model's batch plan), so two steps cannot run side by side."""
+        return 1
+
     def check(self, prompt: list[int], atol: float = 1e-3) -> None:
         """Start-up self-test: a prompt prefilled in two chunks, then one decode step, must give the
         logits of the model's plain forward; raises ValueError naming the gap."""

@@ -33,6 +33,7 @@ from torch import nn
 from server.engines.native import attention_kernel as attention_kernels
 from server.engines.native import lora_kernel as lora_kernels
 from server.engines.native.attention import cuda_backends, slot_attention
+from server.engines.native.lanes import Lanes
 from server.engines.native.slot_lora import Group, Member, SlotLoRA, SlotLoRAStep, write_adapter
 from server.engines.native.slots import SlotKV
 from server.engines.native.static_decode import StaticDecode
@@ -245,6 +246,8 @@ class LlamaRunner:
                 self.lora.set_skills(skills)
         if static_decode is None:
             static_decode = self.device.type == "cuda"
+        self._lanes: Lanes | None = None  # the step's items over threads, while use_lanes(n > 1)
+        self._lanes_on = False
         self.static: StaticDecode | None = None
         if static_decode:
             self.static = StaticDecode(self._static_compute, spare_slot=self.spare_slot, largest=slots,
@@ -292,6 +295,20 @@ class LlamaRunner:
         self._rope_version += 1
 
     # -- forward -------------------------------------------------------------------------------
+    def use_lanes(self, n: int) -> int:
+        """The next steps' items split over n threads of one torch thread each (lanes.py), or
+        (n = 1) all of them on the calling thread and its team. On a CPU only: on CUDA one stream
+        runs the step. Returns the lanes the steps will use."""
+        if n > 1 and self.device.type == "cpu":
+            if self._lanes is None or self._lanes.n != n:
+                if self._lanes is not None:
+                    self._lanes.close()
+                self._lanes = Lanes(n)
+            self._lanes_on = True
+            return n
+        self._lanes_on = False  # the threads stay, idle, for the next time
+        return 1
+
     def prepare(self, batch: StepBatch) -> None:
         """Room in the KV cache and the rope table for this step (may allocate)."""
         need = batch.attention_length
@@ -306,8 +323,13 @@ class LlamaRunner:
         self.prepare(batch)
         if self.static is not None and self.static.fits(batch):
             return self.static.run(batch)
+        if self._lanes_on and self._lanes is not None:
+            return self._lanes.run(batch, self._compute_all)
         with cuda_backends(batch.tokens.device):
-            return self._compute(batch, self.lora.step(batch) if self.lora is not None else None)
+            return self._compute_all(batch)
+
+    def _compute_all(self, batch: StepBatch) -> torch.Tensor:
+        return self._compute(batch, self.lora.step(batch) if self.lora is not None else None)
 
     def _static_compute(self, batch: StepBatch) -> torch.Tensor:
         """A static decode step: the LoRA work always runs (rows may change adapters between replays)."""

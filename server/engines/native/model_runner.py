@@ -40,6 +40,11 @@ class ModelRunner(Protocol):
 
     def copy_slot(self, src: int, dst: int, length: int) -> None: ...
 
+    def use_lanes(self, n: int) -> int:
+        """Split the next steps' items over n threads (lanes.py) where the runner can; returns
+        the lanes it will use (1: the calling thread runs every item)."""
+        ...
+
     def idle(self) -> None: ...
 
 

@@ -141,3 +141,42 @@ def test_the_engine_runs_each_step_on_the_governors_team(monkeypatch, tiny_base,
     finally:
         eng.stop()
     assert seen and set(seen) == {1}
+
+
+@pytest.mark.parametrize("lanes_on", [True, False])
+def test_without_the_team_the_engine_splits_steps_over_lanes(monkeypatch, tiny_base, tokenizer, lanes_on):
+    """A governor saying 1 under a configured 2: the runner splits each step over 2 lanes
+    (POLYSERVE_CONTENDED_LANES, the default) or runs it on the engine thread alone; greedy answers
+    are the same either way."""
+    from server.engines.native import engine as engine_mod
+    from server.engines.native.config import EngineConfig
+    from server.engines.native.engine import NativeEngine
+    from server.engines.request import GenRequest, SamplingParams
+    from tests.support.engine_utils import wait_all
+
+    class SaysOne:
+        current = 1
+
+        def __init__(self, max_threads: int, usable: float) -> None:
+            self.steps_at: dict[int, int] = {}
+
+        def threads(self) -> int:
+            return self.current
+
+    monkeypatch.setattr(engine_mod, "ThreadGovernor", SaysOne)
+    answers = {}
+    for governed in (True, False):
+        eng = NativeEngine(tiny_base, tokenizer, config=EngineConfig(threads=2, adaptive_threads=governed,
+                                                                     contended_lanes=lanes_on))
+        eng.start()
+        try:
+            reqs = [eng.submit(GenRequest(tokenizer(p, add_special_tokens=False).input_ids,
+                                          SamplingParams(max_new_tokens=6, ignore_eos=True, logprobs=0)))
+                    for p in ("hello there", "a b c d e f", "x", "the quick brown fox")]
+            answers[governed] = [c.key for choices in wait_all(reqs) for c in choices]
+        finally:
+            eng.stop()
+        if governed:
+            assert eng.lanes == (2 if lanes_on else 1)
+            assert eng.runner._lanes_on is lanes_on
+    assert answers[True] == answers[False]

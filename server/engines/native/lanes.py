@@ -1,0 +1,93 @@
+"""A step's rows split over lanes: threads that each run their share of the items through the whole
+model on one OpenMP thread, side by side, and meet once, when the step's logits are put together.
+
+Why (server/infra/contention.py): once other processes want the same CPUs, a team of OpenMP
+threads loses its time at the barrier that ends each of a step's hundreds of parallel ops, where
+its members wait for one that is descheduled. One thread has no barrier, but the scheduler gives
+it one runnable thread's share of the CPUs. Lanes have no barrier inside the step either, and get
+one share each. What they pay: every lane reads all the weights, its GEMMs are narrower, and the
+Python between two ops holds the GIL one lane at a time; with the CPUs to itself the team is the
+faster of the two (docs/history/openmp-threads.md has the figures).
+
+Items of one step are independent: each writes only its own slot's KV positions and reads only its
+own slot's adapter tables, so lanes share the cache and the tables without a lock. The one
+allocation a step may make (the KV cache and the rope table growing) happens before the lanes start.
+
+    partition(sizes, lanes)     items to lanes, balanced by tokens (pure)
+    Lanes(n).run(batch, fn)     fn(sub-batch) on each lane (the calling thread is lane 0), the
+                                logits back in the batch's order
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from concurrent.futures import Future, ThreadPoolExecutor
+
+import torch
+
+from server.engines.native.step import StepBatch
+from server.infra import openmp
+
+
+def partition(sizes: list[int], lanes: int) -> list[list[int]]:
+    """Item indices per lane (each list ascending, no empty lane): largest item first, each to the
+    lane with the fewest tokens so far (ties: the lower lane). A step's cost is close to linear in
+    its tokens; a decode row's context length is left out (its attention is a small part)."""
+    if lanes < 1:
+        raise ValueError(f"lanes must be at least 1, got {lanes}")
+    parts: list[list[int]] = [[] for _ in range(lanes)]
+    load = [0] * lanes
+    for i in sorted(range(len(sizes)), key=lambda i: (-sizes[i], i)):
+        lane = min(range(lanes), key=lambda j: (load[j], j))
+        parts[lane].append(i)
+        load[lane] += sizes[i]
+    return [sorted(p) for p in parts if p]
+
+
+def logit_positions(batch: StepBatch, items: list[int]) -> list[int]:
+    """Rows of the batch's logits that belong to `items` (in order): where a sub-batch over those
+    items puts its logits, row for row."""
+    return [r for i in items for r in range(batch.logit_rows[i].start, batch.logit_rows[i].stop)]
+
+
+class Lanes:
+    """n lanes: the calling thread and n - 1 helper threads, each running torch on one thread (no
+    OpenMP pool of its own: server/infra/openmp.py)."""
+
+    def __init__(self, n: int) -> None:
+        if n < 2:
+            raise ValueError(f"lanes need at least 2 threads, got {n}")
+        self.n = n
+        self._pool = ThreadPoolExecutor(n - 1, thread_name_prefix="polyserve-lane", initializer=openmp.one_thread)
+
+    def run(self, batch: StepBatch, compute: Callable[[StepBatch], torch.Tensor]) -> torch.Tensor:
+        """compute(sub-batch) -> (R_sub, V) logits, for each lane's share of the batch's items;
+        returns (R, V) in the batch's logit order. An item too few to share runs here alone. A
+        lane's exception is raised here, after every lane has finished (none is left writing)."""
+        parts = partition([len(it.tokens) for it in batch.items], self.n)
+        if len(parts) == 1:
+            return compute(batch)
+        subs = [batch.subset(p) for p in parts]
+        futures: list[Future[torch.Tensor]] = [self._pool.submit(_in_inference_mode, compute, s) for s in subs[1:]]
+        try:
+            first = compute(subs[0])
+        finally:
+            errors = [f.exception() for f in futures]  # waits for every helper lane
+        for err in errors:
+            if err is not None:
+                raise err
+        outs = [first] + [f.result() for f in futures]
+        logits = first.new_empty((int(batch.logit_index.numel()), first.shape[1]))
+        for part, out in zip(parts, outs, strict=True):
+            if out.shape[0]:
+                index = torch.tensor(logit_positions(batch, part), dtype=torch.long, device=out.device)
+                logits.index_copy_(0, index, out)
+        return logits
+
+    def close(self) -> None:
+        self._pool.shutdown(wait=True)
+
+
+def _in_inference_mode(compute: Callable[[StepBatch], torch.Tensor], batch: StepBatch) -> torch.Tensor:
+    with torch.inference_mode():  # per thread: the engine thread's mode does not reach a helper
+        return compute(batch)

@@ -1,0 +1,26 @@
+"""bench/contention.py's table: the peer is the vLLM bare run that was measured, bfloat16 (F) or
+float32 (f, on a CPU without bf16), and every figure comes from the rows."""
+
+from __future__ import annotations
+
+from bench.contention import report
+
+
+def _rows(peer: str) -> list[dict]:
+    rows = []
+    for r, (a0, p0, a6, p6) in enumerate([(100.0, 90.0, 20.0, 25.0), (110.0, 100.0, 30.0, 24.0), (90.0, 95.0, 25.0, 20.0)]):
+        rows += [{"round": r, "busy": 0, "variant": "a", "tok_per_s": a0},
+                 {"round": r, "busy": 0, "variant": peer, "tok_per_s": p0},
+                 {"round": r, "busy": 6, "variant": "a", "tok_per_s": a6},
+                 {"round": r, "busy": 6, "variant": peer, "tok_per_s": p6}]
+    return rows
+
+
+def test_the_table_pairs_polyserve_with_the_peer_that_ran():
+    for peer, name in (("F", "(F) vLLM bare:"), ("f", "(f) vLLM bare, float32:")):
+        table = report(_rows(peer)).splitlines()
+        assert name in table[0]
+        alone, six = table[2], table[3]
+        assert alone.startswith("| 0 | 3 | 100.0 (90.0-110.0) | 95.0 (90.0-100.0) | 1.10 (1.11, 1.10, 0.95) | 1.00 | 1.00 |")
+        # per-round ratios 0.80, 1.25, 1.25; kept = median beside 6 over median alone
+        assert six.startswith("| 6 | 3 | 25.0 (20.0-30.0) | 24.0 (20.0-25.0) | 1.25 (0.80, 1.25, 1.25) | 0.25 | 0.25 | 0.25 |")
