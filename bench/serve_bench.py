@@ -316,9 +316,9 @@ def main() -> None:
                     help="the engine's POLYSERVE_STATIC_DECODE (CUDA graphs of decode steps; auto = on CUDA)")
     ap.add_argument("--adaptive-threads", choices=["on", "off"], default="on",
                     help="the engine's POLYSERVE_ADAPTIVE_THREADS (one thread while other processes hold the CPUs)")
-    ap.add_argument("--contended", choices=["lanes", "one"], default="lanes",
+    ap.add_argument("--contended", choices=["auto", "lanes", "one"], default="auto",
                     help="native engine under contention: the step's items over single-thread lanes, or all on "
-                         "one thread (POLYSERVE_CONTENDED_LANES)")
+                         "one thread, or as the CPU suits (POLYSERVE_CONTENDED_LANES auto|on|off)")
     ap.add_argument("--packed-weights", choices=["auto", "on", "off"], default="auto",
                     help="the engine's POLYSERVE_PACKED_WEIGHTS")
     args = ap.parse_args()
@@ -342,7 +342,7 @@ def main() -> None:
                 max_batch_rows=args.batch, max_batch_tokens=1 << 20, max_prefill_rows=args.batch, max_queue=1 << 16,
                 max_step_tokens=args.max_step_tokens, dtype=serving, packed_weights=packed, threads=args.threads,
                 static_decode=switch(args.static_decode), lora_kernel=lora_kernel,
-                adaptive_threads=args.adaptive_threads == "on", contended_lanes=args.contended == "lanes"))
+                adaptive_threads=args.adaptive_threads == "on", contended_lanes={"auto": None, "lanes": True, "one": False}[args.contended]))
             eng.start()
             return eng
 

@@ -17,9 +17,19 @@ def cpu_has_amx() -> bool:
         return False
 
 
+def cpu_has_avx512() -> bool:
+    """The CPU has AVX-512 (its foundation, avx512f)."""
+    return _cpu_flag("avx512f")
+
+
 def cpu_has_avx512_bf16() -> bool:
+    return _cpu_flag("avx512_bf16")
+
+
+def _cpu_flag(name: str) -> bool:
+    """`name` is one of the CPU's flags in /proc/cpuinfo (False where there is none)."""
     try:
-        return any(line.startswith("flags") and " avx512_bf16" in line
+        return any(line.startswith("flags") and name in line.split(":", 1)[-1].split()
                    for line in Path("/proc/cpuinfo").read_text().splitlines())
     except OSError:
         return False

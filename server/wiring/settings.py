@@ -35,7 +35,7 @@ class Settings(BaseSettings):
     # (server/infra/contention.py): its items split over `threads` single-thread lanes
     # (contended_lanes, server/engines/native/lanes.py) or all on the engine thread
     adaptive_threads: bool = True
-    contended_lanes: bool = True
+    contended_lanes: Literal["auto", "on", "off"] = "auto"  # auto: the machine decides (lanes.lanes_pay)
     # serving dtype: float32 | bfloat16 | float16, or auto (the machine decides: server/engines/dtype.py)
     dtype: str | None = None
     # vllm engine: other vLLM engine arguments as a JSON object, e.g. {"tensor_parallel_size": 2}

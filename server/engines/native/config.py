@@ -15,7 +15,8 @@
     adaptive_threads   each step on all of them as one OpenMP team, or, while other processes
                        hold the CPUs, without the team (server/infra/contention.py)
     contended_lanes    without the team: the step's items split over `threads` threads of one
-                       torch thread each (lanes.py); False: every item on the engine thread alone
+                       torch thread each (lanes.py); False: every item on the engine thread alone;
+                       None: as the machine suits (lanes.lanes_pay)
     caps               per-tenant caps and weights (server/engines/fair.py)
 
 `from_settings` maps the POLYSERVE_* settings onto it; tests and benchmarks build one directly.
@@ -49,7 +50,7 @@ class EngineConfig:
     attention_kernel: str = "auto"
     threads: int | None = None
     adaptive_threads: bool = True
-    contended_lanes: bool = True
+    contended_lanes: bool | None = None
     caps: TenantCaps = field(default_factory=TenantCaps)
 
     def __post_init__(self) -> None:
@@ -78,6 +79,6 @@ class EngineConfig:
             dtype=serving_dtype(settings.device, settings.dtype), runner_kind=settings.native_executor,
             packed_weights=switch(settings.packed_weights), static_decode=switch(settings.static_decode),
             lora_kernel=settings.lora_kernel, attention_kernel=settings.attention_kernel, threads=threads, adaptive_threads=settings.adaptive_threads,
-            contended_lanes=settings.contended_lanes,
+            contended_lanes=switch(settings.contended_lanes),
             caps=tenant_caps(settings),
         )

@@ -51,6 +51,7 @@ from server.engines.base import EngineStopped, QueueFull, check_fits
 from server.engines.fair import TenantLimit, check_caps
 from server.engines.native.config import EngineConfig
 from server.engines.native.isolate import find_culprits
+from server.engines.native.lanes import lanes_pay
 from server.engines.native.ledger import FinalLedger, answer_unadmitted
 from server.engines.native.logprobs import prompt_chunk_logprobs
 from server.engines.native.model_runner import ModelRunner, build_model_runner
@@ -113,8 +114,12 @@ class NativeEngine:
         self.threads = cfg.threads or torch.get_num_threads()
         # the team size of each step: all of them alone, one while other processes hold the CPUs
         # (server/infra/contention.py), the step's rows then split over self.threads lanes
-        # (lanes.py) unless contended_lanes is off; None: always self.threads
+        # (lanes.py) where they pay; None: always self.threads
         self.governor = ThreadGovernor(self.threads, cpus.budget().usable) if cfg.adaptive_threads else None
+        self.contended_lanes = cfg.contended_lanes
+        if self.governor is not None and self.contended_lanes is None:
+            self.contended_lanes, why = lanes_pay()
+            log.info("without the team, a step runs on %s (%s)", "lanes" if self.contended_lanes else "one thread", why)
         self.lanes = 1  # threads the step's items are split over (runner.use_lanes), while the team is 1
 
     # -- public API (any thread) -----------------------------------------------------------------
@@ -203,7 +208,7 @@ class NativeEngine:
                     team = self.governor.current
                     torch.set_num_threads(team)  # this thread's team from the next parallel op on
                     # without the team, the step's items over as many single-thread lanes
-                    self.lanes = self.runner.use_lanes(self.threads if team == 1 and self.config.contended_lanes else 1)
+                    self.lanes = self.runner.use_lanes(self.threads if team == 1 and self.contended_lanes else 1)
                 try:
                     self.step()
                 except Exception:  # a bug outside the isolated parts: fail the rows in flight only
