@@ -91,7 +91,7 @@ def main() -> None:
     from training.far_heldout import far_tasks
     from training.icl import ICL_MAX_LENGTH, icl_context
     from training.mix_search import gradient_free_mix
-    from training.retrieve import retrieve
+    from training.retrieve import Retrieval
     from training.suite import build_suite, examples
     from training.vocab import VOCABS
 
@@ -167,12 +167,17 @@ def main() -> None:
                         res = gradient_free_mix(rm, info, {n: r for n, r in candidates.items() if n != name}, few,
                                                 bb.tokenizer, seed=seed, autocast=args.autocast, max_length=max_length)
                     if method in ("retrieve", "routing-r"):
-                        res = retrieve(rm, info, {n: r for n, r in candidates.items() if n != name}, few,
-                                       bb.tokenizer, seed=seed, autocast=args.autocast, max_length=max_length, **screen)
-                    if method == "routing-r":
+                        retrieval = Retrieval(rm, info, {n: r for n, r in candidates.items() if n != name}, few,
+                                              bb.tokenizer, seed=seed, autocast=args.autocast, max_length=max_length,
+                                              **screen)
+                        while retrieval.step():
+                            pass
+                        res = retrieval.result()
+                    if method == "routing-r":  # as a registration: from the retrieved row and its known loss
                         config = AdaptConfig(method="routing", steps=args.steps, seed=seed,
                                              trained_share=args.trained_share, **recipe)
-                        res = adapt(rm, info, skills, few, bb.tokenizer, config, init_row=res.tensors["logits"])
+                        res = adapt(rm, info, skills, few, bb.tokenizer, config, init_row=res.tensors["logits"],
+                                    init_eval=retrieval.known_eval())
                     elif method not in ("retrieve", "mix"):
                         share = {"trained_share": args.trained_share} if method == "routing" else {}
                         config = AdaptConfig(method=method, steps=args.steps, seed=seed, **share, **recipe)

@@ -19,8 +19,10 @@ copies. Methods (what is trained -> what is stored):
               differentiably every step
 
 Part of the examples is held out; the held-out loss is measured every `eval_every` steps and
-the best-so-far tensors are kept (early stopping with `patience` evaluations). The
-hyper-parameters come in one AdaptConfig (training/adapt_config.py), checked when it is made.
+the best-so-far tensors are kept (early stopping with `patience` evaluations); a caller that has
+already scored `init_row` on the same held-out split (a retrieval) passes that loss (KnownEval) and
+the first evaluation is not run again. The hyper-parameters come in one AdaptConfig
+(training/adapt_config.py), checked when it is made.
 """
 
 from __future__ import annotations
@@ -39,7 +41,7 @@ from adapters_store.lora.inject import RoutedModel
 from adapters_store.store.materialize import layers_from_weights, mu_weights
 from adapters_store.store.records import InventoryInfo
 from training.adapt_config import AdaptConfig
-from training.batching import collate, encode_all, within_tokens
+from training.batching import collate, encode_all, steps_within_tokens, within_tokens
 from training.data import Example, split_examples
 from training.loss import per_example_loss, target_logits, token_loss
 from training.precision import FrozenBf16Weights, resolve_autocast
@@ -56,6 +58,15 @@ class AdaptResult:
     tensors: dict[str, torch.Tensor]  # routing: {"logits": (L, h, S)}; lora: {"<layer>.A", "<layer>.B"}
     metrics: dict[str, Any] = field(default_factory=dict)
     params: int = 0  # numbers trained for this task
+
+
+@dataclass(frozen=True)
+class KnownEval:
+    """The held-out loss of an Adaptation's `init_row`, measured by its caller (a retrieval's choice
+    scores its row on the same split), and the held-out examples it was measured on."""
+
+    loss: float
+    held: tuple[Example, ...]
 
 
 EVAL_CHUNK = 16  # held-out examples evaluated per step() (one forward, as long as a training step)
@@ -75,6 +86,7 @@ class Adaptation:
         *,
         progress: Callable[[dict], None] | None = None,
         init_row: torch.Tensor | None = None,
+        init_eval: KnownEval | None = None,
     ) -> None:
         config = config if config is not None else AdaptConfig()
         if not examples:
@@ -83,8 +95,6 @@ class Adaptation:
             raise ValueError("the RoutedModel's layers do not match the inventory's")
         method = config.method
         self.config, self.rm, self.info, self.method, self.tokenizer = config, rm, info, method, tokenizer
-        self.steps, self.max_steps = config.resolved_steps, config.resolved_max_steps
-        self.warmup = max(1, self.steps // 10)
         self.lr = config.resolved_lr
         self.progress, self.eval_every, self.patience = progress, max(1, config.eval_every), config.patience
         train, held = split_examples(list(examples), config.holdout_fraction, config.seed)
@@ -93,6 +103,11 @@ class Adaptation:
         self.held = encode_all(tokenizer, held, config.max_length)
         self.batch_size = max(1, min(config.resolved_batch_size, len(self.train)))
         self.step_tokens = config.resolved_step_tokens
+        self.steps = config.resolved_steps
+        if config.steps is None:  # the default budget counts in tokens (training/adapt_config.py)
+            self.steps = steps_within_tokens(self.steps, [len(e.input_ids) for e in self.train], self.step_tokens)
+        self.max_steps = self.steps if config.max_steps is None else max(self.steps, config.resolved_max_steps)
+        self.warmup = max(1, self.steps // 10)
         self.pad = int(tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id)
         self.rng = random.Random(config.seed)
         self.order: list[int] = []
@@ -155,6 +170,11 @@ class Adaptation:
         self.started = time.perf_counter()
         self._need_eval = True  # evaluate the initial point first (μ for routing/mu)
         self._eval_pos, self._eval_total = 0, 0.0  # progress through the held-out set (one chunk a slice)
+        if init_eval is not None and init_row is not None and held and tuple(held) == init_eval.held:
+            # the caller scored init_row on this very split: that evaluation is not run twice (the
+            # row trains from init_row plus the INIT noise, a logit change the loss does not see)
+            self._record_eval(init_eval.loss)
+            self._need_eval = False
 
     # -- the task's adapter as the RoutedModel reads it -----------------------------------------
     def _weights(self) -> torch.Tensor:
@@ -246,6 +266,11 @@ class Adaptation:
             return False
         loss = self._eval_total / len(self.held)
         self._eval_pos, self._eval_total = 0, 0.0
+        self._record_eval(loss)
+        return True
+
+    def _record_eval(self, loss: float) -> None:
+        """One whole held-out evaluation's mean loss: the best-so-far tensors and early stopping."""
         self.evals += 1
         self.last_eval_loss = loss
         if self.initial_eval_loss is None:
@@ -254,7 +279,6 @@ class Adaptation:
             self.best_loss, self.best, self.best_step, self.since_best = loss, self._snapshot(), self.step_count, 0
         else:
             self.since_best += 1
-        return True
 
     def step(self) -> bool:
         """One optimisation step, or one held-out evaluation every `eval_every` steps.
@@ -335,9 +359,11 @@ def adapt(
     *,
     progress: Callable[[dict], None] | None = None,
     init_row: torch.Tensor | None = None,
+    init_eval: KnownEval | None = None,
 ) -> AdaptResult:
     """Run an Adaptation to the end and return its result."""
-    job = Adaptation(rm, info, skills, examples, tokenizer, config, progress=progress, init_row=init_row)
+    job = Adaptation(rm, info, skills, examples, tokenizer, config, progress=progress, init_row=init_row,
+                     init_eval=init_eval)
     while job.step():
         pass
     return job.result()

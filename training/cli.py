@@ -202,9 +202,10 @@ def adapt(task, examples_file, method, init, steps, lr, batch_size, seed, store_
         bar.set_postfix(loss=fmt["loss"], eval=fmt["eval_loss"], refresh=False)
         bar.refresh()
 
-    def adaptation(init_row=None):
+    def adaptation(init_row=None, init_eval=None):
         config = AdaptConfig(method=method, steps=steps, seed=seed, batch_size=batch_size, lr=lr)
-        return Adaptation(rm, info, skills, examples, bb.tokenizer, config, progress=progress, init_row=init_row)
+        return Adaptation(rm, info, skills, examples, bb.tokenizer, config, progress=progress, init_row=init_row,
+                          init_eval=init_eval)
 
     candidates = store.routing_rows(limit=MAX_CANDIDATES, exclude=task) \
         if method == "retrieve" or (method == "routing" and init == "retrieve") else {}

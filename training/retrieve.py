@@ -29,7 +29,7 @@ import torch
 
 from adapters_store.lora.inject import RoutedModel
 from adapters_store.store.records import InventoryInfo
-from training.adapt import AdaptResult
+from training.adapt import AdaptResult, KnownEval
 from training.batching import FEW_SHOT_MAX_LENGTH, Encoded, collate, encode_all, within_tokens
 from training.data import Example, split_examples
 from training.loss import per_example_loss, target_logits
@@ -110,6 +110,7 @@ class Retrieval:
         self.rows_per_step, self.ks = rows_per_step, tuple(sorted(set(ks)))
         train, held = split_examples(list(examples), holdout_fraction, seed)
         self.n_train, self.n_held = len(train), len(held)
+        self.held_examples = tuple(held)
         train_encoded = encode_all(tokenizer, train, max_length)
         self.held: list[Encoded] = encode_all(tokenizer, held, max_length) or train_encoded
         # the screen's examples (SCREEN_TOKENS); 0: all of them
@@ -248,6 +249,14 @@ class Retrieval:
         }
         return AdaptResult("routing", {"logits": self.choices[self.chosen].clone()}, metrics, params=0)
 
+    def known_eval(self) -> KnownEval | None:
+        """The chosen row's held-out loss and the examples it was measured on, for an Adaptation that
+        trains from that row on the same split; None before the choice or where nothing was held out
+        (the choice then scored the training examples)."""
+        if self.chosen is None or not self.n_held:
+            return None
+        return KnownEval(self.held_loss[self.chosen], self.held_examples)
+
 
 def retrieve(
     rm: RoutedModel,
@@ -267,13 +276,15 @@ def retrieve(
 class RetrievedAdaptation:
     """A Retrieval, then an Adaptation that starts from the retrieved row (AdaptationLike).
 
-    `make_adaptation(init_row)` builds the second stage once the first is done; `on_retrieved`
-    (optional) receives the retrieval's result first (e.g. to serve it at once)."""
+    `make_adaptation(init_row, init_eval)` builds the second stage once the first is done, given
+    the retrieved row and its held-out loss (a KnownEval; None where the retrieval held nothing
+    out), which an Adaptation on the same split need not measure again; `on_retrieved` (optional)
+    receives the retrieval's result first (e.g. to serve it at once)."""
 
     def __init__(
         self,
         retrieval: Retrieval,
-        make_adaptation: Callable[[torch.Tensor], Any],
+        make_adaptation: Callable[[torch.Tensor, KnownEval | None], Any],
         on_retrieved: Callable[[AdaptResult], None] | None = None,
     ) -> None:
         self.retrieval, self.make_adaptation, self.on_retrieved = retrieval, make_adaptation, on_retrieved
@@ -292,7 +303,7 @@ class RetrievedAdaptation:
             self.retrieved = self.retrieval.result()
             if self.on_retrieved is not None:
                 self.on_retrieved(self.retrieved)
-            self.adaptation = self.make_adaptation(self.retrieved.tensors["logits"])
+            self.adaptation = self.make_adaptation(self.retrieved.tensors["logits"], self.retrieval.known_eval())
             return True
         return self.adaptation.step()
 

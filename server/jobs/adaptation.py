@@ -45,10 +45,11 @@ def make_adaptation(model: TrainingModel, job: Job, examples: list[dict[str, str
     exs = [Example(job.task, e["input"], e["output"]) for e in examples]
     seed = job.seed or 0
 
-    def adaptation(init_row=None):
+    def adaptation(init_row=None, init_eval=None):
         config = AdaptConfig(method=job.method, steps=job.steps, seed=seed)
+        trains_row = job.method in ("routing", "full")
         return Adaptation(model.routed, model.info, model.skills, exs, model.tokenizer, config, progress=progress,
-                          init_row=init_row if job.method in ("routing", "full") else None)
+                          init_row=init_row if trains_row else None, init_eval=init_eval if trains_row else None)
 
     if job.method not in ("retrieve", "routing") and not job.serve_early:
         return adaptation()
