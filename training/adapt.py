@@ -41,7 +41,7 @@ from adapters_store.lora.inject import RoutedModel
 from adapters_store.store.materialize import layers_from_weights, mu_weights
 from adapters_store.store.records import InventoryInfo
 from training.adapt_config import AdaptConfig
-from training.batching import collate, encode_all, steps_within_tokens, within_tokens
+from training.batching import collate, encode_all, within_tokens
 from training.data import Example, split_examples
 from training.loss import per_example_loss, target_logits, token_loss
 from training.precision import FrozenBf16Weights, resolve_autocast
@@ -103,10 +103,7 @@ class Adaptation:
         self.held = encode_all(tokenizer, held, config.max_length)
         self.batch_size = max(1, min(config.resolved_batch_size, len(self.train)))
         self.step_tokens = config.resolved_step_tokens
-        self.steps = config.resolved_steps
-        if config.steps is None:  # the default budget counts in tokens (training/adapt_config.py)
-            self.steps = steps_within_tokens(self.steps, [len(e.input_ids) for e in self.train], self.step_tokens)
-        self.max_steps = self.steps if config.max_steps is None else max(self.steps, config.resolved_max_steps)
+        self.steps, self.max_steps = config.resolved_steps, config.resolved_max_steps
         self.warmup = max(1, self.steps // 10)
         self.pad = int(tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id)
         self.rng = random.Random(config.seed)

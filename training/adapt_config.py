@@ -28,10 +28,7 @@ ADAPT_METHODS = ("routing", "mu", "full", "plain-lora")
 # this many tokens (at least one; 0: no cap). A step's time grows with its tokens, so long examples
 # (real tasks' questions) train one or two a step and a registration keeps its time budget, while
 # the procedural suite's short ones batch as before. Why this value, and what it costs in answers:
-# docs/RESULTS.md, "Registration time on BIG-bench-length inputs". Where `steps` is left to the
-# default, that budget counts in tokens too: an example longer than step_tokens, which a step takes
-# alone, spends len / step_tokens of the steps (training/batching.py steps_within_tokens), so the
-# longest real tasks train fewer, longer steps in about the same time; steps a caller names are run.
+# docs/RESULTS.md, "Registration time on BIG-bench-length inputs".
 DEFAULTS: dict[str, dict[str, float]] = {
     "routing": {"steps": 15, "lr": 0.3, "batch_size": 4, "step_tokens": 256},
     "mu": {"steps": 40, "lr": 3e-3, "batch_size": 8},

@@ -45,23 +45,6 @@ def within_tokens(lengths: Sequence[int], max_tokens: int) -> int:
     return len(lengths)
 
 
-def steps_within_tokens(steps: int, lengths: Sequence[int], max_tokens: int) -> int:
-    """A budget of `steps` steps of at most max_tokens padded tokens each, counted in tokens: a step
-    takes one example even where that example alone passes max_tokens (within_tokens), so an example
-    of n > max_tokens tokens spends n / max_tokens steps of the budget. Returns the steps that fit
-    (at least one where steps >= 1): `steps` itself when every example fits or max_tokens is 0.
-
-    >>> steps_within_tokens(15, [40, 60, 30], 256), steps_within_tokens(15, [430, 450], 256)
-    (15, 9)
-    """
-    if max_tokens < 0:
-        raise ValueError(f"max_tokens must be >= 0, got {max_tokens}")
-    if not max_tokens or not lengths or steps < 1:
-        return steps
-    spent = sum(max(1.0, n / max_tokens) for n in lengths) / len(lengths)  # budget steps a step spends, on average
-    return max(1, round(steps / spent))
-
-
 @dataclass(frozen=True)
 class Encoded:
     """One tokenised example: input_ids and labels have the same length."""

