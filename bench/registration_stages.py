@@ -3,6 +3,7 @@ each training step and held-out evaluation, in-process on the shipped inventory,
 examples of a held-out BIG-bench task that scripts.compare_methods draws for a seed.
 
     .venv/bin/python -m bench.registration_stages --task bb-dyck_languages --store STORE --repeats 2
+    # --steps N: another step budget; --seed S: another draw of the examples and split
 
 STORE: a store with the shipped inventory (`polyserve serve` installs it, or
 training.shipped_inventory.install_default_inventory). The BIG-bench cache comes from
@@ -33,6 +34,7 @@ def main() -> None:
     ap.add_argument("--task", default="bb-dyck_languages", help="a held-out BIG-bench task id")
     ap.add_argument("--store", type=Path, required=True)
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--steps", type=int, default=None, help="training steps (default: the method's)")
     ap.add_argument("--k", type=int, default=16)
     ap.add_argument("--repeats", type=int, default=1)
     ap.add_argument("--threads", type=int, default=2)
@@ -53,7 +55,7 @@ def main() -> None:
     for repeat in range(args.repeats):
         retrieval = Retrieval(rm, info, candidates, few, bb.tokenizer, seed=args.seed)
         job = RetrievedAdaptation(retrieval, lambda row, known: Adaptation(
-            rm, info, skills, few, bb.tokenizer, AdaptConfig(seed=args.seed), init_row=row, init_eval=known))
+            rm, info, skills, few, bb.tokenizer, AdaptConfig(seed=args.seed, steps=args.steps), init_row=row, init_eval=known))
         spent: dict[str, list[float]] = defaultdict(list)
         started = time.perf_counter()
         while True:

@@ -95,6 +95,8 @@ class Adaptation:
             raise ValueError("the RoutedModel's layers do not match the inventory's")
         method = config.method
         self.config, self.rm, self.info, self.method, self.tokenizer = config, rm, info, method, tokenizer
+        self.steps, self.max_steps = config.resolved_steps, config.resolved_max_steps
+        self.warmup = max(1, self.steps // 10)
         self.lr = config.resolved_lr
         self.progress, self.eval_every, self.patience = progress, max(1, config.eval_every), config.patience
         train, held = split_examples(list(examples), config.holdout_fraction, config.seed)
@@ -103,8 +105,6 @@ class Adaptation:
         self.held = encode_all(tokenizer, held, config.max_length)
         self.batch_size = max(1, min(config.resolved_batch_size, len(self.train)))
         self.step_tokens = config.resolved_step_tokens
-        self.steps, self.max_steps = config.resolved_steps, config.resolved_max_steps
-        self.warmup = max(1, self.steps // 10)
         self.pad = int(tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id)
         self.rng = random.Random(config.seed)
         self.order: list[int] = []
