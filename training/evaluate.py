@@ -8,6 +8,7 @@ The adapter is given as
 
 from __future__ import annotations
 
+import copy
 from collections.abc import Sequence
 from typing import Any, cast
 
@@ -17,6 +18,7 @@ import torch.nn.functional as F
 from adapters_store.lora.inject import RoutedModel
 from training.batching import (
     FEW_SHOT_MAX_LENGTH,
+    IGNORE,
     Encoded,
     collate,
     collate_prompts,
@@ -24,7 +26,7 @@ from training.batching import (
     encode_example,
 )
 from training.data import Example
-from training.loss import per_example_loss, target_logits
+from training.loss import TargetLogits, per_example_loss, returned_cache, target_logits
 
 Adapter = torch.Tensor | Sequence[tuple[torch.Tensor, torch.Tensor]] | None
 
@@ -104,18 +106,56 @@ def evaluate_task(rm: RoutedModel, adapter: Adapter, tokenizer: Any, examples: S
     return {"exact_match": em, "loss": loss}
 
 
+CHOICE_BATCH = 16  # choices run on one copy of the prompt's cache at a time (its memory grows with them)
+
+
 @torch.no_grad()
 def choice_logprobs(rm: RoutedModel, adapter: Adapter, tokenizer: Any, question: str, choices: Sequence[str],
                     context: str = "", max_length: int = FEW_SHOT_MAX_LENGTH) -> list[float]:
     """Each choice's summed log-probability as the answer to `question` (lm-eval's multiple-choice
-    ranking: the choice's own tokens, not the end of sequence after it)."""
+    ranking: the choice's own tokens, not the end of sequence after it).
+
+    The choices share their prompt: its tokens run once, and the choices continue from a copy of its
+    cache, so a question with many long options costs one prompt plus the options' own tokens, not
+    one prompt per option (a BIG-bench dyck_languages row: 84 options after ~450 prompt tokens)."""
     rows = []
     for choice in choices:
         enc = encode_example(tokenizer, Example("", question, choice), max_length, context)
         rows.append(Encoded(enc.input_ids[:-1], enc.labels[:-1]))
     pad = int(tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id)
-    set_plan(rm, adapter, len(rows))
-    t = target_logits(rm.model, collate(rows, pad))
+    shared = shared_prompt(rows)
+    if shared == 0:
+        set_plan(rm, adapter, len(rows))
+        return _summed(target_logits(rm.model, collate(rows, pad)))
+    set_plan(rm, adapter, 1)
+    prompt = torch.tensor([rows[0].input_ids[:shared]], device=next(rm.model.parameters()).device)
+    cache = returned_cache(rm.model(input_ids=prompt, use_cache=True))
+    out: list[float] = []
+    for start in range(0, len(rows), CHOICE_BATCH):
+        part = [Encoded(r.input_ids[shared:], r.labels[shared:]) for r in rows[start:start + CHOICE_BATCH]]
+        past = copy.deepcopy(cache)
+        past.batch_repeat_interleave(len(part))
+        set_plan(rm, adapter, len(part))
+        out += _summed(target_logits(rm.model, collate(part, pad), past=past))
+    return out
+
+
+def shared_prompt(rows: Sequence[Encoded]) -> int:
+    """How many leading tokens every row has in common and can run once: the longest common prefix,
+    short of each row's last prompt token (whose logit scores the row's first answer token). 0 where
+    sharing is not worth a second forward (a single row, or nothing in common)."""
+    if len(rows) < 2:
+        return 0
+    first_answer = min(next((i for i, y in enumerate(r.labels) if y != IGNORE), len(r.labels)) for r in rows)
+    limit = min(first_answer - 1, *(len(r.input_ids) for r in rows))
+    common = 0
+    while common < limit and all(r.input_ids[common] == rows[0].input_ids[common] for r in rows):
+        common += 1
+    return common
+
+
+def _summed(t: TargetLogits) -> list[float]:
+    """Each row's summed log-probability of its target tokens."""
     logp = -F.cross_entropy(t.logits, t.targets, reduction="none")
     return logp.new_zeros(t.n_rows).index_add_(0, t.rows, logp).tolist()
 

@@ -11,6 +11,7 @@ step (the head of a 49k vocabulary is a fifth of SmolLM2-135M's FLOPs).
 
 from __future__ import annotations
 
+import inspect
 import math
 from dataclasses import dataclass
 from typing import Any
@@ -30,25 +31,42 @@ class TargetLogits:
     n_rows: int
 
 
-def target_logits(model: nn.Module, batch: Batch, whole_model: bool = False) -> TargetLogits:
+def target_logits(model: nn.Module, batch: Batch, whole_model: bool = False, past: Any = None) -> TargetLogits:
     """whole_model: call the model itself (full logits, then select) even where the decoder and the head
-    could be called apart: a model sharded by FSDP gathers its root's weights only in its own forward."""
+    could be called apart: a model sharded by FSDP gathers its root's weights only in its own forward.
+    past: a transformers cache holding every row's first tokens (the batch is the rows' continuation,
+    right-padded); it is extended in place."""
     batch = batch.to(next(model.parameters()).device)
     labels = batch.labels
     keep = labels[:, 1:] != IGNORE  # (N, T-1)
+    mask = batch.attention_mask
+    extra: dict[str, Any] = {"use_cache": False}
+    if past is not None:
+        seen = mask.new_ones(mask.shape[0], past.get_seq_length())
+        mask = torch.cat([seen, mask], dim=1)
+        extra = {cache_argument(model): past, "use_cache": True}
     hf: Any = model  # a transformers model: its methods are found by name (torch types them Tensor | Module)
     decoder = hf.get_decoder() if hasattr(hf, "get_decoder") else None
     head = hf.get_output_embeddings() if hasattr(hf, "get_output_embeddings") else None
     if decoder is not None and head is not None and decoder is not model and not whole_model:
-        hidden = decoder(
-            input_ids=batch.input_ids, attention_mask=batch.attention_mask, use_cache=False
-        ).last_hidden_state  # (N, T, d)
+        hidden = decoder(input_ids=batch.input_ids, attention_mask=mask, **extra).last_hidden_state  # (N, T, d)
         logits = head(hidden[:, :-1][keep]).float()  # (M, V)
     else:  # any other causal LM: full logits, then select
-        out = model(input_ids=batch.input_ids, attention_mask=batch.attention_mask, use_cache=False)
+        out = model(input_ids=batch.input_ids, attention_mask=mask, **extra)
         logits = out.logits[:, :-1][keep].float()
     rows = torch.arange(labels.shape[0], device=labels.device).unsqueeze(1).expand_as(keep)[keep]
     return TargetLogits(logits, labels[:, 1:][keep], rows, labels.shape[0])
+
+
+def cache_argument(model: nn.Module) -> str:
+    """The name a transformers model's forward takes its KV cache by: `cache` in transformers 5.x,
+    `past_key_values` before (the project allows both)."""
+    return "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
+
+
+def returned_cache(output: Any) -> Any:
+    """The KV cache a transformers forward returned, under either name."""
+    return output.cache if "cache" in output else output.past_key_values
 
 
 def token_loss(t: TargetLogits) -> torch.Tensor:

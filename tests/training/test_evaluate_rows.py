@@ -7,11 +7,14 @@ import pytest
 import torch
 
 from adapters_store.backbone.prompt import format_prompt, format_target
+from adapters_store.lora.combine import materialize
 from adapters_store.lora.inject import RoutedModel
 from adapters_store.lora.spec import InventorySpec
+from tests.support.server_fixtures import random_skills
 from training import evaluate
+from training.batching import IGNORE, Encoded
 from training.data import Example
-from training.evaluate import choice_logprobs, generate, score_rows
+from training.evaluate import choice_logprobs, generate, score_rows, shared_prompt
 from training.icl import icl_context
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -59,3 +62,37 @@ def test_a_context_goes_before_every_prompt(rm, tokenizer):
         out = rm.model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=4, do_sample=False,
                                 pad_token_id=tokenizer.eos_token_id, eos_token_id=tokenizer.eos_token_id)
     assert with_ctx == [tokenizer.decode(out[0, ids.shape[1]:], skip_special_tokens=True)]
+
+
+def _unshared(monkeypatch, *args, **kwargs):
+    """choice_logprobs with every choice run on its whole prompt (no cache shared)."""
+    with monkeypatch.context() as m:
+        m.setattr(evaluate, "shared_prompt", lambda rows: 0)
+        return choice_logprobs(*args, **kwargs)
+
+
+@pytest.mark.parametrize("adapter", ["bare", "mixed", "lora"])
+def test_choices_on_the_prompts_shared_cache_score_as_each_on_its_whole_prompt(tiny_model, tokenizer, monkeypatch,
+                                                                               adapter):
+    rm = random_skills(tiny_model, InventorySpec(n_skills=2, n_heads=1, rank=2))
+    weights = torch.softmax(torch.randn(len(rm.layers), 1, 2, generator=torch.Generator().manual_seed(3)), -1)
+    as_lora = [materialize(layer.lora_A.detach(), layer.lora_B.detach(), weights[i]) for i, layer in enumerate(rm.layers)]
+    chosen = {"bare": None, "mixed": weights, "lora": as_lora}[adapter]
+    ctx = icl_context([Example("t", "cat 3", "CAT 3")])
+    choices = ["dog", "bird 4", "a much longer choice 5 6 7", "x"] * 2  # more than one copy of the cache
+    monkeypatch.setattr(evaluate, "CHOICE_BATCH", 3)
+    got = choice_logprobs(rm, chosen, tokenizer, "sun 5", choices, ctx)
+    want = _unshared(monkeypatch, rm, chosen, tokenizer, "sun 5", choices, ctx)
+    assert got == pytest.approx(want, abs=1e-4)
+    assert got[:4] == pytest.approx(got[4:], abs=1e-4)  # a choice scores the same in another chunk
+    assert min(abs(a - b) for i, a in enumerate(got[:4]) for b in got[i + 1:4]) > 1e-3  # the choices differ
+
+
+def test_only_the_common_prompt_short_of_its_last_token_is_shared():
+    def enc(prompt, answer):
+        return Encoded(tuple(prompt + answer), tuple([IGNORE] * len(prompt) + answer))
+    assert shared_prompt([enc([1, 2, 3, 4], [7]), enc([1, 2, 3, 4], [8, 9])]) == 3  # 4's logit scores the answer
+    assert shared_prompt([enc([1, 2, 3, 4], [7]), enc([2, 3, 4], [8])]) == 0  # a prompt cut on its left
+    assert shared_prompt([enc([1, 2, 5, 4], [7]), enc([1, 2, 3, 4], [8])]) == 2
+    assert shared_prompt([enc([1, 2, 3, 4], [7])]) == 0  # nothing to share with
+    assert shared_prompt([enc([1], [7]), enc([1], [8])]) == 0
