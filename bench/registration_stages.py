@@ -4,6 +4,7 @@ examples of a held-out BIG-bench task that scripts.compare_methods draws for a s
 
     .venv/bin/python -m bench.registration_stages --task bb-dyck_languages --store STORE --repeats 2
     # --steps N: another step budget; --seed S: another draw of the examples and split
+    # --profile N: torch.profiler over training steps 2..N+1, the ops by their own CPU time
 
 STORE: a store with the shipped inventory (`polyserve serve` installs it, or
 training.shipped_inventory.install_default_inventory). The BIG-bench cache comes from
@@ -38,6 +39,8 @@ def main() -> None:
     ap.add_argument("--k", type=int, default=16)
     ap.add_argument("--repeats", type=int, default=1)
     ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--profile", type=int, default=0, metavar="N",
+                    help="profile N training steps (after the first) and print the ops by self CPU time")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     held = {t.id: t for t in load_cache() if t.heldout}
@@ -57,13 +60,19 @@ def main() -> None:
         job = RetrievedAdaptation(retrieval, lambda row, known: Adaptation(
             rm, info, skills, few, bb.tokenizer, AdaptConfig(seed=args.seed, steps=args.steps), init_row=row, init_eval=known))
         spent: dict[str, list[float]] = defaultdict(list)
+        profiler = torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU], record_shapes=True) if args.profile else None
         started = time.perf_counter()
         while True:
             a = job.adaptation
             stage = retrieval.stage if a is None else ("evaluate" if a._need_eval else "train")
+            if profiler is not None and stage == "train" and len(spent["train"]) == 1:
+                profiler.start()  # the first step is left out: it pays one-time costs
             t = time.perf_counter()
             more = job.step()
             spent[stage].append(time.perf_counter() - t)
+            if profiler is not None and stage == "train" and len(spent["train"]) == args.profile + 1:
+                profiler.stop()
+                print(profiler.key_averages(group_by_input_shape=True).table(sort_by="self_cpu_time_total", row_limit=30, max_name_column_width=40, max_shapes_column_width=70), flush=True)
             if not more:
                 break
         total = time.perf_counter() - started
