@@ -37,7 +37,7 @@ def lanes_pay() -> tuple[bool, str]:
     Lanes get more of the CPUs than one thread but spend more CPU per token (each reads all the
     weights for half the rows). That pays where a step's GEMMs are bound by arithmetic, and not
     where they are bound by reading the weights: measured beside busy processes, lanes gained on
-    an AVX2-only CPU and lost on an AVX-512 one, in float32 as in bfloat16
+    an AVX2-only CPU and lost or tied on AVX-512 ones (with and without AMX), in float32 as in bfloat16
     (docs/history/openmp-threads.md, "Lanes")."""
     if cpu_has_avx512():
         return False, "the CPU has AVX-512: lanes' extra work costs more than their share of the CPUs gains"
