@@ -135,11 +135,17 @@ def collate(encoded: Sequence[Encoded], pad_id: int, side: Side = "right") -> Ba
 def collate_prompts(tokenizer: Any, inputs: Sequence[str], max_length: int = DEFAULT_MAX_LENGTH,
                     context: str = "") -> Batch:
     """Left-padded prompts for batched generation (labels all -100). Long prompts keep their end."""
-    rows = [encode_prompt(tokenizer, text, context)[-max_length:] for text in inputs]
+    rows = prompt_rows(tokenizer, inputs, max_length, context)
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
     ids = pad_rows(rows, int(pad), "left")
     mask = pad_rows([[1] * len(r) for r in rows], 0, "left")
     return Batch(ids, mask, torch.full_like(ids, IGNORE))
+
+
+def prompt_rows(tokenizer: Any, inputs: Sequence[str], max_length: int = DEFAULT_MAX_LENGTH,
+                context: str = "") -> list[list[int]]:
+    """Each formatted prompt's tokens after `context`; a long one keeps its end (max_length tokens)."""
+    return [encode_prompt(tokenizer, text, context)[-max_length:] for text in inputs]
 
 
 def position_ids(attention_mask: torch.Tensor) -> torch.Tensor:

@@ -24,9 +24,12 @@ from training.batching import (
     collate_prompts,
     encode_all,
     encode_example,
+    pad_rows,
+    position_ids,
+    prompt_rows,
 )
 from training.data import Example
-from training.loss import TargetLogits, per_example_loss, returned_cache, target_logits
+from training.loss import TargetLogits, cache_argument, per_example_loss, returned_cache, target_logits
 
 Adapter = torch.Tensor | Sequence[tuple[torch.Tensor, torch.Tensor]] | None
 
@@ -49,34 +52,75 @@ def exact(prediction: str, reference: str) -> bool:
 @torch.no_grad()
 def heldout_loss(rm: RoutedModel, adapter: Adapter, tokenizer: Any, examples: Sequence[Example],
                  batch_size: int = 16, max_length: int = FEW_SHOT_MAX_LENGTH, context: str = "") -> float:
-    """Mean over examples of each example's mean target-token cross-entropy (after `context`, if any)."""
+    """Mean over examples of each example's mean target-token cross-entropy (after `context`, if any).
+    A context the examples share runs once (shared_prompt)."""
     encoded = encode_all(tokenizer, examples, max_length, context)
     pad = int(tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id)
+    shared = shared_prompt(encoded)
+    cache = prompt_cache(rm, adapter, encoded[0].input_ids[:shared]) if shared else None
     total = 0.0
     for i in range(0, len(encoded), batch_size):
-        chunk = encoded[i : i + batch_size]
+        chunk = [Encoded(e.input_ids[shared:], e.labels[shared:]) for e in encoded[i : i + batch_size]]
         set_plan(rm, adapter, len(chunk))
-        total += float(per_example_loss(target_logits(rm.model, collate(chunk, pad))).sum())
+        past = copies(cache, len(chunk)) if cache is not None else None
+        total += float(per_example_loss(target_logits(rm.model, collate(chunk, pad), past=past)).sum())
     return total / max(1, len(encoded))
 
 
 @torch.no_grad()
 def generate(rm: RoutedModel, adapter: Adapter, tokenizer: Any, inputs: Sequence[str], max_new_tokens: int,
              batch_size: int = 16, context: str = "", max_length: int = FEW_SHOT_MAX_LENGTH) -> list[str]:
-    """Greedy completions of the formatted prompts, batched with left padding."""
+    """Greedy completions of the formatted prompts, batched with left padding. A context the prompts
+    share (in-context examples) runs once, and every prompt continues from a copy of its cache."""
     out: list[str] = []
     pad = int(tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id)
+    prompts = prompt_rows(tokenizer, inputs, max_length, context)
+    shared = shared_prompt([Encoded(tuple(p), (IGNORE,) * len(p)) for p in prompts])
+    cache = prompt_cache(rm, adapter, prompts[0][:shared]) if shared else None
     for i in range(0, len(inputs), batch_size):
-        chunk = list(inputs[i : i + batch_size])
-        batch = collate_prompts(tokenizer, chunk, max_length, context)
+        chunk = prompts[i : i + batch_size]
         set_plan(rm, adapter, len(chunk))
-        ids = cast(Any, rm.model).generate(  # torch types the attribute Tensor | Module
-            input_ids=batch.input_ids, attention_mask=batch.attention_mask, max_new_tokens=max_new_tokens,
-            do_sample=False, num_beams=1, pad_token_id=pad, eos_token_id=tokenizer.eos_token_id,
-        )
-        new = ids[:, batch.input_ids.shape[1]:]
+        if cache is not None:
+            new = greedy_after(rm.model, copies(cache, len(chunk)), [p[shared:] for p in chunk], max_new_tokens,
+                               pad, int(tokenizer.eos_token_id))
+        else:
+            batch = collate_prompts(tokenizer, [inputs[j] for j in range(i, i + len(chunk))], max_length, context)
+            ids = cast(Any, rm.model).generate(  # torch types the attribute Tensor | Module
+                input_ids=batch.input_ids, attention_mask=batch.attention_mask, max_new_tokens=max_new_tokens,
+                do_sample=False, num_beams=1, pad_token_id=pad, eos_token_id=tokenizer.eos_token_id,
+            )
+            new = ids[:, batch.input_ids.shape[1]:].tolist()
         out += [tokenizer.decode(row, skip_special_tokens=True) for row in new]
     return out
+
+
+def greedy_after(model: Any, past: Any, prompts: Sequence[Sequence[int]], max_new_tokens: int, pad: int,
+                 eos: int) -> list[list[int]]:
+    """Greedy continuations of prompts that follow the tokens in `past` (a cache of one row per prompt),
+    as transformers' generate would make them from the whole rows: the prompts left-padded (their
+    padding masked, their positions counted on from the cache's), each row's tokens up to and with
+    its first eos."""
+    n, seen, device = len(prompts), past.get_seq_length(), next(model.parameters()).device
+    ids = pad_rows(prompts, pad, "left").to(device)
+    mask = torch.cat([torch.ones(n, seen, dtype=torch.long), pad_rows([[1] * len(p) for p in prompts], 0, "left")],
+                     1).to(device)
+    positions = seen + position_ids(mask[:, seen:])
+    cache_name = cache_argument(model)
+    rows: list[list[int]] = [[] for _ in range(n)]
+    done = torch.zeros(n, dtype=torch.bool)
+    for _ in range(max_new_tokens):
+        logits = model(input_ids=ids, attention_mask=mask, position_ids=positions, use_cache=True,
+                       **{cache_name: past}).logits[:, -1]
+        token = logits.argmax(-1)  # a finished row runs on, its tokens unread: rows do not see each other
+        for r in range(n):
+            if not done[r]:
+                rows[r].append(int(token[r]))
+        done |= token == eos
+        if bool(done.all()):
+            break
+        ids, positions = token.unsqueeze(1), positions[:, -1:] + 1
+        mask = torch.cat([mask, mask.new_ones(n, 1)], 1)
+    return rows
 
 
 def evaluate_task(rm: RoutedModel, adapter: Adapter, tokenizer: Any, examples: Sequence[Example],
@@ -107,6 +151,7 @@ def evaluate_task(rm: RoutedModel, adapter: Adapter, tokenizer: Any, examples: S
 
 
 CHOICE_BATCH = 16  # choices run on one copy of the prompt's cache at a time (its memory grows with them)
+MIN_SHARED = 8  # tokens: a shorter common start is not worth its own forward and the cache's copies
 
 
 @torch.no_grad()
@@ -127,23 +172,19 @@ def choice_logprobs(rm: RoutedModel, adapter: Adapter, tokenizer: Any, question:
     if shared == 0:
         set_plan(rm, adapter, len(rows))
         return _summed(target_logits(rm.model, collate(rows, pad)))
-    set_plan(rm, adapter, 1)
-    prompt = torch.tensor([rows[0].input_ids[:shared]], device=next(rm.model.parameters()).device)
-    cache = returned_cache(rm.model(input_ids=prompt, use_cache=True))
+    cache = prompt_cache(rm, adapter, rows[0].input_ids[:shared])
     out: list[float] = []
     for start in range(0, len(rows), CHOICE_BATCH):
         part = [Encoded(r.input_ids[shared:], r.labels[shared:]) for r in rows[start:start + CHOICE_BATCH]]
-        past = copy.deepcopy(cache)
-        past.batch_repeat_interleave(len(part))
         set_plan(rm, adapter, len(part))
-        out += _summed(target_logits(rm.model, collate(part, pad), past=past))
+        out += _summed(target_logits(rm.model, collate(part, pad), past=copies(cache, len(part))))
     return out
 
 
 def shared_prompt(rows: Sequence[Encoded]) -> int:
     """How many leading tokens every row has in common and can run once: the longest common prefix,
     short of each row's last prompt token (whose logit scores the row's first answer token). 0 where
-    sharing is not worth a second forward (a single row, or nothing in common)."""
+    sharing is not worth a second forward (a single row, or fewer than MIN_SHARED tokens in common)."""
     if len(rows) < 2:
         return 0
     first_answer = min(next((i for i, y in enumerate(r.labels) if y != IGNORE), len(r.labels)) for r in rows)
@@ -151,7 +192,21 @@ def shared_prompt(rows: Sequence[Encoded]) -> int:
     common = 0
     while common < limit and all(r.input_ids[common] == rows[0].input_ids[common] for r in rows):
         common += 1
-    return common
+    return common if common >= MIN_SHARED else 0
+
+
+def prompt_cache(rm: RoutedModel, adapter: Adapter, ids: Sequence[int]) -> Any:
+    """The KV cache of one row of tokens under `adapter`."""
+    set_plan(rm, adapter, 1)
+    row = torch.tensor([list(ids)], device=next(rm.model.parameters()).device)
+    return returned_cache(rm.model(input_ids=row, use_cache=True))
+
+
+def copies(cache: Any, n: int) -> Any:
+    """n rows that each start from `cache` (a copy: a forward extends its cache in place)."""
+    past = copy.deepcopy(cache)
+    past.batch_repeat_interleave(n)
+    return past
 
 
 def _summed(t: TargetLogits) -> list[float]:

@@ -88,7 +88,9 @@ def test_choices_on_the_prompts_shared_cache_score_as_each_on_its_whole_prompt(t
     assert min(abs(a - b) for i, a in enumerate(got[:4]) for b in got[i + 1:4]) > 1e-3  # the choices differ
 
 
-def test_only_the_common_prompt_short_of_its_last_token_is_shared():
+def test_only_the_common_prompt_short_of_its_last_token_is_shared(monkeypatch):
+    monkeypatch.setattr(evaluate, "MIN_SHARED", 1)
+
     def enc(prompt, answer):
         return Encoded(tuple(prompt + answer), tuple([IGNORE] * len(prompt) + answer))
     assert shared_prompt([enc([1, 2, 3, 4], [7]), enc([1, 2, 3, 4], [8, 9])]) == 3  # 4's logit scores the answer
@@ -96,3 +98,41 @@ def test_only_the_common_prompt_short_of_its_last_token_is_shared():
     assert shared_prompt([enc([1, 2, 5, 4], [7]), enc([1, 2, 3, 4], [8])]) == 2
     assert shared_prompt([enc([1, 2, 3, 4], [7])]) == 0  # nothing to share with
     assert shared_prompt([enc([1], [7]), enc([1], [8])]) == 0
+    monkeypatch.setattr(evaluate, "MIN_SHARED", 4)
+    assert shared_prompt([enc([1, 2, 3, 4], [7]), enc([1, 2, 3, 4], [8, 9])]) == 0  # 3 tokens: not worth it
+    assert shared_prompt([enc([1, 2, 3, 4, 5], [7]), enc([1, 2, 3, 4, 5], [8])]) == 4
+
+
+@pytest.mark.parametrize("adapter", ["bare", "mixed"])
+def test_prompts_after_a_shared_context_generate_and_score_as_each_on_its_whole_prompt(tiny_model, tokenizer,
+                                                                                        monkeypatch, adapter):
+    with torch.no_grad():  # sharp attention, so that a token's position moves the answers
+        for layer in tiny_model.model.layers:
+            layer.self_attn.q_proj.weight.mul_(20)
+            layer.self_attn.k_proj.weight.mul_(20)
+    rm = random_skills(tiny_model, InventorySpec(n_skills=2, n_heads=1, rank=2))
+    weights = torch.softmax(torch.randn(len(rm.layers), 1, 2, generator=torch.Generator().manual_seed(5)), -1)
+    chosen = None if adapter == "bare" else weights * 0.05  # a small routed delta: answers still differ
+    ctx = icl_context([Example("t", "cat 3", "CAT 3"), Example("t", "dog 4 bird", "DOG 4 BIRD")])
+    examples = [Example("t", text, out) for text, out in
+                [("sun 5", "SUN 5"), ("a much longer input 6 7 8", "A"), ("x", "X Y"), ("moon 9 cat", "MOON")]]
+    inputs = [ex.input for ex in examples]
+    got = generate(rm, chosen, tokenizer, inputs, 6, batch_size=3, context=ctx, max_length=512)
+    loss = evaluate.heldout_loss(rm, chosen, tokenizer, examples, batch_size=3, max_length=512, context=ctx)
+    with monkeypatch.context() as m:
+        m.setattr(evaluate, "shared_prompt", lambda rows: 0)
+        want = generate(rm, chosen, tokenizer, inputs, 6, batch_size=3, context=ctx, max_length=512)
+        want_loss = evaluate.heldout_loss(rm, chosen, tokenizer, examples, batch_size=3, max_length=512, context=ctx)
+    assert got == want and len(set(want)) > 1
+    assert loss == pytest.approx(want_loss, abs=1e-4)
+
+
+def test_greedy_after_a_cache_stops_each_row_at_its_eos(tiny_model, tokenizer, monkeypatch):
+    rm = RoutedModel(tiny_model, InventorySpec(n_skills=2, n_heads=1, rank=2))
+    prompt = tokenizer(format_prompt("sun 5")).input_ids
+    cache = evaluate.prompt_cache(rm, None, prompt[:3])
+    free = evaluate.greedy_after(rm.model, evaluate.copies(cache, 1), [prompt[3:]], 5, pad=0, eos=-1)[0]
+    assert len(free) == 5
+    stop = free[1]  # the second token, taken as eos: the row ends with it, the others go on
+    rows = evaluate.greedy_after(rm.model, evaluate.copies(cache, 2), [prompt[3:], prompt[4:]], 5, pad=0, eos=stop)
+    assert rows[0] == free[: free.index(stop) + 1]
