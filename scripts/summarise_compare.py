@@ -20,6 +20,13 @@ def mean_std(xs: list[float]) -> str:
     return f"{statistics.mean(xs):.3f} ± {statistics.stdev(xs):.3f}"
 
 
+def per_seed_cell(rs: list[dict], seeds: list[int], key: str) -> str:
+    """mean_std over seeds of `key`, over the records that have it ("-" where none do: the majority
+    answer has no loss, generative tasks no log-likelihood ranking)."""
+    per_seed = [statistics.mean(xs) for s in seeds if (xs := [r[key] for r in rs if r["seed"] == s and key in r])]
+    return mean_std(per_seed) if per_seed else "-"
+
+
 def main() -> None:
     if len(sys.argv) < 2:
         sys.exit("usage: summarise_compare.py COMPARE.json [MORE.json ...]")
@@ -28,17 +35,16 @@ def main() -> None:
     for r in records:
         r.setdefault("vocab", "legacy")  # records from before the open vocabulary
         by_method[(r["inventory"], r["method"], r["vocab"])].append(r)
-    print("| inventory | method | words | tasks | runs | exact match (mean over tasks; ± std over seeds) | test loss |"
-          " params adapted | stored bytes | adapt s (mean) |")
-    print("|---|---|---|---|---|---|---|---|---|---|")
+    print("| inventory | method | words | tasks | runs | exact match (mean over tasks; ± std over seeds) |"
+          " log-likelihood acc (multiple-choice tasks) | test loss | params adapted | stored bytes | adapt s (mean) |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|")
     for (inv, method, vocab), rs in sorted(by_method.items(), key=lambda kv: (kv[0][0], kv[0][2], kv[0][1])):
         seeds = sorted({r["seed"] for r in rs})
         per_seed_em = [statistics.mean(r["exact_match"] for r in rs if r["seed"] == s) for s in seeds]
-        per_seed_loss = [statistics.mean(r["loss"] for r in rs if r["seed"] == s) for s in seeds]
         stored = f"{rs[0]['stored_bytes']:,}" if "stored_bytes" in rs[0] else "-"
         print(f"| {inv} | {method} | {vocab} | {len({r['task'] for r in rs})} | {len(rs)} | {mean_std(per_seed_em)} |"
-              f" {mean_std(per_seed_loss)} | {rs[0]['params']:,} | {stored} |"
-              f" {statistics.mean(r['adapt_seconds'] for r in rs):.1f} |")
+              f" {per_seed_cell(rs, seeds, 'll_acc')} | {per_seed_cell(rs, seeds, 'loss')} | {rs[0]['params']:,} |"
+              f" {stored} | {statistics.mean(r['adapt_seconds'] for r in rs):.1f} |")
     print()
     tasks = sorted({r["task"] for r in records})
     methods = list(dict.fromkeys((r["inventory"], r["method"], r["vocab"]) for r in records))
