@@ -4,7 +4,8 @@ examples of a held-out BIG-bench task that scripts.compare_methods draws for a s
 
     .venv/bin/python -m bench.registration_stages --task bb-dyck_languages --store STORE --repeats 2
     # --steps N: another step budget; --seed S: another draw of the examples and split
-    # --profile N: torch.profiler over training steps 2..N+1, the ops by their own CPU time
+    # --profile N: torch.profiler over training steps 2..N+1: the ops by their own CPU time, then by
+    # op and input shape
 
 STORE: a store with the shipped inventory (`polyserve serve` installs it, or
 training.shipped_inventory.install_default_inventory). The BIG-bench cache comes from
@@ -72,7 +73,10 @@ def main() -> None:
             spent[stage].append(time.perf_counter() - t)
             if profiler is not None and stage == "train" and len(spent["train"]) == args.profile + 1:
                 profiler.stop()
-                print(profiler.key_averages(group_by_input_shape=True).table(sort_by="self_cpu_time_total", row_limit=30, max_name_column_width=40, max_shapes_column_width=70), flush=True)
+                print(profiler.key_averages().table(sort_by="self_cpu_time_total", row_limit=12), flush=True)
+                print(profiler.key_averages(group_by_input_shape=True).table(
+                    sort_by="self_cpu_time_total", row_limit=30, max_name_column_width=40, max_shapes_column_width=70),
+                    flush=True)
             if not more:
                 break
         total = time.perf_counter() - started
