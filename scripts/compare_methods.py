@@ -89,7 +89,7 @@ def main() -> None:
     from training.data import Example
     from training.evaluate import score_rows
     from training.far_heldout import far_tasks
-    from training.icl import ICL_MAX_LENGTH, icl_context
+    from training.icl import icl_context, icl_max_length
     from training.mix_search import gradient_free_mix
     from training.retrieve import Retrieval
     from training.suite import build_suite, examples
@@ -196,7 +196,7 @@ def main() -> None:
                     scores = arrow_score_rows(rm, bb.tokenizer, test, top_k=args.arrow_top_k, max_length=max_length)
                 else:
                     scores = score_rows(rm, layers, bb.tokenizer, test, context=context,
-                                        max_length=max(ICL_MAX_LENGTH, 4 * max_length) if context else max_length)
+                                        max_length=icl_max_length(bb.model) if context else max_length)
                 rec = {"inventory": label, "task": name, "vocab": vocab, "seed": seed, "method": method,
                        "k": args.k, "n_test": len(test), **scores, "params": params, "stored_bytes": stored,
                        "adapt_seconds": round(adapt_s, 2),

@@ -29,7 +29,14 @@ from training.batching import (
     prompt_rows,
 )
 from training.data import Example
-from training.loss import TargetLogits, cache_argument, per_example_loss, returned_cache, target_logits
+from training.loss import (
+    TargetLogits,
+    cache_argument,
+    decoder_and_head,
+    per_example_loss,
+    returned_cache,
+    target_logits,
+)
 
 Adapter = torch.Tensor | Sequence[tuple[torch.Tensor, torch.Tensor]] | None
 
@@ -106,11 +113,16 @@ def greedy_after(model: Any, past: Any, prompts: Sequence[Sequence[int]], max_ne
                      1).to(device)
     positions = seen + position_ids(mask[:, seen:])
     cache_name = cache_argument(model)
+    decoder, head = decoder_and_head(model)
     rows: list[list[int]] = [[] for _ in range(n)]
     done = torch.zeros(n, dtype=torch.bool)
     for _ in range(max_new_tokens):
-        logits = model(input_ids=ids, attention_mask=mask, position_ids=positions, use_cache=True,
-                       **{cache_name: past}).logits[:, -1]
+        inputs = {"input_ids": ids, "attention_mask": mask, "position_ids": positions, "use_cache": True,
+                  cache_name: past}
+        if decoder is not None:  # the head on the last position only
+            logits = head(decoder(**inputs).last_hidden_state[:, -1])
+        else:
+            logits = model(**inputs).logits[:, -1]
         token = logits.argmax(-1)  # a finished row runs on, its tokens unread: rows do not see each other
         for r in range(n):
             if not done[r]:
@@ -199,7 +211,8 @@ def prompt_cache(rm: RoutedModel, adapter: Adapter, ids: Sequence[int]) -> Any:
     """The KV cache of one row of tokens under `adapter`."""
     set_plan(rm, adapter, 1)
     row = torch.tensor([list(ids)], device=next(rm.model.parameters()).device)
-    return returned_cache(rm.model(input_ids=row, use_cache=True))
+    decoder, _ = decoder_and_head(rm.model)  # no logits: a long context's would be most of the work
+    return returned_cache((decoder or rm.model)(input_ids=row, use_cache=True))
 
 
 def copies(cache: Any, n: int) -> Any:

@@ -12,15 +12,20 @@ solved example after another, so the bare backbone sees what the task looks like
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import Any
 
 from adapters_store.backbone.prompt import format_prompt, format_target
 from training.data import Example
-
-#: Room for a few-shot set of short demonstrations and the query; evaluation cuts a longer
-#: prompt's left end, dropping the earliest demonstrations first.
-ICL_MAX_LENGTH = 1024
 
 
 def icl_context(demonstrations: Sequence[Example]) -> str:
     """The demonstrations, each as prompt + answer, separated by a blank line."""
     return "".join(format_prompt(d.input) + format_target(d.output) + "\n\n" for d in demonstrations)
+
+
+def icl_max_length(model: Any) -> int:
+    """How long an in-context prompt may be: the backbone's whole context window. A user sends all k
+    demonstrations as one fixed prefix; a tighter limit would cut each row's prompt at a different
+    place, so rows would see different demonstrations and share no cache
+    (training.evaluate.shared_prompt)."""
+    return int(model.config.max_position_embeddings)

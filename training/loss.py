@@ -45,10 +45,8 @@ def target_logits(model: nn.Module, batch: Batch, whole_model: bool = False, pas
         seen = mask.new_ones(mask.shape[0], past.get_seq_length())
         mask = torch.cat([seen, mask], dim=1)
         extra = {cache_argument(model): past, "use_cache": True}
-    hf: Any = model  # a transformers model: its methods are found by name (torch types them Tensor | Module)
-    decoder = hf.get_decoder() if hasattr(hf, "get_decoder") else None
-    head = hf.get_output_embeddings() if hasattr(hf, "get_output_embeddings") else None
-    if decoder is not None and head is not None and decoder is not model and not whole_model:
+    decoder, head = decoder_and_head(model)
+    if decoder is not None and head is not None and not whole_model:
         hidden = decoder(input_ids=batch.input_ids, attention_mask=mask, **extra).last_hidden_state  # (N, T, d)
         logits = head(hidden[:, :-1][keep]).float()  # (M, V)
     else:  # any other causal LM: full logits, then select
@@ -56,6 +54,17 @@ def target_logits(model: nn.Module, batch: Batch, whole_model: bool = False, pas
         logits = out.logits[:, :-1][keep].float()
     rows = torch.arange(labels.shape[0], device=labels.device).unsqueeze(1).expand_as(keep)[keep]
     return TargetLogits(logits, labels[:, 1:][keep], rows, labels.shape[0])
+
+
+def decoder_and_head(model: nn.Module) -> tuple[Any, Any]:
+    """A transformers causal LM's decoder (hidden states) and vocabulary head, to run the head on the
+    positions that need logits only; (None, None) for a model that does not expose them apart."""
+    hf: Any = model  # a transformers model: its methods are found by name (torch types them Tensor | Module)
+    decoder = hf.get_decoder() if hasattr(hf, "get_decoder") else None
+    head = hf.get_output_embeddings() if hasattr(hf, "get_output_embeddings") else None
+    if decoder is None or head is None or decoder is model:
+        return None, None
+    return decoder, head
 
 
 def cache_argument(model: nn.Module) -> str:
