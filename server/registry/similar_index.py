@@ -38,6 +38,10 @@ class NotRouted(ValueError):
     """The task has no routing row to compare (a plain LoRA, not ready, another inventory)."""
 
 
+class _QueryGone(Exception):
+    """The queried task's row could not be read: it changed or left since the index's refresh."""
+
+
 @dataclass
 class _Entry:
     stamp: tuple[int, int]
@@ -113,8 +117,18 @@ class RoutingIndex:
         """The k tasks nearest to `task` by routing row, best first: (id, exact score); with
         `visible`, only tasks whose record passes it (a tenant's own and shared tasks).
         Raises TaskNotFound, NotRouted. Blocking (stats the store, reads a few rows)."""
+        try:
+            return self._similar(task, k, visible, refresh=False)
+        except _QueryGone:  # deleted or rewritten since the last refresh: ask the store as it is now
+            try:
+                return self._similar(task, k, visible, refresh=True)
+            except _QueryGone:  # gone again meanwhile
+                raise TaskNotFound(task) from None
+
+    def _similar(self, task: str, k: int, visible: Callable[[TaskRecord], bool] | None,
+                 refresh: bool) -> list[tuple[str, float]]:
         with self._lock:
-            stale = time.monotonic() - self._refreshed_at >= self.max_staleness
+            stale = refresh or time.monotonic() - self._refreshed_at >= self.max_staleness
             if stale or (task not in self._entries and self.store.has_task(task)):
                 self.refresh()
             entry = self._entries.get(task)
@@ -132,7 +146,10 @@ class RoutingIndex:
                 scores[hidden] = -float("inf")
             shortlist = top_k(scores, max(k, self.shortlist), exclude=query)
             candidates = [(ids[i], self._entries[ids[i]].record) for i, score in shortlist if score != -float("inf")]
-        exact_query = self._exact(entry.record)
+        try:
+            exact_query = self._exact(entry.record)
+        except Exception as err:
+            raise _QueryGone(task) from err
         scored = []
         for other, record in candidates:
             try:

@@ -86,6 +86,20 @@ def test_index_small_is_exact_and_follows_the_store(tmp_path):
         index.similar("nope", 3)
 
 
+def test_a_query_deleted_or_rewritten_since_the_refresh_is_answered_from_the_store(tmp_path):
+    from adapters_store.store.errors import TaskNotFound
+
+    store = twin_store(tmp_path / "store")
+    index = RoutingIndex(store, store.inventory_info(), max_staleness=3600)  # answers from its last refresh
+    assert index.similar("alpha-twin", 1)[0][0] == "alpha"
+    put_task(store, "alpha-twin", seed=77)  # rewritten: its old row's file is gone
+    assert index.similar("alpha-twin", 10) == [(t, pytest.approx(s, abs=1e-5))
+                                               for t, s in exact_answer(store, "alpha-twin", 10)]
+    store.delete_task("alpha-twin")
+    with pytest.raises(TaskNotFound):
+        index.similar("alpha-twin", 3)
+
+
 def test_index_projected_shortlist_keeps_exact_scores(tmp_path):
     """Rows projected to fewer dimensions than they have and a shortlist shorter than the
     library: the answer's scores are still exact, and a clear nearest neighbour is found."""
