@@ -148,7 +148,7 @@ class RoutingIndex:
             candidates = [(ids[i], self._entries[ids[i]].record) for i, score in shortlist if score != -float("inf")]
         try:
             exact_query = self._exact(entry.record)
-        except Exception as err:
+        except Exception as err:  # the row the index holds has left the store (rewritten or deleted)
             raise _QueryGone(task) from err
         scored = []
         for other, record in candidates:
