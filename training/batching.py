@@ -135,9 +135,13 @@ def collate(encoded: Sequence[Encoded], pad_id: int, side: Side = "right") -> Ba
 def collate_prompts(tokenizer: Any, inputs: Sequence[str], max_length: int = DEFAULT_MAX_LENGTH,
                     context: str = "") -> Batch:
     """Left-padded prompts for batched generation (labels all -100). Long prompts keep their end."""
-    rows = prompt_rows(tokenizer, inputs, max_length, context)
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
-    ids = pad_rows(rows, int(pad), "left")
+    return left_padded(prompt_rows(tokenizer, inputs, max_length, context), int(pad))
+
+
+def left_padded(rows: Sequence[Sequence[int]], pad_id: int) -> Batch:
+    """Prompt token rows left-padded into one batch for generation (labels all -100)."""
+    ids = pad_rows(rows, pad_id, "left")
     mask = pad_rows([[1] * len(r) for r in rows], 0, "left")
     return Batch(ids, mask, torch.full_like(ids, IGNORE))
 

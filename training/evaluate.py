@@ -21,9 +21,9 @@ from training.batching import (
     IGNORE,
     Encoded,
     collate,
-    collate_prompts,
     encode_all,
     encode_example,
+    left_padded,
     pad_rows,
     position_ids,
     prompt_rows,
@@ -91,7 +91,7 @@ def generate(rm: RoutedModel, adapter: Adapter, tokenizer: Any, inputs: Sequence
             new = greedy_after(rm.model, copies(cache, len(chunk)), [p[shared:] for p in chunk], max_new_tokens,
                                pad, int(tokenizer.eos_token_id))
         else:
-            batch = collate_prompts(tokenizer, [inputs[j] for j in range(i, i + len(chunk))], max_length, context)
+            batch = left_padded(chunk, pad)
             ids = cast(Any, rm.model).generate(  # torch types the attribute Tensor | Module
                 input_ids=batch.input_ids, attention_mask=batch.attention_mask, max_new_tokens=max_new_tokens,
                 do_sample=False, num_beams=1, pad_token_id=pad, eos_token_id=tokenizer.eos_token_id,
@@ -115,7 +115,7 @@ def greedy_after(model: Any, past: Any, prompts: Sequence[Sequence[int]], max_ne
     cache_name = cache_argument(model)
     decoder, head = decoder_and_head(model)
     rows: list[list[int]] = [[] for _ in range(n)]
-    done = torch.zeros(n, dtype=torch.bool)
+    done = torch.zeros(n, dtype=torch.bool, device=device)
     for _ in range(max_new_tokens):
         inputs = {"input_ids": ids, "attention_mask": mask, "position_ids": positions, "use_cache": True,
                   cache_name: past}
@@ -200,9 +200,8 @@ def shared_prompt(rows: Sequence[Encoded]) -> int:
     if len(rows) < 2:
         return 0
     first_answer = min(next((i for i, y in enumerate(r.labels) if y != IGNORE), len(r.labels)) for r in rows)
-    limit = min(first_answer - 1, *(len(r.input_ids) for r in rows))
     common = 0
-    while common < limit and all(r.input_ids[common] == rows[0].input_ids[common] for r in rows):
+    while common < first_answer - 1 and all(r.input_ids[common] == rows[0].input_ids[common] for r in rows):
         common += 1
     return common if common >= MIN_SHARED else 0
 
