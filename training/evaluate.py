@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import copy
 from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import Any, cast
 
 import torch
@@ -166,25 +167,45 @@ CHOICE_BATCH = 16  # choices run on one copy of the prompt's cache at a time (it
 MIN_SHARED = 8  # tokens: a shorter common start is not worth its own forward and the cache's copies
 
 
+@dataclass(frozen=True)
+class Prefix:
+    """The cache of leading tokens that several prompts begin with (a context every row shares)."""
+    ids: tuple[int, ...]
+    cache: Any
+
+
+def choice_rows(tokenizer: Any, question: str, choices: Sequence[str], context: str = "",
+                max_length: int = FEW_SHOT_MAX_LENGTH) -> list[Encoded]:
+    """One row per choice: the prompt and the choice's own tokens (no end of sequence after it)."""
+    rows = []
+    for choice in choices:
+        enc = encode_example(tokenizer, Example("", question, choice), max_length, context)
+        rows.append(Encoded(enc.input_ids[:-1], enc.labels[:-1]))
+    return rows
+
+
 @torch.no_grad()
 def choice_logprobs(rm: RoutedModel, adapter: Adapter, tokenizer: Any, question: str, choices: Sequence[str],
-                    context: str = "", max_length: int = FEW_SHOT_MAX_LENGTH) -> list[float]:
+                    context: str = "", max_length: int = FEW_SHOT_MAX_LENGTH,
+                    prefix: Prefix | None = None) -> list[float]:
     """Each choice's summed log-probability as the answer to `question` (lm-eval's multiple-choice
     ranking: the choice's own tokens, not the end of sequence after it).
 
     The choices share their prompt: its tokens run once, and the choices continue from a copy of its
     cache, so a question with many long options costs one prompt plus the options' own tokens, not
-    one prompt per option (a BIG-bench dyck_languages row: 84 options after ~450 prompt tokens)."""
-    rows = []
-    for choice in choices:
-        enc = encode_example(tokenizer, Example("", question, choice), max_length, context)
-        rows.append(Encoded(enc.input_ids[:-1], enc.labels[:-1]))
+    one prompt per option (a BIG-bench dyck_languages row: 84 options after ~450 prompt tokens).
+    `prefix`, the cache of a context other questions share too (made under the same adapter), saves
+    running that context again; it is used only where this question's prompt begins with its tokens."""
+    rows = choice_rows(tokenizer, question, choices, context, max_length)
     pad = int(tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id)
     shared = shared_prompt(rows)
     if shared == 0:
         set_plan(rm, adapter, len(rows))
         return _summed(target_logits(rm.model, collate(rows, pad)))
-    cache = prompt_cache(rm, adapter, rows[0].input_ids[:shared])
+    if prefix is not None and len(prefix.ids) <= shared and tuple(rows[0].input_ids[:len(prefix.ids)]) == prefix.ids:
+        cache = prompt_cache(rm, adapter, rows[0].input_ids[len(prefix.ids):shared], copies(prefix.cache, 1))
+    else:
+        cache = prompt_cache(rm, adapter, rows[0].input_ids[:shared])
     out: list[float] = []
     for start in range(0, len(rows), CHOICE_BATCH):
         part = [Encoded(r.input_ids[shared:], r.labels[shared:]) for r in rows[start:start + CHOICE_BATCH]]
@@ -206,12 +227,17 @@ def shared_prompt(rows: Sequence[Encoded]) -> int:
     return common if common >= MIN_SHARED else 0
 
 
-def prompt_cache(rm: RoutedModel, adapter: Adapter, ids: Sequence[int]) -> Any:
-    """The KV cache of one row of tokens under `adapter`."""
+def prompt_cache(rm: RoutedModel, adapter: Adapter, ids: Sequence[int], past: Any = None) -> Any:
+    """The KV cache of one row of tokens under `adapter` (after the tokens in `past`, which it extends)."""
+    if past is not None and not ids:
+        return past
     set_plan(rm, adapter, 1)
     row = torch.tensor([list(ids)], device=next(rm.model.parameters()).device)
     decoder, _ = decoder_and_head(rm.model)  # no logits: a long context's would be most of the work
-    return returned_cache((decoder or rm.model)(input_ids=row, use_cache=True))
+    inputs: dict[str, Any] = {"input_ids": row, "use_cache": True}
+    if past is not None:
+        inputs[cache_argument(rm.model)] = past
+    return returned_cache((decoder or rm.model)(**inputs))
 
 
 def copies(cache: Any, n: int) -> Any:
@@ -246,11 +272,27 @@ def score_rows(rm: RoutedModel, adapter: Adapter, tokenizer: Any, rows: Sequence
         ranked = [r for r in rows if r.get("choices")]
         if ranked:
             hits = 0
+            prefix = context_prefix(rm, adapter, tokenizer, ranked, context, max_length)
             for r in ranked:
-                lp = choice_logprobs(rm, adapter, tokenizer, r["input"], r["choices"], context, max_length)
+                lp = choice_logprobs(rm, adapter, tokenizer, r["input"], r["choices"], context, max_length, prefix)
                 hits += r["choices"][max(range(len(lp)), key=lp.__getitem__)] == r["output"]
             out["ll_acc"] = hits / len(ranked)
         out["loss"] = heldout_loss(rm, adapter, tokenizer, examples, batch_size, max_length, context)
     finally:
         rm.batch.set(previous)
     return out
+
+
+@torch.no_grad()
+def context_prefix(rm: RoutedModel, adapter: Adapter, tokenizer: Any, rows: Sequence[dict[str, Any]],
+                   context: str, max_length: int) -> Prefix | None:
+    """The cache of the leading tokens every row's choices share (in-context examples), so that each
+    question runs only its own tokens after it; None where the rows share too little (shared_prompt)."""
+    if not context or len(rows) < 2:
+        return None
+    firsts = [choice_rows(tokenizer, r["input"], r["choices"][:1], context, max_length)[0] for r in rows]
+    shared = shared_prompt(firsts)
+    if shared == 0:
+        return None
+    ids = tuple(firsts[0].input_ids[:shared])
+    return Prefix(ids, prompt_cache(rm, adapter, ids))

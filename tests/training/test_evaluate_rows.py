@@ -127,6 +127,40 @@ def test_prompts_after_a_shared_context_generate_and_score_as_each_on_its_whole_
     assert loss == pytest.approx(want_loss, abs=1e-4)
 
 
+@pytest.mark.parametrize("adapter", ["bare", "mixed"])
+def test_questions_after_the_contexts_cache_score_as_each_on_its_whole_prompt(tiny_model, tokenizer, adapter):
+    with torch.no_grad():  # sharp attention, so that a token's position moves the scores
+        for layer in tiny_model.model.layers:
+            layer.self_attn.q_proj.weight.mul_(20)
+            layer.self_attn.k_proj.weight.mul_(20)
+    rm = random_skills(tiny_model, InventorySpec(n_skills=2, n_heads=1, rank=2))
+    weights = torch.softmax(torch.randn(len(rm.layers), 1, 2, generator=torch.Generator().manual_seed(7)), -1)
+    chosen = None if adapter == "bare" else weights * 0.05
+    ctx = icl_context([Example("t", "cat 3", "CAT 3"), Example("t", "dog 4 bird", "DOG 4 BIRD")])
+    rows = [{"input": q, "output": c[0], "choices": c} for q, c in
+            [("sun 5", ["SUN 5", "sun", "MOON 5"]), ("a much longer input 6 7 8", ["A", "B C"]), ("x", ["X Y", "X"])]]
+    prefix = evaluate.context_prefix(rm, chosen, tokenizer, rows, ctx, 512)
+    assert prefix is not None and len(prefix.ids) >= len(tokenizer(ctx).input_ids) - 1
+    for r in rows:  # each question in turn: the context's cache is not extended by the one before
+        got = choice_logprobs(rm, chosen, tokenizer, r["input"], r["choices"], ctx, 512, prefix)
+        want = choice_logprobs(rm, chosen, tokenizer, r["input"], r["choices"], ctx, 512)
+        assert got == pytest.approx(want, abs=1e-4)
+    other = evaluate.context_prefix(rm, chosen, tokenizer, rows, icl_context([Example("t", "b", "B")] * 3), 512)
+    assert other is not None  # a prefix the prompt does not begin with is not used
+    assert choice_logprobs(rm, chosen, tokenizer, "x", ["X Y", "X"], ctx, 512, other) == pytest.approx(
+        choice_logprobs(rm, chosen, tokenizer, "x", ["X Y", "X"], ctx, 512), abs=1e-4)
+    assert evaluate.context_prefix(rm, chosen, tokenizer, rows, "", 512) is None
+
+
+def test_score_rows_runs_the_context_once_for_every_question(rm, tokenizer, monkeypatch):
+    rows = [{"input": "c 3", "output": "p", "choices": ["p", "q"]}, {"input": "d 4", "output": "q", "choices": ["p", "q"]}]
+    ctx = icl_context([Example("t", "cat 3", "CAT 3"), Example("t", "dog 4", "DOG 4")])
+    seen = []
+    monkeypatch.setattr(evaluate, "choice_logprobs", lambda *a, **k: seen.append(a[7]) or [-1.0, -2.0])
+    score_rows(rm, None, tokenizer, rows, context=ctx, max_length=512)
+    assert len(seen) == 2 and seen[0] is seen[1] and isinstance(seen[0], evaluate.Prefix)
+
+
 def test_greedy_after_a_cache_stops_each_row_at_its_eos(tiny_model, tokenizer, monkeypatch):
     rm = RoutedModel(tiny_model, InventorySpec(n_skills=2, n_heads=1, rank=2))
     prompt = tokenizer(format_prompt("sun 5")).input_ids
