@@ -103,17 +103,23 @@ def test_only_the_common_prompt_short_of_its_last_token_is_shared(monkeypatch):
     assert shared_prompt([enc([1, 2, 3, 4, 5], [7]), enc([1, 2, 3, 4, 5], [8])]) == 4
 
 
-@pytest.mark.parametrize("adapter", ["bare", "mixed"])
-def test_prompts_after_a_shared_context_generate_and_score_as_each_on_its_whole_prompt(tiny_model, tokenizer,
-                                                                                        monkeypatch, adapter):
-    with torch.no_grad():  # sharp attention, so that a token's position moves the answers
+def _sharp_with_context(tiny_model, adapter, seed):
+    """The tiny model with sharp attention (a token's position then moves the answers and scores),
+    routed by a small random mix or bare, and a context of two demonstrations."""
+    with torch.no_grad():
         for layer in tiny_model.model.layers:
             layer.self_attn.q_proj.weight.mul_(20)
             layer.self_attn.k_proj.weight.mul_(20)
     rm = random_skills(tiny_model, InventorySpec(n_skills=2, n_heads=1, rank=2))
-    weights = torch.softmax(torch.randn(len(rm.layers), 1, 2, generator=torch.Generator().manual_seed(5)), -1)
+    weights = torch.softmax(torch.randn(len(rm.layers), 1, 2, generator=torch.Generator().manual_seed(seed)), -1)
     chosen = None if adapter == "bare" else weights * 0.05  # a small routed delta: answers still differ
-    ctx = icl_context([Example("t", "cat 3", "CAT 3"), Example("t", "dog 4 bird", "DOG 4 BIRD")])
+    return rm, chosen, icl_context([Example("t", "cat 3", "CAT 3"), Example("t", "dog 4 bird", "DOG 4 BIRD")])
+
+
+@pytest.mark.parametrize("adapter", ["bare", "mixed"])
+def test_prompts_after_a_shared_context_generate_and_score_as_each_on_its_whole_prompt(tiny_model, tokenizer,
+                                                                                        monkeypatch, adapter):
+    rm, chosen, ctx = _sharp_with_context(tiny_model, adapter, seed=5)
     examples = [Example("t", text, out) for text, out in
                 [("sun 5", "SUN 5"), ("a much longer input 6 7 8", "A"), ("x", "X Y"), ("moon 9 cat", "MOON")]]
     inputs = [ex.input for ex in examples]
@@ -129,14 +135,7 @@ def test_prompts_after_a_shared_context_generate_and_score_as_each_on_its_whole_
 
 @pytest.mark.parametrize("adapter", ["bare", "mixed"])
 def test_questions_after_the_contexts_cache_score_as_each_on_its_whole_prompt(tiny_model, tokenizer, adapter):
-    with torch.no_grad():  # sharp attention, so that a token's position moves the scores
-        for layer in tiny_model.model.layers:
-            layer.self_attn.q_proj.weight.mul_(20)
-            layer.self_attn.k_proj.weight.mul_(20)
-    rm = random_skills(tiny_model, InventorySpec(n_skills=2, n_heads=1, rank=2))
-    weights = torch.softmax(torch.randn(len(rm.layers), 1, 2, generator=torch.Generator().manual_seed(7)), -1)
-    chosen = None if adapter == "bare" else weights * 0.05
-    ctx = icl_context([Example("t", "cat 3", "CAT 3"), Example("t", "dog 4 bird", "DOG 4 BIRD")])
+    rm, chosen, ctx = _sharp_with_context(tiny_model, adapter, seed=7)
     rows = [{"input": q, "output": c[0], "choices": c} for q, c in
             [("sun 5", ["SUN 5", "sun", "MOON 5"]), ("a much longer input 6 7 8", ["A", "B C"]), ("x", ["X Y", "X"])]]
     prefix = evaluate.context_prefix(rm, chosen, tokenizer, rows, ctx, 512)
