@@ -122,8 +122,10 @@ class RoutingIndex:
         except _QueryGone:  # deleted or rewritten since the last refresh: ask the store as it is now
             try:
                 return self._similar(task, k, visible, refresh=True)
-            except _QueryGone:  # gone again meanwhile
-                raise TaskNotFound(task) from None
+            except _QueryGone as again:
+                if again.__cause__ is not None and self.store.has_task(task):
+                    raise again.__cause__ from None  # its row is there and cannot be read: not a missing task
+                raise TaskNotFound(task) from None  # gone again meanwhile
 
     def _similar(self, task: str, k: int, visible: Callable[[TaskRecord], bool] | None,
                  refresh: bool) -> list[tuple[str, float]]:

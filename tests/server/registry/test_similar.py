@@ -100,6 +100,18 @@ def test_a_query_deleted_or_rewritten_since_the_refresh_is_answered_from_the_sto
         index.similar("alpha-twin", 3)
 
 
+def test_a_query_whose_row_cannot_be_read_is_an_error_not_a_missing_task(tmp_path, monkeypatch):
+    store = twin_store(tmp_path / "store")
+    index = RoutingIndex(store, store.inventory_info(), max_staleness=3600)
+    assert index.similar("alpha", 1)  # indexed while its row could be read
+
+    def unreadable(record):
+        raise OSError("a damaged row file")
+    monkeypatch.setattr(index, "_exact", unreadable)
+    with pytest.raises(OSError, match="damaged"):
+        index.similar("alpha", 1)
+
+
 def test_index_projected_shortlist_keeps_exact_scores(tmp_path):
     """Rows projected to fewer dimensions than they have and a shortlist shorter than the
     library: the answer's scores are still exact, and a clear nearest neighbour is found."""
