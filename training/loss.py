@@ -46,7 +46,7 @@ def target_logits(model: nn.Module, batch: Batch, whole_model: bool = False, pas
         mask = torch.cat([seen, mask], dim=1)
         extra = {cache_argument(model): past, "use_cache": True}
     decoder, head = decoder_and_head(model)
-    if decoder is not None and head is not None and not whole_model:
+    if decoder is not None and not whole_model:  # decoder_and_head gives both or neither
         hidden = decoder(input_ids=batch.input_ids, attention_mask=mask, **extra).last_hidden_state  # (N, T, d)
         logits = head(hidden[:, :-1][keep]).float()  # (M, V)
     else:  # any other causal LM: full logits, then select
