@@ -42,6 +42,13 @@ from training.loss import (
 Adapter = torch.Tensor | Sequence[tuple[torch.Tensor, torch.Tensor]] | None
 
 
+@dataclass(frozen=True)
+class Prefix:
+    """The cache of leading tokens that several prompts begin with (a context every row shares)."""
+    ids: tuple[int, ...]
+    cache: Any
+
+
 def set_plan(rm: RoutedModel, adapter: Adapter, n_rows: int) -> None:
     """Point every one of n_rows rows at the same adapter."""
     if adapter is None:
@@ -59,13 +66,14 @@ def exact(prediction: str, reference: str) -> bool:
 
 @torch.no_grad()
 def heldout_loss(rm: RoutedModel, adapter: Adapter, tokenizer: Any, examples: Sequence[Example],
-                 batch_size: int = 16, max_length: int = FEW_SHOT_MAX_LENGTH, context: str = "") -> float:
+                 batch_size: int = 16, max_length: int = FEW_SHOT_MAX_LENGTH, context: str = "",
+                 prefix: Prefix | None = None) -> float:
     """Mean over examples of each example's mean target-token cross-entropy (after `context`, if any).
-    A context the examples share runs once (shared_prompt)."""
+    A context the examples share runs once (shared_prompt), or not at all after `prefix` (cache_after)."""
     encoded = encode_all(tokenizer, examples, max_length, context)
     pad = int(tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id)
     shared = shared_prompt(encoded)
-    cache = prompt_cache(rm, adapter, encoded[0].input_ids[:shared]) if shared else None
+    cache = cache_after(rm, adapter, encoded[0].input_ids[:shared], prefix) if shared else None
     total = 0.0
     for i in range(0, len(encoded), batch_size):
         chunk = [Encoded(e.input_ids[shared:], e.labels[shared:]) for e in encoded[i : i + batch_size]]
@@ -77,14 +85,16 @@ def heldout_loss(rm: RoutedModel, adapter: Adapter, tokenizer: Any, examples: Se
 
 @torch.no_grad()
 def generate(rm: RoutedModel, adapter: Adapter, tokenizer: Any, inputs: Sequence[str], max_new_tokens: int,
-             batch_size: int = 16, context: str = "", max_length: int = FEW_SHOT_MAX_LENGTH) -> list[str]:
+             batch_size: int = 16, context: str = "", max_length: int = FEW_SHOT_MAX_LENGTH,
+             prefix: Prefix | None = None) -> list[str]:
     """Greedy completions of the formatted prompts, batched with left padding. A context the prompts
-    share (in-context examples) runs once, and every prompt continues from a copy of its cache."""
+    share (in-context examples) runs once, or not at all after `prefix` (cache_after), and every
+    prompt continues from a copy of its cache."""
     out: list[str] = []
     pad = int(tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id)
     prompts = prompt_rows(tokenizer, inputs, max_length, context)
     shared = shared_prompt([Encoded(tuple(p), (IGNORE,) * len(p)) for p in prompts])
-    cache = prompt_cache(rm, adapter, prompts[0][:shared]) if shared else None
+    cache = cache_after(rm, adapter, prompts[0][:shared], prefix) if shared else None
     for i in range(0, len(inputs), batch_size):
         chunk = prompts[i : i + batch_size]
         set_plan(rm, adapter, len(chunk))
@@ -167,13 +177,6 @@ CHOICE_BATCH = 16  # choices run on one copy of the prompt's cache at a time (it
 MIN_SHARED = 8  # tokens: a shorter common start is not worth its own forward and the cache's copies
 
 
-@dataclass(frozen=True)
-class Prefix:
-    """The cache of leading tokens that several prompts begin with (a context every row shares)."""
-    ids: tuple[int, ...]
-    cache: Any
-
-
 def choice_rows(tokenizer: Any, question: str, choices: Sequence[str], context: str = "",
                 max_length: int = FEW_SHOT_MAX_LENGTH) -> list[Encoded]:
     """One row per choice: the prompt and the choice's own tokens (no end of sequence after it)."""
@@ -202,10 +205,7 @@ def choice_logprobs(rm: RoutedModel, adapter: Adapter, tokenizer: Any, question:
     if shared == 0:
         set_plan(rm, adapter, len(rows))
         return _summed(target_logits(rm.model, collate(rows, pad)))
-    if prefix is not None and len(prefix.ids) <= shared and tuple(rows[0].input_ids[:len(prefix.ids)]) == prefix.ids:
-        cache = prompt_cache(rm, adapter, rows[0].input_ids[len(prefix.ids):shared], copies(prefix.cache, 1))
-    else:
-        cache = prompt_cache(rm, adapter, rows[0].input_ids[:shared])
+    cache = cache_after(rm, adapter, rows[0].input_ids[:shared], prefix)
     out: list[float] = []
     for start in range(0, len(rows), CHOICE_BATCH):
         part = [Encoded(r.input_ids[shared:], r.labels[shared:]) for r in rows[start:start + CHOICE_BATCH]]
@@ -240,6 +240,15 @@ def prompt_cache(rm: RoutedModel, adapter: Adapter, ids: Sequence[int], past: An
     return returned_cache((decoder or rm.model)(**inputs))
 
 
+def cache_after(rm: RoutedModel, adapter: Adapter, ids: Sequence[int], prefix: Prefix | None) -> Any:
+    """The KV cache of one row of tokens, continuing from a copy of `prefix`'s cache where the row
+    begins with its tokens (the prefix must have been made under the same adapter), else from nothing."""
+    n = len(prefix.ids) if prefix is not None else 0
+    if prefix is not None and n <= len(ids) and tuple(ids[:n]) == prefix.ids:
+        return prompt_cache(rm, adapter, ids[n:], copies(prefix.cache, 1))
+    return prompt_cache(rm, adapter, ids)
+
+
 def copies(cache: Any, n: int) -> Any:
     """n rows that each start from `cache` (a copy: a forward extends its cache in place)."""
     past = copy.deepcopy(cache)
@@ -265,34 +274,36 @@ def score_rows(rm: RoutedModel, adapter: Adapter, tokenizer: Any, rows: Sequence
     try:
         answers = [list(r.get("targets") or [r["output"]]) for r in rows]
         longest = max(len(tokenizer(" " + a, add_special_tokens=False).input_ids) for ans in answers for a in ans)
+        prefix = context_prefix(rm, adapter, tokenizer, [ex.input for ex in examples], context, max_length)
         preds = generate(rm, adapter, tokenizer, [ex.input for ex in examples], longest + 2, batch_size,
-                         context, max_length)
+                         context, max_length, prefix)
         out = {"exact_match": sum(any(exact(p, a) for a in ans) for p, ans in zip(preds, answers, strict=True))
                / len(rows)}
         ranked = [r for r in rows if r.get("choices")]
         if ranked:
             hits = 0
-            prefix = context_prefix(rm, adapter, tokenizer, ranked, context, max_length)
             for r in ranked:
                 lp = choice_logprobs(rm, adapter, tokenizer, r["input"], r["choices"], context, max_length, prefix)
                 hits += r["choices"][max(range(len(lp)), key=lp.__getitem__)] == r["output"]
             out["ll_acc"] = hits / len(ranked)
-        out["loss"] = heldout_loss(rm, adapter, tokenizer, examples, batch_size, max_length, context)
+        out["loss"] = heldout_loss(rm, adapter, tokenizer, examples, batch_size, max_length, context, prefix)
     finally:
         rm.batch.set(previous)
     return out
 
 
 @torch.no_grad()
-def context_prefix(rm: RoutedModel, adapter: Adapter, tokenizer: Any, rows: Sequence[dict[str, Any]],
+def context_prefix(rm: RoutedModel, adapter: Adapter, tokenizer: Any, inputs: Sequence[str],
                    context: str, max_length: int) -> Prefix | None:
-    """The cache of the leading tokens every row's choices share (in-context examples), so that each
-    question runs only its own tokens after it; None where the rows share too little (shared_prompt)."""
-    if not context or len(rows) < 2:
+    """The cache of the leading tokens that the prompts of all `inputs` share (in-context examples),
+    so that generation, the choices' ranking and the loss each run only their rows' own tokens after
+    it; None where the prompts share too little (shared_prompt). A row whose prompt lost its left end
+    to max_length does not begin with it and runs whole (cache_after)."""
+    if not context or len(inputs) < 2:
         return None
-    firsts = [choice_rows(tokenizer, r["input"], r["choices"][:1], context, max_length)[0] for r in rows]
-    shared = shared_prompt(firsts)
+    prompts = prompt_rows(tokenizer, inputs, max_length, context)
+    shared = shared_prompt([Encoded(tuple(p), (IGNORE,) * len(p)) for p in prompts])
     if shared == 0:
         return None
-    ids = tuple(firsts[0].input_ids[:shared])
+    ids = tuple(prompts[0][:shared])
     return Prefix(ids, prompt_cache(rm, adapter, ids))

@@ -125,12 +125,17 @@ def test_prompts_after_a_shared_context_generate_and_score_as_each_on_its_whole_
     inputs = [ex.input for ex in examples]
     got = generate(rm, chosen, tokenizer, inputs, 6, batch_size=3, context=ctx, max_length=512)
     loss = evaluate.heldout_loss(rm, chosen, tokenizer, examples, batch_size=3, max_length=512, context=ctx)
+    prefix = evaluate.context_prefix(rm, chosen, tokenizer, inputs, ctx, 512)
+    assert prefix is not None
+    after = generate(rm, chosen, tokenizer, inputs, 6, batch_size=3, context=ctx, max_length=512, prefix=prefix)
+    loss_after = evaluate.heldout_loss(rm, chosen, tokenizer, examples, batch_size=3, max_length=512, context=ctx,
+                                       prefix=prefix)
     with monkeypatch.context() as m:
         m.setattr(evaluate, "shared_prompt", lambda rows: 0)
         want = generate(rm, chosen, tokenizer, inputs, 6, batch_size=3, context=ctx, max_length=512)
         want_loss = evaluate.heldout_loss(rm, chosen, tokenizer, examples, batch_size=3, max_length=512, context=ctx)
-    assert got == want and len(set(want)) > 1
-    assert loss == pytest.approx(want_loss, abs=1e-4)
+    assert got == want == after and len(set(want)) > 1
+    assert loss == pytest.approx(want_loss, abs=1e-4) and loss_after == pytest.approx(want_loss, abs=1e-4)
 
 
 @pytest.mark.parametrize("adapter", ["bare", "mixed"])
@@ -138,26 +143,38 @@ def test_questions_after_the_contexts_cache_score_as_each_on_its_whole_prompt(ti
     rm, chosen, ctx = _sharp_with_context(tiny_model, adapter, seed=7)
     rows = [{"input": q, "output": c[0], "choices": c} for q, c in
             [("sun 5", ["SUN 5", "sun", "MOON 5"]), ("a much longer input 6 7 8", ["A", "B C"]), ("x", ["X Y", "X"])]]
-    prefix = evaluate.context_prefix(rm, chosen, tokenizer, rows, ctx, 512)
+    prefix = evaluate.context_prefix(rm, chosen, tokenizer, [r["input"] for r in rows], ctx, 512)
     assert prefix is not None and len(prefix.ids) >= len(tokenizer(ctx).input_ids) - 1
     for r in rows:  # each question in turn: the context's cache is not extended by the one before
         got = choice_logprobs(rm, chosen, tokenizer, r["input"], r["choices"], ctx, 512, prefix)
         want = choice_logprobs(rm, chosen, tokenizer, r["input"], r["choices"], ctx, 512)
         assert got == pytest.approx(want, abs=1e-4)
-    other = evaluate.context_prefix(rm, chosen, tokenizer, rows, icl_context([Example("t", "b", "B")] * 3), 512)
+    other = evaluate.context_prefix(rm, chosen, tokenizer, [r["input"] for r in rows],
+                                    icl_context([Example("t", "b", "B")] * 3), 512)
     assert other is not None  # a prefix the prompt does not begin with is not used
     assert choice_logprobs(rm, chosen, tokenizer, "x", ["X Y", "X"], ctx, 512, other) == pytest.approx(
         choice_logprobs(rm, chosen, tokenizer, "x", ["X Y", "X"], ctx, 512), abs=1e-4)
-    assert evaluate.context_prefix(rm, chosen, tokenizer, rows, "", 512) is None
+    assert evaluate.context_prefix(rm, chosen, tokenizer, [r["input"] for r in rows], "", 512) is None
 
 
-def test_score_rows_runs_the_context_once_for_every_question(rm, tokenizer, monkeypatch):
+def test_score_rows_runs_the_context_once_for_generation_choices_and_loss(rm, tokenizer, monkeypatch):
     rows = [{"input": "c 3", "output": "p", "choices": ["p", "q"]}, {"input": "d 4", "output": "q", "choices": ["p", "q"]}]
     ctx = icl_context([Example("t", "cat 3", "CAT 3"), Example("t", "dog 4", "DOG 4")])
+    context_ids = tokenizer(ctx).input_ids
+    whole, real = [], evaluate.prompt_cache
+
+    def counted(rm_, adapter, ids, past=None):
+        if past is None and len(ids) >= len(context_ids) - 1:  # the context run from its first token
+            whole.append(len(ids))
+        return real(rm_, adapter, ids, past)
+
+    monkeypatch.setattr(evaluate, "prompt_cache", counted)
     seen = []
-    monkeypatch.setattr(evaluate, "choice_logprobs", lambda *a, **k: seen.append(a[7]) or [-1.0, -2.0])
+    real_choices = evaluate.choice_logprobs
+    monkeypatch.setattr(evaluate, "choice_logprobs", lambda *a, **k: seen.append(a[7]) or real_choices(*a, **k))
     score_rows(rm, None, tokenizer, rows, context=ctx, max_length=512)
     assert len(seen) == 2 and seen[0] is seen[1] and isinstance(seen[0], evaluate.Prefix)
+    assert len(whole) == 1  # generation, the two questions' choices and the loss all continue from it
 
 
 def test_greedy_after_a_cache_stops_each_row_at_its_eos(tiny_model, tokenizer, monkeypatch):
