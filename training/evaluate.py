@@ -93,7 +93,7 @@ def generate(rm: RoutedModel, adapter: Adapter, tokenizer: Any, inputs: Sequence
     out: list[str] = []
     pad = int(tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id)
     prompts = prompt_rows(tokenizer, inputs, max_length, context)
-    shared = shared_prompt([Encoded(tuple(p), (IGNORE,) * len(p)) for p in prompts])
+    shared = shared_prompt(as_prompts(prompts))
     cache = cache_after(rm, adapter, prompts[0][:shared], prefix) if shared else None
     for i in range(0, len(inputs), batch_size):
         chunk = prompts[i : i + batch_size]
@@ -227,6 +227,11 @@ def shared_prompt(rows: Sequence[Encoded]) -> int:
     return common if common >= MIN_SHARED else 0
 
 
+def as_prompts(prompts: Sequence[Sequence[int]]) -> list[Encoded]:
+    """Prompt tokens as rows with no answer yet, for shared_prompt."""
+    return [Encoded(tuple(p), (IGNORE,) * len(p)) for p in prompts]
+
+
 def prompt_cache(rm: RoutedModel, adapter: Adapter, ids: Sequence[int], past: Any = None) -> Any:
     """The KV cache of one row of tokens under `adapter` (after the tokens in `past`, which it extends)."""
     if past is not None and not ids:
@@ -302,7 +307,7 @@ def context_prefix(rm: RoutedModel, adapter: Adapter, tokenizer: Any, inputs: Se
     if not context or len(inputs) < 2:
         return None
     prompts = prompt_rows(tokenizer, inputs, max_length, context)
-    shared = shared_prompt([Encoded(tuple(p), (IGNORE,) * len(p)) for p in prompts])
+    shared = shared_prompt(as_prompts(prompts))
     if shared == 0:
         return None
     ids = tuple(prompts[0][:shared])
