@@ -7,8 +7,9 @@ variant, side by side in one process; optionally against an older tree's sampler
     git archive e820ff5 | tar -x -C /tmp/base
     flock -x /tmp/polyserve-cpu.lock .venv/bin/python -m bench.sampler_step --baseline /tmp/base
 
-A baseline tree exposing `choose_tokens(logits, greedy, temperature, top_k, top_p, generators)`
-(the sampler before n/logprobs/penalties) is timed for the greedy and sampled variants.
+A baseline tree whose sampler has `sample_tokens(logits, rows)` is timed for every variant, on the
+same rows; one exposing only `choose_tokens(logits, greedy, temperature, top_k, top_p, generators)`
+(the sampler before n/logprobs/penalties) for the greedy and sampled variants.
 Reports the median of `--repeats` timings of `--iters` calls each, in microseconds per call (the
 current and the baseline sampler take turns, so both see the same machine load).
 """
@@ -18,6 +19,7 @@ from __future__ import annotations
 import argparse
 import importlib.util
 import statistics
+import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -48,8 +50,9 @@ def load_baseline(root: str):
     spec = importlib.util.spec_from_file_location("baseline_sampling", path)
     assert spec is not None and spec.loader is not None
     module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # dataclasses look their module up there
     spec.loader.exec_module(module)
-    return module.choose_tokens
+    return module
 
 
 def variants(n: int, vocab: int) -> dict[str, Callable[[], list[RowSampler]]]:
@@ -73,11 +76,13 @@ def variants(n: int, vocab: int) -> dict[str, Callable[[], list[RowSampler]]]:
 def line_for(logits: torch.Tensor, name: str, rows: list[RowSampler], old, iters: int, repeats: int) -> str:
     n, vocab = logits.shape
     fns: list[Callable[[], object]] = [lambda: sample_tokens(logits, rows)]
-    if old is not None and name in ("greedy", "sampled T.8 p.9", "sampled T.8"):
+    if old is not None and hasattr(old, "sample_tokens"):
+        fns.append(lambda: old.sample_tokens(logits, rows))
+    elif old is not None and name in ("greedy", "sampled T.8 p.9", "sampled T.8"):
         greedy = name == "greedy"
         temp, top_p = (0.0, 1.0) if greedy else (0.8, 0.9 if "p.9" in name else 1.0)
         gens = [None if greedy else torch.Generator().manual_seed(0) for _ in range(n)]
-        fns.append(lambda: old(logits, [greedy] * n, [temp] * n, [0] * n, [top_p] * n, gens))
+        fns.append(lambda: old.choose_tokens(logits, [greedy] * n, [temp] * n, [0] * n, [top_p] * n, gens))
     times = median_us(fns, iters, repeats)
     line = f"V={vocab:6d} rows={n:3d} {name:18s} {times[0]:10.1f} us"
     if len(times) == 2:

@@ -326,6 +326,57 @@ def test_sample_row_is_safe_on_extreme_inputs(temperature, top_k, top_p, size):
 def test_top_p_keeps_the_best_token_however_small_p():
     logits = torch.tensor([0.0, 0.0, 5.0])
     assert (~torch.isinf(apply_top_p(logits, 1e-12))).tolist() == [False, False, True]
+    assert (~torch.isinf(apply_top_p(logits, 0.0))).tolist() == [False, False, True]
+
+
+def reference_nucleus(logits: torch.Tensor, p: float) -> set[int]:
+    """The definition, in float64 and one token at a time: best first, a token stays while the
+    mass before it is below p."""
+    probs = torch.softmax(logits.double(), dim=-1).tolist()
+    order = sorted(range(len(probs)), key=lambda i: -probs[i])
+    kept, mass = set(), 0.0
+    for i in order:
+        if kept and mass >= p:
+            break
+        kept.add(i)
+        mass += probs[i]
+    return kept
+
+
+@pytest.mark.parametrize("spread,p", [
+    (8.0, 0.9),    # a peaked row: the nucleus is a handful of the first candidates
+    (2.0, 0.7),    # ~3,300 tokens: past the first candidates, within the second
+    (3.0, 0.9),
+    (0.01, 0.9),   # nearly flat: ~44,000 tokens, ranked by the full sort
+])
+def test_top_p_keeps_the_reference_nucleus_wherever_it_ends(spread, p):
+    gen = torch.Generator().manual_seed(3)
+    logits = torch.randn(49152, generator=gen) * spread
+    kept = {int(i) for i in (~torch.isinf(apply_top_p(logits, p))).nonzero()[:, 0]}
+    assert kept == reference_nucleus(logits, p)
+
+
+def test_top_p_ranks_only_as_many_tokens_as_the_nucleus_needs(monkeypatch):
+    calls: list[int] = []
+    topk = torch.topk
+    monkeypatch.setattr(torch, "topk", lambda x, k, *a, **kw: calls.append(k) or topk(x, k, *a, **kw))
+    gen = torch.Generator().manual_seed(3)
+    apply_top_p(torch.randn(49152, generator=gen) * 8.0, 0.9)
+    assert calls == [256]
+    calls.clear()
+    apply_top_p(torch.randn(49152, generator=gen) * 2.0, 0.7)
+    assert calls == [256, 4096]
+    calls.clear()
+    apply_top_p(torch.randn(49152, generator=gen) * 0.01, 0.9)
+    assert calls == [256, 4096]  # then the full sort
+
+
+def test_top_p_keeps_every_token_tied_with_the_last_one_kept():
+    # four equal tokens, p = 0.3: the mass reaches p after two; which two would be a sort's choice
+    assert (~torch.isinf(apply_top_p(torch.tensor([1.0, 1.0, 1.0, 1.0, -2.0]), 0.3))).tolist() == [True] * 4 + [False]
+    # -inf entries (an earlier filter) stay out, even when the finite tokens' mass rounds below p
+    logits = torch.tensor([0.0, float("-inf"), 0.0, float("-inf")])
+    assert (~torch.isinf(apply_top_p(logits, 1 - 1e-12))).tolist() == [True, False, True, False]
 
 
 def test_sample_tokens_fails_only_the_nan_row_and_greedy_uses_processed_logits():
