@@ -163,7 +163,9 @@ def setup(args, dtype: torch.dtype, tmp: Path):
     return bb, store, rm, pm, tasks, adapters
 
 
-def run_engine(engine: Engine, tok, jobs, adapters, name: str, *, base: bool = False, one_task: bool = False) -> dict:
+def run_engine(engine: Engine, tok, jobs, adapters, name: str, *, base: bool = False, one_task: bool = False,
+               temperature: float = 0.0, top_p: float = 1.0) -> dict:
+    """temperature 0: greedy; otherwise every request samples (unseeded, as most clients send)."""
     encoded = [(task, tok(p, add_special_tokens=False).input_ids, n) for task, p, n in jobs]
     groups: list[list[int]] = []
     if one_task:
@@ -179,7 +181,7 @@ def run_engine(engine: Engine, tok, jobs, adapters, name: str, *, base: bool = F
         batch = []
         for i in group:
             task, ids, n = encoded[i]
-            params = SamplingParams(max_new_tokens=n, ignore_eos=True)
+            params = SamplingParams(max_new_tokens=n, ignore_eos=True, temperature=temperature, top_p=top_p)
             req = GenRequest(list(ids), params, None if base else adapters[task], task, handle=TimedHandle())
             req.arrival = t0
             batch.append(engine.submit(req))
@@ -269,7 +271,8 @@ def run_vllm(args, v: str, store: DirectoryStore, jobs: list[tuple[str, str, int
         if not (loras / task).is_dir():
             export_peft_lora(store, task, loras / task, base_model=model)
     spec = tmp / "jobs.json"
-    spec.write_text(json.dumps([{"task": t, "prompt": p, "out": n} for t, p, n in jobs]))
+    spec.write_text(json.dumps([{"task": t, "prompt": p, "out": n, "temperature": args.temperature, "top_p": args.top_p}
+                                for t, p, n in jobs]))
     mode = "lora" if v in "eE" else "polyserve" if v in "gG" else "base"
     dtype = "float32" if v in "efg" else "bfloat16"
     env = {**os.environ, "OMP_NUM_THREADS": str(args.threads), "VLLM_CPU_KVCACHE_SPACE": "2"}
@@ -321,7 +324,12 @@ def main() -> None:
                          "one thread, or as the CPU suits (POLYSERVE_CONTENDED_LANES auto|on|off)")
     ap.add_argument("--packed-weights", choices=["auto", "on", "off"], default="auto",
                     help="the engine's POLYSERVE_PACKED_WEIGHTS")
+    ap.add_argument("--temperature", type=float, default=0.0,
+                    help="0: greedy (the default); above: every request samples, unseeded, in the engines and vLLM")
+    ap.add_argument("--top-p", type=float, default=1.0, help="nucleus of the sampled requests (with --temperature)")
     args = ap.parse_args()
+    if args.temperature > 0 and set(args.variants) & set("cd"):
+        ap.error("variants c and d run greedy only: drop --temperature or those variants")
     if args.threads == "auto":
         args.threads = cpus.default_threads()
         print(f"threads: {cpus.budget().describe()}", flush=True)
@@ -351,7 +359,7 @@ def main() -> None:
             run_engine(eng, bb.tokenizer, jobs[:4], adapters, "warm-up")
             before, steps = thread_times(), eng.steps
             one_before = eng.governor.steps_at.get(1, 0) if eng.governor else 0  # steps without the team
-            out = run_engine(eng, bb.tokenizer, jobs, adapters, name, **kw)
+            out = run_engine(eng, bb.tokenizer, jobs, adapters, name, temperature=args.temperature, top_p=args.top_p, **kw)
             out["steps"] = eng.steps - steps
             one = (eng.governor.steps_at.get(1, 0) if eng.governor else 0) - one_before
             out["one_thread_steps"] = one if args.threads > 1 else out["steps"]

@@ -9,7 +9,7 @@ written before the clock starts (steady state, as (e) exports them beforehand).
     .venv-vllm/bin/python -m bench.vllm_peer --jobs jobs.json --model DIR --loras DIR \
         --mode lora --dtype float32 --batch 16
 
-jobs.json: [{"task", "prompt", "out"}, ...]. Prints one JSON line: tokens, seconds, tok/s.
+jobs.json: [{"task", "prompt", "out", "temperature"?, "top_p"?}, ...] (greedy where absent). Prints one JSON line: tokens, seconds, tok/s.
 """
 
 from __future__ import annotations
@@ -44,7 +44,8 @@ def main() -> None:
               max_loras=min(args.batch, len(tasks)), max_num_seqs=args.batch, max_model_len=1024)
     ids = {t: i + 1 for i, t in enumerate(tasks)}
     prompts = [j["prompt"] for j in jobs]
-    params = [SamplingParams(max_tokens=j["out"], min_tokens=j["out"], ignore_eos=True, temperature=0.0) for j in jobs]
+    params = [SamplingParams(max_tokens=j["out"], min_tokens=j["out"], ignore_eos=True,
+                             temperature=j.get("temperature", 0.0), top_p=j.get("top_p", 1.0)) for j in jobs]
     loras = [LoRARequest(j["task"], ids[j["task"]], str(args.loras / j["task"])) for j in jobs] if lora else None
     llm.generate(prompts[:2], params[:2], lora_request=loras[:2] if loras else None, use_tqdm=False)  # warm-up
     started = time.perf_counter()
@@ -88,7 +89,9 @@ def run_polyserve(args, jobs: list[dict]) -> None:
         reqs = []
         for j in batch:
             ids = tok(j["prompt"], add_special_tokens=False).input_ids
-            req = GenRequest(list(ids), SamplingParams(max_new_tokens=j["out"], ignore_eos=True),
+            params = SamplingParams(max_new_tokens=j["out"], ignore_eos=True, temperature=j.get("temperature", 0.0),
+                                    top_p=j.get("top_p", 1.0))
+            req = GenRequest(list(ids), params,
                              adapters[j["task"]], j["task"], handle=TimedHandle())
             req.arrival = t0
             reqs.append(engine.submit(req))
