@@ -11,29 +11,15 @@ read a step). Random weights; the two take turns; medians of `--repeats` timings
 from __future__ import annotations
 
 import argparse
-import statistics
-import time
-from collections.abc import Callable
 
 import torch
+
+from bench.sampler_step import median_us
 
 # (in, out) of the default backbone's fused linears and LM head (SmolLM2-135M: d 576, MLP 1,536,
 # 9 query and 3 key/value heads of 64, vocabulary 49,152)
 SHAPES = {"q|k|v": (576, 960), "gate|up": (576, 3072), "down": (1536, 576), "lm head": (576, 49152)}
 GROUP = 32
-
-
-def median_ms(fns: list[Callable[[], object]], iters: int, repeats: int) -> list[float]:
-    for fn in fns:
-        fn()
-    times: list[list[float]] = [[] for _ in fns]
-    for _ in range(repeats):
-        for fn, ts in zip(fns, times, strict=True):
-            started = time.perf_counter()
-            for _ in range(iters):
-                fn()
-            ts.append((time.perf_counter() - started) / iters)
-    return [statistics.median(ts) * 1e3 for ts in times]
 
 
 def int4_weight(n: int, k: int, gen: torch.Generator) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -66,10 +52,11 @@ def main() -> None:
             x = torch.randn(m, k, generator=gen)
             int4 = torch.ops.aten._weight_int4pack_mm_for_cpu(x, packed, GROUP, scales_and_zeros)
             err = float((int4 - x @ weight.T).abs().max() / (x @ weight.T).abs().max())
-            fp32_ms, int4_ms = median_ms([
+            fp32_us, int4_us = median_us([
                 lambda: torch.ops.mkldnn._linear_pointwise(x, onednn, None, "none", [], ""),  # noqa: B023
                 lambda: torch.ops.aten._weight_int4pack_mm_for_cpu(x, packed, GROUP, scales_and_zeros),  # noqa: B023
             ], args.iters, args.repeats)
+            fp32_ms, int4_ms = fp32_us / 1e3, int4_us / 1e3
             print(f"  {name:8s} {k:5d} x {n:6d}, {m:2d} rows: float32 packed {fp32_ms:8.3f}   int4 {int4_ms:9.3f}"
                   f"   int4/float32 x{int4_ms / fp32_ms:6.1f}   max error {err:.1e}", flush=True)
 
