@@ -1,6 +1,6 @@
 """How many tokens a top-p nucleus holds on a backbone's own text: the backbone samples `--tokens`
 tokens after each of a few prompts, and at every step the nucleus of its next-token distribution
-(`sampling.apply_top_p` on the scaled logits) is counted. Tells which of top-p's candidate stages
+(`sampling.apply_top_p` on `sampling.scale`'s logits, as a sampled row) is counted. Tells which of top-p's candidate stages
 (`sampling.NUCLEUS_CANDIDATES`, then the full sort) real rows end in.
 
     .venv/bin/python -m bench.nucleus_sizes --settings 0.8:0.9 1.0:0.95 1.0:0.9
@@ -14,7 +14,7 @@ import statistics
 import torch
 
 from adapters_store.backbone.load import load_backbone
-from server.engines.native.sampling import NUCLEUS_CANDIDATES, apply_top_p
+from server.engines.native.sampling import NUCLEUS_CANDIDATES, apply_top_p, scale
 
 PROMPTS = ("Write a short story about a dragon.", "What is the capital of France?", "List three uses of copper.",
            "Explain how a bicycle works.", "Translate 'good morning' into Spanish.", "Write a Python function that adds two numbers.")
@@ -28,11 +28,9 @@ def nucleus_sizes(model, tokenizer, temperature: float, top_p: float, tokens: in
                                             return_tensors="pt", return_dict=True)["input_ids"]
         with torch.inference_mode():
             for _ in range(tokens):
-                logits = model(ids).logits[0, -1].float()
-                kept = ~torch.isinf(apply_top_p((logits - logits.max()) / temperature, top_p))
-                sizes.append(int(kept.sum()))
-                probs = torch.softmax(((logits - logits.max()) / temperature).masked_fill(~kept, float("-inf")), -1)
-                ids = torch.cat([ids, torch.multinomial(probs, 1, generator=gen)[None]], dim=1)
+                nucleus = apply_top_p(scale(model(ids).logits[0, -1].float(), temperature), top_p)
+                sizes.append(int((~torch.isinf(nucleus)).sum()))
+                ids = torch.cat([ids, torch.multinomial(torch.softmax(nucleus, -1), 1, generator=gen)[None]], dim=1)
     return sizes
 
 
