@@ -14,11 +14,15 @@ Both formulations are exact and give, for every row n (pseudo-code):
      which equals (i) because A_t and B_t are linear in w. Weight traffic: S*r*(d_in + d_out)
      whatever the number of distinct tasks.
 A row with no adapter (task `base`) has zero weights (skill space) or a zero LoRA (gathered).
+`apply_routed` takes routing weights and picks between (i), with the rows' LoRAs materialised on the
+spot, and (ii) by their cost.
 """
 
 from __future__ import annotations
 
 import torch
+
+from adapters_store.lora.combine import materialize_many
 
 
 def apply_gathered(
@@ -70,6 +74,34 @@ def apply_skill_space(
     x: torch.Tensor, A: torch.Tensor, B: torch.Tensor, w: torch.Tensor, scale: float
 ) -> torch.Tensor:
     """x: (N, T, d_in); A: (h, S, d_in/h, r); B: (h, S, r, d_out/h); w: (N, h, S)
-    -> delta (N, T, d_out). Differentiable in x, A, B and w (training uses it)."""
+    -> delta (N, T, d_out). Differentiable in x, A, B and w."""
     A_cat, B_cat = stack_skills(A, B, scale)
     return apply_stacked_skills(x, A_cat, B_cat, w)
+
+
+def apply_materialised(
+    x: torch.Tensor, A: torch.Tensor, B: torch.Tensor, w: torch.Tensor, scale: float
+) -> torch.Tensor:
+    """The same delta as apply_skill_space, through each row's own LoRA: materialise the N rows'
+    A_t (N, d_in, r) and B_t (N, r, d_out) from the skills, then two batched GEMMs. Differentiable
+    in x, A, B and w."""
+    A_rows, B_rows = materialize_many(A, B, w)
+    return torch.bmm(torch.bmm(x, A_rows.to(x.dtype)), B_rows.to(x.dtype)) * scale
+
+
+def apply_routed(
+    x: torch.Tensor, A: torch.Tensor, B: torch.Tensor, w: torch.Tensor, scale: float
+) -> torch.Tensor:
+    """x: (N, T, d_in); A: (h, S, d_in/h, r); B: (h, S, r, d_out/h); w: (N, h, S) -> delta (N, T, d_out),
+    by the cheaper exact formulation. Differentiable in x, A, B and w (training and registration use it).
+
+    Multiply-adds of each, per linear, d = d_in + d_out:
+        skill space   N*T * S*r*d          (every token goes through all S skills' factors)
+        materialised  N * S*r*d  +  N*T * r*d     (each row's LoRA once, then one rank-r LoRA a token)
+    With more than one token a row (training, registration, prefill, scoring) materialising costs
+    (S + T) / (S*T) of skill space, and its backward keeps (N, d, r) tables where skill space keeps
+    (N*T, h*S*r) activations. With one token a row (a decode step) the two cost the same and skill
+    space reads the skills once whatever N, where materialising writes N tables."""
+    if x.shape[1] > 1:
+        return apply_materialised(x, A, B, w, scale)
+    return apply_skill_space(x, A, B, w, scale)

@@ -16,7 +16,7 @@ from typing import Protocol
 import torch
 from torch import nn
 
-from adapters_store.lora.batched import apply_gathered, apply_skill_space
+from adapters_store.lora.batched import apply_gathered, apply_routed
 from adapters_store.lora.combine import check_heads
 from adapters_store.lora.spec import InventorySpec
 
@@ -96,7 +96,7 @@ class AdapterBatch:
         x3 = x.unsqueeze(1) if squeeze else x
         plan = self._plan_for(x3.shape[0])
         if isinstance(plan, SkillSpacePlan):
-            out = apply_skill_space(x3, A, B, plan.weights[layer], scale)
+            out = apply_routed(x3, A, B, plan.weights[layer], scale)
         else:
             out = apply_gathered(x3, plan.A_tables[layer], plan.B_tables[layer], plan.index, scale)
         return out.squeeze(1) if squeeze else out

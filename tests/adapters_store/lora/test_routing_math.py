@@ -6,7 +6,14 @@ import pytest
 import torch
 from torch.testing import assert_close
 
-from adapters_store.lora.batched import apply_gathered, apply_skill_space, stack_skills
+from adapters_store.lora import batched
+from adapters_store.lora.batched import (
+    apply_gathered,
+    apply_materialised,
+    apply_routed,
+    apply_skill_space,
+    stack_skills,
+)
 from adapters_store.lora.combine import (
     check_heads,
     from_peft_lora,
@@ -244,7 +251,38 @@ def test_skill_space_equals_gathered_equals_per_row(h, T):
         A_t, B_t = materialize(A, B, w[n])
         assert_close(y_skill[n], lora_delta(x[n], A_t, B_t, 0.5), rtol=1e-5, atol=1e-5)
     assert_close(y_skill, y_gath, rtol=1e-5, atol=1e-5)
+    assert_close(apply_materialised(x, A, B, w, 0.5), y_skill, rtol=1e-5, atol=1e-5)
+    assert_close(apply_routed(x, A, B, w, 0.5), y_skill, rtol=1e-5, atol=1e-5)
     assert y_skill[2].abs().max() == 0
+
+
+@pytest.mark.parametrize("T", [1, 3])
+def test_materialised_and_skill_space_have_the_same_gradients(T):
+    """Training backpropagates through apply_routed into x, the skills and the routing weights:
+    both formulations must give the same gradients, not only the same values (float64)."""
+    N, h, S, d_in, d_out, r = 4, 2, 3, 8, 6, 2
+    g = torch.Generator().manual_seed(7)
+    leaves = [torch.randn(N, T, d_in, generator=g, dtype=torch.float64), torch.randn(h, S, d_in // h, r, generator=g, dtype=torch.float64),
+              torch.randn(h, S, r, d_out // h, generator=g, dtype=torch.float64), torch.rand(N, h, S, generator=g, dtype=torch.float64)]
+    probe = torch.randn(N, T, d_out, generator=g, dtype=torch.float64)
+    grads = []
+    for fn in (apply_skill_space, apply_materialised):
+        xs = [t.clone().requires_grad_(True) for t in leaves]
+        (fn(*xs, 0.5) * probe).sum().backward()
+        grads.append([t.grad for t in xs])
+    for got, want in zip(grads[1], grads[0], strict=True):
+        assert_close(got, want, rtol=1e-10, atol=1e-12)
+
+
+@pytest.mark.parametrize("T,path", [(1, "apply_skill_space"), (2, "apply_materialised"), (64, "apply_materialised")])
+def test_apply_routed_materialises_rows_of_more_than_one_token(T, path, monkeypatch):
+    called = []
+    for name in ("apply_skill_space", "apply_materialised"):
+        real = getattr(batched, name)
+        monkeypatch.setattr(batched, name, lambda *a, _real=real, _name=name: called.append(_name) or _real(*a))
+    A, B = torch.randn(2, 3, 4, 2), torch.randn(2, 3, 2, 3)
+    batched.apply_routed(torch.randn(2, T, 8), A, B, torch.rand(2, 2, 3), 1.0)
+    assert called == [path]
 
 
 def test_gathered_table_shared_by_rows():
