@@ -18,10 +18,12 @@ processes train what one does; rank 0 alone writes and shows progress.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import random
 import sys
 import time
+from collections.abc import Iterator
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any
@@ -48,7 +50,7 @@ from training.distributed import (
     shard_bounds,
 )
 from training.loss import normalised_entropy, target_logits, token_loss
-from training.precision import AUTOCAST_CHOICES, resolve_autocast
+from training.precision import AUTOCAST_CHOICES, FrozenBf16Weights, resolve_autocast
 from training.routing_table import METHODS, RoutingTable, method_shape
 
 
@@ -162,14 +164,19 @@ class Trainer:
         self.rng = random.Random(cfg.seed)
         self.gumbel_gen = torch.Generator().manual_seed(cfg.seed + 2)
         self.bf16 = resolve_autocast(cfg.autocast, self.device.type)
+        # bf16 copies of the frozen linears' weights instead of autocast's casts in every forward; not
+        # of an FSDP-sharded backbone, whose weights are gathered per block
+        self.bf16_weights = FrozenBf16Weights(backbone.model, self.bf16 and not shard_backbone)
         self.step = 0
         self.tokens = 0
         self.elapsed = 0.0
         self.last_loss = float("nan")
 
     # -- one step ------------------------------------------------------------------------------
-    def _autocast(self) -> Any:
-        return torch.autocast(self.device.type, dtype=torch.bfloat16, enabled=self.bf16)
+    @contextlib.contextmanager
+    def _autocast(self) -> Iterator[None]:
+        with self.bf16_weights.applied(), torch.autocast(self.device.type, dtype=torch.bfloat16, enabled=self.bf16):
+            yield
 
     def _rows(self) -> list[tuple[int, int]]:
         """The global batch's (task, example) rows: the same on every rank."""
@@ -247,6 +254,7 @@ class Trainer:
             if self.store is not None and main and cfg.checkpoint_every and self.step % cfg.checkpoint_every == 0:
                 self.checkpoint()
         bar.close()
+        self.bf16_weights.release()
         if self.store is not None and main:
             self.checkpoint(final=True)
         barrier(self.dist)  # the store is complete when any rank returns

@@ -3,6 +3,7 @@ Z statistics, routing plot, default-inventory install, CLI."""
 
 from __future__ import annotations
 
+import copy
 import itertools
 import json
 import math
@@ -172,6 +173,33 @@ def test_loss_falls_for_every_method(tiny_model, tokenizer, method):
         assert torch.equal(trainer.table.logits, fixed_before)  # never trained
     else:
         assert not torch.equal(trainer.table.logits, fixed_before)
+
+
+def test_bf16_training_runs_on_bf16_copies_of_the_frozen_weights_with_bit_equal_losses(tiny_base, tokenizer):
+    """Under bf16 autocast a training step's forwards run on bf16 copies of the frozen linears'
+    weights (no cast in every forward): the losses and the trained skills equal autocast's own casts
+    bit for bit, between steps the model holds its own float32 weights, and the copies go at the end."""
+
+    def run(copies: bool):
+        model = copy.deepcopy(tiny_base)
+        trainer = Trainer(config("mhr", steps=4, autocast="bf16"), backbone(model, tokenizer), toy_tasks(4))
+        trainer.bf16_weights.enabled = copies
+        linears = [m for m in model.modules() if isinstance(m, torch.nn.Linear)]
+        own = [m.weight for m in linears]
+        seen: list[torch.dtype] = []
+        linears[-1].register_forward_pre_hook(lambda m, _: seen.append(m.weight.dtype))
+        losses = []
+        for _ in range(3):
+            losses.append(trainer.train_step())
+            assert all(m.weight is w and w.dtype == torch.float32 for m, w in zip(linears, own, strict=True))
+        losses += trainer.run(progress=False)
+        assert trainer.bf16_weights._copies is None
+        return losses, set(seen), {k: v.clone() for k, v in trainer.rm.skill_tensors().items()}
+
+    with_copies, without = run(True), run(False)
+    assert with_copies[1] == {torch.bfloat16} and without[1] == {torch.float32}
+    assert with_copies[0] == without[0]
+    assert all(torch.equal(with_copies[2][k], without[2][k]) for k in without[2])
 
 
 def test_routing_logits_have_no_weight_decay(tiny_model, tokenizer):
