@@ -52,6 +52,7 @@ from training.distributed import (
 from training.loss import normalised_entropy, target_logits, token_loss
 from training.precision import AUTOCAST_CHOICES, FrozenBf16Weights, resolve_autocast
 from training.routing_table import METHODS, RoutingTable, method_shape
+from training.step_attention import training_attention
 
 
 @dataclass
@@ -174,8 +175,9 @@ class Trainer:
 
     # -- one step ------------------------------------------------------------------------------
     @contextlib.contextmanager
-    def _autocast(self) -> Iterator[None]:
-        with self.bf16_weights.applied(), torch.autocast(self.device.type, dtype=torch.bfloat16, enabled=self.bf16):
+    def _step_context(self) -> Iterator[None]:
+        with (self.bf16_weights.applied(), training_attention(self.backbone.model, self.device),
+              torch.autocast(self.device.type, dtype=torch.bfloat16, enabled=self.bf16)):
             yield
 
     def _rows(self) -> list[tuple[int, int]]:
@@ -187,7 +189,7 @@ class Trainer:
         lo, hi = shard_bounds(len(cands), ctx.rank, ctx.world_size)  # each rank scores its share
         batch = collate([self.data[t][i] for t, i in cands[lo:hi]], self.pad_id)
         idx = torch.tensor([t for t, _ in cands[lo:hi]], device=self.device)
-        with torch.no_grad(), self._autocast():
+        with torch.no_grad(), self._step_context():
             self.rm.set_weights(self.table.weights(idx, train=False))
             scores = normalised_entropy(target_logits(self.rm.model, batch, whole_model=self.sharded))
         scores = all_gather_shards(scores.float(), len(cands), ctx)
@@ -207,7 +209,7 @@ class Trainer:
         w = self.table.weights(idx, train=True, temperature=cfg.temperature, generator=self.gumbel_gen,
                                gumbel=cfg.gumbel)  # (L, N, h, S)
         self.rm.set_weights(w[:, lo:hi])
-        with self._autocast():
+        with self._step_context():
             out = target_logits(self.rm.model, batch, whole_model=self.sharded)
             if ctx.active:  # this rank's part of the global batch's mean over its target tokens
                 loss = F.cross_entropy(out.logits, out.targets, reduction="sum") / sum(
