@@ -93,12 +93,12 @@ def apply_routed(
     x: torch.Tensor, A: torch.Tensor, B: torch.Tensor, w: torch.Tensor, scale: float
 ) -> torch.Tensor:
     """x: (N, T, d_in); A: (h, S, d_in/h, r); B: (h, S, r, d_out/h); w: (N, h, S) -> delta (N, T, d_out),
-    by the cheaper exact formulation. Differentiable in x, A, B and w (training and registration use it).
+    by the cheaper exact formulation. Differentiable in x, A, B and w (training and evaluation use it).
 
     Multiply-adds of each, per linear, d = d_in + d_out:
         skill space   N*T * S*r*d          (every token goes through all S skills' factors)
         materialised  N * S*r*d  +  N*T * r*d     (each row's LoRA once, then one rank-r LoRA a token)
-    With more than one token a row (training, registration, prefill, scoring) materialising costs
+    With more than one token a row (training, scoring, a prompt) materialising costs
     (S + T) / (S*T) of skill space, and its backward keeps (N, d, r) tables where skill space keeps
     (N*T, h*S*r) activations. With one token a row (a decode step) the two cost the same and skill
     space reads the skills once whatever N, where materialising writes N tables."""
