@@ -310,6 +310,9 @@ def test_batched_paths_run_in_the_inputs_dtype_whatever_the_tables(G):
     skill = apply_skill_space(x, A, B, w, 0.5)
     assert skill.dtype == torch.float64
     assert_close(skill, apply_skill_space(x, A.double(), B.double(), w.double(), 0.5))
+    mat = apply_materialised(x, A, B, w, 0.5)
+    assert mat.dtype == torch.float64
+    assert_close(mat, apply_materialised(x, A.double(), B.double(), w.double(), 0.5), rtol=1e-5, atol=1e-6)  # float32 tables
     for default, one in zip(stack_skills(A, B), stack_skills(A, B, 1.0), strict=True):  # default scale 1
         assert torch.equal(default, one)
 
