@@ -41,8 +41,11 @@ def variants(max_new: int) -> dict[str, SamplingParams]:
     return out
 
 
-def time_steps(bb, rows: int, params: SamplingParams, steps: int, prompt_len: int) -> float:
-    engine = NativeEngine(bb.model, bb.tokenizer, None, EngineConfig(max_batch_rows=rows, max_prefill_rows=rows, max_batch_tokens=rows * (prompt_len + params.max_new_tokens), max_step_tokens=rows * (prompt_len + 1) + 1))  # every prompt in the first step
+def time_steps(bb, rows: int, params: SamplingParams, steps: int, prompt_len: int, weight_kernel: str = "auto") -> float:
+    engine = NativeEngine(bb.model, bb.tokenizer, None, EngineConfig(
+        max_batch_rows=rows, max_prefill_rows=rows, max_batch_tokens=rows * (prompt_len + params.max_new_tokens),
+        max_step_tokens=rows * (prompt_len + 1) + 1,  # every prompt in the first step
+        weight_kernel=weight_kernel))
     prompt = [int(t) % 200 + 10 for t in range(prompt_len)]
     for _ in range(rows):
         engine.submit(GenRequest(list(prompt), params))

@@ -5,6 +5,8 @@
     (c) PEFT's Poly model + transformers `generate`, static batches of mixed task_ids
     (d) the same engine restricted to one task per batch (tasks served one after another)
     (t) = (a) with the rows' LoRA as torch ops (POLYSERVE_LORA_KERNEL=off), not the native kernel (the default)
+    (w) = (a) with dense linears (POLYSERVE_WEIGHT_KERNEL=off): float32 copies of the weights, not the
+        backbone's GGUF blocks (where the engine serves float32 and the backbone has them)
     (u) = (a), (v) = (b) served in float32 (a second engine; the others serve in --dtype, auto =
         bfloat16 on CPUs with AMX)
     (e) vLLM with the workload's tasks exported as PEFT LoRAs (the peer), float32; (E) bfloat16
@@ -344,12 +346,13 @@ def main() -> None:
     packed = switch(args.packed_weights)
     jobs = workload(args.requests, tasks, args.out_min, args.out_max, args.seed, args.out_dist)
 
-    def engine_run(serving: torch.dtype, name: str, lora_kernel: str = "auto", **kw) -> dict:
+    def engine_run(serving: torch.dtype, name: str, lora_kernel: str = "auto", weight_kernel: str = "auto",
+                   **kw) -> dict:
         def start() -> Engine:
             eng = Engine(bb.model, bb.tokenizer, rm, EngineConfig(
                 max_batch_rows=args.batch, max_batch_tokens=1 << 20, max_prefill_rows=args.batch, max_queue=1 << 16,
                 max_step_tokens=args.max_step_tokens, dtype=serving, packed_weights=packed, threads=args.threads,
-                static_decode=switch(args.static_decode), lora_kernel=lora_kernel,
+                static_decode=switch(args.static_decode), lora_kernel=lora_kernel, weight_kernel=weight_kernel,
                 adaptive_threads=args.adaptive_threads == "on", contended_lanes={"auto": None, "lanes": True, "one": False}[args.contended]))
             eng.start()
             return eng
@@ -381,6 +384,8 @@ def main() -> None:
             results.append(engine_run(dtype, "(b) engine, adapters off", base=True))
         elif v == "t":
             results.append(engine_run(dtype, "(t) engine, LoRA as torch ops", lora_kernel="off"))
+        elif v == "w":
+            results.append(engine_run(dtype, "(w) engine, dense weights", weight_kernel="off"))
         elif v == "c":
             results.append(openmp.in_fresh_thread(peft_run))
         elif v in "uv":
@@ -402,7 +407,7 @@ def main() -> None:
             print(f"mean of {r['runs']}: {r['variant']:37s} {r['tok_per_s']:8.1f} tok/s  TTFT p50 {r['ttft_p50']:.2f}s "
                   f"p99 {r['ttft_p99']:.2f}s  ITL p50 {1000 * r['itl_p50']:.0f}ms p99 {1000 * r['itl_p99']:.0f}ms")
     by = {r["variant"][1]: r["tok_per_s"] for r in results}
-    pairs = [("a", "b"), ("t", "b"), ("a", "t"), ("a", "c"), ("a", "d"), ("a", "u"), ("b", "v")]
+    pairs = [("a", "b"), ("t", "b"), ("a", "t"), ("a", "w"), ("a", "c"), ("a", "d"), ("a", "u"), ("b", "v")]
     pairs += [(x, y) for x in "ab" for y in "efEF"] + [("e", "f"), ("E", "F"), ("g", "e"), ("G", "E"), ("g", "a")]
     for x, y in pairs:
         if x in by and y in by:

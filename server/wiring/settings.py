@@ -54,6 +54,11 @@ class Settings(BaseSettings):
     # its own KV slot (auto = where it builds, else torch's SDPA; on = fail where it does not;
     # off = SDPA; engines/native/attention_kernel.py)
     attention_kernel: Literal["auto", "on", "off"] = "auto"
+    # native engine, serving float32 on a CPU: the linears read the backbone's GGUF blocks (Q4_1,
+    # Q8_0) in a C++ kernel instead of float32 copies (auto = where the backbone has blocks that
+    # match its weights and the kernel builds; on = fail where not; off = float32 GEMMs;
+    # engines/native/quant_linear.py)
+    weight_kernel: Literal["auto", "on", "off"] = "auto"
     redis_url: str | None = None  # unset = no L2 cache
     redis_prefix: str = "polyserve"
     redis_ttl_seconds: int = Field(default=24 * 3600, ge=1)

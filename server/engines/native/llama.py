@@ -30,10 +30,13 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from adapters_store.backbone.gguf_blocks import QuantWeight, concat, stored_blocks
 from server.engines.native import attention_kernel as attention_kernels
 from server.engines.native import lora_kernel as lora_kernels
+from server.engines.native import quant_linear as quant_linears
 from server.engines.native.attention import cuda_backends, slot_attention
 from server.engines.native.lanes import Lanes
+from server.engines.native.quant_linear import QuantLinear
 from server.engines.native.slot_lora import Group, Member, SlotLoRA, SlotLoRAStep, write_adapter
 from server.engines.native.slots import SlotKV
 from server.engines.native.static_decode import StaticDecode
@@ -133,9 +136,19 @@ class Linear:
         return y.add_(other) if op == "add" else y.mul_(other)
 
 
-def _fused(modules: list[nn.Module], dtype: torch.dtype, packed: bool,
-           rows: list[torch.Tensor | None] | None = None) -> Linear:
-    """One Linear over the modules' outputs side by side; rows[i] reorders module i's outputs."""
+class Weights:
+    """How the runner's linears are built: the serving dtype, oneDNN packing, and (when the weight
+    kernel runs) each float32 weight's GGUF blocks by parameter identity (quant_linear.py)."""
+
+    def __init__(self, dtype: torch.dtype, packed: bool, blocks: dict[int, QuantWeight] | None = None) -> None:
+        self.dtype, self.packed, self.blocks = dtype, packed, blocks or {}
+
+
+def _fused(modules: list[nn.Module], weights: Weights,
+           rows: list[torch.Tensor | None] | None = None) -> Linear | QuantLinear:
+    """One Linear over the modules' outputs side by side; rows[i] reorders module i's outputs.
+    Where every module's weight has blocks, a QuantLinear over them (the float32 Linear kept for
+    steps of many rows)."""
     lins = [_linear(m) for m in modules]
     rows = rows or [None] * len(lins)
     weight = torch.cat([m.weight if r is None else m.weight[r] for m, r in zip(lins, rows, strict=True)])
@@ -144,7 +157,12 @@ def _fused(modules: list[nn.Module], dtype: torch.dtype, packed: bool,
     if any(b is not None for b in biases):
         bias = torch.cat([b if b is not None else m.weight.new_zeros(m.out_features)
                           for b, m in zip(biases, lins, strict=True)])
-    return Linear(weight, bias, dtype, packed)
+    dense = Linear(weight, bias, weights.dtype, weights.packed)
+    quant = [weights.blocks.get(id(m.weight)) for m in lins]
+    if not weights.blocks or any(q is None for q in quant):
+        return dense
+    fused = concat([cast(QuantWeight, q).rows(r) for q, r in zip(quant, rows, strict=True)])
+    return QuantLinear(fused, bias, dense, quant_linears.MAX_ROWS)
 
 
 def interleave_halves(heads: int, head_dim: int) -> torch.Tensor:
@@ -158,26 +176,27 @@ def interleave_halves(heads: int, head_dim: int) -> torch.Tensor:
 
 class _Layer:
     # layer: a transformers decoder layer, read by name (torch types its submodules Tensor | Module)
-    def __init__(self, layer: Any, dtype: torch.dtype, packed: bool, heads: int, kv_heads: int,
+    def __init__(self, layer: Any, weights: Weights, heads: int, kv_heads: int,
                  head_dim: int, fuse_mlp: bool) -> None:
+        dtype = weights.dtype
         self.norm1 = layer.input_layernorm.weight.detach().to(dtype)
         self.eps1 = float(getattr(layer.input_layernorm, "variance_epsilon", getattr(layer.input_layernorm, "eps", 1e-6)))
         self.norm2 = layer.post_attention_layernorm.weight.detach().to(dtype)
         self.eps2 = float(getattr(layer.post_attention_layernorm, "variance_epsilon",
                                   getattr(layer.post_attention_layernorm, "eps", 1e-6)))
         attn, mlp = layer.self_attn, layer.mlp
-        self.qkv = _fused([attn.q_proj, attn.k_proj, attn.v_proj], dtype, packed,
+        self.qkv = _fused([attn.q_proj, attn.k_proj, attn.v_proj], weights,
                           [interleave_halves(heads, head_dim), interleave_halves(kv_heads, head_dim), None])
-        self.o = _fused([attn.o_proj], dtype, packed)
-        self.down = _fused([mlp.down_proj], dtype, packed)
+        self.o = _fused([attn.o_proj], weights)
+        self.down = _fused([mlp.down_proj], weights)
         # gate and up as two GEMMs with oneDNN post-ops (silu(gate) fused, then * up fused) unless an
         # adapter must reach gate/up before the activation: then one gate|up GEMM, LoRA, silu * up
         self.fuse_mlp = fuse_mlp
         if fuse_mlp:
-            self.gate = _fused([mlp.gate_proj], dtype, packed)
-            self.up = _fused([mlp.up_proj], dtype, packed)
+            self.gate = _fused([mlp.gate_proj], weights)
+            self.up = _fused([mlp.up_proj], weights)
         else:
-            self.gate_up = _fused([mlp.gate_proj, mlp.up_proj], dtype, packed)
+            self.gate_up = _fused([mlp.gate_proj, mlp.up_proj], weights)
 
 
 class LlamaRunner:
@@ -189,13 +208,14 @@ class LlamaRunner:
                  adapted: list[str] | None = None, rank: int = 0, scale: float = 1.0,
                  skills: list[tuple[torch.Tensor, torch.Tensor]] | None = None,
                  lora_dtype: torch.dtype | None = None, static_decode: bool | None = None,
-                 lora_kernel: str = "auto", attention_kernel: str = "auto") -> None:
+                 lora_kernel: str = "auto", attention_kernel: str = "auto", weight_kernel: str = "auto") -> None:
         """adapted: the qualified names of the routed linears (the inventory's order); skills: their
         (A, B) skill tensors, so routed tasks are written from their routing weights. static_decode:
         decode steps padded to fixed shapes and, on CUDA, replayed as graphs (static_decode.py);
         None = on CUDA only. lora_kernel: the decode rows' LoRA in
         the native CPU kernel (lora_kernel.py): auto | on | off. attention_kernel: the decode rows'
-        attention in the native CPU kernel (attention_kernel.py): auto | on | off. The KV cache and
+        attention in the native CPU kernel (attention_kernel.py): auto | on | off. weight_kernel: the
+        linears read the backbone's GGUF blocks (quant_linear.py): auto | on | off. The KV cache and
         the adapter tables get one spare slot for padding."""
         reason = unsupported(model)
         if reason is not None:
@@ -214,14 +234,16 @@ class LlamaRunner:
         decoder: Any = model.model  # transformers modules, read by name
         groups = self._groups(model, adapted) if adapted else None
         mlp_adapted = groups is not None and any(row[2] is not None for row in groups)
+        head = cast(Any, model).get_output_embeddings()
+        weights = Weights(dtype, packed, self._blocks(model, head, weight_kernel))
+        self.weight_kernel = bool(weights.blocks)
         with torch.no_grad():
-            self.layers = [_Layer(layer, dtype, packed, self.heads, self.kv_heads, self.head_dim, not mlp_adapted)
+            self.layers = [_Layer(layer, weights, self.heads, self.kv_heads, self.head_dim, not mlp_adapted)
                            for layer in decoder.layers]
             self.embed = decoder.embed_tokens.weight.detach().to(dtype).contiguous()
             self.norm = decoder.norm.weight.detach().to(dtype)
             self.norm_eps = float(getattr(decoder.norm, "variance_epsilon", getattr(decoder.norm, "eps", 1e-6)))
-            head = cast(Any, model).get_output_embeddings()
-            self.lm_head = Linear(head.weight, getattr(head, "bias", None), dtype, packed)
+            self.lm_head = _fused([head], weights)
         self.vocab_size = self.lm_head.out_features
         rotary = decoder.rotary_emb
         self._inv_freq = rotary.inv_freq.detach().float().to(self.device)
@@ -255,6 +277,18 @@ class LlamaRunner:
                                        layout=lambda: (self.kv.version, self._rope_version))
 
     # -- building ------------------------------------------------------------------------------
+    def _blocks(self, model: nn.Module, head: nn.Module, setting: str) -> dict[int, QuantWeight]:
+        """Each float32 weight's GGUF blocks by parameter identity, where the weight kernel runs."""
+        if setting == "off" or self.device.type != "cpu" or self.dtype != torch.float32:
+            quant_linears.resolve(setting, self.device, self.dtype, {})  # "on": says why not
+            return {}
+        by_name = stored_blocks(model)
+        if not quant_linears.resolve(setting, self.device, self.dtype, by_name):
+            return {}
+        params: dict[str, torch.Tensor] = dict(model.named_parameters())
+        params.setdefault("lm_head.weight", _linear(head).weight)
+        return {id(params[name]): blocks for name, blocks in by_name.items() if name in params}
+
     def _groups(self, model: nn.Module, adapted: list[str]) -> list[list[Group | None]]:
         """Where each adapted linear (by qualified name, in the inventory's order) sits in the
         fused groups."""

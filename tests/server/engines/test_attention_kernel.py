@@ -110,11 +110,11 @@ def test_the_wheel_ships_every_file_the_native_kernels_compile():
     import tomllib
     from pathlib import Path
 
-    from server.engines.native import lora_kernel
+    from server.engines.native import lora_kernel, quant_linear
 
     root = Path(__file__).resolve().parents[3]
     globs = tomllib.loads((root / "pyproject.toml").read_text())["tool"]["setuptools"]["package-data"]["server"]
-    for kernel in (lora_kernel.KERNEL, attention_kernel.KERNEL):
+    for kernel in (lora_kernel.KERNEL, attention_kernel.KERNEL, quant_linear.KERNEL):
         for path in (kernel.source, *kernel.headers):
             rel = path.relative_to(root / "server")
             assert any(rel.match(g) for g in globs), f"{rel} is not in the wheel ({globs})"

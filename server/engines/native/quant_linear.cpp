@@ -1,0 +1,177 @@
+// y = x @ W.T (+ b), then an activation or an elementwise op with `other`, where W stays in the
+// GGUF block format it was stored in (quant_linear.py): Q4_1 (32 weights in 20 bytes: fp16 d and m,
+// 4-bit codes, w = d * q + m) or Q8_0 (32 weights in 34 bytes: fp16 d, int8 codes, w = d * q).
+//
+// Why: a decode step of a small model on an AVX2 CPU reads every weight once from memory; float32
+// weights are 4 bytes each, these 0.625 and 1.06. The weights are dequantised a panel of 8 output
+// columns at a time into a float32 buffer that stays in L1/L2, exactly as the GGUF reader does
+// (w = fma(q, d, m) rounds once, as (d * q) + m does: d * q is exact in float32), and every row of x
+// is then multiplied with that panel in float32 FMAs.
+//
+// Each output element is summed in one fixed order (8 partial sums over k = lane mod 8, then one
+// fixed tree), whatever the number of rows, the row's place in the batch, or the threads: a row's
+// result does not depend on what else is in the step.
+//
+// Built by cpp_kernel.py with -march=native; without AVX2, FMA and F16C it does not compile and the
+// caller keeps the float32 GEMMs. The panels are shared out over the calling thread's OpenMP team
+// (torch's libgomp): one thread when torch runs on one (lanes, one-thread steps), no team at all.
+
+#include <immintrin.h>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <vector>
+
+#if !defined(__AVX2__) || !defined(__FMA__) || !defined(__F16C__)
+#error "quant_linear needs AVX2, FMA and F16C"
+#endif
+
+namespace {
+
+constexpr int FMT_Q4_1 = 0;
+constexpr int FMT_Q8_0 = 1;
+constexpr int BLOCK = 32;
+constexpr int PANEL = 12;  // output columns dequantised together
+constexpr int OP_NONE = 0, OP_SILU = 1, OP_ADD = 2, OP_MUL = 3;
+// below this many multiply-adds the call runs on the calling thread (a team's wake-up costs more)
+constexpr int64_t PARALLEL_MIN_WORK = 1 << 18;
+
+int block_bytes(int fmt) { return fmt == FMT_Q4_1 ? 20 : 34; }
+
+inline float half(const uint8_t* p) {
+    uint16_t h;
+    std::memcpy(&h, p, 2);
+    return _cvtsh_ss(h);
+}
+
+inline void dequant_q4_1(const uint8_t* blk, float* dst) {
+    const __m256 d = _mm256_set1_ps(half(blk)), m = _mm256_set1_ps(half(blk + 2));
+    const __m128i q = _mm_loadu_si128(reinterpret_cast<const __m128i*>(blk + 4));
+    const __m128i mask = _mm_set1_epi8(0x0F);
+    const __m128i lo = _mm_and_si128(q, mask);                        // codes of weights 0..15
+    const __m128i hi = _mm_and_si128(_mm_srli_epi16(q, 4), mask);     // codes of weights 16..31
+    const __m128i parts[4] = {lo, _mm_srli_si128(lo, 8), hi, _mm_srli_si128(hi, 8)};
+    for (int i = 0; i < 4; ++i) {
+        const __m256 code = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(parts[i]));
+        _mm256_store_ps(dst + 8 * i, _mm256_fmadd_ps(code, d, m));
+    }
+}
+
+inline void dequant_q8_0(const uint8_t* blk, float* dst) {
+    const __m256 d = _mm256_set1_ps(half(blk));
+    for (int i = 0; i < 4; ++i) {
+        const __m128i q = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(blk + 2 + 8 * i));
+        _mm256_store_ps(dst + 8 * i, _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(q)), d));
+    }
+}
+
+// columns [n0, n0 + cols) of W, each K weights, into panel[c * K + k]
+void dequant_panel(int fmt, const uint8_t* w, int64_t K, int64_t n0, int cols, float* panel) {
+    const int64_t nb = K / BLOCK, bytes = block_bytes(fmt);
+    for (int c = 0; c < cols; ++c) {
+        const uint8_t* row = w + (n0 + c) * nb * bytes;
+        float* dst = panel + c * K;
+        if (fmt == FMT_Q4_1)
+            for (int64_t b = 0; b < nb; ++b) dequant_q4_1(row + b * bytes, dst + b * BLOCK);
+        else
+            for (int64_t b = 0; b < nb; ++b) dequant_q8_0(row + b * bytes, dst + b * BLOCK);
+    }
+}
+
+inline float hsum(__m256 v) {
+    const __m128 s4 = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    const __m128 s2 = _mm_add_ps(s4, _mm_movehl_ps(s4, s4));
+    return _mm_cvtss_f32(_mm_add_ss(s2, _mm_shuffle_ps(s2, s2, 1)));
+}
+
+// R rows x C panel columns: R * C independent sums, each over k in the same order
+template <int R, int C>
+inline void tile(const float* x, int64_t xs, const float* panel, int64_t K, float* res, int64_t rs) {
+    __m256 acc[R][C];
+    for (int r = 0; r < R; ++r)
+        for (int c = 0; c < C; ++c) acc[r][c] = _mm256_setzero_ps();
+    for (int64_t k = 0; k < K; k += 8) {
+        // each operand loaded once into a register (the empty asm keeps the compiler from folding a
+        // load into every FMA that uses it: R * C loads a step instead of R + C)
+        __m256 wv[C];
+        for (int c = 0; c < C; ++c) {
+            wv[c] = _mm256_load_ps(panel + c * K + k);
+            __asm__("" : "+x"(wv[c]));
+        }
+        for (int r = 0; r < R; ++r) {
+            __m256 xv = _mm256_loadu_ps(x + r * xs + k);
+            __asm__("" : "+x"(xv));
+            for (int c = 0; c < C; ++c) acc[r][c] = _mm256_fmadd_ps(xv, wv[c], acc[r][c]);
+        }
+    }
+    for (int r = 0; r < R; ++r)
+        for (int c = 0; c < C; ++c) res[r * rs + c] = hsum(acc[r][c]);
+}
+
+// R rows against `cols` panel columns, C at a time (8 independent sums keep both FMA pipes busy)
+template <int R, int C>
+void rows_against_panel(const float* x, int64_t xs, const float* panel, int64_t K, int cols, float* res) {
+    int c = 0;
+    for (; c + C <= cols; c += C) tile<R, C>(x, xs, panel + c * K, K, res + c, PANEL);
+    for (; c < cols; ++c) tile<R, 1>(x, xs, panel + c * K, K, res + c, PANEL);
+}
+
+inline float finish(float v, int op, float other) {
+    switch (op) {
+        case OP_SILU: return v / (1.0f + std::exp(-v));
+        case OP_ADD: return v + other;
+        case OP_MUL: return v * other;
+        default: return v;
+    }
+}
+
+}  // namespace
+
+extern "C" {
+
+// x: (M, K) float32 rows `x_stride` apart; w: N rows of K / 32 blocks; bias: N floats or null;
+// out: (M, N) rows `out_stride` apart; other: (M, N) rows `other_stride` apart, read for add / mul.
+// K must be a multiple of 32. Returns 0, or -1 for arguments it does not take.
+int polyserve_quant_linear(int fmt, int64_t M, int64_t K, const float* x, int64_t x_stride,
+                           const uint8_t* w, int64_t N, const float* bias, float* out, int64_t out_stride,
+                           int op, const float* other, int64_t other_stride) {
+    if ((fmt != FMT_Q4_1 && fmt != FMT_Q8_0) || K % BLOCK != 0 || M < 0 || N < 0 ||
+        op < OP_NONE || op > OP_MUL || ((op == OP_ADD || op == OP_MUL) && other == nullptr))
+        return -1;
+    const int64_t panels = (N + PANEL - 1) / PANEL;
+#pragma omp parallel if (M * K * N >= PARALLEL_MIN_WORK)
+    {
+        // 32-byte aligned panel of PANEL x K floats, per thread, reused across calls
+        static thread_local std::vector<float> storage;
+        if (storage.size() < static_cast<size_t>(PANEL * K + 8)) storage.resize(PANEL * K + 8);
+        float* panel = reinterpret_cast<float*>((reinterpret_cast<uintptr_t>(storage.data()) + 31) & ~uintptr_t(31));
+        float res[4 * PANEL];
+#pragma omp for schedule(static)
+        for (int64_t p = 0; p < panels; ++p) {
+            const int64_t n0 = p * PANEL;
+            const int cols = static_cast<int>(N - n0 < PANEL ? N - n0 : PANEL);
+            dequant_panel(fmt, w, K, n0, cols, panel);
+            for (int64_t m0 = 0; m0 < M; m0 += 4) {
+                const int rows = static_cast<int>(M - m0 < 4 ? M - m0 : 4);
+                const float* xr = x + m0 * x_stride;
+                switch (rows) {
+                    case 4: rows_against_panel<4, 3>(xr, x_stride, panel, K, cols, res); break;
+                    case 3: rows_against_panel<3, 3>(xr, x_stride, panel, K, cols, res); break;
+                    case 2: rows_against_panel<2, 4>(xr, x_stride, panel, K, cols, res); break;
+                    default: rows_against_panel<1, 6>(xr, x_stride, panel, K, cols, res); break;
+                }
+                for (int r = 0; r < rows; ++r) {
+                    float* o = out + (m0 + r) * out_stride + n0;
+                    const float* oth = other ? other + (m0 + r) * other_stride + n0 : nullptr;
+                    for (int c = 0; c < cols; ++c) {
+                        const float v = res[r * PANEL + c] + (bias ? bias[n0 + c] : 0.0f);
+                        o[c] = finish(v, op, oth ? oth[c] : 0.0f);
+                    }
+                }
+            }
+        }
+    }
+    return 0;
+}
+
+}  // extern "C"

@@ -1,0 +1,118 @@
+"""The native engine's linears read from the backbone's own GGUF blocks (quant_linear.cpp) instead of
+float32 copies, on CPUs where the engine serves float32 (no AVX-512 bf16).
+
+A decode step of the default backbone on such a CPU is mostly the linears reading their weights
+from memory: ~540 MB of float32 a step, against ~96 MB as stored (Q4_1 linears, a Q8_0 LM head).
+The kernel dequantises a few output columns at a time into a cache-resident float32 panel, with the
+same rounding as the loader (adapters_store/backbone/gguf_blocks.py, which hands over only blocks
+that reproduce the model's weights bit for bit), then runs float32 FMAs: the same weights and the
+same float32 arithmetic as the float32 path, in a fixed summation order per output (so a row's
+result does not depend on the other rows of its step).
+
+POLYSERVE_WEIGHT_KERNEL: auto = where the backbone has blocks, the engine serves float32 on a CPU and
+the kernel builds (AVX2, FMA, F16C); on = fail where it cannot; off = float32 GEMMs always. Steps
+with more rows than `max_rows` (long prompt chunks) keep oneDNN's float32 GEMM, which is faster there
+and reads the float32 copy, kept for them.
+"""
+
+from __future__ import annotations
+
+import ctypes
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from adapters_store.backbone.gguf_blocks import QuantWeight
+from server.engines.native.cpp_kernel import CppKernel
+
+_I64, _PTR, _INT = ctypes.c_int64, ctypes.c_void_p, ctypes.c_int
+KERNEL = CppKernel(Path(__file__).with_name("quant_linear.cpp"), "polyserve_quant_linear",
+                   [_INT, _I64, _I64, _PTR, _I64, _PTR, _I64, _PTR, _PTR, _I64, _INT, _PTR, _I64], _INT,
+                   "quantised-weight linear")
+FORMATS = {"Q4_1": 0, "Q8_0": 1}
+OPS = {"none": 0, "swish": 1, "add": 2, "mul": 3}
+SETTINGS = ("auto", "on", "off")
+# more rows than this in one call (a long prompt chunk): oneDNN's float32 GEMM is faster
+MAX_ROWS = 16
+
+
+def load() -> object | None:
+    """The kernel's ctypes function, built on first use; None (and the reason in `error()`) where it
+    cannot be built or loaded."""
+    return KERNEL.load()
+
+
+def error() -> str | None:
+    return KERNEL.error()
+
+
+def resolve(setting: str, device: torch.device, dtype: torch.dtype, blocks: Mapping[str, QuantWeight]) -> bool:
+    """Whether the runner's linears read the blocks: POLYSERVE_WEIGHT_KERNEL auto | on | off."""
+    if setting not in SETTINGS:
+        raise ValueError(f"weight_kernel must be one of {', '.join(SETTINGS)}; got {setting!r}")
+    if setting == "off":
+        return False
+    why = ("it runs on CPUs only" if device.type != "cpu" else
+           f"it computes in float32; the engine serves {str(dtype).removeprefix('torch.')}" if dtype != torch.float32
+           else "the backbone has no GGUF blocks that match its weights" if not blocks else None)
+    if why is None and load() is None:
+        why = f"the kernel is unavailable: {error()}"
+    if why is not None and setting == "on":
+        raise ValueError(f"POLYSERVE_WEIGHT_KERNEL=on: {why}")
+    return why is None
+
+
+class QuantLinear:
+    """A frozen y = x @ W.T (+ b) with W as GGUF blocks; the same calls as llama.Linear. Rows beyond
+    `max_rows` go to `dense` (the float32 Linear of the same weight)."""
+
+    def __init__(self, weight: QuantWeight, bias: torch.Tensor | None, dense: object, max_rows: int) -> None:
+        if weight.fmt not in FORMATS:
+            raise ValueError(f"the weight kernel reads {sorted(FORMATS)} blocks, not {weight.fmt}")
+        fn = load()
+        if fn is None:
+            raise RuntimeError(f"the weight kernel is unavailable: {error()}")
+        self._fn: Any = fn
+        self.weight = weight  # kept alive: the kernel reads the blocks by address
+        self.out_features, self.in_features = weight.out_features, weight.in_features
+        self.bias = None if bias is None else bias.detach().float().contiguous()
+        self.dense = dense
+        self.max_rows = max_rows
+        self._fmt = FORMATS[weight.fmt]
+        self._w = weight.blocks.data_ptr()
+        self._b = 0 if self.bias is None else self.bias.data_ptr()
+
+    def _run(self, x: torch.Tensor, op: str, other: torch.Tensor | None) -> torch.Tensor:
+        if x.dtype != torch.float32 or x.dim() != 2 or x.shape[1] != self.in_features:
+            raise ValueError(f"weight kernel: x {tuple(x.shape)} {x.dtype}, wants (rows, {self.in_features}) float32")
+        if x.stride(1) != 1:
+            x = x.contiguous()
+        m = x.shape[0]
+        out = torch.empty((m, self.out_features), dtype=torch.float32)
+        ptr, stride = 0, 0
+        if other is not None:
+            if other.shape != out.shape or other.dtype != torch.float32:
+                raise ValueError(f"weight kernel: other {tuple(other.shape)} {other.dtype}, wants "
+                                 f"{tuple(out.shape)} float32")
+            if other.stride(1) != 1:
+                other = other.contiguous()
+            ptr, stride = other.data_ptr(), other.stride(0)
+        rc = self._fn(self._fmt, m, self.in_features, x.data_ptr(), x.stride(0), self._w, self.out_features,
+                      self._b, out.data_ptr(), out.stride(0), OPS[op], ptr, stride)
+        if rc != 0:
+            raise ValueError(f"weight kernel refused {self.weight.fmt} x {tuple(x.shape)} -> {self.out_features}")
+        return out
+
+    def __call__(self, x: torch.Tensor, act: str = "none") -> torch.Tensor:
+        """act: "none" | "swish" (silu) applied to the output."""
+        if x.shape[0] > self.max_rows:
+            return self.dense(x, act)  # type: ignore[operator]
+        return self._run(x, act, None)
+
+    def binary(self, x: torch.Tensor, other: torch.Tensor, op: str) -> torch.Tensor:
+        """(x @ W.T + b) <op> other, op "add" | "mul" (a new tensor)."""
+        if x.shape[0] > self.max_rows:
+            return self.dense.binary(x, other, op)  # type: ignore[attr-defined]
+        return self._run(x, op, other)
