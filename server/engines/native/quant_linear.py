@@ -10,9 +10,9 @@ same float32 arithmetic as the float32 path, in a fixed summation order per outp
 result does not depend on the other rows of its step).
 
 POLYSERVE_WEIGHT_KERNEL: auto = where the backbone has blocks, the engine serves float32 on a CPU and
-the kernel builds (AVX2, FMA, F16C); on = fail where it cannot; off = float32 GEMMs always. Steps
-with more rows than `max_rows` (long prompt chunks) keep oneDNN's float32 GEMM, which is faster there
-and reads the float32 copy, kept for them.
+the kernel builds (AVX2, FMA, F16C); on = fail where it cannot; off = float32 GEMMs always. Calls
+of more than MAX_ROWS rows (prompt chunks longer than the default step) keep oneDNN's float32 GEMM,
+faster for many rows, on the float32 copy kept for them.
 """
 
 from __future__ import annotations
@@ -34,8 +34,9 @@ KERNEL = CppKernel(Path(__file__).with_name("quant_linear.cpp"), "polyserve_quan
 FORMATS = {"Q4_1": 0, "Q8_0": 1}
 OPS = {"none": 0, "swish": 1, "add": 2, "mul": 3}
 SETTINGS = ("auto", "on", "off")
-# more rows than this in one call (a long prompt chunk): oneDNN's float32 GEMM is faster
-MAX_ROWS = 16
+# more rows than this in one call (prompt chunks longer than the default step): oneDNN's float32
+# GEMM, faster than the kernel for many rows (bench/weight_formats.py)
+MAX_ROWS = 256
 
 
 def load() -> object | None:
