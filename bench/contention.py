@@ -185,6 +185,20 @@ def report(rows: list[dict]) -> str:
             f"| {statistics.median(ratios):.2f} ({', '.join(f'{x:.2f}' for x in ratios)}) | {kept['a']} | {kept[peer]} "
             f"| {2 / (2 + n):.2f} |" if ratios else
             f"| {n} | {len(a)} | {med['a']:.1f} ({spread(list(a.values()))}) | - | - | {kept['a']} | - | {2 / (2 + n):.2f} |")
+    # other variants run beside them (e.g. (w), the engine on dense weights): against (a), round by round
+    for v in sorted({row["variant"] for row in rows if row["busy"] != "quota"} - {"a", peer}):
+        lines += ["", (f"| busy processes | rounds | ({v}) tok/s: median (spread) | (a)/({v}): median (per round) "
+                      f"| ({v}) kept |"), "|---:|---:|---|---|---:|"]
+        alone_v = statistics.median(tps(0, v).values()) if tps(0, v) else None
+        for n in levels:
+            a, other = tps(n, "a"), tps(n, v)
+            if not other:
+                continue
+            ratios = [a[k] / other[k] for k in a if k in other]
+            med = statistics.median(other.values())
+            lines.append(f"| {n} | {len(other)} | {med:.1f} ({spread(list(other.values()))}) | "
+                         + (f"{statistics.median(ratios):.2f} ({', '.join(f'{x:.2f}' for x in ratios)})" if ratios else "-")
+                         + (f" | {med / alone_v:.2f} |" if alone_v else " | - |"))
     q = [row for row in rows if row["busy"] == "quota"]
     if q:
         qs = [row["tok_per_s"] for row in q]

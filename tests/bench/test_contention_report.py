@@ -24,3 +24,16 @@ def test_the_table_pairs_polyserve_with_the_peer_that_ran():
         assert alone.startswith("| 0 | 3 | 100.0 (90.0-110.0) | 95.0 (90.0-100.0) | 1.10 (1.11, 1.10, 0.95) | 1.00 | 1.00 |")
         # per-round ratios 0.80, 1.25, 1.25; kept = median beside 6 over median alone
         assert six.startswith("| 6 | 3 | 25.0 (20.0-30.0) | 24.0 (20.0-25.0) | 1.25 (0.80, 1.25, 1.25) | 0.25 | 0.25 | 0.25 |")
+
+
+def test_another_engine_variant_gets_its_own_table_against_a_round_by_round():
+    rows = _rows("f")
+    for r, (w0, w6) in enumerate([(80.0, 10.0), (100.0, 20.0), (90.0, 25.0)]):
+        rows += [{"round": r, "busy": 0, "variant": "w", "tok_per_s": w0},
+                 {"round": r, "busy": 6, "variant": "w", "tok_per_s": w6}]
+    lines = report(rows).splitlines()
+    head = lines.index("| busy processes | rounds | (w) tok/s: median (spread) | (a)/(w): median (per round) | (w) kept |")
+    # (a)/(w) alone: 100/80, 110/100, 90/90; beside 6: 20/10, 30/20, 25/25; kept 20/90
+    assert lines[head + 2] == "| 0 | 3 | 90.0 (80.0-100.0) | 1.10 (1.25, 1.10, 1.00) | 1.00 |"
+    assert lines[head + 3] == "| 6 | 3 | 20.0 (10.0-25.0) | 1.50 (2.00, 1.50, 1.00) | 0.22 |"
+    assert "(f)" not in "\n".join(lines[head:])  # the peer stays in the first table only
