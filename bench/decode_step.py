@@ -7,7 +7,9 @@ thread, no HTTP): N requests are admitted and prefilled, then `--steps` decode s
 
 Variants (all rows of a batch use the same one): greedy (the common path: one vectorised argmax),
 and, when the engine supports them, sampled, greedy+penalties, greedy+logprobs(5).
-Reports the median step time over `--repeats` runs of each variant (variants interleaved).
+Reports the median step time over `--repeats` runs of each variant (variants interleaved), and each
+run's. `--weight-kernels off on`: greedy steps on dense float32 weights against the backbone's GGUF
+blocks (server/engines/native/quant_linear.py), taking turns.
 """
 
 from __future__ import annotations
@@ -67,21 +69,29 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--prompt-len", type=int, default=32)
     ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--weight-kernels", nargs="+", choices=["auto", "on", "off"], default=["auto"],
+                    help="the engine's POLYSERVE_WEIGHT_KERNEL; more than one: greedy steps only, the settings "
+                         "taking turns in each repeat (e.g. off on: dense float32 weights against the GGUF blocks)")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     bb = load_backbone(args.backbone)
     table = variants(args.steps + 4)
+    if len(args.weight_kernels) > 1:
+        table = {f"greedy, weights {w}": table["greedy"] for w in args.weight_kernels}
+        kernels = dict(zip(table, args.weight_kernels, strict=True))
+    else:
+        kernels = {name: args.weight_kernels[0] for name in table}
     with torch.inference_mode():
         for rows in args.rows:
             times: dict[str, list[float]] = {name: [] for name in table}
             for _ in range(args.repeats):
                 for name, params in table.items():
-                    times[name].append(time_steps(bb, rows, params, args.steps, args.prompt_len))
-            ref = statistics.median(times["greedy"])
+                    times[name].append(time_steps(bb, rows, params, args.steps, args.prompt_len, kernels[name]))
+            ref = statistics.median(next(iter(times.values())))
             for name, ts in times.items():
                 med = statistics.median(ts)
-                print(f"{args.backbone:8s} rows={rows:3d} {name:18s} {med * 1e3:9.3f} ms/step  x{med / ref:.3f}")
-
+                print(f"{args.backbone:8s} rows={rows:3d} {name:18s} {med * 1e3:9.3f} ms/step  x{med / ref:.3f}"
+                      f"  ({', '.join(f'{t * 1e3:.1f}' for t in ts)})", flush=True)
 
 if __name__ == "__main__":
     main()
