@@ -2,7 +2,8 @@
 float32 copies, on CPUs where the engine serves float32 (no AVX-512 bf16).
 
 A decode step of the default backbone on such a CPU is mostly the linears reading their weights
-from memory: ~540 MB of float32 a step, against ~96 MB as stored (Q4_1 linears, a Q8_0 LM head).
+from memory: 4 bytes a weight as float32, about a sixth of that as stored (Q4_1 linears, a Q8_0 LM
+head; the figures: BENCHMARKS.md, "Linears on the GGUF blocks").
 The kernel dequantises a few output columns at a time into a cache-resident float32 panel, with the
 same rounding as the loader (adapters_store/backbone/gguf_blocks.py, which hands over only blocks
 that reproduce the model's weights bit for bit), then runs float32 FMAs: the same weights and the
