@@ -58,6 +58,9 @@ MODULES: dict[str, tuple[str, list[str]]] = {
     "runner": ("server/jobs/runner.py", JOBS_TESTS),
     "journal": ("server/jobs/journal.py", JOBS_TESTS),
     "leases": ("server/jobs/leases.py", JOBS_TESTS),
+    # which GGUF blocks the weight kernel may serve from: a wrong match serves wrong weights silently
+    "gguf_blocks": ("adapters_store/backbone/gguf_blocks.py", ["tests/adapters_store/backbone/test_gguf_blocks.py"]),
+    "quant_linear": ("server/engines/native/quant_linear.py", ["tests/server/engines/test_quant_linear.py"]),
 }
 
 # mutmut's exit codes (mutmut/stats.py): what a mutant's result means
