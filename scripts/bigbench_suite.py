@@ -5,8 +5,8 @@
 
 Writes $POLYSERVE_HOME/bigbench/{tasks.json,rows.jsonl} (training.bigbench: what the rows are, which
 tasks are held out) and prints a summary. `--jsonl-out FILE` also writes the training tasks'
-split-"train" rows as a suite file for `polyserve train --suite FILE`. The package itself is never
-installed: only its task.json files are read.
+split-"train" rows as a suite file for `polyserve train --suite FILE` (`--one-per-source`: only each
+source's largest task). The package itself is never installed: only its task.json files are read.
 """
 
 from __future__ import annotations
@@ -26,6 +26,8 @@ def main() -> None:
     ap.add_argument("--out", type=Path, default=None, help="cache dir (default: $POLYSERVE_HOME/bigbench)")
     ap.add_argument("--jsonl-out", type=Path, default=None, help="also write the training rows as a suite file")
     ap.add_argument("--examples-per-task", type=int, default=500)
+    ap.add_argument("--one-per-source", action="store_true",
+                    help="--jsonl-out: only each BIG-bench source's task with the most training rows")
     ap.add_argument("--skip-checksum", action="store_true", help=argparse.SUPPRESS)  # tests' small archives
     args = ap.parse_args()
 
@@ -44,7 +46,7 @@ def main() -> None:
     if missing:
         print(f"BIG-Bench Hard sources with no JSON task in the archive (programmatic tasks): {missing}")
     if args.jsonl_out:
-        rows = bigbench.training_suite(args.examples_per_task, out)
+        rows = bigbench.training_suite(args.examples_per_task, out, one_per_source=args.one_per_source)
         with args.jsonl_out.open("w") as f:
             for exs in rows.values():
                 for ex in exs:

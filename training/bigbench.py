@@ -226,9 +226,28 @@ def load_cache(where: Path | None = None) -> list[BBTask]:
             for t in index["tasks"]]
 
 
-def training_suite(examples_per_task: int, where: Path | None = None) -> dict[str, list[Example]]:
-    """The training tasks' split-"train" examples (what `polyserve train --suite bigbench` trains on)."""
-    return {t.id: t.examples("train")[:examples_per_task] for t in load_cache(where) if not t.heldout}
+def training_suite(examples_per_task: int, where: Path | None = None,
+                   one_per_source: bool = False) -> dict[str, list[Example]]:
+    """The training tasks' split-"train" examples (what `polyserve train --suite bigbench` trains on);
+    one_per_source: only each source's largest task (`one_task_per_source`)."""
+    tasks = [t for t in load_cache(where) if not t.heldout]
+    if one_per_source:
+        tasks = one_task_per_source(tasks)
+    return {t.id: t.examples("train")[:examples_per_task] for t in tasks}
+
+
+def one_task_per_source(tasks: list[BBTask]) -> list[BBTask]:
+    """Each source's task with the most split-"train" rows (ties: the first id), in id order.
+
+    A source's subtasks are mostly one task in variants (multiemo has 60, one per language and
+    domain): training on all of them gives one kind of task most of the batches and each task's
+    routing row a few examples; one a source spreads the same steps over distinct tasks."""
+    best: dict[str, BBTask] = {}
+    for t in sorted(tasks, key=lambda t: t.id):
+        kept = best.get(t.source)
+        if kept is None or len(t.split_rows("train")) > len(kept.split_rows("train")):
+            best[t.source] = t
+    return sorted(best.values(), key=lambda t: t.id)
 
 
 def sha256_file(path: Path) -> str:

@@ -180,3 +180,30 @@ def test_no_held_out_task_of_the_real_suite_keeps_its_answer_in_one_place():
             places = answer_places(list(t.rows))
             n_choices = len(t.rows[0]["choices"])
             assert max(places.values()) <= max(0.75, 2.0 / n_choices) * len(t.rows), (t.id, places)
+
+
+def _task(tid: str, source: str, train_rows: int, heldout: bool = False) -> bigbench.BBTask:
+    rows = tuple({"input": f"{tid} {i}", "output": "o", "split": "train"} for i in range(train_rows))
+    rows += ({"input": f"{tid} valid", "output": "o", "split": "valid"},) * 50  # other splits do not count
+    return bigbench.BBTask(tid, source, "generative", heldout, rows)
+
+
+def test_one_task_per_source_keeps_each_sources_largest_training_task():
+    tasks = [_task("bb-multi.b", "multi", 30), _task("bb-multi.a", "multi", 40), _task("bb-multi.c", "multi", 40),
+             _task("bb-solo", "solo", 5), _task("bb-pair.x", "pair", 10), _task("bb-pair.y", "pair", 11)]
+    kept = bigbench.one_task_per_source(tasks)
+    assert [t.id for t in kept] == ["bb-multi.a", "bb-pair.y", "bb-solo"]  # a tie keeps the first id
+
+
+def test_the_script_writes_one_task_per_source(built, tmp_path):
+    out, _, _ = built
+    path = tmp_path / "one.jsonl"
+    res = subprocess.run([sys.executable, "-m", "scripts.bigbench_suite", "--archive", str(out.parent / "bigbench-1.0.0.tar.gz"),
+                          "--out", str(tmp_path / "cache"), "--skip-checksum", "--jsonl-out", str(path), "--one-per-source"],
+                         cwd=ROOT, capture_output=True, text=True, timeout=120, check=False)
+    assert res.returncode == 0, res.stderr
+    written: dict[str, int] = {}
+    for line in path.read_text().splitlines():
+        written[json.loads(line)["task"]] = written.get(json.loads(line)["task"], 0) + 1
+    want = bigbench.training_suite(500, out, one_per_source=True)
+    assert written == {tid: len(exs) for tid, exs in want.items()} and written
