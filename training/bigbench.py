@@ -239,14 +239,13 @@ def training_suite(examples_per_task: int, where: Path | None = None,
 def one_task_per_source(tasks: list[BBTask]) -> list[BBTask]:
     """Each source's task with the most split-"train" rows (ties: the first id), in id order.
 
-    A source's subtasks are mostly one task in variants (multiemo has 60, one per language and
-    domain): training on all of them gives one kind of task most of the batches and each task's
-    routing row a few examples; one a source spreads the same steps over distinct tasks."""
+    Some sources ship one task in many variants (multiemo: one subtask per language and domain);
+    with uniform task sampling they take batches in proportion to their number and each variant's
+    routing row sees few examples. One task a source spreads the same steps over distinct tasks."""
+    size = {t.id: len(t.split_rows("train")) for t in tasks}
     best: dict[str, BBTask] = {}
-    for t in sorted(tasks, key=lambda t: t.id):
-        kept = best.get(t.source)
-        if kept is None or len(t.split_rows("train")) > len(kept.split_rows("train")):
-            best[t.source] = t
+    for t in sorted(tasks, key=lambda t: (-size[t.id], t.id)):
+        best.setdefault(t.source, t)
     return sorted(best.values(), key=lambda t: t.id)
 
 

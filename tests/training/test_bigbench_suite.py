@@ -8,6 +8,7 @@ import json
 import subprocess
 import sys
 import tarfile
+from collections import Counter
 from pathlib import Path
 
 import pytest
@@ -40,7 +41,7 @@ def mc(i: int) -> dict:
     return {"input": f"question {i}?", "target_scores": {f"yes {i}": 1, f"no {i}": 0, "maybe": 0}}
 
 
-def make_archive(path: Path) -> Path:
+def make_archive(path: Path, extra: dict | None = None) -> Path:
     files = {
         "toy_gen/task.json": {"name": "toy_gen", "examples": [gen(i) for i in range(60)]},
         "toy_mc/task.json": {"name": "toy_mc", "examples": [mc(i) for i in range(50)] + [mc(0)]},  # a duplicate
@@ -53,6 +54,7 @@ def make_archive(path: Path) -> Path:
         "word_sorting/task.json": {"name": "word_sorting", "examples": [gen(i, long=True) for i in range(10)]},
         "toy_prog/task.py": "print('programmatic tasks are not read')",
         "broken/task.json": "{not json",
+        **(extra or {}),
     }
     with tarfile.open(path, "w:gz") as tf:
         for name, content in files.items():
@@ -195,15 +197,17 @@ def test_one_task_per_source_keeps_each_sources_largest_training_task():
     assert [t.id for t in kept] == ["bb-multi.a", "bb-pair.y", "bb-solo"]  # a tie keeps the first id
 
 
-def test_the_script_writes_one_task_per_source(built, tmp_path):
-    out, _, _ = built
-    path = tmp_path / "one.jsonl"
-    res = subprocess.run([sys.executable, "-m", "scripts.bigbench_suite", "--archive", str(out.parent / "bigbench-1.0.0.tar.gz"),
-                          "--out", str(tmp_path / "cache"), "--skip-checksum", "--jsonl-out", str(path), "--one-per-source"],
+def test_the_script_writes_one_task_per_source(tmp_path):
+    # toy_parent gets a second, smaller subtask: the flag must keep sub_a and leave sub_b out
+    archive = make_archive(tmp_path / "bigbench-1.0.0.tar.gz",
+                           {"toy_parent/sub_b/task.json": {"name": "sub_b", "examples": [gen(i) for i in range(36)]}})
+    path, cache = tmp_path / "one.jsonl", tmp_path / "cache"
+    res = subprocess.run([sys.executable, "-m", "scripts.bigbench_suite", "--archive", str(archive), "--out", str(cache),
+                          "--skip-checksum", "--jsonl-out", str(path), "--one-per-source"],
                          cwd=ROOT, capture_output=True, text=True, timeout=120, check=False)
     assert res.returncode == 0, res.stderr
-    written: dict[str, int] = {}
-    for line in path.read_text().splitlines():
-        written[json.loads(line)["task"]] = written.get(json.loads(line)["task"], 0) + 1
-    want = bigbench.training_suite(500, out, one_per_source=True)
-    assert written == {tid: len(exs) for tid, exs in want.items()} and written
+    written = Counter(json.loads(line)["task"] for line in path.read_text().splitlines())
+    every = bigbench.training_suite(500, cache)
+    assert {"bb-toy_parent.sub_a", "bb-toy_parent.sub_b"} <= set(every)
+    assert set(written) == set(every) - {"bb-toy_parent.sub_b"}
+    assert written == {tid: len(every[tid]) for tid in written}
