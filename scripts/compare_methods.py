@@ -65,6 +65,8 @@ def main() -> None:
                     help="retrieval: padded tokens of the screen's examples (0: no cap; default: SCREEN_TOKENS)")
     ap.add_argument("--eval-every", type=int, default=5)
     ap.add_argument("--patience", type=int, default=3)
+    ap.add_argument("--select", choices=["loss", "exact"], default=None,
+                    help="what early stopping keeps: the held-out loss or exact match (default: AdaptConfig's)")
     ap.add_argument("--holdout", type=float, default=0.25,
                     help="share of the k examples held out of training for early stopping (0: train on all)")
     ap.add_argument("--trained-share", type=float, default=1.0,
@@ -141,6 +143,7 @@ def main() -> None:
     screen = {} if args.screen_tokens is None else {"screen_tokens": args.screen_tokens}
     recipe = {"lr": args.lr, "max_steps": args.max_steps, "batch_size": args.batch_size, "step_tokens": args.step_tokens,
               "eval_every": args.eval_every, "patience": args.patience,
+              **({} if args.select is None else {"select": args.select}),
               "autocast": args.autocast, "holdout_fraction": args.holdout, "max_length": max_length}
     for name, vocab in [(n, v) for n in names for v in vocabs]:
         for seed in [int(s) for s in args.seeds.split(",")]:

@@ -43,7 +43,7 @@ from adapters_store.store.records import InventoryInfo
 from training.adapt_config import AdaptConfig
 from training.batching import collate, encode_all, within_tokens
 from training.data import Example, split_examples
-from training.loss import per_example_loss, target_logits, token_loss
+from training.loss import per_example_exact, per_example_loss, target_logits, token_loss
 from training.precision import FrozenBf16Weights, resolve_autocast
 from training.routing_table import INIT, row_weights
 
@@ -67,6 +67,7 @@ class KnownEval:
 
     loss: float
     held: tuple[Example, ...]
+    exact: float | None = None  # held-out exact match; an Adaptation selecting on it needs it
 
 
 EVAL_CHUNK = 16  # held-out examples evaluated per step() (one forward, as long as a training step)
@@ -157,6 +158,9 @@ class Adaptation:
         self.evals = 0
         self.since_best = 0
         self.best_loss = float("inf")
+        self.best_exact = -1.0
+        self.select = config.select
+        self.last_eval_exact = float("nan")
         self.best: dict[str, torch.Tensor] | None = None
         self.best_step = 0
         self.initial_eval_loss: float | None = None
@@ -166,11 +170,12 @@ class Adaptation:
         self.finished = False
         self.started = time.perf_counter()
         self._need_eval = True  # evaluate the initial point first (μ for routing/mu)
-        self._eval_pos, self._eval_total = 0, 0.0  # progress through the held-out set (one chunk a slice)
-        if init_eval is not None and init_row is not None and held and tuple(held) == init_eval.held:
+        self._eval_pos, self._eval_total, self._eval_exact = 0, 0.0, 0.0  # progress through the held-out set (one chunk a slice)
+        known = init_eval is not None and (init_eval.exact is not None or self.select == "loss")
+        if known and init_eval is not None and init_row is not None and held and tuple(held) == init_eval.held:
             # the caller scored init_row on this very split: that evaluation is not run twice (the
             # row trains from init_row plus the INIT noise, a logit change the loss does not see)
-            self._record_eval(init_eval.loss)
+            self._record_eval(init_eval.loss, init_eval.exact)
             self._need_eval = False
 
     # -- the task's adapter as the RoutedModel reads it -----------------------------------------
@@ -257,23 +262,33 @@ class Adaptation:
         chunk = self.held[self._eval_pos : self._eval_pos + EVAL_CHUNK]
         self._set_plan(len(chunk))
         with self._ctx():
-            self._eval_total += float(per_example_loss(target_logits(self.rm.model, collate(chunk, self.pad))).sum())
+            t = target_logits(self.rm.model, collate(chunk, self.pad))
+            self._eval_total += float(per_example_loss(t).sum())
+            self._eval_exact += float(per_example_exact(t).sum())
         self._eval_pos += len(chunk)
         if self._eval_pos < len(self.held):
             return False
-        loss = self._eval_total / len(self.held)
-        self._eval_pos, self._eval_total = 0, 0.0
-        self._record_eval(loss)
+        loss, exact = self._eval_total / len(self.held), self._eval_exact / len(self.held)
+        self._eval_pos, self._eval_total, self._eval_exact = 0, 0.0, 0.0
+        self._record_eval(loss, exact)
         return True
 
-    def _record_eval(self, loss: float) -> None:
-        """One whole held-out evaluation's mean loss: the best-so-far tensors and early stopping."""
+    def _improves(self, loss: float, exact: float | None) -> bool:
+        if self.select == "exact" and exact is not None and exact != self.best_exact:
+            return exact > self.best_exact
+        return loss < self.best_loss
+
+    def _record_eval(self, loss: float, exact: float | None) -> None:
+        """One whole held-out evaluation (mean loss, exact match): the best-so-far tensors and early
+        stopping, by `select` (exact: exact match first, the loss between equals)."""
         self.evals += 1
         self.last_eval_loss = loss
+        self.last_eval_exact = float("nan") if exact is None else exact
         if self.initial_eval_loss is None:
             self.initial_eval_loss = loss
-        if loss < self.best_loss:
+        if self._improves(loss, exact):
             self.best_loss, self.best, self.best_step, self.since_best = loss, self._snapshot(), self.step_count, 0
+            self.best_exact = -1.0 if exact is None else exact
         else:
             self.since_best += 1
 
@@ -333,6 +348,7 @@ class Adaptation:
             "method": self.method, "steps_run": self.step_count, "steps": self.steps, "max_steps": self.max_steps,
             "best_step": self.best_step,
             "train_loss": _finite(self.last_loss), "eval_loss": _finite(self.best_loss) if self.held else None,
+            "eval_exact": self.best_exact if self.held and self.best_exact >= 0 else None, "select": self.select,
             "initial_eval_loss": self.initial_eval_loss, "n_train": self.n_train, "n_held": self.n_held,
             "seconds": round(time.perf_counter() - self.started, 3), "cancelled": self.cancelled,
             "stored_params": sum(t.numel() for t in tensors.values()),

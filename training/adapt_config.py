@@ -18,6 +18,7 @@ from training.batching import FEW_SHOT_MAX_LENGTH
 from training.precision import AUTOCAST_CHOICES
 
 ADAPT_METHODS = ("routing", "mu", "full", "plain-lora")
+SELECT_CHOICES = ("loss", "exact")
 # Routing: batches of 4 at lr 0.3 from a sweep on held-out compositions: smaller batches and more
 # steps beat larger ones at the same examples seen and cost; a higher lr lowered the loss but lost
 # exact match. 15 steps: within about one seed's spread of 30 steps' exact match at about half the
@@ -50,6 +51,9 @@ class AdaptConfig:
     holdout_fraction: float = 0.25
     eval_every: int = 5  # values below 1 act as 1
     patience: int = 3  # held-out evaluations without a new best before stopping
+    # what the best is, of the held-out evaluations: "loss" (the mean held-out loss) or "exact" (the
+    # held-out exact match, training.loss.per_example_exact; the loss between equals)
+    select: str = "loss"
     max_length: int = FEW_SHOT_MAX_LENGTH
     autocast: bool | str | None = None  # None / "auto": bf16 only where it is fast (training/precision.py)
     trained_share: float = 1.0  # routing only: the top share of the adapted linears that train
@@ -66,6 +70,8 @@ class AdaptConfig:
             raise ValueError(f"max_steps must be >= steps ({self.resolved_steps}), got {self.max_steps}")
         if self.resolved_step_tokens < 0:
             raise ValueError(f"step_tokens must be >= 0 (0: no cap), got {self.step_tokens}")
+        if self.select not in SELECT_CHOICES:
+            raise ValueError(f"select must be one of {'|'.join(SELECT_CHOICES)}, got {self.select!r}")
         if not 0.0 < self.trained_share <= 1.0:
             raise ValueError(f"trained_share must be in (0, 1], got {self.trained_share}")
         if self.trained_share < 1.0 and self.method != "routing":

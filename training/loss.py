@@ -89,6 +89,14 @@ def per_example_loss(t: TargetLogits) -> torch.Tensor:
     return _row_mean(ce, t)
 
 
+def per_example_exact(t: TargetLogits) -> torch.Tensor:
+    """(N,) 1.0 where every target token of a row, its closing eos included, is the most likely one
+    given the true prefix, else 0.0. Greedy decoding takes the most likely token at each position, so
+    these are exactly the rows it answers word for word: exact match from the loss's own forward."""
+    wrong = (t.logits.argmax(dim=-1) != t.targets).float()
+    return (wrong.new_zeros(t.n_rows).index_add_(0, t.rows, wrong) == 0).float()
+
+
 def normalised_entropy(t: TargetLogits) -> torch.Tensor:
     """(N,) each row's mean predictive entropy over its target positions, divided by log V (in [0, 1])."""
     logp = F.log_softmax(t.logits, dim=-1)

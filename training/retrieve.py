@@ -32,7 +32,7 @@ from adapters_store.store.records import InventoryInfo
 from training.adapt import AdaptResult, KnownEval
 from training.batching import FEW_SHOT_MAX_LENGTH, Encoded, collate, encode_all, within_tokens
 from training.data import Example, split_examples
-from training.loss import per_example_loss, target_logits
+from training.loss import per_example_exact, per_example_loss, target_logits
 from training.precision import resolve_autocast
 from training.routing_table import row_weights
 
@@ -125,6 +125,8 @@ class Retrieval:
         self.choices: dict[str, torch.Tensor] = {}
         self.held_sums: dict[str, float] = {}
         self.held_loss: dict[str, float] = {}
+        self.exact_sums: dict[str, float] = {}
+        self.held_exact: dict[str, float] = {}  # each choice's held-out exact match (training.loss.per_example_exact)
         self.stage = "screen" if self.names else "choose"
         self.pos = 0  # next example of the current stage
         if not self.names:
@@ -175,12 +177,16 @@ class Retrieval:
         self.rm.set_materialized(weights.to(self.device), index)
         batch = collate([e for e in chunk for _ in names], self.pad)
         with self._ctx():
-            losses = per_example_loss(target_logits(self.rm.model, batch)).view(len(chunk), len(names))
+            t = target_logits(self.rm.model, batch)
+            losses = per_example_loss(t).view(len(chunk), len(names))
+            exact = per_example_exact(t).view(len(chunk), len(names))
         for j, name in enumerate(names):
             self.held_sums[name] = self.held_sums.get(name, 0.0) + float(losses[:, j].sum())
+            self.exact_sums[name] = self.exact_sums.get(name, 0.0) + float(exact[:, j].sum())
         self.pos += len(chunk)
         if self.pos >= len(self.held):
             self.held_loss = {n: s / len(self.held) for n, s in self.held_sums.items()}
+            self.held_exact = {n: s / len(self.held) for n, s in self.exact_sums.items()}
             self.chosen = min(self.held_loss, key=lambda n: (self.held_loss[n], self._k(n)))
             self.stage, self.finished = "done", True
 
@@ -250,12 +256,12 @@ class Retrieval:
         return AdaptResult("routing", {"logits": self.choices[self.chosen].clone()}, metrics, params=0)
 
     def known_eval(self) -> KnownEval | None:
-        """The chosen row's held-out loss and the examples it was measured on, for an Adaptation that
+        """The chosen row's held-out loss and exact match and the examples they were measured on, for an Adaptation that
         trains from that row on the same split; None before the choice or where nothing was held out
         (the choice then scored the training examples)."""
         if self.chosen is None or not self.n_held:
             return None
-        return KnownEval(self.held_loss[self.chosen], self.held_examples)
+        return KnownEval(self.held_loss[self.chosen], self.held_examples, self.held_exact[self.chosen])
 
 
 def retrieve(

@@ -533,3 +533,39 @@ def test_the_token_caps_never_bind_on_the_procedural_suites_registrations():
                 longest = max(len(e.input_ids) for e in enc)
                 assert batch * longest <= cap, (task.name, vocab, longest)
                 assert len(enc) * longest <= SCREEN_TOKENS, (task.name, vocab, longest)
+
+
+def test_exact_match_from_the_loss_forward_is_every_target_token_being_the_most_likely():
+    from training.loss import TargetLogits, per_example_exact
+
+    # three rows of 2, 1 and 3 target tokens over a vocabulary of 4
+    targets = torch.tensor([1, 2, 0, 3, 3, 1])
+    rows = torch.tensor([0, 0, 1, 2, 2, 2])
+    logits = torch.full((6, 4), -1.0)
+    logits[torch.arange(6), targets] = 1.0  # every target token the most likely one
+    logits[4, 0] = 2.0  # row 2's second token is not: row 2 is not answered word for word
+    exact = per_example_exact(TargetLogits(logits, targets, rows, n_rows=3))
+    assert exact.tolist() == [1.0, 1.0, 0.0]
+
+
+
+@pytest.mark.parametrize("select, best_steps", [("loss", [0, 1, 3]), ("exact", [0, 1, 2, 4])])
+def test_the_best_evaluation_is_by_the_selected_measure(inventory, tokenizer, select, best_steps):
+    """exact: a higher held-out exact match wins even at a higher loss; the loss decides between equals."""
+    rm, info, skills = inventory
+    job = Adaptation(rm, info, skills, few(), tokenizer, AdaptConfig(select=select))
+    news = []
+    for step, (loss, exact) in enumerate([(1.0, 0.25), (0.8, 0.25), (0.9, 0.5), (0.7, 0.25), (0.85, 0.5)]):
+        job.step_count = step
+        job._record_eval(loss, exact)
+        if job.since_best == 0:
+            news.append(step)
+    assert news == best_steps and job.best_step == best_steps[-1]
+
+
+def test_selecting_on_exact_match_trains_and_reports_it(inventory, tokenizer):
+    rm, info, skills = inventory
+    res = adapt(rm, info, skills, few(), tokenizer, AdaptConfig(steps=6, eval_every=3, select="exact"))
+    assert res.metrics["select"] == "exact" and 0.0 <= res.metrics["eval_exact"] <= 1.0
+    with pytest.raises(ValueError, match="^select must be one of loss|exact"):
+        AdaptConfig(select="accuracy")

@@ -188,16 +188,22 @@ def test_bad_candidates_are_refused(inventory, tokenizer):
 
 
 # -- retrieval-initialised training ---------------------------------------------------------------
-def test_routing_training_starts_from_the_retrieved_row(inventory, tokenizer, library):
+@pytest.mark.parametrize("select", ["loss", "exact"])
+def test_routing_training_starts_from_the_retrieved_row(inventory, tokenizer, library, select):
     rm, info, skills = inventory
     exs = few("upper", seed=7)
+    config = AdaptConfig(steps=5, seed=0, select=select)
     staged = RetrievedAdaptation(
         Retrieval(rm, info, library, exs, tokenizer, seed=0),
-        lambda row, known: Adaptation(rm, info, skills, exs, tokenizer, AdaptConfig(steps=5, seed=0), init_row=row,
-                                      init_eval=known),
+        lambda row, known: Adaptation(rm, info, skills, exs, tokenizer, config, init_row=row, init_eval=known),
     )
+    known = None
     while staged.step():
-        pass
+        if known is None and staged.adaptation is not None:
+            known = staged.retrieval.known_eval()
+            assert known is not None and known.exact == staged.retrieval.held_exact[staged.retrieval.chosen]
+            # the known evaluation is its first, not run again
+            assert staged.adaptation.evals == 1 and staged.adaptation.best_exact == known.exact
     res = staged.result()
     retrieved = staged.retrieved.metrics
     assert retrieved["k"] >= 1
