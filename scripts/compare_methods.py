@@ -67,8 +67,9 @@ def main() -> None:
     ap.add_argument("--patience", type=int, default=3)
     ap.add_argument("--select", choices=["loss", "exact"], default=None,
                     help="what early stopping keeps: the held-out loss or exact match (default: AdaptConfig's)")
-    ap.add_argument("--holdout", type=float, default=0.25,
-                    help="share of the k examples held out of training for early stopping (0: train on all)")
+    ap.add_argument("--holdout", type=float, default=None,
+                    help="share of the k examples held out of training for early stopping (0: train on all; "
+                         "default: AdaptConfig's, none from LONG_FROM examples on)")
     ap.add_argument("--trained-share", type=float, default=1.0,
                     help="routing methods: the top share of the adapted linears whose routing is trained")
     ap.add_argument("--arrow-top-k", type=int, default=4, help="arrow: skills kept per token and head")

@@ -18,8 +18,9 @@ copies. Methods (what is trained -> what is stored):
     full      a new routing row + a copy of the skills, materialised     -> plain LoRA
               differentiably every step
 
-Part of the examples is held out; the held-out loss is measured every `eval_every` steps and
-the best-so-far tensors are kept (early stopping with `patience` evaluations); a caller that has
+Part of the examples is held out (none for a routing run on many examples: AdaptConfig.budget);
+the held-out loss and exact match are measured every `eval_every` steps and the best-so-far tensors
+are kept (by `select`; early stopping with `patience` evaluations); a caller that has
 already scored `init_row` on the same held-out split (a retrieval) passes that loss (KnownEval) and
 the first evaluation is not run again. The hyper-parameters come in one AdaptConfig
 (training/adapt_config.py), checked when it is made.
@@ -96,11 +97,11 @@ class Adaptation:
             raise ValueError("the RoutedModel's layers do not match the inventory's")
         method = config.method
         self.config, self.rm, self.info, self.method, self.tokenizer = config, rm, info, method, tokenizer
-        self.steps, self.max_steps = config.resolved_steps, config.resolved_max_steps
+        self.steps, self.max_steps, holdout = config.budget(len(examples))
         self.warmup = max(1, self.steps // 10)
         self.lr = config.resolved_lr
         self.progress, self.eval_every, self.patience = progress, max(1, config.eval_every), config.patience
-        train, held = split_examples(list(examples), config.holdout_fraction, config.seed)
+        train, held = split_examples(list(examples), holdout, config.seed)
         self.n_train, self.n_held = len(train), len(held)
         self.train = encode_all(tokenizer, train, config.max_length)
         self.held = encode_all(tokenizer, held, config.max_length)

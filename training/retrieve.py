@@ -30,6 +30,7 @@ import torch
 from adapters_store.lora.inject import RoutedModel
 from adapters_store.store.records import InventoryInfo
 from training.adapt import AdaptResult, KnownEval
+from training.adapt_config import HOLDOUT
 from training.batching import FEW_SHOT_MAX_LENGTH, Encoded, collate, encode_all, within_tokens
 from training.data import Example, split_examples
 from training.loss import per_example_exact, per_example_loss, target_logits
@@ -76,7 +77,7 @@ class Retrieval:
         tokenizer: Any,
         *,
         seed: int = 0,
-        holdout_fraction: float = 0.25,
+        holdout_fraction: float = HOLDOUT,
         ks: tuple[int, ...] = DEFAULT_KS,
         rows_per_step: int = 32,
         screen_tokens: int = SCREEN_TOKENS,

@@ -481,7 +481,7 @@ def test_a_known_initial_loss_on_the_same_split_is_not_measured_again(inventory,
     measured = Adaptation(rm, info, skills, exs, tokenizer, config, init_row=init)
     measured.step()  # the first step evaluates the initial row
     assert measured.step_count == 0 and measured.evals == 1
-    held = tuple(split_examples(exs, config.holdout_fraction, config.seed)[1])
+    held = tuple(split_examples(exs, config.budget(len(exs))[2], config.seed)[1])
 
     forwards: list = []
     hook = rm.model.get_input_embeddings().register_forward_hook(lambda _m, _a, out: forwards.append(out.shape[0]))
@@ -498,7 +498,7 @@ def test_a_known_initial_loss_on_the_same_split_is_not_measured_again(inventory,
     res = known.result()
     assert res.metrics["initial_eval_loss"] == measured.last_eval_loss and known.evals == 2  # the known one + the end
 
-    other = tuple(split_examples(exs, config.holdout_fraction, config.seed + 1)[1])
+    other = tuple(split_examples(exs, config.budget(len(exs))[2], config.seed + 1)[1])
     assert other != held
     for mismatch in (KnownEval(0.0, other), KnownEval(0.0, ())):  # another split: measured as usual
         job = Adaptation(rm, info, skills, exs, tokenizer, config, init_row=init, init_eval=mismatch)
@@ -569,3 +569,28 @@ def test_selecting_on_exact_match_trains_and_reports_it(inventory, tokenizer):
     assert res.metrics["select"] == "exact" and 0.0 <= res.metrics["eval_exact"] <= 1.0
     with pytest.raises(ValueError, match="^select must be one of loss|exact"):
         AdaptConfig(select="accuracy")
+    with pytest.raises(ValueError, match=r"^holdout_fraction must be in \[0, 1\)"):
+        AdaptConfig(holdout_fraction=1.0)
+
+
+def test_a_routing_run_on_many_examples_trains_on_all_of_them_for_more_passes(inventory, tokenizer):
+    from training.adapt_config import HOLDOUT, LONG_FROM, LONG_MAX_STEPS, LONG_PASSES
+
+    few_cfg = AdaptConfig()
+    assert few_cfg.budget(16) == few_cfg.budget(LONG_FROM - 1) == (15, 15, HOLDOUT)
+    long_steps = math.ceil(LONG_PASSES * LONG_FROM / 4)  # routing's batch of 4
+    assert 15 < long_steps < LONG_MAX_STEPS and few_cfg.budget(LONG_FROM) == (long_steps, long_steps, 0.0)
+    assert few_cfg.budget(1000) == (LONG_MAX_STEPS, LONG_MAX_STEPS, 0.0)
+    # what is set wins: steps, the held-out share, a larger max_steps; other methods keep their budget
+    assert AdaptConfig(steps=30).budget(LONG_FROM) == (30, 30, 0.0)
+    assert AdaptConfig(holdout_fraction=0.25).budget(LONG_FROM) == (long_steps, long_steps, 0.25)
+    assert AdaptConfig(holdout_fraction=0.0).budget(16) == (15, 15, 0.0)
+    assert AdaptConfig(max_steps=20).budget(LONG_FROM) == (long_steps, long_steps, 0.0)
+    assert AdaptConfig(max_steps=900).budget(LONG_FROM) == (long_steps, 900, 0.0)
+    assert AdaptConfig(method="mu").budget(LONG_FROM) == (40, 40, HOLDOUT)
+
+    rm, info, skills = inventory
+    job = Adaptation(rm, info, skills, few(LONG_FROM), tokenizer)
+    assert (job.n_train, job.n_held, job.steps) == (LONG_FROM, 0, long_steps)
+    job = Adaptation(rm, info, skills, few(16), tokenizer)
+    assert (job.n_train, job.n_held, job.steps) == (12, 4, 15)
