@@ -121,7 +121,7 @@ class NativeEngine:
         self.governor = ThreadGovernor(self.threads, cpus.budget().usable) if cfg.adaptive_threads else None
         self.contended_lanes = cfg.contended_lanes
         if self.governor is not None and self.contended_lanes is None:
-            self.contended_lanes, why = lanes_pay()
+            self.contended_lanes, why = lanes_pay(bool(getattr(self.runner, "weight_kernel", False)))
             log.info("without the team, a step runs on %s (%s)", "lanes" if self.contended_lanes else "one thread", why)
         self.lanes = 1  # threads the step's items are split over (runner.use_lanes), while the team is 1
 

@@ -13,7 +13,7 @@ Items of one step are independent: each writes only its own slot's KV positions 
 own slot's adapter tables, so lanes share the cache and the tables without a lock. The one
 allocation a step may make (the KV cache and the rope table growing) happens before the lanes start.
 
-    lanes_pay()                 whether lanes beat one thread on this CPU (the default, "auto")
+    lanes_pay(weight_kernel)    whether lanes beat one thread on this CPU and weights (the default, "auto")
     partition(sizes, lanes)     items to lanes, balanced by tokens (pure)
     Lanes(n).run(batch, fn)     fn(sub-batch) on each lane (the calling thread is lane 0), the
                                 logits back in the batch's order
@@ -31,14 +31,18 @@ from server.engines.native.step import StepBatch
 from server.infra import openmp
 
 
-def lanes_pay() -> tuple[bool, str]:
+def lanes_pay(weight_kernel: bool = False) -> tuple[bool, str]:
     """Whether a contended step runs on lanes rather than on one thread, on this CPU, and why.
+    weight_kernel: the runner's linears read the backbone's GGUF blocks (quant_linear.py).
 
     Lanes get more of the CPUs than one thread but spend more CPU per token (each reads all the
     weights for half the rows). That pays where a step's GEMMs are bound by arithmetic, and not
     where they are bound by reading the weights: measured beside busy processes, lanes gained on
-    an AVX2-only CPU and lost or tied on AVX-512 ones (with and without AMX), in float32 as in bfloat16
-    (docs/history/openmp-threads.md, "Lanes")."""
+    an AVX2-only CPU and lost or tied on AVX-512 ones (with and without AMX), in float32 as in bfloat16,
+    on dense weights. On the GGUF blocks a lane reads a fifth of the bytes, and lanes were ahead on an
+    AVX-512 CPU too (docs/history/openmp-threads.md, "Lanes")."""
+    if weight_kernel:
+        return True, "the linears read the GGUF blocks: a second lane's weight reads cost little"
     if cpu_has_avx512():
         return False, "the CPU has AVX-512: lanes' extra work costs more than their share of the CPUs gains"
     return True, "the CPU has no AVX-512: lanes' share of the CPUs outweighs their extra work"

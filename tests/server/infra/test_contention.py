@@ -185,7 +185,8 @@ def test_without_the_team_the_engine_splits_steps_over_lanes(monkeypatch, tiny_b
 @pytest.mark.parametrize("avx512", [True, False])
 def test_lanes_by_default_where_the_cpu_has_no_avx512_and_the_setting_wins(monkeypatch, tiny_base, tokenizer, avx512):
     """POLYSERVE_CONTENDED_LANES auto (the default): lanes on CPUs without AVX-512, one thread on
-    CPUs with it (where lanes measured slower); on/off win over the machine."""
+    CPUs with it (where lanes measured slower on dense weights), lanes wherever the linears read the
+    GGUF blocks; on/off win over the machine."""
     from server.engines.native import engine as engine_mod
     from server.engines.native import lanes as lanes_mod
     from server.engines.native.config import EngineConfig
@@ -194,13 +195,26 @@ def test_lanes_by_default_where_the_cpu_has_no_avx512_and_the_setting_wins(monke
 
     monkeypatch.setattr(lanes_mod, "cpu_has_avx512", lambda: avx512)
     assert lanes_mod.lanes_pay()[0] is (not avx512)
+    assert lanes_mod.lanes_pay(weight_kernel=True)[0] is True  # linears on the GGUF blocks: lanes either way
     assert EngineConfig.from_settings(Settings()).contended_lanes is None
     for value, want in (("auto", not avx512), ("on", True), ("off", False)):
         monkeypatch.setenv("POLYSERVE_CONTENDED_LANES", value)
         eng = NativeEngine(tiny_base, tokenizer, config=EngineConfig.from_settings(Settings(), threads=2))
         assert eng.contended_lanes is want, value
+    # a runner whose linears read the GGUF blocks (the default backbone on a float32 CPU): lanes under auto
+    build = engine_mod.build_model_runner
+
+    def on_blocks(*args, **kwargs):
+        runner = build(*args, **kwargs)
+        runner.weight_kernel = True
+        return runner
+
+    monkeypatch.setattr(engine_mod, "build_model_runner", on_blocks)
+    monkeypatch.setenv("POLYSERVE_CONTENDED_LANES", "auto")
+    assert NativeEngine(tiny_base, tokenizer, config=EngineConfig.from_settings(Settings(), threads=2)).contended_lanes
+    monkeypatch.setattr(engine_mod, "build_model_runner", build)
     monkeypatch.setenv("POLYSERVE_CONTENDED_LANES", "true")  # the values are auto|on|off, like the others
     with pytest.raises(ValueError, match="contended_lanes"):
         Settings()
-    monkeypatch.setattr(engine_mod, "lanes_pay", lambda: pytest.fail("asked without a governor"))
+    monkeypatch.setattr(engine_mod, "lanes_pay", lambda *_: pytest.fail("asked without a governor"))
     NativeEngine(tiny_base, tokenizer, config=EngineConfig(threads=2, adaptive_threads=False))
