@@ -161,7 +161,6 @@ class Adaptation:
         self.best_loss = float("inf")
         self.best_exact = -1.0
         self.select = config.select
-        self.last_eval_exact = float("nan")
         self.best: dict[str, torch.Tensor] | None = None
         self.best_step = 0
         self.initial_eval_loss: float | None = None
@@ -172,8 +171,8 @@ class Adaptation:
         self.started = time.perf_counter()
         self._need_eval = True  # evaluate the initial point first (μ for routing/mu)
         self._eval_pos, self._eval_total, self._eval_exact = 0, 0.0, 0.0  # progress through the held-out set (one chunk a slice)
-        known = init_eval is not None and (init_eval.exact is not None or self.select == "loss")
-        if known and init_eval is not None and init_row is not None and held and tuple(held) == init_eval.held:
+        if (init_eval is not None and init_row is not None and held and tuple(held) == init_eval.held
+                and (init_eval.exact is not None or self.select == "loss")):
             # the caller scored init_row on this very split: that evaluation is not run twice (the
             # row trains from init_row plus the INIT noise, a logit change the loss does not see)
             self._record_eval(init_eval.loss, init_eval.exact)
@@ -284,7 +283,6 @@ class Adaptation:
         stopping, by `select` (exact: exact match first, the loss between equals)."""
         self.evals += 1
         self.last_eval_loss = loss
-        self.last_eval_exact = float("nan") if exact is None else exact
         if self.initial_eval_loss is None:
             self.initial_eval_loss = loss
         if self._improves(loss, exact):

@@ -94,7 +94,7 @@ def per_example_exact(t: TargetLogits) -> torch.Tensor:
     given the true prefix, else 0.0. Greedy decoding takes the most likely token at each position, so
     these are exactly the rows it answers word for word: exact match from the loss's own forward."""
     wrong = (t.logits.argmax(dim=-1) != t.targets).float()
-    return (wrong.new_zeros(t.n_rows).index_add_(0, t.rows, wrong) == 0).float()
+    return (_row_mean(wrong, t) == 0).float()
 
 
 def normalised_entropy(t: TargetLogits) -> torch.Tensor:
