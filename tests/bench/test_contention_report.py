@@ -37,3 +37,34 @@ def test_another_engine_variant_gets_its_own_table_against_a_round_by_round():
     assert lines[head + 2] == "| 0 | 3 | 90.0 (80.0-100.0) | 1.10 (1.25, 1.10, 1.00) | 1.00 |"
     assert lines[head + 3] == "| 6 | 3 | 20.0 (10.0-25.0) | 1.50 (2.00, 1.50, 1.00) | 0.22 |"
     assert "(f)" not in "\n".join(lines[head:])  # the peer stays in the first table only
+
+
+def test_the_quota_runs_threads_never_reach_the_next_rounds_runs(monkeypatch):
+    import contextlib
+
+    from bench import contention
+
+    calls: list[tuple[str, list[str]]] = []
+
+    def fake_bench(variants, args, prefix=()):
+        calls.append(("quota" if prefix else "busy", list(args)))
+        return [{"variant": f"({v})", "tok_per_s": 1.0} for v in variants]
+
+    @contextlib.contextmanager
+    def nothing(*_):
+        yield
+
+    @contextlib.contextmanager
+    def quota():
+        yield ["limit"], "a test's quota"
+
+    monkeypatch.setattr(contention, "serve_bench", fake_bench)
+    monkeypatch.setattr(contention, "busy_processes", nothing)
+    monkeypatch.setattr(contention, "one_cpu_quota", quota)
+    args = ["--tasks", "4", "--requests", "8", "--threads", "2"]
+    contention.measure([0, 2], 2, "af", args, {2: 4}, quota=True)
+    assert args == ["--tasks", "4", "--requests", "8", "--threads", "2"]  # what --json records
+    busy = [a for kind, a in calls if kind == "busy"]
+    assert len(busy) == 4 and all(a[a.index("--threads") + 1] == "2" for a in busy)
+    assert [a[a.index("--requests") + 1] for a in busy] == ["8", "4", "8", "4"]
+    assert all(a[a.index("--threads") + 1] == "auto" for kind, a in calls if kind == "quota")
