@@ -120,27 +120,20 @@ def serve_bench(variants: str, args: list[str], prefix: list[str] | None = None)
         return json.loads(Path(out.name).read_text())["results"]
 
 
+def with_option(args: list[str], flag: str, value: str) -> list[str]:
+    """serve_bench's arguments with `flag value` set, replacing the flag's value where it is given;
+    always a new list, so that a run's changes never reach the next round's."""
+    out = list(args)
+    if flag in out:
+        out[out.index(flag) + 1] = value
+    else:
+        out += [flag, value]
+    return out
+
+
 def with_requests(args: list[str], n: int | None) -> list[str]:
-    """serve_bench's arguments with n requests (None: as given); always a new list, so that a
-    run's changes to it never reach the next round's."""
-    out = list(args)
-    if n is None:
-        return out
-    if "--requests" in out:
-        out[out.index("--requests") + 1] = str(n)
-    else:
-        out += ["--requests", str(n)]
-    return out
-
-
-def with_threads(args: list[str], threads: str) -> list[str]:
-    """serve_bench's arguments with --threads set (a new list)."""
-    out = list(args)
-    if "--threads" in out:
-        out[out.index("--threads") + 1] = threads
-    else:
-        out += ["--threads", threads]
-    return out
+    """serve_bench's arguments with n requests (None: as given; a new list either way)."""
+    return list(args) if n is None else with_option(args, "--requests", str(n))
 
 
 def measure(busy: list[int], rounds: int, variants: str, bench_args: list[str], requests_at: dict[int, int],
@@ -159,7 +152,7 @@ def measure(busy: list[int], rounds: int, variants: str, bench_args: list[str], 
                 print(json.dumps(rows[-1]), flush=True)
         if quota:
             # threads as the server sizes them inside the cgroup (server/infra/cpus.py): 1
-            quota_args = with_threads(with_requests(bench_args, requests_at.get(0)), "auto")
+            quota_args = with_option(with_requests(bench_args, requests_at.get(0)), "--threads", "auto")
             with one_cpu_quota() as (prefix, how):
                 res = serve_bench("a", quota_args, prefix)[0]
             rows.append({"round": r, "busy": "quota", "how": how, "variant": "a", "tok_per_s": res["tok_per_s"],
