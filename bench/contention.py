@@ -18,7 +18,10 @@ b.json` (runs of one round number pair up for (a)/(F)).
 Reported per busy count: the median over rounds of each variant's output tok/s and the spread
 (min-max), the median of the per-round ratios (a)/(F) and their spread, and "kept": the median
 beside N busy processes over the median with none (fair share of 2 threads on 2 CPUs beside N
-single-threaded busy processes: 2 / (2 + N)).
+single-threaded busy processes: 2 / (2 + N)). Then, for each variant, what its processes got from
+the scheduler (serve_bench's and the peer's schedstat figures): CPUs held, CPU seconds per 1,000
+tokens, and the share of its runnable time on a CPU. `--idle-busy` runs the busy processes at idle
+priority: the CPUs never halt, but the bench's processes keep them.
 """
 
 from __future__ import annotations
@@ -41,8 +44,14 @@ BUSY = [sys.executable, "-c", "while True: pass"]
 
 
 @contextlib.contextmanager
-def busy_processes(n: int) -> Iterator[None]:
+def busy_processes(n: int, idle: bool = False) -> Iterator[None]:
+    """n busy loops; idle: at the scheduler's idle priority (SCHED_IDLE), which takes a CPU only when
+    nothing else wants it, so the CPUs never sit idle but the bench keeps them: what a run gains or
+    loses from the CPUs being kept awake alone, apart from sharing them."""
     procs = [subprocess.Popen(BUSY) for _ in range(n)]
+    if idle:
+        for p in procs:
+            os.sched_setscheduler(p.pid, os.SCHED_IDLE, os.sched_param(0))
     try:
         time.sleep(0.5 if n else 0)  # running before the bench starts
         yield
@@ -136,19 +145,21 @@ def with_requests(args: list[str], n: int | None) -> list[str]:
     return list(args) if n is None else with_option(args, "--requests", str(n))
 
 
+KEPT = ("tokens", "wall_s", "cpu_s", "runnable_wait_s", "cpu_s_by_process", "one_thread_steps", "steps")
+
+
 def measure(busy: list[int], rounds: int, variants: str, bench_args: list[str], requests_at: dict[int, int],
-            quota: bool, first_round: int = 0) -> list[dict]:
+            quota: bool, first_round: int = 0, idle_busy: bool = False) -> list[dict]:
     rows = []
     for r in range(first_round, first_round + rounds):
         order = variants if r % 2 == 0 else variants[::-1]
         for n in busy:
             load = os.getloadavg()[0]
-            with busy_processes(n):
+            with busy_processes(n, idle_busy):
                 results = serve_bench(order, with_requests(bench_args, requests_at.get(n)))
             for res in results:
                 rows.append({"round": r, "busy": n, "variant": res["variant"][1], "tok_per_s": res["tok_per_s"],
-                             "load_before": load, **{k: res[k] for k in ("cpu_s", "runnable_wait_s",
-                                                                       "one_thread_steps", "steps") if k in res}})
+                             "load_before": load, **{k: res[k] for k in KEPT if k in res}})
                 print(json.dumps(rows[-1]), flush=True)
         if quota:
             # threads as the server sizes them inside the cgroup (server/infra/cpus.py): 1
@@ -156,7 +167,7 @@ def measure(busy: list[int], rounds: int, variants: str, bench_args: list[str], 
             with one_cpu_quota() as (prefix, how):
                 res = serve_bench("a", quota_args, prefix)[0]
             rows.append({"round": r, "busy": "quota", "how": how, "variant": "a", "tok_per_s": res["tok_per_s"],
-                         **{k: res[k] for k in ("cpu_s", "runnable_wait_s", "one_thread_steps", "steps") if k in res}})
+                         **{k: res[k] for k in KEPT if k in res}})
             print(json.dumps(rows[-1]), flush=True)
     return rows
 
@@ -202,6 +213,7 @@ def report(rows: list[dict]) -> str:
             lines.append(f"| {n} | {len(other)} | {med:.1f} ({spread(list(other.values()))}) | "
                          + (f"{statistics.median(ratios):.2f} ({', '.join(f'{x:.2f}' for x in ratios)})" if ratios else "-")
                          + (f" | {med / alone_v:.2f} |" if alone_v else " | - |"))
+    lines += cpu_table(rows, levels)
     q = [row for row in rows if row["busy"] == "quota"]
     if q:
         qs = [row["tok_per_s"] for row in q]
@@ -210,6 +222,26 @@ def report(rows: list[dict]) -> str:
                      f"({spread(qs)}, {len(qs)} rounds)"
                      + (f" = {statistics.median(qs) / alone['a']:.2f} of (a) unlimited" if "a" in alone else ""))
     return "\n".join(lines)
+
+
+def cpu_table(rows: list[dict], levels: list[int]) -> list[str]:
+    """Where each variant's time went, from its processes' schedstat (rows that carry it): CPUs it
+    held on average (CPU seconds over wall seconds), CPU seconds per 1,000 output tokens, and the
+    share of its runnable time it spent on a CPU (the rest it waited for one). Medians over rounds."""
+    have = [row for row in rows if row["busy"] != "quota" and {"cpu_s", "runnable_wait_s", "wall_s", "tokens"} <= row.keys()
+            and row["cpu_s"] > 0]  # no schedstat: nothing to say
+    if not have:
+        return []
+    lines = ["", "| busy processes | variant | rounds | CPUs held | CPU s per 1,000 tokens | on a CPU when runnable |",
+             "|---:|---|---:|---:|---:|---:|"]
+    for n in levels:
+        for v in sorted({row["variant"] for row in have if row["busy"] == n}):
+            runs = [row for row in have if row["busy"] == n and row["variant"] == v]
+            held = statistics.median(row["cpu_s"] / row["wall_s"] for row in runs)
+            per_k = statistics.median(1000 * row["cpu_s"] / row["tokens"] for row in runs)
+            on = statistics.median(row["cpu_s"] / (row["cpu_s"] + row["runnable_wait_s"]) for row in runs)
+            lines.append(f"| {n} | ({v}) | {len(runs)} | {held:.2f} | {per_k:.1f} | {on:.2f} |")
+    return lines
 
 
 def main() -> None:
@@ -224,6 +256,8 @@ def main() -> None:
     ap.add_argument("--variants", default="aF", help="serve_bench letters run at each count")
     ap.add_argument("--requests-at", default="", help="e.g. 6=48: --requests for that busy count")
     ap.add_argument("--quota", action="store_true", help="also (a) under a 1-CPU quota, each round")
+    ap.add_argument("--idle-busy", action="store_true",
+                    help="run the busy processes at idle priority (SCHED_IDLE): CPUs kept awake, not shared")
     ap.add_argument("--json", type=Path, help="write the rows here")
     ap.add_argument("--report", type=Path, nargs="*", help="only report rows from these --json files")
     args = ap.parse_args(own)
@@ -235,7 +269,7 @@ def main() -> None:
         return
     requests_at = {int(k): int(v) for k, v in (kv.split("=") for kv in args.requests_at.split(",") if kv)}
     rows = measure([int(x) for x in args.busy.split(",")], args.rounds, args.variants, bench_args, requests_at,
-                   args.quota, args.first_round)
+                   args.quota, args.first_round, args.idle_busy)
     if args.json:
         args.json.write_text(json.dumps({"bench_args": bench_args, "argv": own, "rows": rows}, indent=1))
     print(report(rows))

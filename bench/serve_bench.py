@@ -53,6 +53,7 @@ from adapters_store.backbone.prompt import format_prompt
 from adapters_store.lora.inject import RoutedModel
 from adapters_store.lora.spec import ATTENTION_TARGETS, InventorySpec
 from adapters_store.store.directory import DirectoryStore
+from bench.schedstat import sched_delta, thread_times
 from server.adapter_cache.cache import AdapterCache
 from server.adapter_cache.l1 import L1Cache
 from server.engines.dtype import serving_dtype
@@ -106,7 +107,8 @@ def summary(name: str, wall: float, tokens: int, ttft: list[float], itl: list[fl
 
 
 def merge_repeats(results: list[dict]) -> list[dict]:
-    """Average repeated runs of one variant (means of every figure)."""
+    """Average repeated runs of one variant (means of every figure; a breakdown by process is kept
+    for a single run only, its processes differ between runs)."""
     groups: dict[str, list[dict]] = {}
     for r in results:
         groups.setdefault(r["variant"], []).append(r)
@@ -114,8 +116,10 @@ def merge_repeats(results: list[dict]) -> list[dict]:
     for name, runs in groups.items():
         merged = {"variant": name, "runs": len(runs)}
         for k in runs[0]:
-            if k != "variant":
+            if isinstance(runs[0][k], (int, float)):
                 merged[k] = statistics.fmean(r[k] for r in runs)
+            elif k != "variant" and len(runs) == 1:
+                merged[k] = runs[0][k]
         out.append(merged)
     return out
 
@@ -201,30 +205,6 @@ def run_engine(engine: Engine, tok, jobs, adapters, name: str, *, base: bool = F
     return summary(name, wall, tokens, ttft, itl)
 
 
-def thread_times() -> dict[str, tuple[int, int]]:
-    """Per thread of this process: (ns on a CPU, ns runnable but waiting for one), from
-    /proc/self/task/<tid>/schedstat (empty where the kernel has no schedstat)."""
-    out = {}
-    for task in Path("/proc/self/task").glob("*"):
-        try:
-            on_cpu, waiting, _ = (task / "schedstat").read_text().split()
-        except (OSError, ValueError):
-            continue
-        out[task.name] = (int(on_cpu), int(waiting))
-    return out
-
-
-def sched_delta(before: dict[str, tuple[int, int]], after: dict[str, tuple[int, int]]) -> dict:
-    """CPU seconds the process's threads got during a run and seconds they waited runnable (for a
-    CPU another process held: the contention a run met), summed over threads."""
-    cpu = wait = 0
-    for tid, (on_cpu, waiting) in after.items():
-        was = before.get(tid, (0, 0))
-        cpu += on_cpu - was[0]
-        wait += waiting - was[1]
-    return {"cpu_s": round(cpu / 1e9, 2), "runnable_wait_s": round(wait / 1e9, 2)}
-
-
 class StepTimes:
     """transformers streamer that records when each generation step's tokens appear."""
 
@@ -290,7 +270,8 @@ def run_vllm(args, v: str, store: DirectoryStore, jobs: list[tuple[str, str, int
     label = {"lora": "vLLM + exported LoRAs", "base": "vLLM bare", "polyserve": "polyserve on its vLLM engine"}[mode]
     nan = float("nan")
     return {"variant": f"({v}) {label}, {dtype}", "wall_s": got["seconds"], "tokens": got["tokens"],
-            "tok_per_s": got["tok_per_s"], **{k: got.get(k, nan) for k in ("ttft_p50", "ttft_p99", "itl_p50", "itl_p99")}}
+            "tok_per_s": got["tok_per_s"], **{k: got.get(k, nan) for k in ("ttft_p50", "ttft_p99", "itl_p50", "itl_p99")},
+            **{k: got[k] for k in ("cpu_s", "runnable_wait_s", "cpu_s_by_process") if k in got}}
 
 
 def main() -> None:
@@ -398,9 +379,10 @@ def main() -> None:
         r = results[-1]
         print(f"{r['variant']:45s} {r['tok_per_s']:8.1f} tok/s  TTFT p50 {r['ttft_p50']:.2f}s p99 {r['ttft_p99']:.2f}s"
               f"  ITL p50 {1000 * r['itl_p50']:.0f}ms p99 {1000 * r['itl_p99']:.0f}ms  ({r['wall_s']:.0f}s"
-              + (f"; {r['steps']} steps ({r['one_thread_steps']} without the team, {args.contended}), CPU {r['cpu_s']:.1f}s, "
-                 f"waited runnable {r['runnable_wait_s']:.1f}s"
-                 if "cpu_s" in r else "") + ")", flush=True)
+              + (f"; {r['steps']} steps ({r['one_thread_steps']} without the team, {args.contended})" if "steps" in r else "")
+              + (f", CPU {r['cpu_s']:.1f}s, waited runnable {r['runnable_wait_s']:.1f}s" if "cpu_s" in r else "")
+              + (f" [{', '.join(f'{k} {s:.1f}s' for k, s in r['cpu_s_by_process'].items())}]" if "cpu_s_by_process" in r else "")
+              + ")", flush=True)
     results = merge_repeats(results)
     if len(args.variants) > len(set(args.variants)):
         for r in results:

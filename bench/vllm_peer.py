@@ -9,7 +9,9 @@ written before the clock starts (steady state, as (e) exports them beforehand).
     .venv-vllm/bin/python -m bench.vllm_peer --jobs jobs.json --model DIR --loras DIR \
         --mode lora --dtype float32 --batch 16
 
-jobs.json: [{"task", "prompt", "out", "temperature"?, "top_p"?}, ...] (greedy where absent). Prints one JSON line: tokens, seconds, tok/s.
+jobs.json: [{"task", "prompt", "out", "temperature"?, "top_p"?}, ...] (greedy where absent). Prints one JSON line: tokens, seconds, tok/s,
+and (e/f) the CPU seconds vLLM's processes got during the timed run and waited runnable, by process
+(bench/schedstat.py: its engine core is a child process).
 """
 
 from __future__ import annotations
@@ -18,6 +20,8 @@ import argparse
 import json
 import time
 from pathlib import Path
+
+from bench import schedstat
 
 
 def main() -> None:
@@ -48,12 +52,15 @@ def main() -> None:
                              temperature=j.get("temperature", 0.0), top_p=j.get("top_p", 1.0)) for j in jobs]
     loras = [LoRARequest(j["task"], ids[j["task"]], str(args.loras / j["task"])) for j in jobs] if lora else None
     llm.generate(prompts[:2], params[:2], lora_request=loras[:2] if loras else None, use_tqdm=False)  # warm-up
+    pids = schedstat.tree()
+    before = schedstat.thread_times(pids)
     started = time.perf_counter()
     outs = llm.generate(prompts, params, lora_request=loras, use_tqdm=False)
     seconds = time.perf_counter() - started
+    cpu = schedstat.sched_delta(before, schedstat.thread_times(pids), schedstat.process_names(pids))
     tokens = sum(len(o.outputs[0].token_ids) for o in outs)
     print(json.dumps({"mode": args.mode, "dtype": args.dtype, "tokens": tokens, "seconds": seconds,
-                      "tok_per_s": tokens / seconds}), flush=True)
+                      "tok_per_s": tokens / seconds, **cpu}), flush=True)
 
 
 def run_polyserve(args, jobs: list[dict]) -> None:

@@ -68,3 +68,38 @@ def test_the_quota_runs_threads_never_reach_the_next_rounds_runs(monkeypatch):
     assert len(busy) == 4 and all(a[a.index("--threads") + 1] == "2" for a in busy)
     assert [a[a.index("--requests") + 1] for a in busy] == ["8", "4", "8", "4"]
     assert all(a[a.index("--threads") + 1] == "auto" for kind, a in calls if kind == "quota")
+
+
+def test_the_cpu_table_reads_each_variants_schedstat_figures():
+    rows = []
+    for r, (cpu_a, cpu_f) in enumerate([(20.0, 30.0), (24.0, 36.0), (22.0, 27.0)]):
+        rows += [{"round": r, "busy": 2, "variant": "a", "tok_per_s": 50.0, "tokens": 1000, "wall_s": 20.0,
+                  "cpu_s": cpu_a, "runnable_wait_s": cpu_a},
+                 {"round": r, "busy": 2, "variant": "f", "tok_per_s": 80.0, "tokens": 1600, "wall_s": 20.0,
+                  "cpu_s": cpu_f, "runnable_wait_s": cpu_f / 2}]
+    rows.append({"round": 0, "busy": "quota", "variant": "a", "tok_per_s": 1.0, "how": "v2", "tokens": 10,
+                 "wall_s": 1.0, "cpu_s": 1.0, "runnable_wait_s": 0.0})  # not a busy level: left out
+    lines = report(rows).splitlines()
+    head = lines.index("| busy processes | variant | rounds | CPUs held | CPU s per 1,000 tokens | on a CPU when runnable |")
+    # (a): medians of 20/20, 24/20, 22/20 CPUs; 20, 24, 22 s per 1,000 tokens; half its runnable time
+    assert lines[head + 2] == "| 2 | (a) | 3 | 1.10 | 22.0 | 0.50 |"
+    # (f): 30, 36, 27 CPU s over 20 s; per 1,000 tokens 18.75, 22.5, 16.875; two thirds on a CPU
+    assert lines[head + 3] == "| 2 | (f) | 3 | 1.50 | 18.8 | 0.67 |"
+    assert lines[head + 4] == "" and "quota" in lines[head + 5]
+
+
+def test_rows_without_schedstat_leave_the_cpu_table_out():
+    rows = [{"round": 0, "busy": 0, "variant": v, "tok_per_s": 10.0, "tokens": 100, "wall_s": 10.0,
+             "cpu_s": 0.0, "runnable_wait_s": 0.0} for v in "af"]
+    assert "CPUs held" not in report(rows)
+
+
+def test_idle_busy_processes_run_at_the_schedulers_idle_priority():
+    import os
+
+    from bench import contention, schedstat
+
+    for idle, policy in ((True, os.SCHED_IDLE), (False, os.SCHED_OTHER)):
+        with contention.busy_processes(1, idle=idle):
+            children = [p for p in schedstat.tree() if p != os.getpid()]
+            assert len(children) == 1 and os.sched_getscheduler(children[0]) == policy
