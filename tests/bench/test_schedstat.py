@@ -20,7 +20,7 @@ def _proc(root: Path, pid: int, parent: int, comm: str, threads: dict[int, tuple
 
 def test_a_tree_is_the_root_and_its_descendants_only(tmp_path):
     _proc(tmp_path, 10, 1, "python", {10: (1, 0)})
-    _proc(tmp_path, 11, 10, "VLLM::Engine Core)", {11: (1, 0)})
+    _proc(tmp_path, 11, 10, "Engine) 1 2 (x", {11: (1, 0)})
     _proc(tmp_path, 12, 11, "worker", {12: (1, 0)})
     _proc(tmp_path, 20, 1, "busy", {20: (1, 0)})  # a neighbour, not a child
     (tmp_path / "self").mkdir()  # not a process directory
