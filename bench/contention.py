@@ -228,7 +228,7 @@ def cpu_table(rows: list[dict], levels: list[int]) -> list[str]:
     """Where each variant's time went, from its processes' schedstat (rows that carry it): CPUs it
     held on average (CPU seconds over wall seconds), CPU seconds per 1,000 output tokens, and the
     share of its runnable time it spent on a CPU (the rest it waited for one). Medians over rounds."""
-    have = [row for row in rows if row["busy"] != "quota" and {"cpu_s", "runnable_wait_s", "wall_s", "tokens"} <= row.keys()
+    have = [row for row in rows if row["busy"] in levels and {"cpu_s", "runnable_wait_s", "wall_s", "tokens"} <= row.keys()
             and row["cpu_s"] > 0]  # no schedstat: nothing to say
     if not have:
         return []
