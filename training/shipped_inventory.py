@@ -24,6 +24,15 @@ from adapters_store.store.ids import validate_task_id
 from adapters_store.store.records import InventoryInfo, TaskRecord
 
 PACKAGE_DIR = Path(__file__).resolve().parent / "default_inventory"
+WORDS_DIR = Path(__file__).resolve().parent / "words"
+# What the wheel's package data may weigh, inventory and word lists together: a server installs it
+# on every node, and pip downloads it with every upgrade.
+PACKAGE_BUDGET_BYTES = 40 * 1000 * 1000
+
+
+def tree_bytes(*roots: Path) -> int:
+    """Bytes of the files under each existing root."""
+    return sum(p.stat().st_size for root in roots if root.exists() for p in root.rglob("*") if p.is_file())
 
 
 def default_inventory_available(source: Path | None = None) -> bool:
@@ -65,8 +74,10 @@ def _install(store: AdapterStore, src: Path) -> bool:
     return True
 
 
-def export_store(store_root: Path, dest: Path = PACKAGE_DIR) -> dict[str, object]:
-    """Replace `dest` with the inventory of `store_root` and its pre-training tasks' routing rows."""
+def export_store(store_root: Path, dest: Path = PACKAGE_DIR, budget: int = PACKAGE_BUDGET_BYTES) -> dict[str, object]:
+    """Replace `dest` with the inventory of `store_root` and its pre-training tasks' routing rows.
+    Refused, with `dest` left as it was, where the new package data (with the word lists) would
+    weigh more than `budget` bytes."""
     store = DirectoryStore(store_root)
     info = store.inventory_info()
     tasks = [r for r in store.list_tasks() if r.kind == "routing" and r.source.get("kind") == "pretraining"]
@@ -79,10 +90,15 @@ def export_store(store_root: Path, dest: Path = PACKAGE_DIR) -> dict[str, object
         (tmp / "tasks" / record.id).mkdir(parents=True)
         shutil.copy2(store.root / "tasks" / record.id / str(record.file), tmp / "tasks" / record.id / str(record.file))
         shutil.copy2(store.root / "tasks" / record.id / "task.json", tmp / "tasks" / record.id / "task.json")
+    size = tree_bytes(tmp, WORDS_DIR)
+    if size > budget:
+        shutil.rmtree(tmp)
+        raise ValueError(f"the package data would weigh {size:,} bytes (inventory {tree_bytes(store.root / 'inventory'):,}, "
+                         f"{len(tasks)} tasks' rows, word lists), over its budget of {budget:,}: ship fewer or smaller "
+                         f"skills, or fewer tasks' rows; {dest} is unchanged")
     shutil.rmtree(dest, ignore_errors=True)
     tmp.rename(dest)
-    size = sum(p.stat().st_size for p in dest.rglob("*") if p.is_file())
-    return {"dest": str(dest), "inventory_version": info.version, "tasks": len(tasks), "bytes": size}
+    return {"dest": str(dest), "inventory_version": info.version, "tasks": len(tasks), "package_bytes": size}
 
 
 def main() -> None:
@@ -90,7 +106,10 @@ def main() -> None:
     parser.add_argument("--from-store", required=True, type=Path, help="a trained store to ship")
     parser.add_argument("--dest", type=Path, default=PACKAGE_DIR)
     args = parser.parse_args()
-    print(json.dumps(export_store(args.from_store, args.dest)))
+    try:
+        print(json.dumps(export_store(args.from_store, args.dest)))
+    except ValueError as err:
+        raise SystemExit(f"error: {err}") from None
 
 
 if __name__ == "__main__":

@@ -396,6 +396,30 @@ def test_install_default_inventory_copies_once(tiny_model, tokenizer, tmp_path):
     assert install_default_inventory(DirectoryStore(tmp_path / "w2"), source=tmp_path / "missing") is False
 
 
+
+def test_the_shipped_package_data_stays_within_its_budget():
+    from training.shipped_inventory import PACKAGE_BUDGET_BYTES, PACKAGE_DIR, WORDS_DIR, default_inventory_available, tree_bytes
+
+    assert default_inventory_available(), "training/default_inventory/ is tracked in git and ships in the wheel"
+    assert PACKAGE_BUDGET_BYTES == 40 * 1000 * 1000
+    assert 0 < tree_bytes(PACKAGE_DIR, WORDS_DIR) <= PACKAGE_BUDGET_BYTES
+
+
+def test_an_export_over_the_budget_is_refused_and_leaves_the_package_as_it_was(tiny_model, tokenizer, tmp_path):
+    from training.shipped_inventory import WORDS_DIR, export_store, tree_bytes
+
+    trainer = Trainer(config("mhr", steps=1), backbone(tiny_model, tokenizer), toy_tasks(2), DirectoryStore(tmp_path / "a"))
+    trainer.run(progress=False)
+    shipped = tmp_path / "pkg" / "default_inventory"
+    first = export_store(tmp_path / "a", shipped)
+    assert first["package_bytes"] == tree_bytes(shipped, WORDS_DIR)
+    before = {p.relative_to(shipped): p.read_bytes() for p in shipped.rglob("*") if p.is_file()}
+    with pytest.raises(ValueError, match="over its budget"):
+        export_store(tmp_path / "a", shipped, budget=int(first["package_bytes"]) - 1)
+    assert {p.relative_to(shipped): p.read_bytes() for p in shipped.rglob("*") if p.is_file()} == before
+    assert not (tmp_path / "pkg" / "default_inventory.tmp").exists()
+    assert export_store(tmp_path / "a", shipped, budget=int(first["package_bytes"]))["package_bytes"] == first["package_bytes"]
+
 def test_cli_train_eval_adapt_plot(tmp_path):
     from training import cli
 
