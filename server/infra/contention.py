@@ -16,13 +16,18 @@ step), which the scheduler gives one share of the CPUs each:
                CONTENDED, another process holds CPUs the team needs: down to one thread
     one thread the system's runnable threads other than this one (/proc/loadavg's running count,
                averaged over the window); when they leave a CPU free for every extra thread, try
-               the full team again; and, whatever they say, probe it now and then (PROBE_S,
-               doubling after each probe that finds the CPUs still taken, up to PROBE_MAX_S),
-               since low-priority (niced) work counts as runnable there but takes almost nothing
+               the full team again. Low-priority (niced) work counts as runnable there but takes
+               almost nothing, so the waits decide too:
+               - on lanes (`lanes`: as many runnable threads as the team, no barrier): a window
+                 whose waits are at most CONTENDED says the CPUs are free for the team: back to it;
+               - on one thread: probe the team now and then (PROBE_S, doubling after each probe
+                 that finds the CPUs still taken, up to PROBE_MAX_S), but only after a window in
+                 which the one thread itself waited at most CONTENDED: where even one thread
+                 waits, a team would wait more, and a probe step costs seconds there (each of its
+                 barriers waits for a descheduled member)
 
-Weights of other processes show in the first measure only (a nice-19 training run leaves the
-team's waits near zero, so the team stays), which is why going down trusts it and going up
-checks it again.
+Weights of other processes show in the waits only (a nice-19 training run leaves the team's waits
+near zero, so the team stays), which is why going down trusts them and going up checks them again.
 """
 
 from __future__ import annotations
@@ -73,6 +78,7 @@ class ThreadGovernor:
         self.usable = usable
         self._clock, self._wait_ns, self._runnable = clock, wait_ns, runnable
         self.current = max_threads
+        self.lanes = False  # the engine's steps without the team run on lanes (set by the engine)
         self.switches = 0
         self.steps_at: dict[int, int] = {}  # steps run per team size (benchmarks report it)
         self._probe_s = PROBE_S
@@ -104,10 +110,9 @@ class ThreadGovernor:
                 self._others.append(max(0, running - 1))
         if now - self._t0 < WINDOW_S:
             return self.current
+        share = self._wait_share(now)
         if self.current > 1:
-            waited = self._wait_ns()
-            if waited is not None and self._w0 is not None:
-                share = (waited - self._w0) / 1e9 / (now - self._t0)
+            if share is not None:
                 if share > CONTENDED:
                     self._set(1, f"threads waited {share:.2f} s a second for CPUs others hold")
                     self._probe_at = now + self._probe_s
@@ -118,9 +123,19 @@ class ThreadGovernor:
             free = self.usable - others if others is not None else 0.0
             if free >= self.max_threads - 0.25:
                 self._set(self.max_threads, f"{others:.2f} other runnable threads on {self.usable:g} CPUs")
-            elif now >= self._probe_at:
+            elif self.lanes and share is not None:
+                if share <= CONTENDED:
+                    self._set(self.max_threads, f"lanes waited {share:.2f} s a second: the CPUs are free")
+            elif now >= self._probe_at and (share is None or share <= CONTENDED):
                 self._set(self.max_threads, "probe")
                 self._probe_s = min(PROBE_MAX_S, self._probe_s * 2)
                 self._probe_at = now + self._probe_s
         self._start_window()
         return self.current
+
+    def _wait_share(self, now: float) -> float | None:
+        """Runnable-but-waiting seconds of the process's threads per wall second, this window."""
+        waited = self._wait_ns()
+        if waited is None or self._w0 is None or now <= self._t0:
+            return None
+        return (waited - self._w0) / 1e9 / (now - self._t0)

@@ -398,7 +398,13 @@ def test_install_default_inventory_copies_once(tiny_model, tokenizer, tmp_path):
 
 
 def test_the_shipped_package_data_stays_within_its_budget():
-    from training.shipped_inventory import PACKAGE_BUDGET_BYTES, PACKAGE_DIR, WORDS_DIR, default_inventory_available, tree_bytes
+    from training.shipped_inventory import (
+        PACKAGE_BUDGET_BYTES,
+        PACKAGE_DIR,
+        WORDS_DIR,
+        default_inventory_available,
+        tree_bytes,
+    )
 
     assert default_inventory_available(), "training/default_inventory/ is tracked in git and ships in the wheel"
     assert PACKAGE_BUDGET_BYTES == 40 * 1000 * 1000

@@ -5,13 +5,14 @@ fake schedstat waits and a fake loadavg running count."""
 from __future__ import annotations
 
 import itertools
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
 import torch
 
 from server.infra import contention
-from server.infra.contention import PROBE_S, WINDOW_S, ThreadGovernor
+from server.infra.contention import PROBE_MAX_S, PROBE_S, WINDOW_S, ThreadGovernor
 
 
 class Host:
@@ -26,12 +27,15 @@ class Host:
         return ThreadGovernor(max_threads, usable, clock=lambda: self.t, wait_ns=lambda: self.wait_ns,
                               runnable=lambda: self.running)
 
-    def run(self, gov: ThreadGovernor, seconds: float, *, wait_per_s: float = 0.0, steps_per_s: int = 40) -> list[int]:
-        """Steps for `seconds`, the process waiting wait_per_s runnable seconds each second."""
+    def run(self, gov: ThreadGovernor, seconds: float, *, wait_per_s: float | Callable[[int], float] = 0.0,
+            steps_per_s: int = 40) -> list[int]:
+        """Steps for `seconds`, the process waiting wait_per_s runnable seconds each second (a
+        function: of the team size the step runs on)."""
         out = []
         for _ in range(int(seconds * steps_per_s)):
             self.t += 1 / steps_per_s
-            self.wait_ns += int(wait_per_s / steps_per_s * 1e9)
+            wait = wait_per_s(gov.current) if callable(wait_per_s) else wait_per_s
+            self.wait_ns += int(wait / steps_per_s * 1e9)
             out.append(gov.threads())
         return out
 
@@ -70,14 +74,45 @@ def test_niced_load_counts_as_runnable_but_probes_bring_the_team_back():
 
 
 def test_probes_back_off_while_the_cpus_stay_taken():
+    """Beside one busy process: one thread gets a CPU without waiting, the team does not."""
     host = Host()
     gov = host.gov()
-    host.running = 7
-    seen = host.run(gov, 60, wait_per_s=1.5)
+    host.running = 2
+    seen = host.run(gov, 60, wait_per_s=lambda team: 1.5 if team > 1 else 0.05)
     probes = sum(1 for a, b in itertools.pairwise(seen) if (a, b) == (1, 2))
     # at 2, 4, 8, 16, 32 s after the first drop: 5 probes in a minute, not 30
     assert 3 <= probes <= 6
     assert seen.count(2) / len(seen) < 0.05
+
+
+def test_no_probe_while_even_one_thread_waits_for_a_cpu():
+    """Beside many busy processes one thread waits too: a team step there would cost seconds."""
+    host = Host()
+    gov = host.gov()
+    host.running = 7
+    seen = host.run(gov, 60, wait_per_s=lambda team: 1.5 if team > 1 else 0.6)
+    assert seen[-1] == 1 and seen.count(2) <= int(WINDOW_S * 40) + 1  # the first window only
+    seen = host.run(gov, PROBE_MAX_S + 2 * WINDOW_S, wait_per_s=lambda team: 1.5 if team > 1 else 0.05)
+    assert 2 in seen  # the one thread stopped waiting: the probes come back
+
+
+@pytest.mark.parametrize("lanes_wait, back", [(0.9, False), (0.05, True)])
+def test_on_lanes_their_waits_decide_when_the_team_returns(lanes_wait, back):
+    """Lanes are as many runnable threads as the team: while they wait, the team would (no probe
+    steps); once they do not, the CPUs are free for it, whatever loadavg counts (niced work)."""
+    host = Host()
+    gov = host.gov()
+    gov.lanes = True
+    host.running = 7
+    host.run(gov, 1, wait_per_s=1.5)
+    assert gov.current == 1
+    # the busy processes stay (lanes wait), or only niced work is left (nothing waits, loadavg still counts it)
+    seen = host.run(gov, 60, wait_per_s=lambda team: 1.5 if team > 1 and not back else lanes_wait)
+    if back:
+        assert seen.index(2) <= int(2 * WINDOW_S * 40) + 1  # within two windows
+        assert set(seen[seen.index(2):]) == {2}
+    else:
+        assert set(seen) == {1}  # no probe step in a minute
 
 
 def test_one_thread_configured_means_one_thread():
