@@ -18,13 +18,12 @@ step), which the scheduler gives one share of the CPUs each:
                averaged over the window); when they leave a CPU free for every extra thread, try
                the full team again. Low-priority (niced) work counts as runnable there but takes
                almost nothing, so the waits decide too:
-               - on lanes (`lanes`: as many runnable threads as the team, no barrier): a window
-                 whose waits are at most CONTENDED says the CPUs are free for the team: back to it;
-               - on one thread: probe the team now and then (PROBE_S, doubling after each probe
-                 that finds the CPUs still taken, up to PROBE_MAX_S), but only after a window in
-                 which the one thread itself waited at most CONTENDED: where even one thread
-                 waits, a team would wait more, and a probe step costs seconds there (each of its
-                 barriers waits for a descheduled member)
+               probe the team now and then (PROBE_S, doubling after each probe that finds the
+               CPUs still taken, up to PROBE_MAX_S), but only after a window in which this
+               process's threads waited at most CONTENDED: where the lanes (as many runnable
+               threads as the team, `lanes`) or even one thread wait, a team would wait as much
+               or more, and a probe step costs seconds there (each of its barriers waits for a
+               descheduled member)
 
 Weights of other processes show in the waits only (a nice-19 training run leaves the team's waits
 near zero, so the team stays), which is why going down trusts them and going up checks them again.
@@ -123,11 +122,9 @@ class ThreadGovernor:
             free = self.usable - others if others is not None else 0.0
             if free >= self.max_threads - 0.25:
                 self._set(self.max_threads, f"{others:.2f} other runnable threads on {self.usable:g} CPUs")
-            elif self.lanes and share is not None:
-                if share <= CONTENDED:
-                    self._set(self.max_threads, f"lanes waited {share:.2f} s a second: the CPUs are free")
             elif now >= self._probe_at and (share is None or share <= CONTENDED):
-                self._set(self.max_threads, "probe")
+                self._set(self.max_threads, f"lanes waited {share:.2f} s a second" if self.lanes and share is not None
+                          else "probe")
                 self._probe_s = min(PROBE_MAX_S, self._probe_s * 2)
                 self._probe_at = now + self._probe_s
         self._start_window()

@@ -96,10 +96,23 @@ def test_no_probe_while_even_one_thread_waits_for_a_cpu():
     assert 2 in seen  # the one thread stopped waiting: the probes come back
 
 
+def test_lanes_that_wait_little_where_the_team_waits_much_do_not_flip_every_window():
+    """A neighbour that leaves the lanes a CPU most of the time but stalls the team: the team's
+    returns back off as probes do, not one every other window."""
+    host = Host()
+    gov = host.gov()
+    gov.lanes = True
+    host.running = 3
+    seen = host.run(gov, 60, wait_per_s=lambda team: 1.5 if team > 1 else 0.1)
+    returns = sum(1 for a, b in itertools.pairwise(seen) if (a, b) == (1, 2))
+    assert 3 <= returns <= 6
+    assert seen.count(2) / len(seen) < 0.05
+
+
 @pytest.mark.parametrize("lanes_wait, back", [(0.9, False), (0.05, True)])
 def test_on_lanes_their_waits_decide_when_the_team_returns(lanes_wait, back):
     """Lanes are as many runnable threads as the team: while they wait, the team would (no probe
-    steps); once they do not, the CPUs are free for it, whatever loadavg counts (niced work)."""
+    steps); once they do not, the next probe finds the CPUs free, whatever loadavg counts (niced work)."""
     host = Host()
     gov = host.gov()
     gov.lanes = True
@@ -109,7 +122,7 @@ def test_on_lanes_their_waits_decide_when_the_team_returns(lanes_wait, back):
     # the busy processes stay (lanes wait), or only niced work is left (nothing waits, loadavg still counts it)
     seen = host.run(gov, 60, wait_per_s=lambda team: 1.5 if team > 1 and not back else lanes_wait)
     if back:
-        assert seen.index(2) <= int(2 * WINDOW_S * 40) + 1  # within two windows
+        assert seen.index(2) <= int((PROBE_S + 2 * WINDOW_S) * 40)  # the first probe after the drop
         assert set(seen[seen.index(2):]) == {2}
     else:
         assert set(seen) == {1}  # no probe step in a minute
