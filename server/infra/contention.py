@@ -21,8 +21,8 @@ step), which the scheduler gives one share of the CPUs each:
                probe the team now and then (PROBE_S, doubling after each probe that finds the
                CPUs still taken, up to PROBE_MAX_S), but only after a window in which this
                process's threads waited at most CONTENDED: where the lanes (as many runnable
-               threads as the team, `lanes`) or even one thread wait, a team would wait as much
-               or more, and a probe step costs seconds there (each of its barriers waits for a
+               threads as the team) or even one thread wait, a team would wait as much or more,
+               and a probe step costs seconds there (each of its barriers waits for a
                descheduled member)
 
 Weights of other processes show in the waits only (a nice-19 training run leaves the team's waits
@@ -77,16 +77,16 @@ class ThreadGovernor:
         self.usable = usable
         self._clock, self._wait_ns, self._runnable = clock, wait_ns, runnable
         self.current = max_threads
-        self.lanes = False  # the engine's steps without the team run on lanes (set by the engine)
         self.switches = 0
         self.steps_at: dict[int, int] = {}  # steps run per team size (benchmarks report it)
         self._probe_s = PROBE_S
         self._start_window()
         self._probe_at = self._t0 + self._probe_s
 
-    def _start_window(self) -> None:
-        self._t0 = self._clock()
-        self._w0 = self._wait_ns()
+    def _start_window(self, t0: float | None = None, w0: int | None = None) -> None:
+        """t0, w0: the clock and the waits just read to close the last window (read here if not)."""
+        self._t0 = self._clock() if t0 is None else t0
+        self._w0 = self._wait_ns() if w0 is None else w0
         self._others: list[int] = []
 
     def _set(self, n: int, why: str) -> None:
@@ -109,7 +109,8 @@ class ThreadGovernor:
                 self._others.append(max(0, running - 1))
         if now - self._t0 < WINDOW_S:
             return self.current
-        share = self._wait_share(now)
+        waited = self._wait_ns()
+        share = (waited - self._w0) / 1e9 / (now - self._t0) if waited is not None and self._w0 is not None else None
         if self.current > 1:
             if share is not None:
                 if share > CONTENDED:
@@ -123,16 +124,8 @@ class ThreadGovernor:
             if free >= self.max_threads - 0.25:
                 self._set(self.max_threads, f"{others:.2f} other runnable threads on {self.usable:g} CPUs")
             elif now >= self._probe_at and (share is None or share <= CONTENDED):
-                self._set(self.max_threads, f"lanes waited {share:.2f} s a second" if self.lanes and share is not None
-                          else "probe")
+                self._set(self.max_threads, "probe")
                 self._probe_s = min(PROBE_MAX_S, self._probe_s * 2)
                 self._probe_at = now + self._probe_s
-        self._start_window()
+        self._start_window(now, waited)
         return self.current
-
-    def _wait_share(self, now: float) -> float | None:
-        """Runnable-but-waiting seconds of the process's threads per wall second, this window."""
-        waited = self._wait_ns()
-        if waited is None or self._w0 is None or now <= self._t0:
-            return None
-        return (waited - self._w0) / 1e9 / (now - self._t0)

@@ -212,7 +212,6 @@ class NativeEngine:
                     torch.set_num_threads(team)  # this thread's team from the next parallel op on
                     # without the team, the step's items over as many single-thread lanes
                     self.lanes = self.runner.use_lanes(self.threads if team == 1 and self.contended_lanes else 1)
-                    self.governor.lanes = self.lanes > 1  # their waits then say when the team can return
                 try:
                     self.step()
                 except Exception:  # a bug outside the isolated parts: fail the rows in flight only

@@ -101,7 +101,6 @@ def test_lanes_that_wait_little_where_the_team_waits_much_do_not_flip_every_wind
     returns back off as probes do, not one every other window."""
     host = Host()
     gov = host.gov()
-    gov.lanes = True
     host.running = 3
     seen = host.run(gov, 60, wait_per_s=lambda team: 1.5 if team > 1 else 0.1)
     returns = sum(1 for a, b in itertools.pairwise(seen) if (a, b) == (1, 2))
@@ -115,7 +114,6 @@ def test_on_lanes_their_waits_decide_when_the_team_returns(lanes_wait, back):
     steps); once they do not, the next probe finds the CPUs free, whatever loadavg counts (niced work)."""
     host = Host()
     gov = host.gov()
-    gov.lanes = True
     host.running = 7
     host.run(gov, 1, wait_per_s=1.5)
     assert gov.current == 1
