@@ -45,13 +45,18 @@ def _batch(n: int) -> StepBatch:
     return StepBatch.build([Item(slot=i, start=0, tokens=(1, 2) if i == 0 else (3,)) for i in range(n)])
 
 
+ran_on: set[int] = set()
+
+
 def _logits(sub: StepBatch) -> torch.Tensor:
+    ran_on.add(threading.get_ident())
     return torch.arange(int(sub.logit_index.numel()), dtype=torch.float32)[:, None].repeat(1, 4)
 
 
 def test_the_clock_times_each_lanes_forward_and_puts_the_lanes_back():
     ticks = iter(range(1000))
     seen = set()
+    ran_on.clear()
 
     def clock() -> tuple[float, float]:
         seen.add(threading.get_ident())
@@ -69,5 +74,6 @@ def test_the_clock_times_each_lanes_forward_and_puts_the_lanes_back():
     assert out.shape == (4, 4)
     assert [len(s.spans) for s in log.steps] == [3, 1]
     assert all(s.start <= sp.start <= sp.end <= s.end for s in log.steps for sp in s.spans)
-    assert len(seen) == 3  # each lane read its own thread's clock
+    # each forward's clock was read on the thread that ran it (the pool may reuse one helper thread)
+    assert seen == ran_on and threading.get_ident() in seen and len(seen) >= 2
     assert (Lanes.run, Lanes.__init__, LlamaRunner.forward) == originals
