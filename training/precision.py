@@ -18,13 +18,11 @@ from __future__ import annotations
 
 import contextlib
 import functools
-import statistics
-import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 import torch
 
-from adapters_store.backbone.hardware import cpu_has_amx, cpu_has_avx512_bf16
+from adapters_store.backbone.hardware import cpu_has_amx, cpu_has_avx512_bf16, cpu_time_ratio
 
 AUTOCAST_CHOICES = ("auto", "bf16", "none")
 TRAIN_PROBE_MIN = 1.8  # bf16 autocast on AVX512_BF16 CPUs where the probe measures at least this
@@ -33,22 +31,22 @@ TRAIN_PROBE_MIN = 1.8  # bf16 autocast on AVX512_BF16 CPUs where the probe measu
 @functools.cache
 def cpu_bf16_train_speedup(d_in: int = 1024, d_out: int = 4096, rows: int = 16, rounds: int = 7, calls: int = 5) -> float:
     """float32 time / bf16-autocast time of a frozen linear's forward + backward (the input's
-    gradient only, as in routing adaptation) on `rows` rows; interleaved rounds, medians; once per
-    process."""
+    gradient only, as in routing adaptation) on `rows` rows, timed in CPU time on one thread
+    (hardware.cpu_time_ratio); once per process."""
     gen = torch.Generator().manual_seed(0)
     w = torch.randn(d_out, d_in, generator=gen) * 0.02
     x = torch.randn(rows, d_in, generator=gen)
-    times: dict[bool, list[float]] = {False: [], True: []}
-    for _ in range(rounds):
-        for bf16 in (False, True):
-            started = time.perf_counter()
+
+    def calls_of(bf16: bool) -> Callable[[], None]:
+        def run() -> None:
             for _ in range(calls):
                 xg = x.clone().requires_grad_(True)
                 with torch.autocast("cpu", dtype=torch.bfloat16, enabled=bf16):
                     y = torch.nn.functional.linear(xg, w)
                 y.float().sum().backward()
-            times[bf16].append(time.perf_counter() - started)
-    return statistics.median(times[False]) / statistics.median(times[True])
+        return run
+
+    return cpu_time_ratio(calls_of(False), calls_of(True), rounds)
 
 
 def bf16_is_fast(device: torch.device | str = "cpu") -> bool:

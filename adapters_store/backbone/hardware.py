@@ -3,7 +3,12 @@
 
 from __future__ import annotations
 
+import statistics
+import threading
+import time
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -33,3 +38,39 @@ def _cpu_flag(name: str) -> bool:
                    for line in Path("/proc/cpuinfo").read_text().splitlines())
     except OSError:
         return False
+
+
+def cpu_time_ratio(slow: Callable[[], Any], fast: Callable[[], Any], rounds: int) -> float:
+    """slow's time / fast's: interleaved rounds, medians, each round timed by the CPU clock of the
+    thread that runs it, on one torch thread, in a thread of its own (the caller's OpenMP team is
+    left as it was).
+
+    CPU time, not wall time, so that busy neighbours do not decide: a wall clock counts the time
+    slices other processes take in the middle of a round, and beside busy processes a probe of a
+    CPU that runs bf16 twice as fast read parity (docs/history/dtype.md). One thread: a team's round
+    would count its members' barrier waits for a descheduled partner, which a CPU clock cannot
+    leave out."""
+    times: dict[bool, list[float]] = {False: [], True: []}
+    failed: list[BaseException] = []
+
+    def run() -> None:
+        before = torch.get_num_threads()  # also this thread's lazy start (server/infra/openmp.py)
+        torch.set_num_threads(1)
+        try:
+            slow(), fast()  # untimed: first calls pack, plan and fill caches
+            for _ in range(rounds):
+                for is_fast, fn in ((False, slow), (True, fast)):
+                    started = time.thread_time()
+                    fn()
+                    times[is_fast].append(time.thread_time() - started)
+        except BaseException as err:  # noqa: BLE001 - re-raised in the caller
+            failed.append(err)
+        finally:
+            torch.set_num_threads(before)  # the process-wide default set_num_threads also moved
+
+    thread = threading.Thread(target=run, name="polyserve-cpu-probe")
+    thread.start()
+    thread.join()
+    if failed:
+        raise failed[0]
+    return statistics.median(times[False]) / max(statistics.median(times[True]), 1e-9)

@@ -12,12 +12,11 @@ from __future__ import annotations
 
 import functools
 import logging
-import statistics
-import time
+from collections.abc import Callable
 
 import torch
 
-from adapters_store.backbone.hardware import cpu_has_amx, cpu_has_avx512_bf16
+from adapters_store.backbone.hardware import cpu_has_amx, cpu_has_avx512_bf16, cpu_time_ratio
 
 log = logging.getLogger("polyserve.engine")
 
@@ -27,23 +26,24 @@ BF16_PROBE_MIN = 1.25  # bfloat16 where the probe measures it at least this much
 @functools.cache
 def cpu_bf16_speedup(d_in: int = 1024, d_out: int = 4096, rows: int = 16, rounds: int = 7, calls: int = 10) -> float:
     """float32 time / bfloat16 time of the serving path's linear (packed for oneDNN where that dtype can be)
-    on `rows` rows, interleaved rounds, medians; once per process (~0.2 s)."""
+    on `rows` rows, timed in CPU time on one thread (hardware.cpu_time_ratio); once per process (~0.2 s)."""
     from server.engines.native.llama import Linear, packing_available
 
     gen = torch.Generator().manual_seed(0)
     w = torch.randn(d_out, d_in, generator=gen) * 0.02
     x = torch.randn(rows, d_in, generator=gen)
-    runs: dict[torch.dtype, tuple[Linear, torch.Tensor, list[float]]] = {
-        dt: (Linear(w, None, dt, packing_available(dt)), x.to(dt), []) for dt in (torch.float32, torch.bfloat16)}
-    with torch.inference_mode():
-        for _ in range(rounds):
-            for lin, xd, times in runs.values():
-                lin(xd)
-                t = time.perf_counter()
+    runs = {dt: (Linear(w, None, dt, packing_available(dt)), x.to(dt)) for dt in (torch.float32, torch.bfloat16)}
+
+    def calls_of(dt: torch.dtype) -> Callable[[], None]:
+        lin, xd = runs[dt]
+
+        def run() -> None:
+            with torch.inference_mode():
                 for _ in range(calls):
                     lin(xd)
-                times.append(time.perf_counter() - t)
-    return statistics.median(runs[torch.float32][2]) / statistics.median(runs[torch.bfloat16][2])
+        return run
+
+    return cpu_time_ratio(calls_of(torch.float32), calls_of(torch.bfloat16), rounds)
 
 
 def auto_dtype(device: torch.device | str) -> tuple[torch.dtype, str]:
