@@ -145,7 +145,7 @@ def with_requests(args: list[str], n: int | None) -> list[str]:
     return list(args) if n is None else with_option(args, "--requests", str(n))
 
 
-KEPT = ("tokens", "wall_s", "cpu_s", "runnable_wait_s", "cpu_s_by_process", "one_thread_steps", "steps")
+KEPT = ("tokens", "wall_s", "cpu_s", "runnable_wait_s", "cpu_s_by_process", "one_thread_steps", "steps", "dtype")
 
 
 def measure(busy: list[int], rounds: int, variants: str, bench_args: list[str], requests_at: dict[int, int],
@@ -214,6 +214,7 @@ def report(rows: list[dict]) -> str:
                          + (f"{statistics.median(ratios):.2f} ({', '.join(f'{x:.2f}' for x in ratios)})" if ratios else "-")
                          + (f" | {med / alone_v:.2f} |" if alone_v else " | - |"))
     lines += cpu_table(rows, levels)
+    lines += mixed_dtypes(rows)
     q = [row for row in rows if row["busy"] == "quota"]
     if q:
         qs = [row["tok_per_s"] for row in q]
@@ -222,6 +223,21 @@ def report(rows: list[dict]) -> str:
                      f"({spread(qs)}, {len(qs)} rounds)"
                      + (f" = {statistics.median(qs) / alone['a']:.2f} of (a) unlimited" if "a" in alone else ""))
     return "\n".join(lines)
+
+
+def mixed_dtypes(rows: list[dict]) -> list[str]:
+    """A warning where one variant served in more than one dtype across the runs: "auto" is decided
+    per process, and a table that mixes dtypes compares more than the CPUs' sharing."""
+    lines = []
+    for v in sorted({row["variant"] for row in rows if "dtype" in row}):
+        seen: dict[str, list[str]] = {}
+        for row in rows:
+            if row["variant"] == v and "dtype" in row:
+                seen.setdefault(row["dtype"], []).append(f"round {row['round']} beside {row['busy']}")
+        if len(seen) > 1:
+            lines += ["", f"**({v}) served in more than one dtype:** "
+                      + "; ".join(f"{dt}: {', '.join(runs)}" for dt, runs in sorted(seen.items()))]
+    return lines
 
 
 def cpu_table(rows: list[dict], levels: list[int]) -> list[str]:

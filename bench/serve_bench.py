@@ -345,6 +345,7 @@ def main() -> None:
             one_before = eng.governor.steps_at.get(1, 0) if eng.governor else 0  # steps without the team
             out = run_engine(eng, bb.tokenizer, jobs, adapters, name, temperature=args.temperature, top_p=args.top_p, **kw)
             out["steps"] = eng.steps - steps
+            out["dtype"] = str(serving).removeprefix("torch.")  # "auto" resolves per process: say which
             one = (eng.governor.steps_at.get(1, 0) if eng.governor else 0) - one_before
             out["one_thread_steps"] = one if args.threads > 1 else out["steps"]
             out.update(sched_delta(before, thread_times()))

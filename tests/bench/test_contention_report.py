@@ -103,3 +103,20 @@ def test_idle_busy_processes_run_at_the_schedulers_idle_priority():
         with contention.busy_processes(1, idle=idle):
             children = [p for p in schedstat.tree() if p != os.getpid()]
             assert len(children) == 1 and os.sched_getscheduler(children[0]) == policy
+
+
+def test_a_variant_served_in_two_dtypes_is_named_under_the_table():
+    rows = _rows("F")
+    for row in rows:
+        if row["variant"] == "a":
+            row["dtype"] = "float32" if (row["round"], row["busy"]) == (1, 6) else "bfloat16"
+    text = report(rows)
+    assert "**(a) served in more than one dtype:** bfloat16: round 0 beside 0, round 0 beside 6, " \
+           "round 1 beside 0, round 2 beside 0, round 2 beside 6; float32: round 1 beside 6" in text
+    for row in rows:
+        row.pop("dtype", None)
+    assert "dtype" not in report(rows)
+    one = _rows("F")
+    for row in one:
+        row["dtype"] = "bfloat16"
+    assert "dtype" not in report(one)
