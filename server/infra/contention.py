@@ -24,6 +24,10 @@ step), which the scheduler gives one share of the CPUs each:
                threads as the team) or even one thread wait, a team would wait as much or more,
                and a probe step costs seconds there (each of its barriers waits for a
                descheduled member)
+               deep: the one thread waits at least DEEP_ONE s a second (it holds less than half
+               a CPU), or the lanes at least DEEP_LANES: there two lanes hold ~1.6x one thread's
+               CPU, more than their extra CPU a token on every CPU measured, so the engine runs
+               lanes where the CPU alone would not choose them (engine.py)
 
 Weights of other processes show in the waits only (a nice-19 training run leaves the team's waits
 near zero, so the team stays), which is why going down trusts them and going up checks them again.
@@ -40,6 +44,14 @@ log = logging.getLogger("polyserve")
 
 WINDOW_S = 0.25  # a decision per window of steps: long enough to average a few time slices
 CONTENDED = 0.2  # runnable-but-waiting seconds per wall second, summed over threads
+# deep contention, where lanes pay even on CPUs whose lanes cost more a token (lanes.py): the one
+# thread waits at least DEEP_ONE s a second (it holds under half a CPU); on lanes, their waits summed
+# over both at least DEEP_LANES. Each line sits between what that mode was measured to wait beside a
+# few busy processes and beside many (docs/history/openmp-threads.md), and a change needs DEEP_WINDOWS
+# windows in a row that agree: single windows swing across the lines
+DEEP_ONE = 0.5
+DEEP_LANES = 1.1
+DEEP_WINDOWS = 2
 PROBE_S = 2.0
 PROBE_MAX_S = 60.0
 
@@ -79,6 +91,9 @@ class ThreadGovernor:
         self.current = max_threads
         self.switches = 0
         self.steps_at: dict[int, int] = {}  # steps run per team size (benchmarks report it)
+        self.deep = False  # without the team: the CPUs are taken deeply enough for lanes (DEEP_ONE)
+        self._deep_votes = 0  # windows in a row that disagreed with self.deep
+        self.lanes_running = False  # set by the engine: the last window's steps ran on lanes
         self._probe_s = PROBE_S
         self._start_window()
         self._probe_at = self._t0 + self._probe_s
@@ -127,5 +142,13 @@ class ThreadGovernor:
                 self._set(self.max_threads, "probe")
                 self._probe_s = min(PROBE_MAX_S, self._probe_s * 2)
                 self._probe_at = now + self._probe_s
+            elif share is not None:
+                deep = share >= (DEEP_LANES if self.lanes_running else DEEP_ONE)
+                self._deep_votes = self._deep_votes + 1 if deep != self.deep else 0
+                if self._deep_votes >= DEEP_WINDOWS:
+                    log.debug("contention %s: threads waited %.2f s a second", "deep" if deep else "shallow", share)
+                    self.deep, self._deep_votes = deep, 0
+            if self.current > 1:
+                self.deep, self._deep_votes = False, 0
         self._start_window(now, waited)
         return self.current

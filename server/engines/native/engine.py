@@ -123,6 +123,9 @@ class NativeEngine:
         if self.governor is not None and self.contended_lanes is None:
             self.contended_lanes, why = lanes_pay(bool(getattr(self.runner, "weight_kernel", False)))
             log.info("without the team, a step runs on %s (%s)", "lanes" if self.contended_lanes else "one thread", why)
+        # auto: where the CPU alone does not choose lanes, lanes still run while contention is deep
+        # (ThreadGovernor.deep: one thread holds under half a CPU)
+        self.lanes_when_deep = cfg.contended_lanes is None
         self.lanes = 1  # threads the step's items are split over (runner.use_lanes), while the team is 1
 
     # -- public API (any thread) -----------------------------------------------------------------
@@ -199,7 +202,7 @@ class NativeEngine:
     def _run(self) -> None:
         reason = "server shutting down"
         openmp.use_threads(self.threads)  # this thread's own count: other threads run torch on one (openmp.py)
-        team = self.threads
+        team, lanes = self.threads, False
         try:
             while True:
                 with self._cond:
@@ -207,11 +210,17 @@ class NativeEngine:
                         self._cond.wait()
                     if self._stop:
                         break
-                if self.governor is not None and self.governor.threads() != team:
-                    team = self.governor.current
-                    torch.set_num_threads(team)  # this thread's team from the next parallel op on
-                    # without the team, the step's items over as many single-thread lanes
-                    self.lanes = self.runner.use_lanes(self.threads if team == 1 and self.contended_lanes else 1)
+                if self.governor is not None:
+                    now = self.governor.threads()
+                    # without the team, the step's items over as many single-thread lanes, where they pay
+                    want = now == 1 and bool(self.contended_lanes or (self.lanes_when_deep and self.governor.deep))
+                    if now != team:
+                        team = now
+                        torch.set_num_threads(team)  # this thread's team from the next parallel op on
+                    if want != lanes:
+                        lanes = want
+                        self.lanes = self.runner.use_lanes(self.threads if want else 1)
+                        self.governor.lanes_running = self.lanes > 1
                 try:
                     self.step()
                 except Exception:  # a bug outside the isolated parts: fail the rows in flight only

@@ -12,7 +12,15 @@ import pytest
 import torch
 
 from server.infra import contention
-from server.infra.contention import PROBE_MAX_S, PROBE_S, WINDOW_S, ThreadGovernor
+from server.infra.contention import (
+    DEEP_LANES,
+    DEEP_ONE,
+    DEEP_WINDOWS,
+    PROBE_MAX_S,
+    PROBE_S,
+    WINDOW_S,
+    ThreadGovernor,
+)
 
 
 class Host:
@@ -126,6 +134,53 @@ def test_on_lanes_their_waits_decide_when_the_team_returns(lanes_wait, back):
         assert set(seen) == {1}  # no probe step in a minute
 
 
+SETTLE = (DEEP_WINDOWS + 1.5) * WINDOW_S  # long enough for DEEP_WINDOWS whole windows in a row
+
+
+def test_deep_contention_is_read_from_the_one_threads_waits_and_kept_on_lanes_until_theirs_fall():
+    """deep: the one thread waits DEEP_ONE s a second or more (it holds under half a CPU: beside 6
+    busy processes on 2 CPUs ~0.7); beside 2 (~0.3) it is not. On lanes (the engine says so) their
+    summed waits decide against DEEP_LANES; a change takes DEEP_WINDOWS windows in a row; back on the
+    team it is cleared."""
+    host = Host()
+    gov = host.gov()
+    host.running = 8
+    host.run(gov, 1, wait_per_s=1.5)
+    assert gov.current == 1 and gov.deep  # the windows after the drop: the one thread waits 1.5 s a second
+    host.run(gov, SETTLE, wait_per_s=0.3)  # one thread beside 2 busy processes
+    assert not gov.deep
+    host.run(gov, SETTLE, wait_per_s=DEEP_ONE + 0.2)  # beside 6
+    assert gov.deep
+    gov.lanes_running = True
+    host.run(gov, 10, wait_per_s=DEEP_LANES + 0.2)  # lanes beside 6 wait more than one thread does
+    assert gov.deep and gov.current == 1
+    host.run(gov, SETTLE, wait_per_s=DEEP_LANES - 0.2)  # lanes beside 2: above DEEP_ONE, below this
+    assert not gov.deep
+    gov.lanes_running = False
+    host.run(gov, SETTLE, wait_per_s=DEEP_ONE + 0.2)
+    assert gov.deep
+    host.running = 1  # the busy processes left: the team is back, and contention is not deep
+    host.run(gov, SETTLE, wait_per_s=0.0)
+    assert gov.current == 2 and not gov.deep
+
+
+def test_one_window_across_the_line_does_not_change_the_reading():
+    host = Host()
+    gov = host.gov()
+    host.running = 4
+    host.run(gov, 1, wait_per_s=0.3)
+    assert gov.current == 1 and not gov.deep
+    seen = []
+    for _ in range(8):  # spikes half a window long, one every two windows: no two windows in a row read deep
+        for wait, length in ((1.2, WINDOW_S / 2), (0.2, 1.5 * WINDOW_S)):
+            for _ in range(round(length * 40)):
+                host.run(gov, 1 / 40, wait_per_s=wait)
+                seen.append(gov.deep)
+    assert not any(seen)
+    host.run(gov, SETTLE, wait_per_s=0.9)
+    assert gov.deep
+
+
 def test_one_thread_configured_means_one_thread():
     host = Host()
     host.running = 1
@@ -168,6 +223,7 @@ def test_the_engine_runs_each_step_on_the_governors_team(monkeypatch, tiny_base,
 
     class SaysOne:
         current = 1
+        deep = False
 
         def __init__(self, max_threads: int, usable: float) -> None:
             assert max_threads == 2
@@ -202,6 +258,7 @@ def test_without_the_team_the_engine_splits_steps_over_lanes(monkeypatch, tiny_b
 
     class SaysOne:
         current = 1
+        deep = False
 
         def __init__(self, max_threads: int, usable: float) -> None:
             self.steps_at: dict[int, int] = {}
@@ -264,3 +321,51 @@ def test_lanes_by_default_where_the_cpu_has_no_avx512_and_the_setting_wins(monke
         Settings()
     monkeypatch.setattr(engine_mod, "lanes_pay", lambda *_: pytest.fail("asked without a governor"))
     NativeEngine(tiny_base, tokenizer, config=EngineConfig(threads=2, adaptive_threads=False))
+
+
+@pytest.mark.parametrize("setting, deep, want", [(None, True, 2), (None, False, 1), (False, True, 1)])
+def test_under_deep_contention_auto_runs_lanes_where_the_cpu_alone_would_not(monkeypatch, tiny_base, tokenizer,
+                                                                              setting, deep, want):
+    """POLYSERVE_CONTENDED_LANES auto on a CPU where lanes_pay says no (AVX-512, dense weights):
+    lanes while the governor reads deep contention, one thread otherwise; "off" never runs lanes.
+    The engine tells the governor what ran (lanes_running)."""
+    from server.engines.native import engine as engine_mod
+    from server.engines.native import lanes as lanes_mod
+    from server.engines.native.config import EngineConfig
+    from server.engines.native.engine import NativeEngine
+    from server.engines.request import GenRequest, SamplingParams
+    from tests.support.engine_utils import wait_all
+
+    monkeypatch.setattr(lanes_mod, "cpu_has_avx512", lambda: True)
+    made: list = []
+
+    class Deep:
+        current = 1
+
+        def __init__(self, max_threads: int, usable: float) -> None:
+            self.steps_at: dict[int, int] = {}
+            self.deep = deep
+            self.lanes_running = False
+            made.append(self)
+
+        def threads(self) -> int:
+            return self.current
+
+    monkeypatch.setattr(engine_mod, "ThreadGovernor", Deep)
+    eng = NativeEngine(tiny_base, tokenizer, config=EngineConfig(threads=2, contended_lanes=setting))
+    assert eng.contended_lanes is False
+    eng.start()
+    try:
+        reqs = [eng.submit(GenRequest(tokenizer(p, add_special_tokens=False).input_ids,
+                                      SamplingParams(max_new_tokens=4, ignore_eos=True)))
+                for p in ("hello there", "a b c d e f")]
+        wait_all(reqs)
+        assert eng.lanes == want
+        assert made[0].lanes_running is (want == 2)
+        made[0].deep = not deep  # contention moved: the next step follows
+        reqs = [eng.submit(GenRequest(tokenizer("x y", add_special_tokens=False).input_ids,
+                                      SamplingParams(max_new_tokens=4, ignore_eos=True)))]
+        wait_all(reqs)
+        assert eng.lanes == (1 if setting is False or deep else 2)
+    finally:
+        eng.stop()
