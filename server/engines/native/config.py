@@ -16,7 +16,8 @@
                        hold the CPUs, without the team (server/infra/contention.py)
     contended_lanes    without the team: the step's items split over `threads` threads of one
                        torch thread each (lanes.py); False: every item on the engine thread alone;
-                       None: as the machine suits (lanes.lanes_pay)
+                       None: as the machine suits (lanes.lanes_pay), and lanes while contention
+                       is deep (contention.ThreadGovernor.deep)
     caps               per-tenant caps and weights (server/engines/fair.py)
 
 `from_settings` maps the POLYSERVE_* settings onto it; tests and benchmarks build one directly.

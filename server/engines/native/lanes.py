@@ -40,7 +40,9 @@ def lanes_pay(weight_kernel: bool = False) -> tuple[bool, str]:
     where they are bound by reading the weights: measured beside busy processes, lanes gained on
     an AVX2-only CPU and lost or tied on AVX-512 ones (with and without AMX), in float32 as in bfloat16,
     on dense weights. On the GGUF blocks a lane reads a fifth of the bytes, and lanes were ahead on an
-    AVX-512 CPU too (docs/history/openmp-threads.md, "Lanes")."""
+    AVX-512 CPU too (docs/history/openmp-threads.md, "Lanes"). Where this says no, the engine still
+    runs lanes while contention is deep (server/infra/contention.py): there lanes hold enough more of
+    the CPUs to pay on every CPU measured."""
     if weight_kernel:
         return True, "the linears read the GGUF blocks: a second lane's weight reads cost little"
     if cpu_has_avx512():
