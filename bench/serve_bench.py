@@ -56,7 +56,7 @@ from adapters_store.store.directory import DirectoryStore
 from bench.schedstat import sched_delta, thread_times
 from server.adapter_cache.cache import AdapterCache
 from server.adapter_cache.l1 import L1Cache
-from server.engines.dtype import serving_dtype
+from server.engines.dtype import dtype_name, serving_dtype
 from server.engines.native.config import EngineConfig
 from server.engines.native.engine import NativeEngine as Engine
 from server.engines.request import FinalEvent, GenRequest, RequestHandle, SamplingParams
@@ -345,7 +345,7 @@ def main() -> None:
             one_before = eng.governor.steps_at.get(1, 0) if eng.governor else 0  # steps without the team
             out = run_engine(eng, bb.tokenizer, jobs, adapters, name, temperature=args.temperature, top_p=args.top_p, **kw)
             out["steps"] = eng.steps - steps
-            out["dtype"] = str(serving).removeprefix("torch.")  # "auto" resolves per process: say which
+            out["dtype"] = dtype_name(serving)  # "auto" resolves per process: say which
             one = (eng.governor.steps_at.get(1, 0) if eng.governor else 0) - one_before
             out["one_thread_steps"] = one if args.threads > 1 else out["steps"]
             out.update(sched_delta(before, thread_times()))
