@@ -59,6 +59,10 @@ class Settings(BaseSettings):
     # match its weights and the kernel builds; on = fail where not; off = float32 GEMMs;
     # engines/native/quant_linear.py)
     weight_kernel: Literal["auto", "on", "off"] = "auto"
+    # native engine on a CPU (Llama runner): a layer's RMSNorms and rope in a C++ kernel built on first
+    # use, one call each instead of a handful of torch ops (auto = where it builds, else torch ops; on =
+    # fail where it does not; off = torch ops; engines/native/elementwise_kernel.py)
+    elementwise_kernel: Literal["auto", "on", "off"] = "auto"
     redis_url: str | None = None  # unset = no L2 cache
     redis_prefix: str = "polyserve"
     redis_ttl_seconds: int = Field(default=24 * 3600, ge=1)

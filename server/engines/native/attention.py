@@ -2,7 +2,8 @@
 
     write k, v of every item at its slot's positions start .. end - 1
     decode group (n one-token items, step.StepBatch.decode):
-        kernel (CPU, attention_kernel.py): each row over its own slot's positions, in place
+        kernel (CPU, attention_kernel.py): each row's k, v written and its own slot's positions
+                read in place, one call
         SDPA:   q (n, kv_heads, rep, hd)  x  K[slots, :, :L]   masked by each row's length
                 (grouped-query attention folded into the query length: the rep query heads that
                 share a kv head are that head's "queries"; no copy of K/V per query head)
@@ -49,18 +50,18 @@ def slot_attention(K: torch.Tensor, V: torch.Tensor, q: torch.Tensor, k: torch.T
     if n:
         slots, mask = batch.decode_slots_t, batch.decode_mask
         assert slots is not None and mask is not None
-        pos = batch.positions[:n]
-        K[slots, :, pos] = k[:n]
-        V[slots, :, pos] = v[:n]
         width = mask.shape[-1]
-        if kernel:
+        if kernel:  # the kernel writes each row's k, v at its position, then attends
             assert batch.decode_ends_t is not None
             if width > K.shape[2] or batch.decode_slots[-1] >= K.shape[0]:  # the kernel reads by address
                 raise ValueError(f"decode rows up to slot {batch.decode_slots[-1]}, {width} positions: "
                                  f"past the KV cache {tuple(K.shape)}")
-            decode_attention(q[:n].contiguous(), K, V, slots, batch.decode_ends_t,
-                             hd**-0.5 if scale is None else scale, out[:n])
+            decode_attention(q[:n], K, V, slots, batch.decode_ends_t, hd**-0.5 if scale is None else scale, out[:n],
+                             k[:n], v[:n])
         else:
+            pos = batch.positions[:n]
+            K[slots, :, pos] = k[:n]
+            V[slots, :, pos] = v[:n]
             if batch.decode_contiguous:
                 keys, values = K[:n, :, :width], V[:n, :, :width]
             else:

@@ -23,8 +23,8 @@ import torch
 from server.engines.native.cpp_kernel import CppKernel
 
 _I64, _PTR, _INT = ctypes.c_int64, ctypes.c_void_p, ctypes.c_int
-_ARGTYPES = [_I64, _PTR, _INT, _PTR, _PTR, _INT, _PTR, _PTR, _I64, _I64, _I64, _I64, _I64, _I64, ctypes.c_float,
-             _PTR, _INT]
+_ARGTYPES = [_I64, _PTR, _I64, _INT, _PTR, _PTR, _INT, _PTR, _PTR, _I64, _I64, _I64, _I64, _I64, _I64,
+             ctypes.c_float, _PTR, _INT, _PTR, _PTR, _I64, _I64]
 
 KERNEL = CppKernel(Path(__file__).with_name("decode_attention.cpp"), "polyserve_decode_attention", _ARGTYPES,
                    ctypes.c_int, "decode attention", headers=(Path(__file__).with_name("bf16.h"),))
@@ -58,9 +58,12 @@ def resolve(setting: str, device: torch.device, dtype: torch.dtype, heads: int, 
 
 
 def decode_attention(q: torch.Tensor, K: torch.Tensor, V: torch.Tensor, slots: torch.Tensor, ends: torch.Tensor,
-                     scale: float, out: torch.Tensor) -> None:
-    """q (n, heads, hd); K, V (slots, kv_heads, capacity, hd) of one layer, already holding the
-    rows' new positions; slots, ends (n,) int64: row i attends to K[slots[i], :, :ends[i]].
+                     scale: float, out: torch.Tensor, k: torch.Tensor | None = None,
+                     v: torch.Tensor | None = None) -> None:
+    """q (n, heads, hd), each row's heads contiguous (rows may be apart: a view of a wider row);
+    K, V (slots, kv_heads, capacity, hd) of one layer; slots, ends (n,) int64: row i attends to
+    K[slot[i], :, :ends[i]]. k, v (n, kv_heads, hd), as q, in the cache's dtype: each row's new key
+    and value, written at position ends[i] - 1 first (None: K and V already hold them).
     Writes out (n, heads * hd), of q's dtype; query head h reads kv head h // (heads / kv_heads)."""
     fn = KERNEL.load()
     if fn is None:
@@ -69,17 +72,33 @@ def decode_attention(q: torch.Tensor, K: torch.Tensor, V: torch.Tensor, slots: t
     kvh = K.shape[1]
     if (K.shape != V.shape or K.stride() != V.stride() or K.stride(-1) != 1 or K.dtype != V.dtype
             or K.dtype not in DTYPES or q.dtype not in DTYPES or out.dtype != q.dtype or K.shape[-1] != hd
-            or heads % kvh or not q.is_contiguous() or not out.is_contiguous() or out.shape != (n, heads * hd)):
+            or heads % kvh or not _rows_of(q, heads * hd) or not out.is_contiguous() or out.shape != (n, heads * hd)):
         raise ValueError(f"decode attention kernel: q {tuple(q.shape)} {q.dtype}, K/V {tuple(K.shape)} {K.dtype}, "
                          f"out {tuple(out.shape)} {out.dtype}")
+    if (k is None) != (v is None) or (k is not None and v is not None and (
+            k.shape != (n, kvh, hd) or v.shape != k.shape or k.dtype != K.dtype or v.dtype != K.dtype
+            or not _rows_of(k, kvh * hd) or not _rows_of(v, kvh * hd))):
+        raise ValueError(f"decode attention kernel: new keys/values must be ({n}, {kvh}, {hd}) of {K.dtype}, "
+                         f"rows of contiguous heads")
     for t in (slots, ends):
         if t.dtype != torch.int64 or not t.is_contiguous() or t.shape != (n,):
             raise ValueError("slots and ends must be contiguous int64 tensors with an entry per row")
     if n == 0:
         return
-    rc = fn(n, q.data_ptr(), int(q.dtype == torch.bfloat16), K.data_ptr(), V.data_ptr(),
+    rc = fn(n, q.data_ptr(), q.stride(0) if n > 1 else heads * hd, int(q.dtype == torch.bfloat16), K.data_ptr(), V.data_ptr(),
             int(K.dtype == torch.bfloat16), slots.data_ptr(), ends.data_ptr(), K.stride(0), K.stride(1), K.stride(2),
-            kvh, heads // kvh, hd, scale, out.data_ptr(), int(out.dtype == torch.bfloat16))
+            kvh, heads // kvh, hd, scale, out.data_ptr(), int(out.dtype == torch.bfloat16),
+            None if k is None else k.data_ptr(), None if v is None else v.data_ptr(),
+            _row_stride(k, kvh * hd), _row_stride(v, kvh * hd))
     if rc != 0:
         raise ValueError(f"decode attention kernel refused q {tuple(q.shape)}, K {tuple(K.shape)}: "
                          "a row with no position, or a shape past its limits")
+
+
+def _row_stride(t: torch.Tensor | None, width: int) -> int:
+    return 0 if t is None else t.stride(0) if t.shape[0] > 1 else width
+
+
+def _rows_of(t: torch.Tensor, width: int) -> bool:
+    """t (n, a, b) with each row's a * b = width elements contiguous (rows any distance apart)."""
+    return t.stride(2) == 1 and t.stride(1) == t.shape[2] and (t.shape[0] <= 1 or t.stride(0) >= width)

@@ -9,8 +9,8 @@
                        while a tenant's rows decode, prompt tokens of other tenants' requests in
                        one step (0: no such bound; scheduler.plan_step)
     background_share   share of engine time background slices (registration) may take under load
-    dtype, runner_kind, packed_weights, static_decode, lora_kernel, attention_kernel, weight_kernel
-                       the model runner (model_runner.build_model_runner)
+    dtype, runner_kind, packed_weights, static_decode, lora_kernel, attention_kernel, weight_kernel,
+    elementwise_kernel the model runner (model_runner.build_model_runner)
     threads            the engine thread's torch threads (None: the constructing thread's count)
     adaptive_threads   each step on all of them as one OpenMP team, or, while other processes
                        hold the CPUs, without the team (server/infra/contention.py)
@@ -50,6 +50,7 @@ class EngineConfig:
     lora_kernel: str = "auto"
     attention_kernel: str = "auto"
     weight_kernel: str = "auto"
+    elementwise_kernel: str = "auto"
     threads: int | None = None
     adaptive_threads: bool = True
     contended_lanes: bool | None = None
@@ -81,7 +82,7 @@ class EngineConfig:
             dtype=serving_dtype(settings.device, settings.dtype), runner_kind=settings.native_executor,
             packed_weights=switch(settings.packed_weights), static_decode=switch(settings.static_decode),
             lora_kernel=settings.lora_kernel, attention_kernel=settings.attention_kernel,
-            weight_kernel=settings.weight_kernel, threads=threads, adaptive_threads=settings.adaptive_threads,
+            weight_kernel=settings.weight_kernel, elementwise_kernel=settings.elementwise_kernel, threads=threads, adaptive_threads=settings.adaptive_threads,
             contended_lanes=switch(settings.contended_lanes),
             caps=tenant_caps(settings),
         )

@@ -69,6 +69,9 @@ class CppKernel:
     def load(self) -> Any:
         """The ctypes function, built on first use; None (and the reason in `error()`) where it
         cannot be built or loaded."""
+        fn = self._fn  # once loaded, no lock: kernels are called several times a layer
+        if fn is not None:
+            return fn
         with self._lock:
             if self._fn is not None or self._error is not None:
                 return self._fn

@@ -4,7 +4,8 @@
 //       s[j]          = scale * q[i, h] . K[slot[i], g, j]        for j < len[i]
 //       out[i, h, :]  = sum_j softmax(s)[j] * V[slot[i], g, j, :]
 //
-// Each row reads only its own slot's first len[i] positions, in place: no gather of the slots
+// Each row's new key and value can be written at its last position by the same call (one pass
+// instead of two indexed copies). Each row reads only its own slot's first len[i] positions, in place: no gather of the slots
 // into a batch, no padding to the longest row, no mask. The rep query heads that share a kv head
 // are done together, so K and V are read once per kv head. Scores, softmax and sums run in
 // float32 whatever the storage (float32 or bfloat16, per tensor); a bfloat16 `out` is rounded to
@@ -227,9 +228,9 @@ void head64_bf16(const Q* q, const uint16_t* K, const uint16_t* V, int64_t len, 
 #endif
 
 template <typename KV, typename Q, typename O>
-void run(int64_t n, const Q* q, const KV* K, const KV* V, const int64_t* slot, const int64_t* len,
+void run(int64_t n, const Q* q, int64_t q_stride, KV* K, KV* V, const int64_t* slot, const int64_t* len,
          int64_t stride_slot, int64_t stride_head, int64_t stride_pos, int64_t kvh, int64_t rep, int64_t hd,
-         float scale, O* out) {
+         float scale, O* out, const KV* k_new, const KV* v_new, int64_t k_stride, int64_t v_stride) {
     const int64_t tasks = n * kvh;
 #pragma omp parallel if (tasks > 1)
     {
@@ -237,22 +238,28 @@ void run(int64_t n, const Q* q, const KV* K, const KV* V, const int64_t* slot, c
 #pragma omp for schedule(dynamic, 1)
         for (int64_t t = 0; t < tasks; ++t) {
             const int64_t i = t / kvh, g = t % kvh;
-            const int64_t head0 = (i * kvh + g) * rep * hd;  // q and out: (n, kvh, rep, hd) contiguous
+            const int64_t head0 = (i * kvh + g) * rep * hd;  // out: (n, kvh, rep, hd) contiguous
             const int64_t base = slot[i] * stride_slot + g * stride_head;
+            if (k_new != nullptr) {  // this row's new position first: its last
+                const int64_t last = base + (len[i] - 1) * stride_pos;
+                std::memcpy(K + last, k_new + i * k_stride + g * hd, static_cast<size_t>(hd) * sizeof(KV));
+                std::memcpy(V + last, v_new + i * v_stride + g * hd, static_cast<size_t>(hd) * sizeof(KV));
+            }
+            const Q* qi = q + i * q_stride + g * rep * hd;
 #if defined(__AVX512F__)
             if constexpr (std::is_same_v<KV, uint16_t>) {
                 if (hd == 64) {
-                    head64_bf16(q + head0, K + base, V + base, len[i], stride_pos, rep, scale, out + head0, scores);
+                    head64_bf16(qi, K + base, V + base, len[i], stride_pos, rep, scale, out + head0, scores);
                     continue;
                 }
             }
 #endif
             if (hd == 64)
-                one_head<64>(q + head0, K + base, V + base, len[i], stride_pos, rep, hd, scale, out + head0, scores);
+                one_head<64>(qi, K + base, V + base, len[i], stride_pos, rep, hd, scale, out + head0, scores);
             else if (hd == 128)
-                one_head<128>(q + head0, K + base, V + base, len[i], stride_pos, rep, hd, scale, out + head0, scores);
+                one_head<128>(qi, K + base, V + base, len[i], stride_pos, rep, hd, scale, out + head0, scores);
             else
-                one_head<0>(q + head0, K + base, V + base, len[i], stride_pos, rep, hd, scale, out + head0, scores);
+                one_head<0>(qi, K + base, V + base, len[i], stride_pos, rep, hd, scale, out + head0, scores);
         }
     }
 }
@@ -260,27 +267,36 @@ void run(int64_t n, const Q* q, const KV* K, const KV* V, const int64_t* slot, c
 }  // namespace
 
 // Returns 0, or 1 when a shape is outside what the kernel takes (the caller checks first).
-// kv_bf16 / q_bf16 / out_bf16: 1 = bfloat16, 0 = float32. K and V share their strides (in
-// elements; the last dim is contiguous). len[i] >= 1 for every row.
-extern "C" int polyserve_decode_attention(int64_t n, const void* q, int q_bf16, const void* K, const void* V,
+// kv_bf16 / q_bf16 / out_bf16: 1 = bfloat16, 0 = float32. q: (n, heads, hd) rows `q_stride`
+// elements apart. K and V share their strides (in elements; the last dim is contiguous). len[i] >= 1
+// for every row. k_new, v_new (or null): each row's new key and value, (n, kvh, hd) rows `k_stride`,
+// `v_stride` apart in the cache's dtype, written at the row's position len[i] - 1 before it is read.
+extern "C" int polyserve_decode_attention(int64_t n, const void* q, int64_t q_stride, int q_bf16, void* K, void* V,
                                           int kv_bf16, const int64_t* slot, const int64_t* len,
                                           int64_t stride_slot, int64_t stride_head, int64_t stride_pos,
                                           int64_t kvh, int64_t rep, int64_t hd, float scale, void* out,
-                                          int out_bf16) {
-    if (rep < 1 || rep > MAX_REP || hd < 1 || hd > MAX_HD || q_bf16 != out_bf16) return 1;
+                                          int out_bf16, const void* k_new, const void* v_new, int64_t k_stride,
+                                          int64_t v_stride) {
+    if (rep < 1 || rep > MAX_REP || hd < 1 || hd > MAX_HD || q_bf16 != out_bf16 || q_stride < kvh * rep * hd
+        || (k_new != nullptr) != (v_new != nullptr) || (k_new != nullptr && (k_stride < kvh * hd || v_stride < kvh * hd)))
+        return 1;
     for (int64_t i = 0; i < n; ++i)
         if (len[i] < 1) return 1;
     if (kv_bf16 && q_bf16)
-        run(n, static_cast<const uint16_t*>(q), static_cast<const uint16_t*>(K), static_cast<const uint16_t*>(V),
-            slot, len, stride_slot, stride_head, stride_pos, kvh, rep, hd, scale, static_cast<uint16_t*>(out));
+        run(n, static_cast<const uint16_t*>(q), q_stride, static_cast<uint16_t*>(K), static_cast<uint16_t*>(V),
+            slot, len, stride_slot, stride_head, stride_pos, kvh, rep, hd, scale, static_cast<uint16_t*>(out),
+            static_cast<const uint16_t*>(k_new), static_cast<const uint16_t*>(v_new), k_stride, v_stride);
     else if (kv_bf16)
-        run(n, static_cast<const float*>(q), static_cast<const uint16_t*>(K), static_cast<const uint16_t*>(V),
-            slot, len, stride_slot, stride_head, stride_pos, kvh, rep, hd, scale, static_cast<float*>(out));
+        run(n, static_cast<const float*>(q), q_stride, static_cast<uint16_t*>(K), static_cast<uint16_t*>(V),
+            slot, len, stride_slot, stride_head, stride_pos, kvh, rep, hd, scale, static_cast<float*>(out),
+            static_cast<const uint16_t*>(k_new), static_cast<const uint16_t*>(v_new), k_stride, v_stride);
     else if (q_bf16)
-        run(n, static_cast<const uint16_t*>(q), static_cast<const float*>(K), static_cast<const float*>(V),
-            slot, len, stride_slot, stride_head, stride_pos, kvh, rep, hd, scale, static_cast<uint16_t*>(out));
+        run(n, static_cast<const uint16_t*>(q), q_stride, static_cast<float*>(K), static_cast<float*>(V),
+            slot, len, stride_slot, stride_head, stride_pos, kvh, rep, hd, scale, static_cast<uint16_t*>(out),
+            static_cast<const float*>(k_new), static_cast<const float*>(v_new), k_stride, v_stride);
     else
-        run(n, static_cast<const float*>(q), static_cast<const float*>(K), static_cast<const float*>(V),
-            slot, len, stride_slot, stride_head, stride_pos, kvh, rep, hd, scale, static_cast<float*>(out));
+        run(n, static_cast<const float*>(q), q_stride, static_cast<float*>(K), static_cast<float*>(V),
+            slot, len, stride_slot, stride_head, stride_pos, kvh, rep, hd, scale, static_cast<float*>(out),
+            static_cast<const float*>(k_new), static_cast<const float*>(v_new), k_stride, v_stride);
     return 0;
 }

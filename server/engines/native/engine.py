@@ -84,16 +84,18 @@ class NativeEngine:
                                                    kind=cfg.runner_kind, packed=cfg.packed_weights,
                                                    static_decode=cfg.static_decode, lora_kernel=cfg.lora_kernel,
                                                    attention_kernel=cfg.attention_kernel,
-                                                   weight_kernel=cfg.weight_kernel)
+                                                   weight_kernel=cfg.weight_kernel,
+                                                   elementwise_kernel=cfg.elementwise_kernel)
         self.device = self.runner.device
         lora = getattr(self.runner, "lora", None)
         log.info("native engine: %s runner, %s, %d slots, %d tokens per step, LoRA %s, decode attention %s, "
-                 "linears %s",
+                 "linears %s, norms and rope %s",
                  self.runner.name, str(self.runner.dtype).removeprefix("torch."), cfg.max_batch_rows,
                  cfg.max_step_tokens,
                  "none" if lora is None else "in the native kernel" if lora.kernel is not None else "as torch ops",
                  "in the native kernel" if getattr(self.runner, "attention_kernel", False) else "as SDPA",
-                 "on the backbone's GGUF blocks" if getattr(self.runner, "weight_kernel", False) else "on dense weights")
+                 "on the backbone's GGUF blocks" if getattr(self.runner, "weight_kernel", False) else "on dense weights",
+                 "in the native kernel" if getattr(self.runner, "elementwise", False) else "as torch ops")
         self.pool = SlotPool(cfg.max_batch_rows)
         self.eos_ids = _eos_ids(model, tokenizer)
         self.vocab_size = self.runner.vocab_size

@@ -32,6 +32,7 @@ from torch import nn
 
 from adapters_store.backbone.gguf_blocks import QuantWeight, concat, stored_blocks
 from server.engines.native import attention_kernel as attention_kernels
+from server.engines.native import elementwise_kernel as elementwise
 from server.engines.native import lora_kernel as lora_kernels
 from server.engines.native import quant_linear as quant_linears
 from server.engines.native.attention import cuda_backends, slot_attention
@@ -208,14 +209,16 @@ class LlamaRunner:
                  adapted: list[str] | None = None, rank: int = 0, scale: float = 1.0,
                  skills: list[tuple[torch.Tensor, torch.Tensor]] | None = None,
                  lora_dtype: torch.dtype | None = None, static_decode: bool | None = None,
-                 lora_kernel: str = "auto", attention_kernel: str = "auto", weight_kernel: str = "auto") -> None:
+                 lora_kernel: str = "auto", attention_kernel: str = "auto", weight_kernel: str = "auto",
+                 elementwise_kernel: str = "auto") -> None:
         """adapted: the qualified names of the routed linears (the inventory's order); skills: their
         (A, B) skill tensors, so routed tasks are written from their routing weights. static_decode:
         decode steps padded to fixed shapes and, on CUDA, replayed as graphs (static_decode.py);
         None = on CUDA only. lora_kernel: the decode rows' LoRA in
         the native CPU kernel (lora_kernel.py): auto | on | off. attention_kernel: the decode rows'
         attention in the native CPU kernel (attention_kernel.py): auto | on | off. weight_kernel: the
-        linears read the backbone's GGUF blocks (quant_linear.py): auto | on | off. The KV cache and
+        linears read the backbone's GGUF blocks (quant_linear.py): auto | on | off. elementwise_kernel:
+        the norms and the rope in the native CPU kernel (elementwise_kernel.py): auto | on | off. The KV cache and
         the adapter tables get one spare slot for padding."""
         reason = unsupported(model)
         if reason is not None:
@@ -254,6 +257,7 @@ class LlamaRunner:
         self.spare_slot = slots  # never given to a row: static decode steps pad into it
         self.attention_kernel = attention_kernels.resolve(attention_kernel, self.device, dtype, self.heads,
                                                           self.kv_heads, self.head_dim)
+        self.elementwise = elementwise.resolve(elementwise_kernel, self.device, dtype)
         self.kv = SlotKV(len(self.layers), slots + 1, self.kv_heads, self.head_dim, dtype=dtype, device=self.device)
         self.lora: SlotLoRA | None = None
         if groups is not None:
@@ -374,33 +378,46 @@ class LlamaRunner:
 
     def _compute(self, batch: StepBatch, lora: SlotLoRAStep | None) -> torch.Tensor:
         x = F.embedding(batch.tokens, self.embed)  # (T, d)
-        rope = self._rope[batch.positions][:, None]  # (T, 1, hd/2) complex
+        # the kernel reads the table by position itself
+        rope = None if self.elementwise else self._rope[batch.positions][:, None]  # (T, 1, hd/2) complex
         for i, layer in enumerate(self.layers):
             x = self._layer(i, layer, x, rope, batch, lora)
         if batch.logit_index.numel() == 0:
             return x.new_zeros((0, self.vocab_size), dtype=torch.float32)
-        h = x.index_select(0, batch.logit_index)
-        h = F.rms_norm(h, (self.hidden,), self.norm, self.norm_eps)
+        h = self._norm(x.index_select(0, batch.logit_index), self.norm, self.norm_eps)
         return self.lm_head(h).float()
 
-    def _layer(self, i: int, layer: _Layer, x: torch.Tensor, rope: torch.Tensor, batch: StepBatch,
+    def _norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+        if self.elementwise:
+            return elementwise.rms_norm(x, weight, eps)
+        return F.rms_norm(x, (self.hidden,), weight, eps)
+
+    def _rotate(self, qkv: torch.Tensor, rope: torch.Tensor | None, batch: StepBatch) -> torch.Tensor:
+        """q|k of qkv rotated -> (T, heads + kv_heads, hd); q|k rows are in rotary-pair order
+        (interleave_halves): rope = one complex multiplication per pair."""
+        T, n, hd = qkv.shape[0], self.heads + self.kv_heads, self.head_dim
+        if rope is None:  # the kernel, in place
+            elementwise.rope_(qkv, n, hd, batch.positions, self._rope)
+            return qkv[:, : n * hd].view(T, n, hd)
+        qk = torch.view_as_complex(qkv[:, : n * hd].float().view(T, n, hd // 2, 2))
+        return torch.view_as_real(qk * rope).view(T, n, hd).to(qkv.dtype)
+
+    def _layer(self, i: int, layer: _Layer, x: torch.Tensor, rope: torch.Tensor | None, batch: StepBatch,
                lora: SlotLoRAStep | None) -> torch.Tensor:
         T = x.shape[0]
         heads, kvh, hd = self.heads, self.kv_heads, self.head_dim
-        h = F.rms_norm(x, (self.hidden,), layer.norm1, layer.eps1)
+        h = self._norm(x, layer.norm1, layer.eps1)
         qkv = layer.qkv(h)
         if lora is not None:
             lora.apply(i, 0, h, qkv)
-        # q|k rows are in rotary-pair order (interleave_halves): rope = one complex multiplication
-        qk = torch.view_as_complex(qkv[:, : (heads + kvh) * hd].float().view(T, heads + kvh, hd // 2, 2))
-        qk = torch.view_as_real(qk * rope).view(T, heads + kvh, hd).to(x.dtype)
         v = qkv[:, (heads + kvh) * hd :].view(T, kvh, hd)
+        qk = self._rotate(qkv, rope, batch)
         attn = slot_attention(self.kv.k[i], self.kv.v[i], qk[:, :heads], qk[:, heads:], v, batch,
                               kernel=self.attention_kernel)  # (T, heads*hd)
         x = layer.o.binary(attn, x, "add")  # the residual add inside the GEMM
         if lora is not None:
             lora.apply(i, 1, attn, x)
-        h = F.rms_norm(x, (self.hidden,), layer.norm2, layer.eps2)
+        h = self._norm(x, layer.norm2, layer.eps2)
         if layer.fuse_mlp:
             act = layer.up.binary(h, layer.gate(h, "swish"), "mul")  # silu(h Wg) * (h Wu): two GEMMs, no other op
         else:

@@ -51,13 +51,14 @@ class ModelRunner(Protocol):
 def build_model_runner(model: torch.nn.Module, routed: Any = None, *, slots: int, dtype: torch.dtype | None = None,
                    kind: str = "auto", packed: bool | None = None, static_decode: bool | None = None,
                    lora_kernel: str = "auto", attention_kernel: str = "auto",
-                   weight_kernel: str = "auto") -> ModelRunner:
+                   weight_kernel: str = "auto", elementwise_kernel: str = "auto") -> ModelRunner:
     """kind auto: the Llama runner where it can run the model, else the HF one. dtype None: the
     model's own. routed: the RoutedModel (its adapted linears get per-slot LoRA tables).
     lora_kernel: the decode rows' LoRA in the native CPU kernel (lora_kernel.py): auto | on | off.
     attention_kernel: the decode rows' attention in the native CPU kernel (attention_kernel.py), the
     Llama runner only: auto | on | off. weight_kernel: the Llama runner's linears read the
-    backbone's GGUF blocks (quant_linear.py): auto | on | off."""
+    backbone's GGUF blocks (quant_linear.py): auto | on | off. elementwise_kernel: the Llama
+    runner's norms and rope in the native CPU kernel (elementwise_kernel.py): auto | on | off."""
     from server.engines.native.hf_runner import HFRunner
     from server.engines.native.llama import LlamaRunner, unsupported
 
@@ -75,7 +76,8 @@ def build_model_runner(model: torch.nn.Module, routed: Any = None, *, slots: int
         return LlamaRunner(model, dtype=dtype, slots=slots, packed=packed, adapted=adapted,
                              rank=spec.rank if spec else 0, scale=spec.scale if spec else 1.0, skills=skills,
                              static_decode=static_decode, lora_kernel=lora_kernel,
-                             attention_kernel=attention_kernel, weight_kernel=weight_kernel)
+                             attention_kernel=attention_kernel, weight_kernel=weight_kernel,
+                             elementwise_kernel=elementwise_kernel)
     if reason is not None:
         log.info("native engine: the model's own forward (%s)", reason)
     if dtype != model_dtype:

@@ -134,3 +134,36 @@ def test_dynamic_steps_on_cuda_leave_cudnn_attention_out_and_restore_it():
     assert torch.backends.cuda.cudnn_sdp_enabled() == before
     with cuda_backends(torch.device("cpu")):
         assert torch.backends.cuda.cudnn_sdp_enabled() == before
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_new_keys_and_values_are_written_at_each_rows_last_position_from_strided_rows(dtype):
+    """The call that writes each row's k, v (views of one wider q|k|v row, as the runner passes
+    them) equals writing them first and attending with a contiguous q."""
+    heads, kvh, hd = 9, 3, 64
+    K, V = _cache(6, kvh, 32, hd, dtype)
+    g = torch.Generator().manual_seed(3)
+    qkv = torch.randn(3, (heads + 2 * kvh) * hd, generator=g).to(dtype)
+    q = qkv[:, : heads * hd].view(3, heads, hd)
+    k = qkv[:, heads * hd : (heads + kvh) * hd].view(3, kvh, hd)
+    v = qkv[:, (heads + kvh) * hd :].view(3, kvh, hd)
+    slots, ends = torch.tensor([4, 0, 2]), torch.tensor([7, 1, 32])
+    K2, V2 = K.clone(), V.clone()
+    for i, (s, e) in enumerate(zip(slots.tolist(), ends.tolist(), strict=True)):
+        K2[s, :, e - 1], V2[s, :, e - 1] = k[i], v[i]
+    want = torch.empty(3, heads * hd, dtype=dtype)
+    attention_kernel.decode_attention(q.contiguous(), K2, V2, slots, ends, 0.125, want)
+    got = torch.empty(3, heads * hd, dtype=dtype)
+    attention_kernel.decode_attention(q, K, V, slots, ends, 0.125, got, k, v)
+    assert torch.equal(got, want)
+    assert torch.equal(K, K2) and torch.equal(V, V2)  # written where the row's new position is, nowhere else
+
+
+def test_new_keys_need_values_and_the_caches_dtype():
+    K, V = _cache(2, 2, 8, 16, torch.float32)
+    q, out, one = torch.randn(1, 4, 16), torch.empty(1, 64), torch.tensor([1])
+    k = torch.randn(1, 2, 16)
+    with pytest.raises(ValueError, match="new keys/values"):
+        attention_kernel.decode_attention(q, K, V, one, one, 0.25, out, k, None)
+    with pytest.raises(ValueError, match="new keys/values"):
+        attention_kernel.decode_attention(q, K, V, one, one, 0.25, out, k.bfloat16(), k.bfloat16())

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from server.engines.dtype import serving_dtype
-from server.engines.native import attention_kernel
+from server.engines.native import attention_kernel, elementwise_kernel
 from server.engines.native.llama import unsupported
 from server.engines.native.model_runner import build_model_runner
 from server.engines.native.step import Item, StepBatch
@@ -80,6 +80,19 @@ def test_llama_runner_handles_qkv_bias_and_gqa():
             for proj in (layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj):
                 proj.bias.normal_(0, 0.5)
     check_against(model, build_model_runner(model, slots=4, kind="llama"), 259, atol=1e-5)
+
+
+@pytest.mark.parametrize("elementwise", ["on", "off"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_llama_runner_equals_the_models_forward_with_and_without_the_elementwise_kernel(tiny_base, elementwise, dtype):
+    if elementwise == "on" and elementwise_kernel.NORM.load() is None:
+        pytest.skip(f"no elementwise kernel: {elementwise_kernel.NORM.error()}")
+    ex = build_model_runner(tiny_base, slots=4, dtype=dtype, kind="llama", elementwise_kernel=elementwise)
+    assert ex.elementwise is (elementwise == "on")
+    if dtype == torch.float32:
+        check_against(tiny_base, ex, 259, atol=1e-5)
+    else:
+        check_against(tiny_base, ex, 259, atol=0.1, rtol=0.05)
 
 
 def test_llama_runner_in_bfloat16_stays_near_float32(tiny_base):

@@ -1,0 +1,102 @@
+"""One engine setting against another on the serving workload, turns interleaved, in one process.
+
+Drives NativeEngine.step() in this thread (no engine thread, no HTTP) over the routed workload
+of bench/serve_bench.py, once per value of one EngineConfig field per repeat, the values taking
+turns, and reports each value's tokens a second and CPU seconds per 1,000 tokens (this thread's
+CPU time: on one torch thread that is all of the step's work). The first run of each engine is
+a warm-up (oneDNN builds its primitives per new shape) and is not timed.
+
+    .venv/bin/python -m bench.engine_ab --field elementwise_kernel --values on off --threads 1
+    .venv/bin/python -m bench.engine_ab --field attention_kernel --values on off --repeats 5
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import statistics
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+from adapters_store.backbone.load import load_backbone
+from bench.serve_bench import build_inventory, workload
+from server.adapter_cache.cache import AdapterCache
+from server.adapter_cache.l1 import L1Cache
+from server.engines.dtype import serving_dtype
+from server.engines.native.config import EngineConfig
+from server.engines.native.engine import NativeEngine
+from server.engines.request import GenRequest, RequestHandle, SamplingParams
+
+
+def run_once(engine: NativeEngine, tok, jobs, adapters) -> tuple[int, float, float]:
+    """(tokens, wall s, this thread's CPU s) of serving every job to the end."""
+    reqs = [engine.submit(GenRequest(tok(prompt, add_special_tokens=False).input_ids,
+                                     SamplingParams(max_new_tokens=n, ignore_eos=True), adapters[task], task,
+                                     handle=RequestHandle(None)))
+            for task, prompt, n in jobs]
+    wall, cpu = time.perf_counter(), time.thread_time()
+    while engine.waiting or engine.running:
+        engine.step()
+    wall, cpu = time.perf_counter() - wall, time.thread_time() - cpu
+    return sum(r.handle.events[-1].completion_tokens for r in reqs), wall, cpu
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--field", required=True, help="an EngineConfig field, e.g. elementwise_kernel")
+    ap.add_argument("--values", nargs="+", required=True, help="its values, as the setting spells them")
+    ap.add_argument("--backbone", default="default")
+    ap.add_argument("--tasks", type=int, default=48)
+    ap.add_argument("--requests", type=int, default=48)
+    ap.add_argument("--batch", type=int, default=16)
+    ap.add_argument("--out-min", type=int, default=4)
+    ap.add_argument("--out-max", type=int, default=128)
+    ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--dtype", default="auto", help="serving dtype (auto: as the server chooses)")
+    ap.add_argument("--seed", type=int, default=0)
+    args = ap.parse_args()
+    fields = {f.name for f in dataclasses.fields(EngineConfig)}
+    if args.field not in fields:
+        raise SystemExit(f"--field must be an EngineConfig field: {', '.join(sorted(fields))}")
+    if len(args.values) < 2:
+        raise SystemExit("--values: at least two, to compare")
+    torch.set_num_threads(args.threads)
+
+    dtype = serving_dtype("cpu", None if args.dtype == "auto" else args.dtype)
+    bb = load_backbone(args.backbone, dtype="float32")
+    tmp = Path(tempfile.mkdtemp(prefix="polyserve-engine-ab-"))
+    store, rm, _pm, tasks = build_inventory(bb, args.tasks, tmp / "store", args.seed)
+    info, skills = store.load_inventory(bb.fingerprint)
+    cache = AdapterCache(store, info, skills, fingerprint=bb.fingerprint, device=bb.device, dtype=torch.float32,
+                         l1=L1Cache(4 << 30), routing_layers=False)
+    adapters = {t: cache.get(store.get_task(t)) for t in tasks}
+    jobs = workload(args.requests, tasks, args.out_min, args.out_max, args.seed, "loguniform")
+    engines = {}
+    for value in args.values:
+        cfg = EngineConfig(max_batch_rows=args.batch, max_batch_tokens=1 << 20, max_prefill_rows=args.batch,
+                           max_queue=1 << 16, dtype=dtype, **{args.field: value})
+        engines[value] = NativeEngine(bb.model, bb.tokenizer, rm, cfg)
+        run_once(engines[value], bb.tokenizer, jobs, adapters)  # warm-up
+    print(f"{args.backbone}, {args.tasks} tasks, {args.requests} requests, batch {args.batch}, {dtype}, "
+          f"{args.threads} torch threads; {args.field}: {' vs '.join(args.values)}", flush=True)
+    results: dict[str, list[tuple[float, float]]] = {v: [] for v in args.values}
+    for rep in range(args.repeats):
+        for value, engine in engines.items():
+            tokens, wall, cpu = run_once(engine, bb.tokenizer, jobs, adapters)
+            results[value].append((tokens / wall, cpu / tokens * 1000))
+            print(f"  repeat {rep} {args.field}={value}: {tokens} tokens, {tokens / wall:.1f} tok/s, "
+                  f"{cpu / tokens * 1000:.2f} CPU s per 1,000 tokens", flush=True)
+    ref = statistics.median(r[0] for r in results[args.values[0]])
+    for value, rs in results.items():
+        tps = statistics.median(r[0] for r in rs)
+        cpu = statistics.median(r[1] for r in rs)
+        print(f"{args.field}={value}: median {tps:.1f} tok/s (x{tps / ref:.3f} of {args.values[0]}), "
+              f"{cpu:.2f} CPU s per 1,000 tokens")
+
+
+if __name__ == "__main__":
+    main()
