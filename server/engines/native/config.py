@@ -17,7 +17,7 @@
     contended_lanes    without the team: the step's items split over `threads` threads of one
                        torch thread each (lanes.py); False: every item on the engine thread alone;
                        None: as the machine suits (lanes.lanes_pay), and lanes while contention
-                       is deep (contention.ThreadGovernor.deep)
+                       is deep (contention.ThreadGovernor.deep) where lanes.deep_lanes_pay says so
     caps               per-tenant caps and weights (server/engines/fair.py)
 
 `from_settings` maps the POLYSERVE_* settings onto it; tests and benchmarks build one directly.

@@ -51,7 +51,7 @@ from server.engines.base import EngineStopped, QueueFull, check_fits
 from server.engines.fair import TenantLimit, check_caps
 from server.engines.native.config import EngineConfig
 from server.engines.native.isolate import find_culprits
-from server.engines.native.lanes import lanes_pay
+from server.engines.native.lanes import deep_lanes_pay, lanes_pay
 from server.engines.native.ledger import FinalLedger, answer_unadmitted
 from server.engines.native.logprobs import prompt_chunk_logprobs
 from server.engines.native.model_runner import ModelRunner, build_model_runner
@@ -125,9 +125,13 @@ class NativeEngine:
         if self.governor is not None and self.contended_lanes is None:
             self.contended_lanes, why = lanes_pay(bool(getattr(self.runner, "weight_kernel", False)))
             log.info("without the team, a step runs on %s (%s)", "lanes" if self.contended_lanes else "one thread", why)
-        # auto: where the CPU alone does not choose lanes, lanes still run while contention is deep
-        # (ThreadGovernor.deep: one thread holds under half a CPU)
-        self.lanes_when_deep = cfg.contended_lanes is None
+        # auto: where the CPU alone does not choose lanes, lanes may still run while contention is
+        # deep (ThreadGovernor.deep: one thread holds under half a CPU)
+        self.lanes_when_deep = False
+        if self.governor is not None and cfg.contended_lanes is None and not self.contended_lanes:
+            self.lanes_when_deep, why = deep_lanes_pay(self.runner.dtype)
+            log.info("under deep contention, a step runs on %s (%s)",
+                     "lanes" if self.lanes_when_deep else "one thread", why)
         self.lanes = 1  # threads the step's items are split over (runner.use_lanes), while the team is 1
 
     # -- public API (any thread) -----------------------------------------------------------------

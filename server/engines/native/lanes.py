@@ -26,7 +26,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 
 import torch
 
-from adapters_store.backbone.hardware import cpu_has_avx512
+from adapters_store.backbone.hardware import cpu_has_amx, cpu_has_avx512
 from server.engines.native.step import StepBatch
 from server.infra import openmp
 
@@ -41,13 +41,26 @@ def lanes_pay(weight_kernel: bool = False) -> tuple[bool, str]:
     an AVX2-only CPU and lost or tied on AVX-512 ones (with and without AMX), in float32 as in bfloat16,
     on dense weights. On the GGUF blocks a lane reads a fifth of the bytes, and lanes were ahead on an
     AVX-512 CPU too (docs/history/openmp-threads.md, "Lanes"). Where this says no, the engine still
-    runs lanes while contention is deep (server/infra/contention.py): there lanes hold enough more of
-    the CPUs to pay on every CPU measured."""
+    runs lanes while contention is deep (server/infra/contention.py) where `deep_lanes_pay` says so."""
     if weight_kernel:
         return True, "the linears read the GGUF blocks: a second lane's weight reads cost little"
     if cpu_has_avx512():
         return False, "the CPU has AVX-512: lanes' extra work costs more than their share of the CPUs gains"
     return True, "the CPU has no AVX-512: lanes' share of the CPUs outweighs their extra work"
+
+
+def deep_lanes_pay(dtype: torch.dtype) -> tuple[bool, str]:
+    """Whether, where `lanes_pay` says no, a step runs on lanes while contention is deep (the one
+    thread holds under half a CPU), serving in `dtype`, and why.
+
+    There two lanes hold more of the CPUs than one thread (each is a runnable thread of its own)
+    at more CPU a token: that paid on an AVX-512 bf16 CPU without AMX. With bf16 GEMMs on AMX a
+    lane's half of the rows costs nearly a whole step (the GEMMs are bound by reading the weights),
+    and once one thread's step had fewer ops the lanes lost to it there (figures:
+    docs/history/openmp-threads.md, "Lanes under deep contention on AMX")."""
+    if dtype == torch.bfloat16 and cpu_has_amx():
+        return False, "bf16 on AMX: a lane of half the rows costs nearly a whole step"
+    return True, "lanes' share of the CPUs outweighs their extra work once one thread holds under half a CPU"
 
 
 def partition(sizes: list[int], lanes: int) -> list[list[int]]:

@@ -369,3 +369,23 @@ def test_under_deep_contention_auto_runs_lanes_where_the_cpu_alone_would_not(mon
         assert eng.lanes == (1 if setting is False or deep else 2)
     finally:
         eng.stop()
+
+
+@pytest.mark.parametrize("dtype, amx, want", [(torch.bfloat16, True, False), (torch.bfloat16, False, True),
+                                              (torch.float32, True, True)])
+def test_deep_contention_keeps_one_thread_for_bf16_on_amx(monkeypatch, tiny_base, tokenizer, dtype, amx, want):
+    """auto on an AVX-512 CPU: lanes under deep contention, except where bf16 GEMMs run on AMX (a
+    lane of half the rows costs nearly a whole step there); never under "off" or without a governor."""
+    from server.engines.native import lanes as lanes_mod
+    from server.engines.native.config import EngineConfig
+    from server.engines.native.engine import NativeEngine
+
+    monkeypatch.setattr(lanes_mod, "cpu_has_avx512", lambda: True)
+    monkeypatch.setattr(lanes_mod, "cpu_has_amx", lambda: amx)
+    assert lanes_mod.deep_lanes_pay(dtype)[0] is want
+    eng = NativeEngine(tiny_base, tokenizer, config=EngineConfig(threads=2, dtype=dtype))
+    assert eng.contended_lanes is False and eng.lanes_when_deep is want
+    assert not NativeEngine(tiny_base, tokenizer, config=EngineConfig(threads=2, dtype=dtype,
+                                                                      contended_lanes=False)).lanes_when_deep
+    assert not NativeEngine(tiny_base, tokenizer, config=EngineConfig(threads=2, dtype=dtype,
+                                                                      adaptive_threads=False)).lanes_when_deep
