@@ -1,0 +1,20 @@
+"""bench.engine_ab on the tiny backbone: each value's engine serves the workload to the end and is
+reported; a field that is not a worded EngineConfig setting is refused."""
+
+import pytest
+
+from bench.engine_ab import main
+
+
+def test_each_value_is_timed_and_reported(capsys):
+    main(["--backbone", "tiny", "--tasks", "2", "--requests", "4", "--out-max", "6", "--repeats", "2",
+          "--dtype", "float32", "--field", "elementwise_kernel", "--values", "on", "off"])
+    out = capsys.readouterr().out
+    for value in ("on", "off"):
+        assert out.count(f"elementwise_kernel={value}: ") == 3  # two repeats, then the median
+        assert f"elementwise_kernel={value}: median" in out
+
+
+def test_a_field_that_is_not_a_worded_setting_is_refused():
+    with pytest.raises(SystemExit, match="set by a word"):
+        main(["--backbone", "tiny", "--field", "max_batch_rows", "--values", "8", "16"])
