@@ -7,7 +7,6 @@
 
 #include <cmath>
 #include <cstdint>
-#include <cstring>
 
 #include "bf16.h"
 
@@ -15,14 +14,8 @@ namespace {
 
 using polyserve_bf16::cvt;
 
-// polyserve_bf16::to_bf16 without its branch, so that the loops below vectorise: the same bits.
-inline uint16_t to_bf16(float f) {
-    uint32_t bits;
-    std::memcpy(&bits, &f, 4);
-    const uint32_t rounded = (bits + 0x7fffu + ((bits >> 16) & 1u)) >> 16;
-    const uint32_t quiet = (bits >> 16) | 0x40u;
-    return static_cast<uint16_t>((bits & 0x7fffffffu) > 0x7f800000u ? quiet : rounded);
-}
+using polyserve_bf16::to_bf16;
+
 inline void store(float* p, float v) { *p = v; }
 inline void store(uint16_t* p, float f) { *p = to_bf16(f); }
 inline float round_to(float, float v) { return v; }
