@@ -33,6 +33,18 @@ from server.engines.native.engine import NativeEngine
 from server.engines.request import GenRequest, RequestHandle, SamplingParams
 
 
+def routed_workload(backbone: str, tasks: int, requests: int, out_min: int, out_max: int, seed: int):
+    """(backbone, routed model, task -> adapter, jobs): serve_bench's routed workload, its adapters materialised."""
+    bb = load_backbone(backbone, dtype="float32")
+    tmp = Path(tempfile.mkdtemp(prefix="polyserve-engine-ab-"))
+    store, rm, _pm, names = build_inventory(bb, tasks, tmp / "store", seed)
+    info, skills = store.load_inventory(bb.fingerprint)
+    cache = AdapterCache(store, info, skills, fingerprint=bb.fingerprint, device=bb.device, dtype=torch.float32,
+                         l1=L1Cache(4 << 30), routing_layers=False)
+    adapters = {t: cache.get(store.get_task(t)) for t in names}
+    return bb, rm, adapters, workload(requests, names, out_min, out_max, seed, "loguniform")
+
+
 def run_once(engine: NativeEngine, tok, jobs, adapters) -> tuple[int, float, float]:
     """(tokens, wall s, this thread's CPU s) of serving every job to the end."""
     reqs = [engine.submit(GenRequest(tok(prompt, add_special_tokens=False).input_ids,
@@ -67,14 +79,8 @@ def main(argv: list[str] | None = None) -> None:
     torch.set_num_threads(args.threads)
 
     dtype = serving_dtype("cpu", None if args.dtype == "auto" else args.dtype)
-    bb = load_backbone(args.backbone, dtype="float32")
-    tmp = Path(tempfile.mkdtemp(prefix="polyserve-engine-ab-"))
-    store, rm, _pm, tasks = build_inventory(bb, args.tasks, tmp / "store", args.seed)
-    info, skills = store.load_inventory(bb.fingerprint)
-    cache = AdapterCache(store, info, skills, fingerprint=bb.fingerprint, device=bb.device, dtype=torch.float32,
-                         l1=L1Cache(4 << 30), routing_layers=False)
-    adapters = {t: cache.get(store.get_task(t)) for t in tasks}
-    jobs = workload(args.requests, tasks, args.out_min, args.out_max, args.seed, "loguniform")
+    bb, rm, adapters, jobs = routed_workload(args.backbone, args.tasks, args.requests, args.out_min, args.out_max,
+                                             args.seed)
     engines = {}
     for value in args.values:
         cfg = EngineConfig(max_batch_rows=args.batch, max_batch_tokens=1 << 20, max_prefill_rows=args.batch,

@@ -17,16 +17,10 @@ from __future__ import annotations
 
 import argparse
 import statistics
-import tempfile
-from pathlib import Path
 
 import torch
 
-from adapters_store.backbone.load import load_backbone
-from bench.engine_ab import run_once
-from bench.serve_bench import build_inventory, workload
-from server.adapter_cache.cache import AdapterCache
-from server.adapter_cache.l1 import L1Cache
+from bench.engine_ab import routed_workload, run_once
 from server.engines.native import attention, llama
 from server.engines.native.attention_kernel import decode_attention
 from server.engines.native.config import EngineConfig
@@ -65,13 +59,7 @@ def main() -> None:
         return (attention.slot_attention if turn[0] == "after" else indexed_slot_attention)(*a, **kw)
 
     llama.slot_attention = slot_attention  # type: ignore[assignment]
-    bb = load_backbone(args.backbone, dtype="float32")
-    store, rm, _pm, tasks = build_inventory(bb, 48, Path(tempfile.mkdtemp(prefix="polyserve-fewer-ops-")) / "store", 0)
-    info, skills = store.load_inventory(bb.fingerprint)
-    cache = AdapterCache(store, info, skills, fingerprint=bb.fingerprint, device=bb.device, dtype=torch.float32,
-                         l1=L1Cache(4 << 30), routing_layers=False)
-    adapters = {t: cache.get(store.get_task(t)) for t in tasks}
-    jobs = workload(args.requests, tasks, 4, 128, 0, "loguniform")
+    bb, rm, adapters, jobs = routed_workload(args.backbone, 48, args.requests, 4, 128, 0)
     engines = {}
     for name, elementwise in (("before", "off"), ("after", "on")):
         turn[0] = name
