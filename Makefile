@@ -49,9 +49,10 @@ else
 endif
 
 # The full suite (unit + integration with the real default backbone and the real Redis).
-# pytest exits 5 when it collects nothing, which fails this target.
+# pytest exits 5 when it collects nothing, which fails this target. --durations prints the slowest
+# tests at the end of every run (CI's log included): where to look when the suite nears its budget.
 test: install
-	$(PYTEST) -q --timeout=900
+	$(PYTEST) -q --timeout=900 --durations=25
 
 test-fast: install
 	$(PYTEST) -q -m 'not slow and not heavy' --timeout=300
