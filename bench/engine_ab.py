@@ -10,6 +10,11 @@ a warm-up (oneDNN builds its primitives per new shape) and is not timed.
     .venv/bin/python -m bench.engine_ab --field elementwise_kernel --values on off --threads 1
     .venv/bin/python -m bench.engine_ab --field attention_kernel --values on off --repeats 5
     .venv/bin/python -m bench.engine_ab --field lora_kernel --values auto --threads 1   # this checkout
+    .venv/bin/python -m bench.engine_ab --field dtype --values float32 bfloat16 --threads 1
+
+`--field dtype` takes the serving dtypes as POLYSERVE_DTYPE spells them; the other settings stay
+`auto`, so each dtype runs as the server would serve it (float32 on the GGUF blocks where the
+weight kernel applies).
 """
 
 from __future__ import annotations
@@ -60,7 +65,8 @@ def run_once(engine: NativeEngine, tok, jobs, adapters) -> tuple[int, float, flo
 
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--field", required=True, help="an EngineConfig field set by a word, e.g. elementwise_kernel")
+    ap.add_argument("--field", required=True,
+                    help="an EngineConfig field set by a word, e.g. elementwise_kernel; or dtype")
     ap.add_argument("--values", nargs="+", required=True, help="its values, as the setting spells them")
     ap.add_argument("--backbone", default="default")
     ap.add_argument("--tasks", type=int, default=48)
@@ -70,10 +76,11 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--out-max", type=int, default=128)
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--repeats", type=int, default=3)
-    ap.add_argument("--dtype", default="auto", help="serving dtype (auto: as the server chooses)")
+    ap.add_argument("--dtype", default="auto", help="serving dtype (auto: as the server chooses; with "
+                    "--field dtype, the values' instead)")
     ap.add_argument("--seed", type=int, default=0)
     args = ap.parse_args(argv)
-    fields = {f.name for f in dataclasses.fields(EngineConfig) if isinstance(f.default, str)}
+    fields = {f.name for f in dataclasses.fields(EngineConfig) if isinstance(f.default, str)} | {"dtype"}
     if args.field not in fields:
         raise SystemExit(f"--field must be an EngineConfig field set by a word: {', '.join(sorted(fields))}")
     torch.set_num_threads(args.threads)
@@ -83,11 +90,18 @@ def main(argv: list[str] | None = None) -> None:
                                              args.seed)
     engines = {}
     for value in args.values:
+        setting = ({"dtype": serving_dtype("cpu", value)} if args.field == "dtype"
+                   else {"dtype": dtype, args.field: value})
         cfg = EngineConfig(max_batch_rows=args.batch, max_batch_tokens=1 << 20, max_prefill_rows=args.batch,
-                           max_queue=1 << 16, dtype=dtype, **{args.field: value})
+                           max_queue=1 << 16, **setting)
         engines[value] = NativeEngine(bb.model, bb.tokenizer, rm, cfg)
+        runner = engines[value].runner
+        print(f"{args.field}={value}: the runner serves {str(runner.dtype).removeprefix('torch.')}, "
+              f"{'on the GGUF blocks' if getattr(runner, 'weight_kernel', False) else 'on dense weights'}",
+              flush=True)
         run_once(engines[value], bb.tokenizer, jobs, adapters)  # warm-up
-    print(f"{args.backbone}, {args.tasks} tasks, {args.requests} requests, batch {args.batch}, {dtype}, "
+    shown = "" if args.field == "dtype" else f"{dtype}, "
+    print(f"{args.backbone}, {args.tasks} tasks, {args.requests} requests, batch {args.batch}, {shown}"
           f"{args.threads} torch threads; {args.field}: {' vs '.join(args.values)}", flush=True)
     results: dict[str, list[tuple[float, float]]] = {v: [] for v in args.values}
     for rep in range(args.repeats):

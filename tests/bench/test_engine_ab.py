@@ -15,6 +15,15 @@ def test_each_value_is_timed_and_reported(capsys):
         assert f"elementwise_kernel={value}: median" in out
 
 
+def test_dtype_is_a_field_each_engine_serves_its_own(capsys):
+    main(["--backbone", "tiny", "--tasks", "2", "--requests", "2", "--out-max", "4", "--repeats", "1",
+          "--field", "dtype", "--values", "float32", "bfloat16"])
+    out = capsys.readouterr().out
+    assert "dtype=float32: the runner serves float32" in out
+    assert "dtype=bfloat16: the runner serves bfloat16" in out
+    assert "dtype=bfloat16: median" in out
+
+
 def test_a_field_that_is_not_a_worded_setting_is_refused():
     with pytest.raises(SystemExit, match="set by a word"):
         main(["--backbone", "tiny", "--field", "max_batch_rows", "--values", "8", "16"])
