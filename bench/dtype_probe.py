@@ -1,5 +1,5 @@
 """What the start-up dtype probes read beside busy processes: the serving probe
-(`server.engines.dtype.cpu_bf16_speedup`, bf16 from 1.25x) and the training probe
+(`server.engines.dtype.cpu_bf16_speedup`, bf16 from `BF16_PROBE_MIN`) and the training probe
 (`training.precision.cpu_bf16_train_speedup`, bf16 autocast from 1.8x), each in a fresh process, as
 a server would take them at start-up, with `--busy N` busy loops running (bench/contention.py's).
 

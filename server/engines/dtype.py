@@ -1,11 +1,13 @@
 """The serving dtype: one decision, used by both engines and by the backbone's loader.
 
 "auto" picks bfloat16 on CUDA with bf16 support and on CPUs with AMX (oneDNN runs bf16 GEMMs on its
-tiles). CPUs with AVX512_BF16 but no AMX disagree about bf16 (some run it slower than float32,
-others a whole decode step much faster: BENCHMARKS.md, bench/linear_paths.py), so there a probe at
-start times the serving path's own packed linear at a decode shape in both dtypes and picks bfloat16
-only well above parity (BF16_PROBE_MIN, far from the ratios seen either side, so the processes of
-one machine agree). float32 elsewhere: on AVX2 bf16 is emulated.
+tiles). CPUs with AVX512_BF16 but no AMX disagree about bf16 (some run its GEMMs on 16 rows slower
+than float32, others a whole decode step much faster: BENCHMARKS.md, "Serving dtype"), so there a
+probe at start times the serving path's own packed linear in both dtypes on the row counts a decode
+step has as its rows finish (1 to 16) and picks bfloat16 where its linears are at least as fast
+(BF16_PROBE_MIN): the rest of a bf16 step (the KV cache and attention, half the bytes) costs no more,
+so at parity on the linears the whole step is already faster. float32 elsewhere: on AVX2 bf16 is
+emulated.
 """
 
 from __future__ import annotations
@@ -20,27 +22,32 @@ from adapters_store.backbone.hardware import cpu_has_amx, cpu_has_avx512_bf16, c
 
 log = logging.getLogger("polyserve.engine")
 
-BF16_PROBE_MIN = 1.25  # bfloat16 where the probe measures it at least this much faster
+BF16_PROBE_MIN = 1.0  # bfloat16 where the probe measures its linears at least this fast
+PROBE_ROWS = (1, 4, 8, 16)  # a decode step's rows as requests finish, up to the default batch
 
 
 @functools.cache
-def cpu_bf16_speedup(d_in: int = 1024, d_out: int = 4096, rows: int = 16, rounds: int = 7, calls: int = 10) -> float:
-    """float32 time / bfloat16 time of the serving path's linear (packed for oneDNN where that dtype can be)
-    on `rows` rows, timed in CPU time on one thread (hardware.cpu_time_ratio); once per process (~0.2 s)."""
+def cpu_bf16_speedup(d_in: int = 1024, d_out: int = 4096, rows: tuple[int, ...] = PROBE_ROWS, rounds: int = 7,
+                     calls: int = 5) -> float:
+    """float32 time / bfloat16 time of the serving path's linear (packed for oneDNN where that dtype can be),
+    a call on each of `rows` row counts, timed in CPU time on one thread (hardware.cpu_time_ratio); once
+    per process (~0.3 s)."""
     from server.engines.native.llama import Linear, packing_available
 
     gen = torch.Generator().manual_seed(0)
     w = torch.randn(d_out, d_in, generator=gen) * 0.02
-    x = torch.randn(rows, d_in, generator=gen)
-    runs = {dt: (Linear(w, None, dt, packing_available(dt)), x.to(dt)) for dt in (torch.float32, torch.bfloat16)}
+    xs = [torch.randn(n, d_in, generator=gen) for n in rows]
+    runs = {dt: (Linear(w, None, dt, packing_available(dt)), [x.to(dt) for x in xs])
+            for dt in (torch.float32, torch.bfloat16)}
 
     def calls_of(dt: torch.dtype) -> Callable[[], None]:
-        lin, xd = runs[dt]
+        lin, xds = runs[dt]
 
         def run() -> None:
             with torch.inference_mode():
                 for _ in range(calls):
-                    lin(xd)
+                    for xd in xds:
+                        lin(xd)
         return run
 
     return cpu_time_ratio(calls_of(torch.float32), calls_of(torch.bfloat16), rounds)
@@ -58,8 +65,8 @@ def auto_dtype(device: torch.device | str) -> tuple[torch.dtype, str]:
         return torch.float32, "the CPU has neither AMX nor AVX512_BF16"
     speedup = cpu_bf16_speedup()
     pick = torch.bfloat16 if speedup >= BF16_PROBE_MIN else torch.float32
-    return pick, (f"AVX512_BF16 without AMX: the probe ran a linear on 16 rows {speedup:.2f}x as fast "
-                  f"in bfloat16 (bfloat16 from {BF16_PROBE_MIN}x)")
+    return pick, (f"AVX512_BF16 without AMX: the probe ran a linear on {'/'.join(map(str, PROBE_ROWS))} rows "
+                  f"{speedup:.2f}x as fast in bfloat16 (bfloat16 from {BF16_PROBE_MIN}x)")
 
 
 def serving_dtype(device: torch.device | str, setting: str | None = None) -> torch.dtype:
