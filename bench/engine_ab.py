@@ -96,7 +96,7 @@ def main(argv: list[str] | None = None) -> None:
                            max_queue=1 << 16, **setting)
         engines[value] = NativeEngine(bb.model, bb.tokenizer, rm, cfg)
         runner = engines[value].runner
-        print(f"{args.field}={value}: the runner serves {str(runner.dtype).removeprefix('torch.')}, "
+        print(f"{args.field}={value} runs in {str(runner.dtype).removeprefix('torch.')}, "
               f"{'on the GGUF blocks' if getattr(runner, 'weight_kernel', False) else 'on dense weights'}",
               flush=True)
         run_once(engines[value], bb.tokenizer, jobs, adapters)  # warm-up

@@ -19,8 +19,8 @@ def test_dtype_is_a_field_each_engine_serves_its_own(capsys):
     main(["--backbone", "tiny", "--tasks", "2", "--requests", "2", "--out-max", "4", "--repeats", "1",
           "--field", "dtype", "--values", "float32", "bfloat16"])
     out = capsys.readouterr().out
-    assert "dtype=float32: the runner serves float32" in out
-    assert "dtype=bfloat16: the runner serves bfloat16" in out
+    assert "dtype=float32 runs in float32" in out
+    assert "dtype=bfloat16 runs in bfloat16" in out
     assert "dtype=bfloat16: median" in out
 
 
