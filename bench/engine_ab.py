@@ -11,10 +11,13 @@ a warm-up (oneDNN builds its primitives per new shape) and is not timed.
     .venv/bin/python -m bench.engine_ab --field attention_kernel --values on off --repeats 5
     .venv/bin/python -m bench.engine_ab --field lora_kernel --values auto --threads 1   # this checkout
     .venv/bin/python -m bench.engine_ab --field dtype --values float32 bfloat16 --threads 1
+    .venv/bin/python -m bench.engine_ab --field weight_build --values native avx2 --threads 1
 
 `--field dtype` takes the serving dtypes as POLYSERVE_DTYPE spells them; the other settings stay
 `auto`, so each dtype runs as the server would serve it (float32 on the GGUF blocks where the
-weight kernel applies).
+weight kernel applies). `--field weight_build` takes builds of the weight kernel
+(server/engines/native/quant_linear.py `BUILDS`): on an AVX-512 CPU serving float32 on the GGUF
+blocks, its AVX-512 path against the AVX2 path that CPUs without AVX-512 run.
 """
 
 from __future__ import annotations
@@ -33,6 +36,7 @@ from bench.serve_bench import build_inventory, workload
 from server.adapter_cache.cache import AdapterCache
 from server.adapter_cache.l1 import L1Cache
 from server.engines.dtype import serving_dtype
+from server.engines.native import quant_linear
 from server.engines.native.config import EngineConfig
 from server.engines.native.engine import NativeEngine
 from server.engines.request import GenRequest, RequestHandle, SamplingParams
@@ -66,7 +70,7 @@ def run_once(engine: NativeEngine, tok, jobs, adapters) -> tuple[int, float, flo
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--field", required=True,
-                    help="an EngineConfig field set by a word, e.g. elementwise_kernel; or dtype")
+                    help="an EngineConfig field set by a word, e.g. elementwise_kernel; or dtype, or weight_build")
     ap.add_argument("--values", nargs="+", required=True, help="its values, as the setting spells them")
     ap.add_argument("--backbone", default="default")
     ap.add_argument("--tasks", type=int, default=48)
@@ -80,9 +84,12 @@ def main(argv: list[str] | None = None) -> None:
                     "--field dtype, the values' instead)")
     ap.add_argument("--seed", type=int, default=0)
     args = ap.parse_args(argv)
-    fields = {f.name for f in dataclasses.fields(EngineConfig) if isinstance(f.default, str)} | {"dtype"}
+    fields = {f.name for f in dataclasses.fields(EngineConfig) if isinstance(f.default, str)} | {"dtype",
+                                                                                                "weight_build"}
     if args.field not in fields:
         raise SystemExit(f"--field must be an EngineConfig field set by a word: {', '.join(sorted(fields))}")
+    if args.field == "weight_build" and not set(args.values) <= set(quant_linear.BUILDS):
+        raise SystemExit(f"--field weight_build takes {', '.join(sorted(quant_linear.BUILDS))}")
     torch.set_num_threads(args.threads)
 
     dtype = serving_dtype("cpu", None if args.dtype == "auto" else args.dtype)
@@ -91,10 +98,16 @@ def main(argv: list[str] | None = None) -> None:
     engines = {}
     for value in args.values:
         setting = ({"dtype": serving_dtype("cpu", value)} if args.field == "dtype"
-                   else {"dtype": dtype, args.field: value})
+                   else {"dtype": dtype} if args.field == "weight_build" else {"dtype": dtype, args.field: value})
         cfg = EngineConfig(max_batch_rows=args.batch, max_batch_tokens=1 << 20, max_prefill_rows=args.batch,
                            max_queue=1 << 16, **setting)
-        engines[value] = NativeEngine(bb.model, bb.tokenizer, rm, cfg)
+        native = quant_linear.KERNEL
+        if args.field == "weight_build":  # the runner's linears take the kernel's function when made
+            quant_linear.KERNEL = quant_linear.BUILDS[value]
+        try:
+            engines[value] = NativeEngine(bb.model, bb.tokenizer, rm, cfg)
+        finally:
+            quant_linear.KERNEL = native
         runner = engines[value].runner
         print(f"{args.field}={value} runs in {str(runner.dtype).removeprefix('torch.')}, "
               f"{'on the GGUF blocks' if getattr(runner, 'weight_kernel', False) else 'on dense weights'}",

@@ -1,5 +1,6 @@
 """bench.engine_ab on the tiny backbone: each value's engine serves the workload to the end and is
-reported; a field that is not a worded EngineConfig setting is refused."""
+reported; a field that is not a worded EngineConfig setting is refused; weight_build makes each
+engine with its build of the weight kernel."""
 
 import pytest
 
@@ -27,3 +28,23 @@ def test_dtype_is_a_field_each_engine_serves_its_own(capsys):
 def test_a_field_that_is_not_a_worded_setting_is_refused():
     with pytest.raises(SystemExit, match="set by a word"):
         main(["--backbone", "tiny", "--field", "max_batch_rows", "--values", "8", "16"])
+
+
+def test_weight_build_makes_each_engine_with_that_build_of_the_kernel(monkeypatch, capsys):
+    import bench.engine_ab as ab
+    from server.engines.native import quant_linear
+
+    made, real = [], ab.NativeEngine
+
+    def engine(*args, **kwargs):
+        made.append(quant_linear.KERNEL.flags)
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(ab, "NativeEngine", engine)
+    main(["--backbone", "tiny", "--tasks", "2", "--requests", "2", "--out-max", "4", "--repeats", "1",
+          "--dtype", "float32", "--field", "weight_build", "--values", "native", "avx2"])
+    assert made == [(), ("-mno-avx512f",)]
+    assert quant_linear.KERNEL is quant_linear.BUILDS["native"]  # put back after each engine
+    assert "weight_build=avx2: median" in capsys.readouterr().out
+    with pytest.raises(SystemExit, match="weight_build takes avx2, native"):
+        main(["--backbone", "tiny", "--field", "weight_build", "--values", "native", "sse"])

@@ -43,11 +43,11 @@ def _compiler() -> str | None:
     return os.environ.get("CXX") or shutil.which("g++") or shutil.which("c++")
 
 
-def _build(cxx: str, source: Path, target: Path) -> None:
+def _build(cxx: str, source: Path, target: Path, extra: tuple[str, ...] = ()) -> None:
     target.parent.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
         out = Path(tmp) / target.name
-        cmd = [cxx, *FLAGS, "-o", str(out), str(source)]
+        cmd = [cxx, *FLAGS, *extra, "-o", str(out), str(source)]
         done = subprocess.run(cmd, check=False, capture_output=True, text=True, timeout=300)
         if done.returncode != 0:
             raise RuntimeError(f"{' '.join(cmd)} failed: {done.stderr.strip()[-800:]}")
@@ -58,9 +58,10 @@ class CppKernel:
     """One exported function of one source file, built and loaded on first use."""
 
     def __init__(self, source: Path, symbol: str, argtypes: list[Any], restype: Any, what: str,
-                 headers: tuple[Path, ...] = ()) -> None:
-        """headers: the files next to the source that it includes (part of the build's key)."""
-        self.source, self.symbol, self.what, self.headers = source, symbol, what, headers
+                 headers: tuple[Path, ...] = (), flags: tuple[str, ...] = ()) -> None:
+        """headers: the files next to the source that it includes (part of the build's key); flags:
+        compiler flags after FLAGS (e.g. -mno-avx512f: the build a CPU without AVX-512 gets)."""
+        self.source, self.symbol, self.what, self.headers, self.flags = source, symbol, what, headers, flags
         self._argtypes, self._restype = argtypes, restype
         self._lock = threading.Lock()
         self._fn: Any = None
@@ -82,12 +83,12 @@ class CppKernel:
                 version = subprocess.run([cxx, "--version"], check=False, capture_output=True, text=True,
                                          timeout=30).stdout
                 text = self.source.read_bytes() + b"".join(h.read_bytes() for h in self.headers)
-                key = hashlib.sha256(text + " ".join(FLAGS).encode() + version.encode()
+                key = hashlib.sha256(text + " ".join([*FLAGS, *self.flags]).encode() + version.encode()
                                      + _cpu_key().encode()).hexdigest()[:16]
                 target = polyserve_home() / "kernels" / f"{self.source.stem}-{key}.so"
                 if not target.exists():
                     log.info("building the native %s kernel: %s", self.what, target)
-                    _build(cxx, self.source, target)
+                    _build(cxx, self.source, target, self.flags)
                 fn = getattr(ctypes.CDLL(str(target)), self.symbol)
                 fn.argtypes, fn.restype = self._argtypes, self._restype
                 self._fn = fn
@@ -98,3 +99,8 @@ class CppKernel:
 
     def error(self) -> str | None:
         return self._error
+
+    def with_flags(self, flags: tuple[str, ...]) -> CppKernel:
+        """The same kernel built with these extra flags (a library of its own)."""
+        return CppKernel(self.source, self.symbol, self._argtypes, self._restype, self.what, self.headers,
+                         self.flags + flags)

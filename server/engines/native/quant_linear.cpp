@@ -3,17 +3,20 @@
 // 4-bit codes, w = d * q + m) or Q8_0 (32 weights in 34 bytes: fp16 d, int8 codes, w = d * q).
 //
 // Why: a decode step of a small model on an AVX2 CPU reads every weight once from memory; float32
-// weights are 4 bytes each, these 0.625 and 1.06. The weights are dequantised a panel of 8 output
+// weights are 4 bytes each, these 0.625 and 1.06. The weights are dequantised a panel of PANEL output
 // columns at a time into a float32 buffer that stays in L1/L2, exactly as the GGUF reader does
 // (w = fma(q, d, m) rounds once, as (d * q) + m does: d * q is exact in float32), and every row of x
 // is then multiplied with that panel in float32 FMAs.
 //
-// Each output element is summed in one fixed order (8 partial sums over k = lane mod 8, then one
-// fixed tree), whatever the number of rows, the row's place in the batch, or the threads: a row's
-// result does not depend on what else is in the step.
+// Each output element is summed in one fixed order (V partial sums over k = lane mod V, V the vector
+// width, then one fixed tree), whatever the number of rows, the row's place in the batch, or the
+// threads: a row's result does not depend on what else is in the step. (A CPU with AVX-512 sums in 16
+// lanes, one with AVX2 only in 8: the last bits of a result differ between the two kinds of CPU, as
+// they do between oneDNN's kernels for each.)
 //
 // Built by cpp_kernel.py with -march=native; without AVX2, FMA and F16C it does not compile and the
-// caller keeps the float32 GEMMs. The panels are shared out over the calling thread's OpenMP team
+// caller keeps the float32 GEMMs. With AVX-512 the panels are dequantised and multiplied 16 floats
+// an instruction in 32 registers (twice the work of an AVX2 instruction, and a larger tile). The panels are shared out over the calling thread's OpenMP team
 // (torch's libgomp): one thread when torch runs on one (lanes, one-thread steps), no team at all.
 
 #include <immintrin.h>
@@ -38,12 +41,66 @@ constexpr int64_t PARALLEL_MIN_WORK = 1 << 18;
 
 int block_bytes(int fmt) { return fmt == FMT_Q4_1 ? 20 : 34; }
 
+#if defined(__AVX512F__)
+using vec = __m512;
+constexpr int V = 16;  // floats a vector
+inline vec vzero() { return _mm512_setzero_ps(); }
+inline vec vload(const float* p) { return _mm512_load_ps(p); }
+inline vec vloadu(const float* p) { return _mm512_loadu_ps(p); }
+inline vec vfma(vec a, vec b, vec c) { return _mm512_fmadd_ps(a, b, c); }
+inline float hsum(vec v) {
+    const __m256 lo = _mm512_castps512_ps256(v);
+    const __m256 hi = _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(v), 1));
+    const __m256 s8 = _mm256_add_ps(lo, hi);
+    const __m128 s4 = _mm_add_ps(_mm256_castps256_ps128(s8), _mm256_extractf128_ps(s8, 1));
+    const __m128 s2 = _mm_add_ps(s4, _mm_movehl_ps(s4, s4));
+    return _mm_cvtss_f32(_mm_add_ss(s2, _mm_shuffle_ps(s2, s2, 1)));
+}
+// tiles (rows x panel columns) for 4, 3, 2 and 1 rows: the accumulators, one register per column's
+// weights and one for x fit in the 32 vector registers
+constexpr int C4 = 6, C3 = 6, C2 = 6, C1 = 12;
+#else
+using vec = __m256;
+constexpr int V = 8;
+inline vec vzero() { return _mm256_setzero_ps(); }
+inline vec vload(const float* p) { return _mm256_load_ps(p); }
+inline vec vloadu(const float* p) { return _mm256_loadu_ps(p); }
+inline vec vfma(vec a, vec b, vec c) { return _mm256_fmadd_ps(a, b, c); }
+inline float hsum(vec v) {
+    const __m128 s4 = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    const __m128 s2 = _mm_add_ps(s4, _mm_movehl_ps(s4, s4));
+    return _mm_cvtss_f32(_mm_add_ss(s2, _mm_shuffle_ps(s2, s2, 1)));
+}
+// the same in 16 registers: 4 x 3 uses all of them (12 accumulators, 3 weights, x)
+constexpr int C4 = 3, C3 = 3, C2 = 4, C1 = 6;
+#endif
+constexpr int ALIGN = V * 4;  // bytes: the panel is read with aligned vector loads
+
 inline float half(const uint8_t* p) {
     uint16_t h;
     std::memcpy(&h, p, 2);
     return _cvtsh_ss(h);
 }
 
+#if defined(__AVX512F__)
+inline void dequant_q4_1(const uint8_t* blk, float* dst) {
+    const __m512 d = _mm512_set1_ps(half(blk)), m = _mm512_set1_ps(half(blk + 2));
+    const __m128i q = _mm_loadu_si128(reinterpret_cast<const __m128i*>(blk + 4));
+    const __m128i mask = _mm_set1_epi8(0x0F);
+    const __m128i lo = _mm_and_si128(q, mask);                        // codes of weights 0..15
+    const __m128i hi = _mm_and_si128(_mm_srli_epi16(q, 4), mask);     // codes of weights 16..31
+    _mm512_store_ps(dst, _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(lo)), d, m));
+    _mm512_store_ps(dst + 16, _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(hi)), d, m));
+}
+
+inline void dequant_q8_0(const uint8_t* blk, float* dst) {
+    const __m512 d = _mm512_set1_ps(half(blk));
+    for (int i = 0; i < 2; ++i) {
+        const __m128i q = _mm_loadu_si128(reinterpret_cast<const __m128i*>(blk + 2 + 16 * i));
+        _mm512_store_ps(dst + 16 * i, _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(q)), d));
+    }
+}
+#else
 inline void dequant_q4_1(const uint8_t* blk, float* dst) {
     const __m256 d = _mm256_set1_ps(half(blk)), m = _mm256_set1_ps(half(blk + 2));
     const __m128i q = _mm_loadu_si128(reinterpret_cast<const __m128i*>(blk + 4));
@@ -64,6 +121,7 @@ inline void dequant_q8_0(const uint8_t* blk, float* dst) {
         _mm256_store_ps(dst + 8 * i, _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(q)), d));
     }
 }
+#endif
 
 // columns [n0, n0 + cols) of W, each K weights, into panel[c * K + k]
 void dequant_panel(int fmt, const uint8_t* w, int64_t K, int64_t n0, int cols, float* panel) {
@@ -78,37 +136,31 @@ void dequant_panel(int fmt, const uint8_t* w, int64_t K, int64_t n0, int cols, f
     }
 }
 
-inline float hsum(__m256 v) {
-    const __m128 s4 = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-    const __m128 s2 = _mm_add_ps(s4, _mm_movehl_ps(s4, s4));
-    return _mm_cvtss_f32(_mm_add_ss(s2, _mm_shuffle_ps(s2, s2, 1)));
-}
-
 // R rows x C panel columns: R * C independent sums, each over k in the same order
 template <int R, int C>
 inline void tile(const float* x, int64_t xs, const float* panel, int64_t K, float* res, int64_t rs) {
-    __m256 acc[R][C];
+    vec acc[R][C];
     for (int r = 0; r < R; ++r)
-        for (int c = 0; c < C; ++c) acc[r][c] = _mm256_setzero_ps();
-    for (int64_t k = 0; k < K; k += 8) {
+        for (int c = 0; c < C; ++c) acc[r][c] = vzero();
+    for (int64_t k = 0; k < K; k += V) {
         // each operand loaded once into a register (the empty asm keeps the compiler from folding a
         // load into every FMA that uses it: R * C loads a step instead of R + C)
-        __m256 wv[C];
+        vec wv[C];
         for (int c = 0; c < C; ++c) {
-            wv[c] = _mm256_load_ps(panel + c * K + k);
-            __asm__("" : "+x"(wv[c]));
+            wv[c] = vload(panel + c * K + k);
+            __asm__("" : "+v"(wv[c]));
         }
         for (int r = 0; r < R; ++r) {
-            __m256 xv = _mm256_loadu_ps(x + r * xs + k);
-            __asm__("" : "+x"(xv));
-            for (int c = 0; c < C; ++c) acc[r][c] = _mm256_fmadd_ps(xv, wv[c], acc[r][c]);
+            vec xv = vloadu(x + r * xs + k);
+            __asm__("" : "+v"(xv));
+            for (int c = 0; c < C; ++c) acc[r][c] = vfma(xv, wv[c], acc[r][c]);
         }
     }
     for (int r = 0; r < R; ++r)
         for (int c = 0; c < C; ++c) res[r * rs + c] = hsum(acc[r][c]);
 }
 
-// R rows against `cols` panel columns, C at a time (8 independent sums keep both FMA pipes busy)
+// R rows against `cols` panel columns, C at a time (enough independent sums to keep the FMA pipes busy)
 template <int R, int C>
 void rows_against_panel(const float* x, int64_t xs, const float* panel, int64_t K, int cols, float* res) {
     int c = 0;
@@ -141,10 +193,11 @@ int polyserve_quant_linear(int fmt, int64_t M, int64_t K, const float* x, int64_
     const int64_t panels = (N + PANEL - 1) / PANEL;
 #pragma omp parallel if (M * K * N >= PARALLEL_MIN_WORK)
     {
-        // 32-byte aligned panel of PANEL x K floats, per thread, reused across calls
+        // vector-aligned panel of PANEL x K floats, per thread, reused across calls
         static thread_local std::vector<float> storage;
-        if (storage.size() < static_cast<size_t>(PANEL * K + 8)) storage.resize(PANEL * K + 8);
-        float* panel = reinterpret_cast<float*>((reinterpret_cast<uintptr_t>(storage.data()) + 31) & ~uintptr_t(31));
+        if (storage.size() < static_cast<size_t>(PANEL * K + V)) storage.resize(PANEL * K + V);
+        float* panel = reinterpret_cast<float*>((reinterpret_cast<uintptr_t>(storage.data()) + ALIGN - 1) &
+                                                ~uintptr_t(ALIGN - 1));
         float res[4 * PANEL];
 #pragma omp for schedule(static)
         for (int64_t p = 0; p < panels; ++p) {
@@ -155,10 +208,10 @@ int polyserve_quant_linear(int fmt, int64_t M, int64_t K, const float* x, int64_
                 const int rows = static_cast<int>(M - m0 < 4 ? M - m0 : 4);
                 const float* xr = x + m0 * x_stride;
                 switch (rows) {
-                    case 4: rows_against_panel<4, 3>(xr, x_stride, panel, K, cols, res); break;
-                    case 3: rows_against_panel<3, 3>(xr, x_stride, panel, K, cols, res); break;
-                    case 2: rows_against_panel<2, 4>(xr, x_stride, panel, K, cols, res); break;
-                    default: rows_against_panel<1, 6>(xr, x_stride, panel, K, cols, res); break;
+                    case 4: rows_against_panel<4, C4>(xr, x_stride, panel, K, cols, res); break;
+                    case 3: rows_against_panel<3, C3>(xr, x_stride, panel, K, cols, res); break;
+                    case 2: rows_against_panel<2, C2>(xr, x_stride, panel, K, cols, res); break;
+                    default: rows_against_panel<1, C1>(xr, x_stride, panel, K, cols, res); break;
                 }
                 for (int r = 0; r < rows; ++r) {
                     float* o = out + (m0 + r) * out_stride + n0;

@@ -2,7 +2,8 @@
 GGUF blocks against a float64 reference of the weights the blocks stand for, every row-count tail
 and column tail, bias and the fused epilogues; a row's result bit-equal whatever its batch and the
 threads; the Llama runner on a backbone with blocks equal to the model's forward; how the setting
-resolves where it cannot run."""
+resolves where it cannot run. The kernel's checks run on each build (quant_linear.BUILDS): on an
+AVX-512 CPU the AVX-512 path and the AVX2 path that CPUs without AVX-512 run."""
 
 from __future__ import annotations
 
@@ -23,6 +24,16 @@ pytestmark = pytest.mark.skipif(quant_linear.KERNEL.load() is None,
 N, K = 31, 96  # two panels of 12 columns and a tail of 7; three blocks a row
 
 
+@pytest.fixture(params=sorted(quant_linear.BUILDS))
+def build(request, monkeypatch):
+    """QuantLinears made in the test call this build of the kernel."""
+    kernel = quant_linear.BUILDS[request.param]
+    if kernel.load() is None:
+        pytest.fail(f"the {request.param} build of the weight kernel did not load: {kernel.error()}")
+    monkeypatch.setattr(quant_linear, "KERNEL", kernel)
+    return request.param
+
+
 def _weight(fmt: str, n: int = N, k: int = K, seed: int = 0):
     g = torch.Generator().manual_seed(seed)
     q = quantize(torch.randn(n, k, generator=g), fmt)
@@ -37,7 +48,7 @@ def _linear(fmt: str, bias: bool = False, max_rows: int = 64):
 
 @pytest.mark.parametrize("fmt", ["Q4_1", "Q8_0"])
 @pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 6, 7, 9, 13])
-def test_kernel_equals_the_float64_reference(fmt, rows):
+def test_kernel_equals_the_float64_reference(fmt, rows, build):
     lin, w, _ = _linear(fmt)
     x = torch.randn(rows, K, generator=torch.Generator().manual_seed(rows))
     want = x.double() @ w.double().T
@@ -45,7 +56,7 @@ def test_kernel_equals_the_float64_reference(fmt, rows):
 
 
 @pytest.mark.parametrize("op", ["swish", "add", "mul"])
-def test_bias_and_the_fused_epilogues(op):
+def test_bias_and_the_fused_epilogues(op, build):
     lin, w, b = _linear("Q4_1", bias=True)
     g = torch.Generator().manual_seed(3)
     x, other = torch.randn(6, K, generator=g), torch.randn(6, N, generator=g)
@@ -58,14 +69,14 @@ def test_bias_and_the_fused_epilogues(op):
     assert got.shape == (6, N) and got.data_ptr() != other.data_ptr()  # a new tensor, as oneDNN's
 
 
-def test_strided_rows_are_read_by_their_stride():
+def test_strided_rows_are_read_by_their_stride(build):
     lin, _, _ = _linear("Q8_0")
     wide = torch.randn(5, 2 * K, generator=torch.Generator().manual_seed(4))
     x = wide[:, K:]  # rows 2K apart
     torch.testing.assert_close(lin(x), lin(x.contiguous()), atol=0, rtol=0)
 
 
-def test_a_rows_result_does_not_depend_on_its_batch_or_the_threads():
+def test_a_rows_result_does_not_depend_on_its_batch_or_the_threads(build):
     lin, _, _ = _linear("Q4_1", bias=True)
     x = torch.randn(13, K, generator=torch.Generator().manual_seed(5))
     alone = torch.cat([lin(x[i : i + 1]) for i in range(13)])
@@ -77,6 +88,13 @@ def test_a_rows_result_does_not_depend_on_its_batch_or_the_threads():
                 assert torch.equal(lin(x[:m]), alone[:m]), (threads, m)
     finally:
         torch.set_num_threads(before)
+
+
+def test_the_builds_are_separate_libraries():
+    native, avx2 = quant_linear.BUILDS["native"], quant_linear.BUILDS["avx2"]
+    assert native is quant_linear.KERNEL and avx2.flags == ("-mno-avx512f",)
+    assert native.load() is not None and avx2.load() is not None
+    assert native.load() is not avx2.load()
 
 
 def test_more_rows_than_max_rows_go_to_the_float32_linear():
