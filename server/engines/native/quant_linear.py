@@ -8,7 +8,8 @@ The kernel dequantises a few output columns at a time into a cache-resident floa
 same rounding as the loader (adapters_store/backbone/gguf_blocks.py, which hands over only blocks
 that reproduce the model's weights bit for bit), then runs float32 FMAs: the same weights and the
 same float32 arithmetic as the float32 path, in a fixed summation order per output (so a row's
-result does not depend on the other rows of its step).
+result does not depend on the other rows of its step). On an AVX-512 CPU it runs 16 floats an
+instruction, on an AVX2 one 8 (two paths of one source; `BUILDS` has both, for tests and benches).
 
 POLYSERVE_WEIGHT_KERNEL: auto = where the backbone has blocks, the engine serves float32 on a CPU and
 the kernel builds (AVX2, FMA, F16C); on = fail where it cannot; off = float32 GEMMs always. Calls
