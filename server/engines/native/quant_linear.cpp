@@ -41,6 +41,11 @@ constexpr int64_t PARALLEL_MIN_WORK = 1 << 18;
 
 int block_bytes(int fmt) { return fmt == FMT_Q4_1 ? 20 : 34; }
 
+inline float hsum4(__m128 s4) {
+    const __m128 s2 = _mm_add_ps(s4, _mm_movehl_ps(s4, s4));
+    return _mm_cvtss_f32(_mm_add_ss(s2, _mm_shuffle_ps(s2, s2, 1)));
+}
+
 #if defined(__AVX512F__)
 using vec = __m512;
 constexpr int V = 16;  // floats a vector
@@ -52,9 +57,7 @@ inline float hsum(vec v) {
     const __m256 lo = _mm512_castps512_ps256(v);
     const __m256 hi = _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(v), 1));
     const __m256 s8 = _mm256_add_ps(lo, hi);
-    const __m128 s4 = _mm_add_ps(_mm256_castps256_ps128(s8), _mm256_extractf128_ps(s8, 1));
-    const __m128 s2 = _mm_add_ps(s4, _mm_movehl_ps(s4, s4));
-    return _mm_cvtss_f32(_mm_add_ss(s2, _mm_shuffle_ps(s2, s2, 1)));
+    return hsum4(_mm_add_ps(_mm256_castps256_ps128(s8), _mm256_extractf128_ps(s8, 1)));
 }
 // tiles (rows x panel columns) for 4, 3, 2 and 1 rows: the accumulators, one register per column's
 // weights and one for x fit in the 32 vector registers
@@ -66,11 +69,7 @@ inline vec vzero() { return _mm256_setzero_ps(); }
 inline vec vload(const float* p) { return _mm256_load_ps(p); }
 inline vec vloadu(const float* p) { return _mm256_loadu_ps(p); }
 inline vec vfma(vec a, vec b, vec c) { return _mm256_fmadd_ps(a, b, c); }
-inline float hsum(vec v) {
-    const __m128 s4 = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-    const __m128 s2 = _mm_add_ps(s4, _mm_movehl_ps(s4, s4));
-    return _mm_cvtss_f32(_mm_add_ss(s2, _mm_shuffle_ps(s2, s2, 1)));
-}
+inline float hsum(vec v) { return hsum4(_mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1))); }
 // the same in 16 registers: 4 x 3 uses all of them (12 accumulators, 3 weights, x)
 constexpr int C4 = 3, C3 = 3, C2 = 4, C1 = 6;
 #endif
@@ -82,13 +81,19 @@ inline float half(const uint8_t* p) {
     return _cvtsh_ss(h);
 }
 
+// a Q4_1 block's 4-bit codes, a byte each: weights 0..15 (the low nibbles) and 16..31 (the high)
+inline void q4_codes(const uint8_t* blk, __m128i* lo, __m128i* hi) {
+    const __m128i q = _mm_loadu_si128(reinterpret_cast<const __m128i*>(blk + 4));
+    const __m128i mask = _mm_set1_epi8(0x0F);
+    *lo = _mm_and_si128(q, mask);
+    *hi = _mm_and_si128(_mm_srli_epi16(q, 4), mask);
+}
+
 #if defined(__AVX512F__)
 inline void dequant_q4_1(const uint8_t* blk, float* dst) {
     const __m512 d = _mm512_set1_ps(half(blk)), m = _mm512_set1_ps(half(blk + 2));
-    const __m128i q = _mm_loadu_si128(reinterpret_cast<const __m128i*>(blk + 4));
-    const __m128i mask = _mm_set1_epi8(0x0F);
-    const __m128i lo = _mm_and_si128(q, mask);                        // codes of weights 0..15
-    const __m128i hi = _mm_and_si128(_mm_srli_epi16(q, 4), mask);     // codes of weights 16..31
+    __m128i lo, hi;
+    q4_codes(blk, &lo, &hi);
     _mm512_store_ps(dst, _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(lo)), d, m));
     _mm512_store_ps(dst + 16, _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(hi)), d, m));
 }
@@ -103,10 +108,8 @@ inline void dequant_q8_0(const uint8_t* blk, float* dst) {
 #else
 inline void dequant_q4_1(const uint8_t* blk, float* dst) {
     const __m256 d = _mm256_set1_ps(half(blk)), m = _mm256_set1_ps(half(blk + 2));
-    const __m128i q = _mm_loadu_si128(reinterpret_cast<const __m128i*>(blk + 4));
-    const __m128i mask = _mm_set1_epi8(0x0F);
-    const __m128i lo = _mm_and_si128(q, mask);                        // codes of weights 0..15
-    const __m128i hi = _mm_and_si128(_mm_srli_epi16(q, 4), mask);     // codes of weights 16..31
+    __m128i lo, hi;
+    q4_codes(blk, &lo, &hi);
     const __m128i parts[4] = {lo, _mm_srli_si128(lo, 8), hi, _mm_srli_si128(hi, 8)};
     for (int i = 0; i < 4; ++i) {
         const __m256 code = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(parts[i]));
