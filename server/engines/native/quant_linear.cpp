@@ -16,8 +16,9 @@
 //
 // Built by cpp_kernel.py with -march=native; without AVX2, FMA and F16C it does not compile and the
 // caller keeps the float32 GEMMs. With AVX-512 the panels are dequantised and multiplied 16 floats
-// an instruction in 32 registers (twice the work of an AVX2 instruction, and a larger tile). The panels are shared out over the calling thread's OpenMP team
-// (torch's libgomp): one thread when torch runs on one (lanes, one-thread steps), no team at all.
+// an instruction in 32 registers (twice the work of an AVX2 instruction, and a larger tile). The
+// panels are shared out over the calling thread's OpenMP team (torch's libgomp): one thread when
+// torch runs on one (lanes, one-thread steps), no team at all.
 
 #include <immintrin.h>
 #include <cmath>
