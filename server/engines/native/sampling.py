@@ -82,24 +82,36 @@ NUCLEUS_CANDIDATES = (256, 4096)
 def apply_top_p(logits: torch.Tensor, p: float) -> torch.Tensor:
     """Nucleus filter: keep the smallest set of best tokens whose probability mass reaches p (at
     least the best token), and every token tied with the last one kept (the set does not depend on
-    how a sort orders ties).
+    how a sort orders ties)."""
+    if p >= 1.0:
+        return logits
+    return logits.masked_fill(logits < nucleus(logits, p)[0], float("-inf"))
+
+
+def nucleus(logits: torch.Tensor, p: float) -> tuple[torch.Tensor, tuple[torch.Tensor, torch.Tensor] | None]:
+    """logits: (V,), p < 1 -> (threshold, members): top-p keeps the tokens whose logit is >= threshold;
+    members is (their indices in ascending order, their logits) where the ranking found all of them,
+    None where the set may reach past the ranked tokens (then only the threshold says which).
 
     Only the best NUCLEUS_CANDIDATES tokens are ranked, more when the nucleus reaches past them:
     a token is kept iff the mass of the tokens ranked before it is below p, so once a ranked
     token falls out, every token after it does too and the rest of the vocabulary needs no order.
     The probabilities are the softmax over the whole vocabulary (its log-sum-exp, one pass)."""
-    if p >= 1.0:
-        return logits
     vocab = logits.shape[-1]
     log_total = torch.logsumexp(logits, dim=-1)
     for k in (*(c for c in NUCLEUS_CANDIDATES if c < vocab), vocab):
-        best = torch.topk(logits, k).values if k < vocab else torch.sort(logits, descending=True).values
+        best, order = torch.topk(logits, k) if k < vocab else torch.sort(logits, descending=True)
         cumulative = torch.cumsum((best - log_total).exp(), dim=-1)  # non-decreasing, unlike cumsum - probs
         mass_before = torch.cat([cumulative.new_zeros(1), cumulative[:-1]])
         kept = max(1, int((mass_before < p).sum()))  # a prefix: mass_before never decreases
         if kept < k:
             break  # the k-th ranked token is out, so is everything after it
-    return logits.masked_fill(logits < best[kept - 1], float("-inf"))
+    threshold = best[kept - 1]
+    if k < vocab and not bool(best[-1] < threshold):
+        return threshold, None  # tokens tied with the last kept one may lie past the ranked k
+    tied = int((best >= threshold).sum())  # best is descending: the kept ones and their ties lead it
+    index = order[:tied].sort().values
+    return threshold, (index, logits[index])
 
 
 def apply_min_p(scaled: torch.Tensor, min_p: float) -> torch.Tensor:
@@ -130,7 +142,15 @@ def sample_row(logits: torch.Tensor, temperature: float, top_k: int, top_p: floa
     """logits: (V,) float -> one token id drawn with the row's own generator."""
     if not temperature >= GREEDY_TEMPERATURE:
         raise SamplingError(f"temperature {temperature} is below {GREEDY_TEMPERATURE}: sample greedily")
-    scaled = apply_top_p(apply_top_k(apply_min_p(scale(logits.float(), temperature), min_p), top_k), top_p)
+    scaled = apply_top_k(apply_min_p(scale(logits.float(), temperature), min_p), top_k)
+    if top_p < 1.0:
+        threshold, members = nucleus(scaled, top_p)
+        if members is not None:
+            # the inverse CDF over the members in index order: the sums, and so the token, of the
+            # one over the whole vocabulary where every other token weighs 0, without its passes
+            index, values = members
+            return int(index[draw(values.cpu().exp_(), generator)])
+        scaled = scaled.masked_fill(scaled < threshold, float("-inf"))
     return draw(scaled.cpu().exp_(), generator)
 
 

@@ -18,8 +18,11 @@ from server.engines.native.rows import describe, new_rows, sample_rows, vocab_si
 from server.engines.native.sampling import (
     RowSampler,
     SamplingError,
+    apply_min_p,
+    apply_top_k,
     apply_top_p,
     draw,
+    nucleus,
     sample_row,
     sample_tokens,
     scale,
@@ -369,6 +372,55 @@ def test_top_p_ranks_only_as_many_tokens_as_the_nucleus_needs(monkeypatch):
     calls.clear()
     apply_top_p(torch.randn(49152, generator=gen) * 0.01, 0.9)
     assert calls == [256, 4096]  # then the full sort
+
+
+def whole_vocabulary_draw(logits, temperature, top_k, top_p, gen, min_p=0.0) -> int:
+    """The draw over every token of the vocabulary, the tokens out of the nucleus weighing 0."""
+    scaled = apply_top_p(apply_top_k(apply_min_p(scale(logits.float(), temperature), min_p), top_k), top_p)
+    return draw(scaled.exp_(), gen)
+
+
+def tied_logits(gen: torch.Generator) -> torch.Tensor:
+    """Logits on a coarse grid: ties at every level, the nucleus's last level included."""
+    return (torch.randn(49152, generator=gen) * 3.0).round()
+
+
+@pytest.mark.parametrize("make,temperature,top_k,top_p,min_p", [
+    (lambda g: torch.randn(49152, generator=g) * 8.0, 0.8, 0, 0.9, 0.0),   # a few tokens: the first candidates
+    (lambda g: torch.randn(49152, generator=g) * 2.0, 1.0, 0, 0.7, 0.0),   # thousands: the second candidates
+    (lambda g: torch.randn(49152, generator=g) * 0.01, 1.0, 0, 0.9, 0.0),  # nearly flat: the full sort
+    (lambda g: torch.randn(49152, generator=g) * 3.0, 0.5, 50, 0.95, 0.0),  # top-k first
+    (lambda g: torch.randn(49152, generator=g) * 3.0, 1.3, 0, 0.99, 0.05),  # min-p first
+    (tied_logits, 1.0, 0, 0.9, 0.0),
+])
+def test_a_draw_among_the_nucleus_gives_the_token_the_whole_vocabulary_draw_gives(make, temperature, top_k, top_p, min_p):
+    """The sampler draws among the nucleus's members only; with the same uniform it must pick the
+    token the inverse CDF over the whole vocabulary (every other token weighing 0) picks, so a
+    seeded request's text does not depend on which of the two ran."""
+    shape = torch.Generator().manual_seed(11)
+    for row in range(4):
+        logits = make(shape)
+        for seed in range(25):
+            got = sample_row(logits, temperature, top_k, top_p, torch.Generator().manual_seed(seed), min_p)
+            want = whole_vocabulary_draw(logits, temperature, top_k, top_p, torch.Generator().manual_seed(seed), min_p)
+            assert got == want, (row, seed)
+
+
+def test_the_nucleus_members_are_every_kept_token_or_none_when_ties_run_past_the_ranked():
+    gen = torch.Generator().manual_seed(5)
+    for logits in (torch.randn(49152, generator=gen) * 2.0, tied_logits(gen), torch.randn(49152, generator=gen) * 0.01):
+        threshold, members = nucleus(logits, 0.8)
+        assert members is not None
+        index, values = members
+        assert index.tolist() == (logits >= threshold).nonzero()[:, 0].tolist()  # ascending, ties included
+        assert torch.equal(values, logits[index])
+    # 300 tokens tied at the top, p = 0.5: the first 256 ranked hold the nucleus, the tie runs past them
+    logits = torch.cat([torch.zeros(300), torch.full((49152 - 300,), -50.0)])
+    threshold, members = nucleus(logits, 0.5)
+    assert members is None and int((logits >= threshold).sum()) == 300
+    assert int((~torch.isinf(apply_top_p(logits, 0.5))).sum()) == 300
+    gen_a, gen_b = torch.Generator().manual_seed(1), torch.Generator().manual_seed(1)
+    assert sample_row(logits, 1.0, 0, 0.5, gen_a) == whole_vocabulary_draw(logits, 1.0, 0, 0.5, gen_b)
 
 
 def test_top_p_keeps_every_token_tied_with_the_last_one_kept():
