@@ -90,8 +90,9 @@ def apply_top_p(logits: torch.Tensor, p: float) -> torch.Tensor:
 
 def nucleus(logits: torch.Tensor, p: float) -> tuple[torch.Tensor, tuple[torch.Tensor, torch.Tensor] | None]:
     """logits: (V,), p < 1 -> (threshold, members): top-p keeps the tokens whose logit is >= threshold;
-    members is (their indices in ascending order, their logits) where the ranking found all of them,
-    None where the set may reach past the ranked tokens (then only the threshold says which).
+    members is (their indices in ascending order, their logits) where a partial ranking found all of
+    them, None where the set may reach past the ranked tokens or needed the full sort (most of the
+    vocabulary: masking it costs less than ordering its indices), where only the threshold says which.
 
     Only the best NUCLEUS_CANDIDATES tokens are ranked, more when the nucleus reaches past them:
     a token is kept iff the mass of the tokens ranked before it is below p, so once a ranked
@@ -107,8 +108,8 @@ def nucleus(logits: torch.Tensor, p: float) -> tuple[torch.Tensor, tuple[torch.T
         if kept < k:
             break  # the k-th ranked token is out, so is everything after it
     threshold = best[kept - 1]
-    if k < vocab and not bool(best[-1] < threshold):
-        return threshold, None  # tokens tied with the last kept one may lie past the ranked k
+    if k == vocab or not bool(best[-1] < threshold):
+        return threshold, None  # ties with the last kept token may lie past the ranked k
     tied = int((best >= threshold).sum())  # best is descending: the kept ones and their ties lead it
     index = order[:tied].sort().values
     return threshold, (index, logits[index])

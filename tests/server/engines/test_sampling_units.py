@@ -406,14 +406,20 @@ def test_a_draw_among_the_nucleus_gives_the_token_the_whole_vocabulary_draw_give
             assert got == want, (row, seed)
 
 
-def test_the_nucleus_members_are_every_kept_token_or_none_when_ties_run_past_the_ranked():
+def test_the_nucleus_members_are_every_kept_token_or_none_past_the_partial_ranking():
     gen = torch.Generator().manual_seed(5)
-    for logits in (torch.randn(49152, generator=gen) * 2.0, tied_logits(gen), torch.randn(49152, generator=gen) * 0.01):
-        threshold, members = nucleus(logits, 0.8)
+    for logits, p in ((torch.randn(49152, generator=gen) * 8.0, 0.8),  # a handful: the first candidates
+                      (torch.randn(49152, generator=gen) * 2.0, 0.7),  # thousands: the second
+                      (tied_logits(gen), 0.8)):
+        threshold, members = nucleus(logits, p)
         assert members is not None
         index, values = members
         assert index.tolist() == (logits >= threshold).nonzero()[:, 0].tolist()  # ascending, ties included
         assert torch.equal(values, logits[index])
+    # nearly flat: the full sort ranks ~40,000 members, which the threshold's mask handles
+    flat = torch.randn(49152, generator=gen) * 0.01
+    threshold, members = nucleus(flat, 0.8)
+    assert members is None and torch.equal(apply_top_p(flat, 0.8) > float("-inf"), flat >= threshold)
     # 300 tokens tied at the top, p = 0.5: the first 256 ranked hold the nucleus, the tie runs past them
     logits = torch.cat([torch.zeros(300), torch.full((49152 - 300,), -50.0)])
     threshold, members = nucleus(logits, 0.5)
