@@ -140,19 +140,40 @@ def scale(logits: torch.Tensor, temperature: float) -> torch.Tensor:
 
 def sample_row(logits: torch.Tensor, temperature: float, top_k: int, top_p: float,
                generator: torch.Generator, min_p: float = 0.0) -> int:
-    """logits: (V,) float -> one token id drawn with the row's own generator."""
+    """logits: (V,) float -> one token id drawn with the row's own generator.
+
+    Where the filters' kept tokens are known as a short list (`nucleus`, `top_k_members`), the
+    inverse CDF runs over them in index order: the sums, and so the token, of the one over the
+    whole vocabulary where every other token weighs 0, without its passes over the vocabulary."""
     if not temperature >= GREEDY_TEMPERATURE:
         raise SamplingError(f"temperature {temperature} is below {GREEDY_TEMPERATURE}: sample greedily")
-    scaled = apply_top_k(apply_min_p(scale(logits.float(), temperature), min_p), top_k)
+    scaled = apply_min_p(scale(logits.float(), temperature), min_p)
     if top_p < 1.0:
+        scaled = apply_top_k(scaled, top_k)
         threshold, members = nucleus(scaled, top_p)
-        if members is not None:
-            # the inverse CDF over the members in index order: the sums, and so the token, of the
-            # one over the whole vocabulary where every other token weighs 0, without its passes
-            index, values = members
-            return int(index[draw(values.cpu().exp_(), generator)])
-        scaled = scaled.masked_fill(scaled < threshold, float("-inf"))
+        if members is None:
+            scaled = scaled.masked_fill(scaled < threshold, float("-inf"))
+    else:
+        members = top_k_members(scaled, top_k)
+        if members is None:
+            scaled = apply_top_k(scaled, top_k)
+    if members is not None:
+        index, values = members
+        return int(index[draw(values.cpu().exp_(), generator)])
     return draw(scaled.cpu().exp_(), generator)
+
+
+def top_k_members(logits: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """logits: (V,) -> (indices in ascending order, logits) of the tokens `apply_top_k` keeps, where
+    the k + 1 best show no tie past the k-th; None there, and where k keeps no short list (0, or
+    as many as the nucleus's second ranking)."""
+    if not 0 < k < NUCLEUS_CANDIDATES[-1] or k >= logits.shape[-1]:
+        return None
+    best, order = torch.topk(logits, k + 1)
+    if not bool(best[k] < best[k - 1]):
+        return None  # the k-th best is tied past the ranked: only the mask says which are kept
+    index = order[:k].sort().values
+    return index, logits[index]
 
 
 def draw(weights: torch.Tensor, generator: torch.Generator) -> int:

@@ -26,6 +26,7 @@ from server.engines.native.sampling import (
     sample_row,
     sample_tokens,
     scale,
+    top_k_members,
 )
 from server.engines.request import FinalEvent, GenRequest, SamplingParams
 
@@ -392,6 +393,10 @@ def tied_logits(gen: torch.Generator) -> torch.Tensor:
     (lambda g: torch.randn(49152, generator=g) * 3.0, 0.5, 50, 0.95, 0.0),  # top-k first
     (lambda g: torch.randn(49152, generator=g) * 3.0, 1.3, 0, 0.99, 0.05),  # min-p first
     (tied_logits, 1.0, 0, 0.9, 0.0),
+    (lambda g: torch.randn(49152, generator=g) * 3.0, 0.8, 50, 1.0, 0.0),   # top-k alone: its members
+    (lambda g: torch.randn(49152, generator=g) * 3.0, 1.0, 5000, 1.0, 0.0),  # a long top-k: the mask
+    (tied_logits, 1.0, 50, 1.0, 0.0),                                          # the k-th tied past k: the mask
+    (lambda g: torch.randn(49152, generator=g) * 3.0, 1.0, 40, 1.0, 0.9),   # min-p leaves fewer than k: -inf ties
 ])
 def test_a_draw_among_the_nucleus_gives_the_token_the_whole_vocabulary_draw_gives(make, temperature, top_k, top_p, min_p):
     """The sampler draws among the nucleus's members only; with the same uniform it must pick the
@@ -427,6 +432,18 @@ def test_the_nucleus_members_are_every_kept_token_or_none_past_the_partial_ranki
     assert int((~torch.isinf(apply_top_p(logits, 0.5))).sum()) == 300
     gen_a, gen_b = torch.Generator().manual_seed(1), torch.Generator().manual_seed(1)
     assert sample_row(logits, 1.0, 0, 0.5, gen_a) == whole_vocabulary_draw(logits, 1.0, 0, 0.5, gen_b)
+
+
+def test_top_k_members_are_the_kept_tokens_ascending_or_none_where_the_kth_is_tied_past_k():
+    gen = torch.Generator().manual_seed(9)
+    logits = torch.randn(49152, generator=gen)
+    index, values = top_k_members(logits, 50)
+    assert index.tolist() == (~torch.isinf(apply_top_k(logits, 50))).nonzero()[:, 0].tolist()
+    assert torch.equal(values, logits[index])
+    tied = torch.tensor([3.0, 1.0, 2.0, 2.0, 0.0])
+    assert top_k_members(tied, 2) is None  # 2.0 is the 2nd and the 3rd best: top-k keeps both
+    assert top_k_members(tied, 3)[0].tolist() == [0, 2, 3]
+    assert top_k_members(logits, 0) is None and top_k_members(logits, 5000) is None
 
 
 def test_top_p_keeps_every_token_tied_with_the_last_one_kept():
