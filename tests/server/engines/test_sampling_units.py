@@ -434,6 +434,22 @@ def test_the_nucleus_members_are_every_kept_token_or_none_past_the_partial_ranki
     assert sample_row(logits, 1.0, 0, 0.5, gen_a) == whole_vocabulary_draw(logits, 1.0, 0, 0.5, gen_b)
 
 
+def test_a_row_with_a_short_list_of_kept_tokens_draws_among_them_not_over_the_vocabulary(monkeypatch):
+    """The point of the members: the draw's exp and cumulative sum run over the kept tokens only."""
+    from server.engines.native import sampling
+
+    sizes: list[int] = []
+    real_draw = sampling.draw
+    monkeypatch.setattr(sampling, "draw", lambda w, g: sizes.append(len(w)) or real_draw(w, g))
+    gen = torch.Generator().manual_seed(2)
+    logits = torch.randn(49152, generator=gen) * 3.0
+    sample_row(logits, 0.8, 50, 1.0, gen)  # top-k alone
+    sample_row(logits, 0.8, 0, 0.5, gen)   # top-p: its nucleus
+    sample_row(logits, 0.8, 0, 1.0, gen)   # neither: the whole vocabulary
+    nucleus_size = len(nucleus(scale(logits, 0.8), 0.5)[1][0])
+    assert sizes == [50, nucleus_size, 49152] and nucleus_size < 4096
+
+
 def test_top_k_members_are_the_kept_tokens_ascending_or_none_where_the_kth_is_tied_past_k():
     gen = torch.Generator().manual_seed(9)
     logits = torch.randn(49152, generator=gen)
