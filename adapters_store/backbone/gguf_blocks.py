@@ -205,10 +205,24 @@ def _read_blocks(path: Path, fmt: str | None, dims: tuple[int, ...], offset: int
     return QuantWeight(fmt, torch.from_numpy(raw.reshape(n, row)), k)
 
 
+def frozen_weights(model: nn.Module) -> dict[str, torch.Tensor]:
+    """Hugging Face parameter name -> the model's tensor, with the frozen linear of every routed
+    wrapper also under the name it has in the unwrapped model: a server wraps its backbone's
+    adapted linears (adapters_store.lora.layer.RoutedLoRALinear keeps the frozen nn.Linear as
+    `base`), so "....q_proj.weight" is then the parameter "....q_proj.base.weight"."""
+    weights: dict[str, torch.Tensor] = dict(model.named_parameters())
+    for name, module in model.named_modules():
+        base = getattr(module, "base", None)
+        if isinstance(base, nn.Linear) and f"{name}.weight" not in weights:
+            weights[f"{name}.weight"] = base.weight
+    return weights
+
+
 def stored_blocks(model: nn.Module, gguf: Path | None = None) -> dict[str, QuantWeight]:
     """Hugging Face parameter name (e.g. "model.layers.3.mlp.up_proj.weight") -> its blocks, for
-    every linear weight of a Llama model whose dequantised blocks equal the model's weight exactly.
-    Empty when the model came from no GGUF (or the GGUF cannot be read)."""
+    every linear weight of a Llama model whose dequantised blocks equal the model's weight exactly,
+    wrapped or not (frozen_weights). Empty when the model came from no GGUF (or the GGUF cannot be
+    read)."""
     gguf = gguf or source_gguf(model)
     if gguf is None:
         return {}
@@ -220,7 +234,7 @@ def stored_blocks(model: nn.Module, gguf: Path | None = None) -> dict[str, Quant
     cfg: Any = getattr(model, "config", None)
     heads = int(getattr(cfg, "num_attention_heads", 0) or 0)
     kv_heads = int(getattr(cfg, "num_key_value_heads", 0) or heads)
-    params: Mapping[str, torch.Tensor] = dict(model.named_parameters())
+    params: Mapping[str, torch.Tensor] = frozen_weights(model)
     wanted: dict[str, tuple[str, torch.Tensor | None]] = {}
     for i in range(int(getattr(cfg, "num_hidden_layers", 0) or 0)):
         for short, hf in LAYER_TENSORS.items():

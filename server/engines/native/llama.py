@@ -23,6 +23,7 @@ same flat batches through the model's own forward); a start-up self-test compare
 from __future__ import annotations
 
 import functools
+import logging
 import math
 from typing import Any, cast
 
@@ -30,7 +31,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from adapters_store.backbone.gguf_blocks import QuantWeight, concat, stored_blocks
+from adapters_store.backbone.gguf_blocks import QuantWeight, concat, frozen_weights, stored_blocks
 from server.engines.native import attention_kernel as attention_kernels
 from server.engines.native import elementwise_kernel as elementwise
 from server.engines.native import lora_kernel as lora_kernels
@@ -42,6 +43,8 @@ from server.engines.native.slot_lora import Group, Member, SlotLoRA, SlotLoRASte
 from server.engines.native.slots import SlotKV
 from server.engines.native.static_decode import StaticDecode
 from server.engines.native.step import StepBatch
+
+log = logging.getLogger("polyserve.engine")
 
 ARCHITECTURES = ("llama", "mistral", "qwen2")
 ROPE_TYPES = ("default", "linear", "llama3", "yarn")  # inv_freq fixed at load (not "dynamic")
@@ -289,9 +292,12 @@ class LlamaRunner:
         by_name = stored_blocks(model)
         if not quant_linears.resolve(setting, self.device, self.dtype, by_name):
             return {}
-        params: dict[str, torch.Tensor] = dict(model.named_parameters())
+        params = frozen_weights(model)  # the adapted linears are wrapped by now (RoutedModel)
         params.setdefault("lm_head.weight", _linear(head).weight)
-        return {id(params[name]): blocks for name, blocks in by_name.items() if name in params}
+        found = {id(params[name]): blocks for name, blocks in by_name.items() if name in params}
+        linears = sum(isinstance(m, nn.Linear) for m in model.modules())
+        log.info("weight kernel: %d of the model's %d linears read their GGUF blocks", len(found), linears)
+        return found
 
     def _groups(self, model: nn.Module, adapted: list[str]) -> list[list[Group | None]]:
         """Where each adapted linear (by qualified name, in the inventory's order) sits in the

@@ -7,6 +7,8 @@ AVX-512 CPU the AVX-512 path and the AVX2 path that CPUs without AVX-512 run."""
 
 from __future__ import annotations
 
+import logging
+
 import pytest
 import torch
 
@@ -154,6 +156,24 @@ def test_the_llama_runner_on_blocks_equals_the_models_forward(tmp_path):
     check_against(model, on, 259, atol=1e-5)
     off = build_model_runner(model, slots=4, kind="llama", weight_kernel="off")
     assert not off.weight_kernel and isinstance(off.layers[0].qkv, Linear)
+
+
+def test_a_served_model_reads_every_linear_from_the_blocks_with_its_adapted_ones_wrapped(tmp_path, caplog):
+    """A server wraps the adapted linears (RoutedModel) before it builds the runner: their frozen
+    weights must still be found by name, not served from the float32 copies."""
+    from adapters_store.lora.inject import RoutedModel
+    from adapters_store.lora.spec import InventorySpec
+
+    model = _gguf_model(tmp_path)
+    targets = ("q_proj", "k_proj", "v_proj", "o_proj", "down_proj")
+    rm = RoutedModel(model, InventorySpec(n_skills=2, n_heads=2, rank=4, target_modules=targets))
+    with caplog.at_level(logging.INFO, logger="polyserve.engine"):
+        on = build_model_runner(model, rm, slots=4, kind="llama", weight_kernel="on")
+    layer = on.layers[0]
+    assert all(isinstance(lin, QuantLinear) for lin in (layer.qkv, layer.o, layer.gate, layer.up, layer.down,
+                                                         on.lm_head))
+    assert "15 of the model's 15 linears read their GGUF blocks" in caplog.text
+    check_against(model, on, 259, atol=1e-5)
 
 
 def test_the_setting_resolves_by_device_dtype_and_blocks(tmp_path):
