@@ -1,6 +1,8 @@
 // y = x @ W.T (+ b), then an activation or an elementwise op with `other`, where W stays in the
 // GGUF block format it was stored in (quant_linear.py): Q4_1 (32 weights in 20 bytes: fp16 d and m,
-// 4-bit codes, w = d * q + m) or Q8_0 (32 weights in 34 bytes: fp16 d, int8 codes, w = d * q).
+// 4-bit codes, w = d * q + m) or Q8_0 (32 weights in 34 bytes: fp16 d, int8 codes, w = d * q), the
+// same bytes regrouped per output column (quant_linear.columns: the blocks' codes, then their
+// scales, so a column's scales convert to float32 a vector at a time).
 //
 // Why: a decode step of a small model on an AVX2 CPU reads every weight once from memory; float32
 // weights are 4 bytes each, these 0.625 and 1.06. The weights are dequantised a panel of PANEL output
@@ -54,6 +56,8 @@ inline vec vzero() { return _mm512_setzero_ps(); }
 inline vec vload(const float* p) { return _mm512_load_ps(p); }
 inline vec vloadu(const float* p) { return _mm512_loadu_ps(p); }
 inline vec vfma(vec a, vec b, vec c) { return _mm512_fmadd_ps(a, b, c); }
+inline void vstoreu(float* p, vec v) { _mm512_storeu_ps(p, v); }
+inline vec vhalves(const uint8_t* p) { return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p))); }
 inline float hsum(vec v) {
     const __m256 lo = _mm512_castps512_ps256(v);
     const __m256 hi = _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(v), 1));
@@ -70,6 +74,8 @@ inline vec vzero() { return _mm256_setzero_ps(); }
 inline vec vload(const float* p) { return _mm256_load_ps(p); }
 inline vec vloadu(const float* p) { return _mm256_loadu_ps(p); }
 inline vec vfma(vec a, vec b, vec c) { return _mm256_fmadd_ps(a, b, c); }
+inline void vstoreu(float* p, vec v) { _mm256_storeu_ps(p, v); }
+inline vec vhalves(const uint8_t* p) { return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))); }
 inline float hsum(vec v) { return hsum4(_mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1))); }
 // the same in 16 registers: 4 x 3 uses all of them (12 accumulators, 3 weights, x)
 constexpr int C4 = 3, C3 = 3, C2 = 4, C1 = 6;
@@ -83,60 +89,73 @@ inline float half(const uint8_t* p) {
 }
 
 // a Q4_1 block's 4-bit codes, a byte each: weights 0..15 (the low nibbles) and 16..31 (the high)
-inline void q4_codes(const uint8_t* blk, __m128i* lo, __m128i* hi) {
-    const __m128i q = _mm_loadu_si128(reinterpret_cast<const __m128i*>(blk + 4));
+inline void q4_codes(const uint8_t* codes, __m128i* lo, __m128i* hi) {
+    const __m128i q = _mm_loadu_si128(reinterpret_cast<const __m128i*>(codes));
     const __m128i mask = _mm_set1_epi8(0x0F);
     *lo = _mm_and_si128(q, mask);
     *hi = _mm_and_si128(_mm_srli_epi16(q, 4), mask);
 }
 
 #if defined(__AVX512F__)
-inline void dequant_q4_1(const uint8_t* blk, float* dst) {
-    const __m512 d = _mm512_set1_ps(half(blk)), m = _mm512_set1_ps(half(blk + 2));
+inline void dequant_q4_1(const uint8_t* codes, float d, float m, float* dst) {
+    const __m512 vd = _mm512_set1_ps(d), vm = _mm512_set1_ps(m);
     __m128i lo, hi;
-    q4_codes(blk, &lo, &hi);
-    _mm512_store_ps(dst, _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(lo)), d, m));
-    _mm512_store_ps(dst + 16, _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(hi)), d, m));
+    q4_codes(codes, &lo, &hi);
+    _mm512_store_ps(dst, _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(lo)), vd, vm));
+    _mm512_store_ps(dst + 16, _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(hi)), vd, vm));
 }
 
-inline void dequant_q8_0(const uint8_t* blk, float* dst) {
-    const __m512 d = _mm512_set1_ps(half(blk));
+inline void dequant_q8_0(const uint8_t* codes, float d, float* dst) {
+    const __m512 vd = _mm512_set1_ps(d);
     for (int i = 0; i < 2; ++i) {
-        const __m128i q = _mm_loadu_si128(reinterpret_cast<const __m128i*>(blk + 2 + 16 * i));
-        _mm512_store_ps(dst + 16 * i, _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(q)), d));
+        const __m128i q = _mm_loadu_si128(reinterpret_cast<const __m128i*>(codes + 16 * i));
+        _mm512_store_ps(dst + 16 * i, _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(q)), vd));
     }
 }
 #else
-inline void dequant_q4_1(const uint8_t* blk, float* dst) {
-    const __m256 d = _mm256_set1_ps(half(blk)), m = _mm256_set1_ps(half(blk + 2));
+inline void dequant_q4_1(const uint8_t* codes, float d, float m, float* dst) {
+    const __m256 vd = _mm256_set1_ps(d), vm = _mm256_set1_ps(m);
     __m128i lo, hi;
-    q4_codes(blk, &lo, &hi);
+    q4_codes(codes, &lo, &hi);
     const __m128i parts[4] = {lo, _mm_srli_si128(lo, 8), hi, _mm_srli_si128(hi, 8)};
     for (int i = 0; i < 4; ++i) {
         const __m256 code = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(parts[i]));
-        _mm256_store_ps(dst + 8 * i, _mm256_fmadd_ps(code, d, m));
+        _mm256_store_ps(dst + 8 * i, _mm256_fmadd_ps(code, vd, vm));
     }
 }
 
-inline void dequant_q8_0(const uint8_t* blk, float* dst) {
-    const __m256 d = _mm256_set1_ps(half(blk));
+inline void dequant_q8_0(const uint8_t* codes, float d, float* dst) {
+    const __m256 vd = _mm256_set1_ps(d);
     for (int i = 0; i < 4; ++i) {
-        const __m128i q = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(blk + 2 + 8 * i));
-        _mm256_store_ps(dst + 8 * i, _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(q)), d));
+        const __m128i q = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(codes + 8 * i));
+        _mm256_store_ps(dst + 8 * i, _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(q)), vd));
     }
 }
 #endif
 
-// columns [n0, n0 + cols) of W, each K weights, into panel[c * K + k]
-void dequant_panel(int fmt, const uint8_t* w, int64_t K, int64_t n0, int cols, float* panel) {
-    const int64_t nb = K / BLOCK, bytes = block_bytes(fmt);
+// n fp16 values to float32, V an instruction
+inline void halves_to_float(const uint8_t* src, int64_t n, float* dst) {
+    int64_t i = 0;
+    for (; i + V <= n; i += V) vstoreu(dst + i, vhalves(src + 2 * i));
+    for (; i < n; ++i) dst[i] = half(src + 2 * i);
+}
+
+// columns [n0, n0 + cols) of W, each K weights, into panel[c * K + k]. A column's row of W is laid
+// out by quant_linear.py as its blocks' codes, then their fp16 d, then (Q4_1) their fp16 m: the
+// scales of a column convert to float32 16 at a time into `scales` (2 * K / 32 floats)
+void dequant_panel(int fmt, const uint8_t* w, int64_t K, int64_t n0, int cols, float* panel, float* scales) {
+    const int64_t nb = K / BLOCK, bytes = block_bytes(fmt), code_bytes = fmt == FMT_Q4_1 ? 16 : 32;
     for (int c = 0; c < cols; ++c) {
-        const uint8_t* row = w + (n0 + c) * nb * bytes;
+        const uint8_t* codes = w + (n0 + c) * nb * bytes;
+        const uint8_t* halves = codes + nb * code_bytes;
         float* dst = panel + c * K;
-        if (fmt == FMT_Q4_1)
-            for (int64_t b = 0; b < nb; ++b) dequant_q4_1(row + b * bytes, dst + b * BLOCK);
-        else
-            for (int64_t b = 0; b < nb; ++b) dequant_q8_0(row + b * bytes, dst + b * BLOCK);
+        if (fmt == FMT_Q4_1) {
+            halves_to_float(halves, 2 * nb, scales);
+            for (int64_t b = 0; b < nb; ++b) dequant_q4_1(codes + b * 16, scales[b], scales[nb + b], dst + b * BLOCK);
+        } else {
+            halves_to_float(halves, nb, scales);
+            for (int64_t b = 0; b < nb; ++b) dequant_q8_0(codes + b * 32, scales[b], dst + b * BLOCK);
+        }
     }
 }
 
@@ -198,8 +217,9 @@ int polyserve_quant_linear(int fmt, int64_t M, int64_t K, const float* x, int64_
 #pragma omp parallel if (M * K * N >= PARALLEL_MIN_WORK)
     {
         // vector-aligned panel of PANEL x K floats, per thread, reused across calls
-        static thread_local std::vector<float> storage;
+        static thread_local std::vector<float> storage, scales;
         if (storage.size() < static_cast<size_t>(PANEL * K + V)) storage.resize(PANEL * K + V);
+        if (scales.size() < static_cast<size_t>(2 * (K / BLOCK))) scales.resize(2 * (K / BLOCK));
         float* panel = reinterpret_cast<float*>((reinterpret_cast<uintptr_t>(storage.data()) + ALIGN - 1) &
                                                 ~uintptr_t(ALIGN - 1));
         float res[4 * PANEL];
@@ -207,7 +227,7 @@ int polyserve_quant_linear(int fmt, int64_t M, int64_t K, const float* x, int64_
         for (int64_t p = 0; p < panels; ++p) {
             const int64_t n0 = p * PANEL;
             const int cols = static_cast<int>(N - n0 < PANEL ? N - n0 : PANEL);
-            dequant_panel(fmt, w, K, n0, cols, panel);
+            dequant_panel(fmt, w, K, n0, cols, panel, scales.data());
             for (int64_t m0 = 0; m0 < M; m0 += 4) {
                 const int rows = static_cast<int>(M - m0 < 4 ? M - m0 : 4);
                 const float* xr = x + m0 * x_stride;

@@ -26,7 +26,7 @@ from typing import Any
 
 import torch
 
-from adapters_store.backbone.gguf_blocks import QuantWeight
+from adapters_store.backbone.gguf_blocks import BLOCK, BLOCK_BYTES, QuantWeight
 from server.engines.native.cpp_kernel import CppKernel
 
 _I64, _PTR, _INT = ctypes.c_int64, ctypes.c_void_p, ctypes.c_int
@@ -70,6 +70,16 @@ def resolve(setting: str, device: torch.device, dtype: torch.dtype, blocks: Mapp
     return why is None
 
 
+def columns(weight: QuantWeight) -> torch.Tensor:
+    """The blocks as the kernel reads them: each output column's row holds its blocks' codes, then
+    their fp16 d, then (Q4_1) their fp16 m, the same bytes as the GGUF's interleaved blocks. So the
+    kernel converts a column's scales 16 an instruction, not two scalar conversions a block."""
+    n, nb = weight.out_features, weight.in_features // BLOCK
+    raw = weight.blocks.view(n, nb, BLOCK_BYTES[weight.fmt])
+    parts = [raw[..., 4:], raw[..., 0:2], raw[..., 2:4]] if weight.fmt == "Q4_1" else [raw[..., 2:], raw[..., 0:2]]
+    return torch.cat([part.reshape(n, -1) for part in parts], dim=1).contiguous()
+
+
 class QuantLinear:
     """A frozen y = x @ W.T (+ b) with W as GGUF blocks; the same calls as llama.Linear. Rows beyond
     `max_rows` go to `dense` (the float32 Linear of the same weight)."""
@@ -81,13 +91,14 @@ class QuantLinear:
         if fn is None:
             raise RuntimeError(f"the weight kernel is unavailable: {error()}")
         self._fn: Any = fn
-        self.weight = weight  # kept alive: the kernel reads the blocks by address
+        self.fmt = weight.fmt
+        self._columns = columns(weight)  # kept alive: the kernel reads it by address (not the blocks too)
         self.out_features, self.in_features = weight.out_features, weight.in_features
         self.bias = None if bias is None else bias.detach().float().contiguous()
         self.dense = dense
         self.max_rows = max_rows
         self._fmt = FORMATS[weight.fmt]
-        self._w = weight.blocks.data_ptr()
+        self._w = self._columns.data_ptr()
         self._b = 0 if self.bias is None else self.bias.data_ptr()
 
     def _run(self, x: torch.Tensor, op: str, other: torch.Tensor | None) -> torch.Tensor:
@@ -108,7 +119,7 @@ class QuantLinear:
         rc = self._fn(self._fmt, m, self.in_features, x.data_ptr(), x.stride(0), self._w, self.out_features,
                       self._b, out.data_ptr(), out.stride(0), OPS[op], ptr, stride)
         if rc != 0:
-            raise ValueError(f"weight kernel refused {self.weight.fmt} x {tuple(x.shape)} -> {self.out_features}")
+            raise ValueError(f"weight kernel refused {self.fmt} x {tuple(x.shape)} -> {self.out_features}")
         return out
 
     def __call__(self, x: torch.Tensor, act: str = "none") -> torch.Tensor:

@@ -57,6 +57,17 @@ def test_kernel_equals_the_float64_reference(fmt, rows, build):
     torch.testing.assert_close(lin(x).double(), want, atol=1e-5, rtol=1e-5)
 
 
+@pytest.mark.parametrize("fmt", ["Q4_1", "Q8_0"])
+def test_a_long_row_reads_every_blocks_scales(fmt, build):
+    """21 blocks a row: a column's scales convert a vector at a time (16 or 8) and then one by one;
+    every block's d (and m) must reach its own weights."""
+    k = 21 * 32
+    q, w = _weight(fmt, k=k, seed=3)
+    lin = QuantLinear(q, None, Linear(w, None, torch.float32, packed=False), 64)
+    x = torch.randn(3, k, generator=torch.Generator().manual_seed(4))
+    torch.testing.assert_close(lin(x).double(), x.double() @ w.double().T, atol=1e-5, rtol=1e-5)
+
+
 @pytest.mark.parametrize("op", ["swish", "add", "mul"])
 def test_bias_and_the_fused_epilogues(op, build):
     lin, w, b = _linear("Q4_1", bias=True)
