@@ -7,7 +7,8 @@ No dependency beyond the standard library: bench/vllm_peer.py runs it in the vLL
 
     tree(pid)                 pid and its descendants
     thread_times(pids)        {"pid/tid": (ns on a CPU, ns waiting runnable)}
-    sched_delta(before, after, names)   totals and per-process CPU seconds between two snapshots
+    sched_delta(before, after, names, threads)   totals, per-process CPU seconds and the busiest
+                              threads between two snapshots
 """
 
 from __future__ import annotations
@@ -71,18 +72,25 @@ def process_names(pids: list[int], proc: Path = PROC) -> dict[int, str]:
 
 
 def sched_delta(before: dict[str, tuple[int, int]], after: dict[str, tuple[int, int]],
-                names: dict[int, str] | None = None) -> dict:
+                names: dict[int, str] | None = None, threads: int = 0) -> dict:
     """CPU seconds the threads got between the snapshots and seconds they waited runnable, summed;
-    with names (pid -> command), also CPU seconds per process, by "name (pid)"."""
+    with names (pid -> command), also CPU seconds per process, by "name (pid)"; with threads = N,
+    also the N threads that got the most, by "pid/tid": [CPU s, s waiting runnable] (which of a
+    process's threads took its CPU: an engine thread, a lane, an OpenMP team's worker)."""
     cpu = wait = 0
     per: dict[int, int] = {}
+    each: dict[str, tuple[int, int]] = {}
     for key, (on_cpu, waiting) in after.items():
         was = before.get(key, (0, 0))
         cpu += on_cpu - was[0]
         wait += waiting - was[1]
+        each[key] = (on_cpu - was[0], waiting - was[1])
         pid = int(key.split("/")[0])
         per[pid] = per.get(pid, 0) + on_cpu - was[0]
     out: dict = {"cpu_s": round(cpu / 1e9, 2), "runnable_wait_s": round(wait / 1e9, 2)}
     if names is not None and len(per) > 1:
         out["cpu_s_by_process"] = {f"{names.get(p, '?')} ({p})": round(ns / 1e9, 2) for p, ns in sorted(per.items())}
+    if threads > 0:
+        top = sorted(each.items(), key=lambda kv: (-kv[1][0], kv[0]))[:threads]
+        out["cpu_s_by_thread"] = {key: [round(run / 1e9, 2), round(waiting / 1e9, 2)] for key, (run, waiting) in top}
     return out

@@ -348,7 +348,7 @@ def main() -> None:
             out["dtype"] = dtype_name(serving)  # "auto" resolves per process: say which
             one = (eng.governor.steps_at.get(1, 0) if eng.governor else 0) - one_before
             out["one_thread_steps"] = one if args.threads > 1 else out["steps"]
-            out.update(sched_delta(before, thread_times()))
+            out.update(sched_delta(before, thread_times(), threads=4))  # the engine's, the lanes', a team's
             return out
         finally:
             eng.stop()
@@ -383,6 +383,8 @@ def main() -> None:
               + (f"; {r['steps']} steps ({r['one_thread_steps']} without the team, {args.contended})" if "steps" in r else "")
               + (f", CPU {r['cpu_s']:.1f}s, waited runnable {r['runnable_wait_s']:.1f}s" if "cpu_s" in r else "")
               + (f" [{', '.join(f'{k} {s:.1f}s' for k, s in r['cpu_s_by_process'].items())}]" if "cpu_s_by_process" in r else "")
+              + (f" [threads: {', '.join(f'{k} {v[0]:.1f}s' for k, v in r['cpu_s_by_thread'].items())}]"
+                 if "cpu_s_by_thread" in r else "")
               + ")", flush=True)
     results = merge_repeats(results)
     if len(args.variants) > len(set(args.variants)):

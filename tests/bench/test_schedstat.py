@@ -43,3 +43,15 @@ def test_the_delta_sums_threads_and_splits_cpu_by_process(tmp_path):
 def test_one_process_has_no_split():
     out = schedstat.sched_delta({}, schedstat.thread_times())
     assert "cpu_s_by_process" not in out and out["cpu_s"] >= 0
+
+
+def test_the_busiest_threads_are_listed_with_their_waits(tmp_path):
+    _proc(tmp_path, 10, 1, "python", {10: (1_000_000_000, 0), 13: (0, 0), 14: (0, 0)})
+    before = schedstat.thread_times([10], proc=tmp_path)
+    for tid, stat in {10: "1500000000 100000000 3", 13: "4000000000 2000000000 3", 14: "2000000000 0 3"}.items():
+        (tmp_path / "10" / "task" / str(tid) / "schedstat").write_text(stat + "\n")
+    after = schedstat.thread_times([10], proc=tmp_path)
+    out = schedstat.sched_delta(before, after, threads=2)
+    assert out["cpu_s_by_thread"] == {"10/13": [4.0, 2.0], "10/14": [2.0, 0.0]}  # 10/10 got 0.5 s: not listed
+    assert list(out["cpu_s_by_thread"]) == ["10/13", "10/14"]
+    assert "cpu_s_by_thread" not in schedstat.sched_delta(before, after)
