@@ -82,7 +82,9 @@ def main(argv: list[str] | None = None) -> None:
     sets = {"every linear": kernel_linears(runner), "the first layer": kernel_linears(runner, layers=1)}
     for what, linears in sets.items():
         for rows in args.rows:
-            times = pass_ms(linears, rows, args.passes if what == "every linear" else args.passes * 30, args.repeats)
+            # the first layer's pass is a layer's share of the model's: as many more passes as layers
+            passes = args.passes if what == "every linear" else args.passes * len(runner.layers)
+            times = pass_ms(linears, rows, passes, args.repeats)
             ms = statistics.median(times)
             print(f"{what:15s} ({len(linears)} calls, {weights(linears) / 1e6:.1f} M weights)  rows {rows:3d}: "
                   f"{ms:7.2f} ms a pass  {weights(linears) / ms / 1e6:5.2f} G weights/s  "

@@ -142,7 +142,7 @@ inline void halves_to_float(const uint8_t* src, int64_t n, float* dst) {
 
 // columns [n0, n0 + cols) of W, each K weights, into panel[c * K + k]. A column's row of W is laid
 // out by quant_linear.py as its blocks' codes, then their fp16 d, then (Q4_1) their fp16 m: the
-// scales of a column convert to float32 16 at a time into `scales` (2 * K / 32 floats)
+// scales of a column convert to float32 V at a time into `scales` (2 * K / 32 floats)
 void dequant_panel(int fmt, const uint8_t* w, int64_t K, int64_t n0, int cols, float* panel, float* scales) {
     const int64_t nb = K / BLOCK, bytes = block_bytes(fmt), code_bytes = fmt == FMT_Q4_1 ? 16 : 32;
     for (int c = 0; c < cols; ++c) {

@@ -73,7 +73,7 @@ def resolve(setting: str, device: torch.device, dtype: torch.dtype, blocks: Mapp
 def columns(weight: QuantWeight) -> torch.Tensor:
     """The blocks as the kernel reads them: each output column's row holds its blocks' codes, then
     their fp16 d, then (Q4_1) their fp16 m, the same bytes as the GGUF's interleaved blocks. So the
-    kernel converts a column's scales 16 an instruction, not two scalar conversions a block."""
+    kernel converts a column's scales a vector at a time, not two scalar conversions a block."""
     n, nb = weight.out_features, weight.in_features // BLOCK
     raw = weight.blocks.view(n, nb, BLOCK_BYTES[weight.fmt])
     parts = [raw[..., 4:], raw[..., 0:2], raw[..., 2:4]] if weight.fmt == "Q4_1" else [raw[..., 2:], raw[..., 0:2]]

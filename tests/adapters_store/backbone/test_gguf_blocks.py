@@ -59,6 +59,22 @@ def test_every_linear_comes_back_in_hugging_face_row_order(tmp_path, alignment):
         assert torch.equal(dequantize(blocks), params[name].detach())
 
 
+def test_a_wrapped_linear_is_found_under_its_unwrapped_name(tmp_path):
+    """A server wraps its adapted linears (RoutedModel: the frozen one becomes `q_proj.base`); their
+    blocks are still found, by the names the unwrapped model has, and stand for the wrapped weight."""
+    from adapters_store.lora.inject import RoutedModel
+    from adapters_store.lora.spec import InventorySpec
+
+    model = tiny_llama(hidden=64)
+    _write(model, tmp_path)
+    RoutedModel(model, InventorySpec(n_skills=2, n_heads=2, rank=4, target_modules=("q_proj", "o_proj")))
+    found = stored_blocks(model)
+    assert len(found) == 2 * 7 + 1
+    wrapped = model.model.layers[1].self_attn.q_proj.base.weight
+    assert torch.equal(dequantize(found["model.layers.1.self_attn.q_proj.weight"]), wrapped.detach())
+    assert "model.layers.1.self_attn.q_proj.base.weight" not in found
+
+
 def test_a_weight_that_differs_in_one_bit_is_left_out(tmp_path, caplog):
     model = tiny_llama(hidden=64)
     _write(model, tmp_path)
