@@ -1,11 +1,13 @@
 """bench.kernel_linears on a tiny Llama with GGUF blocks: the runner's kernel linears are found in a
 step's order (every layer's, then the head; the first layer alone without the head), each timing is
-a positive figure per repeat, and a runner on float32 weights has none."""
+a positive figure per repeat, and a runner on float32 weights has none (its dense linears are the
+same ones, for --dense)."""
 
 import pytest
 
 from adapters_store.backbone.tiny import tiny_llama
 from bench.kernel_linears import kernel_linears, main, pass_ms, weights
+from server.engines.native.llama import Linear
 from server.engines.native.model_runner import build_model_runner
 from server.engines.native.quant_linear import QuantLinear
 
@@ -28,6 +30,8 @@ def test_the_linears_are_the_runners_kernel_ones_in_step_order(tmp_path):
     assert len(times) == 4 and all(t > 0 for t in times)
     off = build_model_runner(model, slots=2, kind="llama", weight_kernel="off")
     assert kernel_linears(off) == []
+    dense = kernel_linears(off, kind=Linear)  # --dense: the same linears as oneDNN GEMMs
+    assert len(dense) == len(every) and weights(dense) == weights(every)
 
 
 def test_bad_counts_are_refused():

@@ -123,7 +123,7 @@ class NativeEngine:
         self.governor = ThreadGovernor(self.threads, cpus.budget().usable) if cfg.adaptive_threads else None
         self.contended_lanes = cfg.contended_lanes
         if self.governor is not None and self.contended_lanes is None:
-            self.contended_lanes, why = lanes_pay(bool(getattr(self.runner, "weight_kernel", False)))
+            self.contended_lanes, why = lanes_pay(bool(getattr(self.runner, "weight_kernel", False)), self.runner.dtype)
             log.info("without the team, a step runs on %s (%s)", "lanes" if self.contended_lanes else "one thread", why)
         # auto: where the CPU alone does not choose lanes, lanes may still run while contention is
         # deep (ThreadGovernor.deep: one thread holds under half a CPU)

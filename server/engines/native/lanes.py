@@ -13,10 +13,10 @@ Items of one step are independent: each writes only its own slot's KV positions 
 own slot's adapter tables, so lanes share the cache and the tables without a lock. The one
 allocation a step may make (the KV cache and the rope table growing) happens before the lanes start.
 
-    lanes_pay(weight_kernel)    whether lanes beat one thread on this CPU and weights (the default, "auto")
-    partition(sizes, lanes)     items to lanes, balanced by tokens (pure)
-    Lanes(n).run(batch, fn)     fn(sub-batch) on each lane (the calling thread is lane 0), the
-                                logits back in the batch's order
+    lanes_pay(weight_kernel, dtype)  whether lanes beat one thread on this CPU and weights ("auto")
+    partition(sizes, lanes)          items to lanes, balanced by tokens (pure)
+    Lanes(n).run(batch, fn)          fn(sub-batch) on each lane (the calling thread is lane 0), the
+                                     logits back in the batch's order
 """
 
 from __future__ import annotations
@@ -31,18 +31,20 @@ from server.engines.native.step import StepBatch
 from server.infra import openmp
 
 
-def lanes_pay(weight_kernel: bool = False) -> tuple[bool, str]:
+def lanes_pay(weight_kernel: bool = False, dtype: torch.dtype = torch.float32) -> tuple[bool, str]:
     """Whether a contended step runs on lanes rather than on one thread, on this CPU, and why.
-    weight_kernel: the runner's linears read the backbone's GGUF blocks (quant_linear.py).
+    weight_kernel: the runner's linears read the backbone's GGUF blocks (quant_linear.py), serving
+    `dtype`.
 
     Lanes get more of the CPUs than one thread but spend more CPU per token (each reads all the
     weights for half the rows). That pays where a step's GEMMs are bound by arithmetic, and not
     where they are bound by reading the weights: measured beside busy processes, lanes gained on
     an AVX2-only CPU and lost or tied on AVX-512 ones (with and without AMX), in float32 as in bfloat16,
-    on dense weights. On the GGUF blocks a lane reads a fifth of the bytes, and lanes were ahead on an
-    AVX-512 CPU too (docs/history/openmp-threads.md, "Lanes"). Where this says no, the engine still
+    on dense weights. On the GGUF blocks in float32 a lane reads a fifth of the bytes, and lanes were
+    ahead on an AVX-512 CPU too (docs/history/openmp-threads.md, "Lanes"); in bf16 on the blocks (AMX)
+    a lane dequantises every tile whatever its rows, as a dense one reads every weight. Where this says no, the engine still
     runs lanes while contention is deep (server/infra/contention.py) where `deep_lanes_pay` says so."""
-    if weight_kernel:
+    if weight_kernel and dtype == torch.float32:
         return True, "the linears read the GGUF blocks: a second lane's weight reads cost little"
     if cpu_has_avx512():
         return False, "the CPU has AVX-512: lanes' extra work costs more than their share of the CPUs gains"

@@ -36,6 +36,7 @@ from server.engines.native import attention_kernel as attention_kernels
 from server.engines.native import elementwise_kernel as elementwise
 from server.engines.native import lora_kernel as lora_kernels
 from server.engines.native import quant_linear as quant_linears
+from server.engines.native import quant_linear_amx
 from server.engines.native.attention import cuda_backends, slot_attention
 from server.engines.native.lanes import Lanes
 from server.engines.native.quant_linear import QuantLinear
@@ -142,7 +143,7 @@ class Linear:
 
 class Weights:
     """How the runner's linears are built: the serving dtype, oneDNN packing, and (when the weight
-    kernel runs) each float32 weight's GGUF blocks by parameter identity (quant_linear.py)."""
+    kernel runs) each weight's GGUF blocks by parameter identity (quant_linear.py)."""
 
     def __init__(self, dtype: torch.dtype, packed: bool, blocks: dict[int, QuantWeight] | None = None) -> None:
         self.dtype, self.packed, self.blocks = dtype, packed, blocks or {}
@@ -166,7 +167,9 @@ def _fused(modules: list[nn.Module], weights: Weights,
     if not weights.blocks or any(q is None for q in quant):
         return dense
     fused = concat([cast(QuantWeight, q).rows(r) for q, r in zip(quant, rows, strict=True)])
-    return QuantLinear(fused, bias, dense, quant_linears.MAX_ROWS)
+    if weights.dtype == torch.bfloat16 and fused.out_features % quant_linear_amx.COLUMNS:
+        return dense  # the AMX build's panels: no tail of columns
+    return QuantLinear(fused, bias, dense, quant_linears.MAX_ROWS, weights.dtype)
 
 
 def interleave_halves(heads: int, head_dim: int) -> torch.Tensor:
@@ -285,8 +288,8 @@ class LlamaRunner:
 
     # -- building ------------------------------------------------------------------------------
     def _blocks(self, model: nn.Module, head: nn.Module, setting: str) -> dict[int, QuantWeight]:
-        """Each float32 weight's GGUF blocks by parameter identity, where the weight kernel runs."""
-        if setting == "off" or self.device.type != "cpu" or self.dtype != torch.float32:
+        """Each weight's GGUF blocks by parameter identity, where the weight kernel runs."""
+        if setting == "off" or self.device.type != "cpu" or self.dtype not in (torch.float32, torch.bfloat16):
             quant_linears.resolve(setting, self.device, self.dtype, {})  # "on": says why not
             return {}
         by_name = stored_blocks(model)

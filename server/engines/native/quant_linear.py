@@ -1,5 +1,6 @@
 """The native engine's linears read from the backbone's own GGUF blocks (quant_linear.cpp) instead of
-float32 copies, on CPUs where the engine serves float32 (no AVX-512 bf16).
+float32 copies, on CPUs where the engine serves float32 (no AVX-512 bf16); on a CPU with AMX, where
+it serves bf16, its bf16 build does the same for bf16 copies (quant_linear_amx.py).
 
 A decode step of the default backbone on such a CPU is mostly the linears reading their weights
 from memory: 4 bytes a weight as float32, about a sixth of that as stored (Q4_1 linears, a Q8_0 LM
@@ -11,10 +12,10 @@ same float32 arithmetic as the float32 path, in a fixed summation order per outp
 result does not depend on the other rows of its step). On an AVX-512 CPU it runs 16 floats an
 instruction, on an AVX2 one 8 (two paths of one source; `BUILDS` has both, for tests and benches).
 
-POLYSERVE_WEIGHT_KERNEL: auto = where the backbone has blocks, the engine serves float32 on a CPU and
-the kernel builds (AVX2, FMA, F16C); on = fail where it cannot; off = float32 GEMMs always. Calls
-of more than MAX_ROWS rows (prompt chunks longer than the default step) keep oneDNN's float32 GEMM,
-faster for many rows, on the float32 copy kept for them.
+POLYSERVE_WEIGHT_KERNEL: auto = where the backbone has blocks, the engine runs on a CPU and the
+kernel for its dtype builds (float32: AVX2, FMA, F16C; bf16: AMX-BF16 and AVX512_BF16); on = fail
+where it cannot; off = dense GEMMs always. Calls of more than MAX_ROWS rows (prompt chunks longer
+than the default step) keep oneDNN's GEMM, faster for many rows, on the dense copy kept for them.
 """
 
 from __future__ import annotations
@@ -27,6 +28,7 @@ from typing import Any
 import torch
 
 from adapters_store.backbone.gguf_blocks import BLOCK, BLOCK_BYTES, QuantWeight
+from server.engines.native import quant_linear_amx as amx
 from server.engines.native.cpp_kernel import CppKernel
 
 _I64, _PTR, _INT = ctypes.c_int64, ctypes.c_void_p, ctypes.c_int
@@ -61,9 +63,12 @@ def resolve(setting: str, device: torch.device, dtype: torch.dtype, blocks: Mapp
     if setting == "off":
         return False
     why = ("it runs on CPUs only" if device.type != "cpu" else
-           f"it computes in float32; the engine serves {str(dtype).removeprefix('torch.')}" if dtype != torch.float32
+           f"it computes in float32 or bf16; the engine serves {str(dtype).removeprefix('torch.')}"
+           if dtype not in (torch.float32, torch.bfloat16)
            else "the backbone has no GGUF blocks that match its weights" if not blocks else None)
-    if why is None and load() is None:
+    if why is None and dtype == torch.bfloat16 and amx.load() is None:
+        why = f"its bf16 build (AMX) is unavailable: {amx.error()}"
+    elif why is None and dtype == torch.float32 and load() is None:
         why = f"the kernel is unavailable: {error()}"
     if why is not None and setting == "on":
         raise ValueError(f"POLYSERVE_WEIGHT_KERNEL=on: {why}")
@@ -81,18 +86,22 @@ def columns(weight: QuantWeight) -> torch.Tensor:
 
 
 class QuantLinear:
-    """A frozen y = x @ W.T (+ b) with W as GGUF blocks; the same calls as llama.Linear. Rows beyond
-    `max_rows` go to `dense` (the float32 Linear of the same weight)."""
+    """A frozen y = x @ W.T (+ b) with W as GGUF blocks, in float32 or (AMX) bf16; the same calls as
+    llama.Linear. Rows beyond `max_rows` go to `dense` (the Linear of the same weight in `dtype`)."""
 
-    def __init__(self, weight: QuantWeight, bias: torch.Tensor | None, dense: object, max_rows: int) -> None:
+    def __init__(self, weight: QuantWeight, bias: torch.Tensor | None, dense: object, max_rows: int,
+                 dtype: torch.dtype = torch.float32) -> None:
         if weight.fmt not in FORMATS:
             raise ValueError(f"the weight kernel reads {sorted(FORMATS)} blocks, not {weight.fmt}")
-        fn = load()
+        if dtype not in (torch.float32, torch.bfloat16):
+            raise ValueError(f"the weight kernel computes in float32 or bf16, not {dtype}")
+        fn = load() if dtype == torch.float32 else amx.load()
         if fn is None:
-            raise RuntimeError(f"the weight kernel is unavailable: {error()}")
+            raise RuntimeError(f"the weight kernel is unavailable: {error() if dtype == torch.float32 else amx.error()}")
         self._fn: Any = fn
-        self.fmt = weight.fmt
-        self._columns = columns(weight)  # kept alive: the kernel reads it by address (not the blocks too)
+        self.fmt, self.dtype = weight.fmt, dtype
+        # kept alive: the kernel reads it by address (not the blocks too)
+        self._columns = columns(weight) if dtype == torch.float32 else amx.tiles(weight)
         self.out_features, self.in_features = weight.out_features, weight.in_features
         self.bias = None if bias is None else bias.detach().float().contiguous()
         self.dense = dense
@@ -102,17 +111,17 @@ class QuantLinear:
         self._b = 0 if self.bias is None else self.bias.data_ptr()
 
     def _run(self, x: torch.Tensor, op: str, other: torch.Tensor | None) -> torch.Tensor:
-        if x.dtype != torch.float32 or x.dim() != 2 or x.shape[1] != self.in_features:
-            raise ValueError(f"weight kernel: x {tuple(x.shape)} {x.dtype}, wants (rows, {self.in_features}) float32")
+        if x.dtype != self.dtype or x.dim() != 2 or x.shape[1] != self.in_features:
+            raise ValueError(f"weight kernel: x {tuple(x.shape)} {x.dtype}, wants (rows, {self.in_features}) {self.dtype}")
         if x.stride(1) != 1:
             x = x.contiguous()
         m = x.shape[0]
-        out = torch.empty((m, self.out_features), dtype=torch.float32)
+        out = torch.empty((m, self.out_features), dtype=self.dtype)
         ptr, stride = 0, 0
         if other is not None:
-            if other.shape != out.shape or other.dtype != torch.float32:
+            if other.shape != out.shape or other.dtype != self.dtype:
                 raise ValueError(f"weight kernel: other {tuple(other.shape)} {other.dtype}, wants "
-                                 f"{tuple(out.shape)} float32")
+                                 f"{tuple(out.shape)} {self.dtype}")
             if other.stride(1) != 1:
                 other = other.contiguous()
             ptr, stride = other.data_ptr(), other.stride(0)

@@ -187,16 +187,23 @@ def test_a_served_model_reads_every_linear_from_the_blocks_with_its_adapted_ones
     check_against(model, on, 259, atol=1e-5)
 
 
-def test_the_setting_resolves_by_device_dtype_and_blocks(tmp_path):
+def test_the_setting_resolves_by_device_dtype_and_blocks(tmp_path, monkeypatch):
+    from server.engines.native import quant_linear_amx
+
     cpu = torch.device("cpu")
     blocks = {"w": _weight("Q4_1")[0]}
     assert quant_linear.resolve("off", cpu, torch.float32, blocks) is False
     assert quant_linear.resolve("auto", cpu, torch.float32, blocks) is True
     assert quant_linear.resolve("auto", cpu, torch.float32, {}) is False
-    assert quant_linear.resolve("auto", cpu, torch.bfloat16, blocks) is False
     with pytest.raises(ValueError, match="no GGUF blocks"):
         quant_linear.resolve("on", cpu, torch.float32, {})
-    with pytest.raises(ValueError, match="serves bfloat16"):
+    with pytest.raises(ValueError, match="serves float16"):
+        quant_linear.resolve("on", cpu, torch.float16, blocks)
+    # bf16 takes the AMX build; a CPU without AMX (its library does not compile) keeps dense GEMMs
+    monkeypatch.setattr(quant_linear_amx, "load", lambda: None)
+    monkeypatch.setattr(quant_linear_amx, "error", lambda: "no AMX here")
+    assert quant_linear.resolve("auto", cpu, torch.bfloat16, blocks) is False
+    with pytest.raises(ValueError, match=r"bf16 build \(AMX\) is unavailable: no AMX here"):
         quant_linear.resolve("on", cpu, torch.bfloat16, blocks)
     with pytest.raises(ValueError, match="CPUs only"):
         quant_linear.resolve("on", torch.device("cuda"), torch.float32, blocks)
@@ -205,7 +212,7 @@ def test_the_setting_resolves_by_device_dtype_and_blocks(tmp_path):
     # a runner asked for "on" where the backbone has no blocks (the tiny model, no GGUF) fails at build
     with pytest.raises(ValueError, match="no GGUF blocks"):
         build_model_runner(tiny_llama(seed=0), slots=2, kind="llama", weight_kernel="on")
-    with pytest.raises(ValueError, match="serves bfloat16"):
+    with pytest.raises(ValueError, match="AMX"):
         build_model_runner(_gguf_model(tmp_path), slots=2, kind="llama", dtype=torch.bfloat16, weight_kernel="on")
 
 

@@ -299,6 +299,8 @@ def test_lanes_by_default_where_the_cpu_has_no_avx512_and_the_setting_wins(monke
     monkeypatch.setattr(lanes_mod, "cpu_has_avx512", lambda: avx512)
     assert lanes_mod.lanes_pay()[0] is (not avx512)
     assert lanes_mod.lanes_pay(weight_kernel=True)[0] is True  # linears on the GGUF blocks: lanes either way
+    # in bf16 on the blocks (AMX) a lane dequantises every tile whatever its rows: as dense weights
+    assert lanes_mod.lanes_pay(True, torch.bfloat16)[0] is (not avx512)
     assert EngineConfig.from_settings(Settings()).contended_lanes is None
     for value, want in (("auto", not avx512), ("on", True), ("off", False)):
         monkeypatch.setenv("POLYSERVE_CONTENDED_LANES", value)
@@ -314,7 +316,13 @@ def test_lanes_by_default_where_the_cpu_has_no_avx512_and_the_setting_wins(monke
 
     monkeypatch.setattr(engine_mod, "build_model_runner", on_blocks)
     monkeypatch.setenv("POLYSERVE_CONTENDED_LANES", "auto")
+    monkeypatch.setenv("POLYSERVE_DTYPE", "float32")
     assert NativeEngine(tiny_base, tokenizer, config=EngineConfig.from_settings(Settings(), threads=2)).contended_lanes
+    # ... but in bf16 (the AMX build) as on dense weights
+    monkeypatch.setenv("POLYSERVE_DTYPE", "bfloat16")
+    eng = NativeEngine(tiny_base, tokenizer, config=EngineConfig.from_settings(Settings(), threads=2))
+    assert eng.runner.dtype == torch.bfloat16 and eng.contended_lanes is (not avx512)
+    monkeypatch.delenv("POLYSERVE_DTYPE")
     monkeypatch.setattr(engine_mod, "build_model_runner", build)
     monkeypatch.setenv("POLYSERVE_CONTENDED_LANES", "true")  # the values are auto|on|off, like the others
     with pytest.raises(ValueError, match="contended_lanes"):

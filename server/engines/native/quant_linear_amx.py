@@ -1,0 +1,82 @@
+"""The native engine's linears read from the backbone's own GGUF blocks in bf16 on a CPU with AMX
+(quant_linear_amx.cpp), where the engine serves bf16: the weight kernel's bf16 build.
+
+On such a CPU a bf16 GEMM of up to 16 rows costs what reading its weights costs (an AMX tile is 16
+rows), so a decode step's linears are bound by their bytes: 2 a weight in bf16, 0.625 (Q4_1) or
+1.06 (Q8_0) as stored. The kernel dequantises each 32-input x 16-column piece of a weight straight
+into an AMX tile, rounded to bf16 as the bf16 model's weights were, and multiplies the rows' bf16
+activations with it in float32 sums: the bf16 model's weights and arithmetic, in one fixed summation
+order per output (a row's result does not depend on the other rows of its step). It differs from
+oneDNN's bf16 GEMM only in that order (the last bits of a float32 sum before its rounding to bf16).
+
+Chosen by quant_linear.resolve (POLYSERVE_WEIGHT_KERNEL) where the engine serves bf16, and called
+through quant_linear.QuantLinear, which keeps oneDNN's GEMM on the dense bf16 weight for calls of
+more than MAX_ROWS rows.
+"""
+
+from __future__ import annotations
+
+import ctypes
+from pathlib import Path
+
+import torch
+
+from adapters_store.backbone.gguf_blocks import BLOCK, BLOCK_BYTES, QuantWeight
+from server.engines.native.cpp_kernel import CppKernel
+
+_I64, _PTR, _INT = ctypes.c_int64, ctypes.c_void_p, ctypes.c_int
+_SOURCE = Path(__file__).with_name("quant_linear_amx.cpp")
+KERNEL = CppKernel(_SOURCE, "polyserve_quant_linear_amx",
+                   [_INT, _I64, _I64, _PTR, _I64, _PTR, _I64, _PTR, _PTR, _I64, _INT, _PTR, _I64], _INT,
+                   "bf16 quantised-weight linear (AMX)")
+# the same library's request for the AMX tile state, which Linux grants a process on its first ask
+_INIT = CppKernel(_SOURCE, "polyserve_amx_init", [], _INT, "AMX tile state")
+FORMATS = {"Q4_1": 0, "Q8_0": 1}
+OPS = {"none": 0, "swish": 1, "add": 2, "mul": 3}
+COLUMNS = 32  # output columns a panel of the kernel covers: a weight's out_features must divide by it
+_denied: str | None = None
+
+
+def load() -> object | None:
+    """The kernel's ctypes function, built on first use, once the process holds the AMX tile state;
+    None (and the reason in `error()`) where it cannot be built, loaded or granted."""
+    global _denied
+    fn = KERNEL.load()
+    if fn is None or _denied is not None:
+        return None
+    init = _INIT.load()
+    rc = -1 if init is None else init()
+    if rc != 0:
+        _denied = f"the kernel refused the AMX tile state (arch_prctl: {rc})"
+        return None
+    return fn
+
+
+def error() -> str | None:
+    return KERNEL.error() or _INIT.error() or _denied
+
+
+def tiles(weight: QuantWeight) -> torch.Tensor:
+    """The blocks as the kernel reads them: for each 16 output columns and each block of 32 inputs,
+    the 16 rows of an AMX tile's codes in VNNI order (row p: each column's codes for inputs 2p and
+    2p + 1; Q4_1 packs row code i in byte i's low nibble and code i + 16 in its high one), then the 16
+    columns' fp16 d, then (Q4_1) their fp16 m: the GGUF's bytes, regrouped."""
+    n, k = weight.out_features, weight.in_features
+    if n % COLUMNS or k % BLOCK:
+        raise ValueError(f"the AMX weight kernel takes multiples of {COLUMNS} columns and {BLOCK} inputs, "
+                         f"not {n} x {k}")
+    nb, panels = k // BLOCK, n // 16
+    raw = weight.blocks.view(n, nb, BLOCK_BYTES[weight.fmt])
+    if weight.fmt == "Q4_1":
+        codes = raw[..., 4:]
+        q = torch.cat([codes & 0x0F, codes >> 4], dim=-1)  # (n, nb, 32): input j's code
+        scales = [raw[..., 0:2], raw[..., 2:4]]
+    else:
+        q, scales = raw[..., 2:], [raw[..., 0:2]]
+    # (panel, column, block, pair, 2) -> (panel, block, pair, column, 2): a tile's rows
+    rows = q.reshape(panels, 16, nb, 16, 2).permute(0, 2, 3, 1, 4).reshape(panels, nb, 16, 32)
+    if weight.fmt == "Q4_1":
+        rows = rows[..., :16] | (rows[..., 16:] << 4)
+    parts = [rows.reshape(panels, nb, -1)]
+    parts += [s.reshape(panels, 16, nb, 2).permute(0, 2, 1, 3).reshape(panels, nb, 32) for s in scales]
+    return torch.cat(parts, dim=-1).contiguous()
