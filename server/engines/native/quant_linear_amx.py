@@ -22,6 +22,7 @@ from pathlib import Path
 import torch
 
 from adapters_store.backbone.gguf_blocks import BLOCK, BLOCK_BYTES, QuantWeight
+from adapters_store.backbone.hardware import cpu_has_amx
 from server.engines.native.cpp_kernel import CppKernel
 
 _I64, _PTR, _INT = ctypes.c_int64, ctypes.c_void_p, ctypes.c_int
@@ -41,8 +42,12 @@ def load() -> object | None:
     """The kernel's ctypes function, built on first use, once the process holds the AMX tile state;
     None (and the reason in `error()`) where it cannot be built, loaded or granted."""
     global _denied
+    if _denied is None and not cpu_has_amx():
+        _denied = "the CPU has no AMX tiles"  # known before a build that would fail on its #error
+    if _denied is not None:
+        return None
     fn = KERNEL.load()
-    if fn is None or _denied is not None:
+    if fn is None:
         return None
     init = _INIT.load()
     rc = -1 if init is None else init()

@@ -199,11 +199,12 @@ def test_the_setting_resolves_by_device_dtype_and_blocks(tmp_path, monkeypatch):
         quant_linear.resolve("on", cpu, torch.float32, {})
     with pytest.raises(ValueError, match="serves float16"):
         quant_linear.resolve("on", cpu, torch.float16, blocks)
-    # bf16 takes the AMX build; a CPU without AMX (its library does not compile) keeps dense GEMMs
-    monkeypatch.setattr(quant_linear_amx, "load", lambda: None)
-    monkeypatch.setattr(quant_linear_amx, "error", lambda: "no AMX here")
+    # bf16 takes the AMX build; a CPU without AMX keeps dense GEMMs, without trying to build it
+    monkeypatch.setattr(quant_linear_amx, "cpu_has_amx", lambda: False)
+    monkeypatch.setattr(quant_linear_amx, "_denied", None)
+    monkeypatch.setattr(quant_linear_amx.KERNEL, "load", lambda: pytest.fail("built without AMX"))
     assert quant_linear.resolve("auto", cpu, torch.bfloat16, blocks) is False
-    with pytest.raises(ValueError, match=r"bf16 build \(AMX\) is unavailable: no AMX here"):
+    with pytest.raises(ValueError, match=r"bf16 build \(AMX\) is unavailable: the CPU has no AMX tiles"):
         quant_linear.resolve("on", cpu, torch.bfloat16, blocks)
     with pytest.raises(ValueError, match="CPUs only"):
         quant_linear.resolve("on", torch.device("cuda"), torch.float32, blocks)
