@@ -10,7 +10,8 @@
 //
 // The blocks are laid out by quant_linear_amx.py for the tile (VNNI order: row p of a tile holds, for
 // each of its 16 columns, inputs 2p and 2p + 1), so a tile row is one 16-byte (Q4_1) or 32-byte (Q8_0)
-// load, its conversion and one 64-byte store; no transposition. Per 16 columns and 32 inputs:
+// load, its conversion and one 64-byte store; no transposition. Per 16 columns and 32 inputs (a
+// panel of 32 columns holds, block after block, its two halves' records side by side):
 //     Q4_1: 16 rows x 16 bytes of codes (byte i: code i in the low nibble, code i + 16 in the high),
 //           then 16 fp16 d, then 16 fp16 m (320 bytes, 0.625 a weight)
 //     Q8_0: 16 rows x 32 int8 codes, then 16 fp16 d (544 bytes)
@@ -162,8 +163,8 @@ int polyserve_quant_linear_amx(int fmt, int64_t M, int64_t K, const uint16_t* x,
         int configured = -1;
 #pragma omp for schedule(static)
         for (int64_t p = 0; p < panels; ++p) {
-            const uint8_t* recs0 = w + (2 * p * nb) * rec;
-            const uint8_t* recs1 = recs0 + nb * rec;
+            // the panel's records, block by block, its two tiles' side by side: one stream
+            const uint8_t* recs = w + (2 * p * nb) * rec;
             if (M <= 16) {
                 // one group of rows: each block's two tiles are dequantised right before their use,
                 // into one of two small buffers that stay in L1 (the other may still be loading)
@@ -176,12 +177,10 @@ int polyserve_quant_linear_amx(int fmt, int64_t M, int64_t K, const uint16_t* x,
                 for (int64_t b = 0; b < nb; ++b) {
                     uint16_t* t = tiles + (b & 1) * TILE_BYTES;
                     if (b + PREFETCH < nb)
-                        for (int64_t off = 0; off < rec; off += 64) {
-                            _mm_prefetch(reinterpret_cast<const char*>(recs0 + (b + PREFETCH) * rec + off), _MM_HINT_T0);
-                            _mm_prefetch(reinterpret_cast<const char*>(recs1 + (b + PREFETCH) * rec + off), _MM_HINT_T0);
-                        }
-                    dequant_tile(fmt, recs0 + b * rec, t);
-                    dequant_tile(fmt, recs1 + b * rec, t + TILE_BYTES / 2);
+                        for (int64_t off = 0; off < 2 * rec; off += 64)
+                            _mm_prefetch(reinterpret_cast<const char*>(recs + 2 * (b + PREFETCH) * rec + off), _MM_HINT_T0);
+                    dequant_tile(fmt, recs + 2 * b * rec, t);
+                    dequant_tile(fmt, recs + (2 * b + 1) * rec, t + TILE_BYTES / 2);
                     _tile_loadd(2, x + b * BLOCK, x_stride * 2);
                     _tile_loadd(3, t, 64);
                     _tile_loadd(4, t + TILE_BYTES / 2, 64);
@@ -199,8 +198,8 @@ int polyserve_quant_linear_amx(int fmt, int64_t M, int64_t K, const uint16_t* x,
                 continue;
             }
             for (int64_t b = 0; b < nb; ++b) {
-                dequant_tile(fmt, recs0 + b * rec, tiles + (2 * b) * (TILE_BYTES / 2));
-                dequant_tile(fmt, recs1 + b * rec, tiles + (2 * b + 1) * (TILE_BYTES / 2));
+                dequant_tile(fmt, recs + 2 * b * rec, tiles + (2 * b) * (TILE_BYTES / 2));
+                dequant_tile(fmt, recs + (2 * b + 1) * rec, tiles + (2 * b + 1) * (TILE_BYTES / 2));
             }
             for (int64_t m0 = 0; m0 < M; m0 += 16) {
                 const int rows = static_cast<int>(M - m0 < 16 ? M - m0 : 16);

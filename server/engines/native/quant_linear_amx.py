@@ -62,10 +62,11 @@ def error() -> str | None:
 
 
 def tiles(weight: QuantWeight) -> torch.Tensor:
-    """The blocks as the kernel reads them: for each 16 output columns and each block of 32 inputs,
-    the 16 rows of an AMX tile's codes in VNNI order (row p: each column's codes for inputs 2p and
-    2p + 1; Q4_1 packs row code i in byte i's low nibble and code i + 16 in its high one), then the 16
-    columns' fp16 d, then (Q4_1) their fp16 m: the GGUF's bytes, regrouped."""
+    """The blocks as the kernel reads them: for each 32 output columns, block after block of 32
+    inputs, for each half of the columns the 16 rows of an AMX tile's codes in VNNI order (row p:
+    each column's codes for inputs 2p and 2p + 1; Q4_1 packs row code i in byte i's low nibble and
+    code i + 16 in its high one), then the 16 columns' fp16 d, then (Q4_1) their fp16 m: the GGUF's
+    bytes, regrouped so that the kernel reads a panel as one stream."""
     n, k = weight.out_features, weight.in_features
     if n % COLUMNS or k % BLOCK:
         raise ValueError(f"the AMX weight kernel takes multiples of {COLUMNS} columns and {BLOCK} inputs, "
@@ -84,4 +85,5 @@ def tiles(weight: QuantWeight) -> torch.Tensor:
         rows = rows[..., :16] | (rows[..., 16:] << 4)
     parts = [rows.reshape(panels, nb, -1)]
     parts += [s.reshape(panels, 16, nb, 2).permute(0, 2, 1, 3).reshape(panels, nb, 32) for s in scales]
-    return torch.cat(parts, dim=-1).contiguous()
+    records = torch.cat(parts, dim=-1)  # (16-column tile, block, record)
+    return records.reshape(panels // 2, 2, nb, -1).transpose(1, 2).contiguous()
