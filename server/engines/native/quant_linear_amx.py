@@ -36,12 +36,15 @@ FORMATS = {"Q4_1": 0, "Q8_0": 1}
 OPS = {"none": 0, "swish": 1, "add": 2, "mul": 3}
 COLUMNS = 32  # output columns a panel of the kernel covers: a weight's out_features must divide by it
 _denied: str | None = None
+_granted = False  # the process holds the tile state: later loads (one a linear at start-up) skip the checks
 
 
 def load() -> object | None:
     """The kernel's ctypes function, built on first use, once the process holds the AMX tile state;
     None (and the reason in `error()`) where it cannot be built, loaded or granted."""
-    global _denied
+    global _denied, _granted
+    if _granted:
+        return KERNEL.load()
     if _denied is None and not cpu_has_amx():
         _denied = "the CPU has no AMX tiles"  # known before a build that would fail on its #error
     if _denied is not None:
@@ -54,6 +57,7 @@ def load() -> object | None:
     if rc != 0:
         _denied = f"the kernel refused the AMX tile state (arch_prctl: {rc})"
         return None
+    _granted = True
     return fn
 
 

@@ -202,6 +202,7 @@ def test_the_setting_resolves_by_device_dtype_and_blocks(tmp_path, monkeypatch):
     # bf16 takes the AMX build; a CPU without AMX keeps dense GEMMs, without trying to build it
     monkeypatch.setattr(quant_linear_amx, "cpu_has_amx", lambda: False)
     monkeypatch.setattr(quant_linear_amx, "_denied", None)
+    monkeypatch.setattr(quant_linear_amx, "_granted", False)
     monkeypatch.setattr(quant_linear_amx.KERNEL, "load", lambda: pytest.fail("built without AMX"))
     assert quant_linear.resolve("auto", cpu, torch.bfloat16, blocks) is False
     with pytest.raises(ValueError, match=r"bf16 build \(AMX\) is unavailable: the CPU has no AMX tiles"):
