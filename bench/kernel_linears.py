@@ -6,7 +6,7 @@ same over the first layer alone, whose blocks stay in the CPU's caches between p
 row is mostly the dequantising (every panel, whatever the rows); each further row adds its
 multiply-adds; if the first layer alone runs at the same weights a second as all of them, the
 dequantising is bound by its instructions, not by reading memory. `--dtype bfloat16`: the same for
-the kernel's bf16 build on an AMX CPU (quant_linear_amx.py), and `--dense` times the runner's oneDNN
+the kernel's bf16 build on an AVX512_BF16 CPU (quant_linear_bf16.py), and `--dense` times the runner's oneDNN
 GEMMs of the same dtype instead (the weight kernel off), for the figure it replaces.
 
     .venv/bin/python -m bench.kernel_linears --rows 1 8 16 --passes 10 --repeats 3

@@ -63,7 +63,7 @@ MODULES: dict[str, tuple[str, list[str]]] = {
     # which GGUF blocks the weight kernel may serve from: a wrong match serves wrong weights silently
     "gguf_blocks": ("adapters_store/backbone/gguf_blocks.py", ["tests/adapters_store/backbone/test_gguf_blocks.py"]),
     "quant_linear": ("server/engines/native/quant_linear.py", ["tests/server/engines/test_quant_linear.py"]),
-    "quant_linear_amx": ("server/engines/native/quant_linear_amx.py", ["tests/server/engines/test_quant_linear_amx.py"]),
+    "quant_linear_bf16": ("server/engines/native/quant_linear_bf16.py", ["tests/server/engines/test_quant_linear_bf16.py"]),
 }
 
 # mutmut's exit codes (mutmut/stats.py): what a mutant's result means

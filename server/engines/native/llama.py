@@ -36,7 +36,7 @@ from server.engines.native import attention_kernel as attention_kernels
 from server.engines.native import elementwise_kernel as elementwise
 from server.engines.native import lora_kernel as lora_kernels
 from server.engines.native import quant_linear as quant_linears
-from server.engines.native import quant_linear_amx
+from server.engines.native import quant_linear_bf16
 from server.engines.native.attention import cuda_backends, slot_attention
 from server.engines.native.lanes import Lanes
 from server.engines.native.quant_linear import QuantLinear
@@ -167,8 +167,8 @@ def _fused(modules: list[nn.Module], weights: Weights,
     if not weights.blocks or any(q is None for q in quant):
         return dense
     fused = concat([cast(QuantWeight, q).rows(r) for q, r in zip(quant, rows, strict=True)])
-    if weights.dtype == torch.bfloat16 and fused.out_features % quant_linear_amx.COLUMNS:
-        return dense  # the AMX build's panels: no tail of columns
+    if weights.dtype == torch.bfloat16 and fused.out_features % quant_linear_bf16.COLUMNS:
+        return dense  # the bf16 build's panels: no tail of columns
     return QuantLinear(fused, bias, dense, quant_linears.MAX_ROWS, weights.dtype)
 
 
@@ -299,7 +299,8 @@ class LlamaRunner:
         params.setdefault("lm_head.weight", _linear(head).weight)
         found = {id(params[name]): blocks for name, blocks in by_name.items() if name in params}
         linears = sum(isinstance(m, nn.Linear) for m in model.modules())
-        log.info("weight kernel: %d of the model's %d linears read their GGUF blocks", len(found), linears)
+        how = f"bf16, {quant_linear_bf16.path()}" if self.dtype == torch.bfloat16 else "float32"
+        log.info("weight kernel: %d of the model's %d linears read their GGUF blocks (%s)", len(found), linears, how)
         return found
 
     def _groups(self, model: nn.Module, adapted: list[str]) -> list[list[Group | None]]:

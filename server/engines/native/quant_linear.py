@@ -1,6 +1,6 @@
 """The native engine's linears read from the backbone's own GGUF blocks (quant_linear.cpp) instead of
-float32 copies, on CPUs where the engine serves float32 (no AVX-512 bf16); on a CPU with AMX, where
-it serves bf16, its bf16 build does the same for bf16 copies (quant_linear_amx.py).
+float32 copies, on CPUs where the engine serves float32 (no AVX-512 bf16); on a CPU with AVX512_BF16,
+where it serves bf16, its bf16 build does the same for bf16 copies (quant_linear_bf16.py).
 
 A decode step of the default backbone on such a CPU is mostly the linears reading their weights
 from memory: 4 bytes a weight as float32, about a sixth of that as stored (Q4_1 linears, a Q8_0 LM
@@ -13,8 +13,8 @@ result does not depend on the other rows of its step). On an AVX-512 CPU it runs
 instruction, on an AVX2 one 8 (two paths of one source; `BUILDS` has both, for tests and benches).
 
 POLYSERVE_WEIGHT_KERNEL: auto = where the backbone has blocks, the engine runs on a CPU and the
-kernel for its dtype builds (float32: AVX2, FMA, F16C; bf16: AMX-BF16 and AVX512_BF16); on = fail
-where it cannot; off = dense GEMMs always. Calls of more than MAX_ROWS rows (prompt chunks longer
+kernel for its dtype builds (float32: AVX2, FMA, F16C; bf16: AVX512_BF16, with AMX where the CPU has
+it); on = fail where it cannot; off = dense GEMMs always. Calls of more than MAX_ROWS rows (prompt chunks longer
 than the default step) keep oneDNN's GEMM, faster for many rows, on the dense copy kept for them.
 """
 
@@ -28,7 +28,7 @@ from typing import Any
 import torch
 
 from adapters_store.backbone.gguf_blocks import BLOCK, BLOCK_BYTES, QuantWeight
-from server.engines.native import quant_linear_amx as amx
+from server.engines.native import quant_linear_bf16 as bf16
 from server.engines.native.cpp_kernel import CppKernel
 
 _I64, _PTR, _INT = ctypes.c_int64, ctypes.c_void_p, ctypes.c_int
@@ -66,8 +66,8 @@ def resolve(setting: str, device: torch.device, dtype: torch.dtype, blocks: Mapp
            f"it computes in float32 or bf16; the engine serves {str(dtype).removeprefix('torch.')}"
            if dtype not in (torch.float32, torch.bfloat16)
            else "the backbone has no GGUF blocks that match its weights" if not blocks else None)
-    if why is None and dtype == torch.bfloat16 and amx.load() is None:
-        why = f"its bf16 build (AMX) is unavailable: {amx.error()}"
+    if why is None and dtype == torch.bfloat16 and bf16.load() is None:
+        why = f"its bf16 build is unavailable: {bf16.error()}"
     elif why is None and dtype == torch.float32 and load() is None:
         why = f"the kernel is unavailable: {error()}"
     if why is not None and setting == "on":
@@ -86,7 +86,7 @@ def columns(weight: QuantWeight) -> torch.Tensor:
 
 
 class QuantLinear:
-    """A frozen y = x @ W.T (+ b) with W as GGUF blocks, in float32 or (AMX) bf16; the same calls as
+    """A frozen y = x @ W.T (+ b) with W as GGUF blocks, in float32 or bf16; the same calls as
     llama.Linear. Rows beyond `max_rows` go to `dense` (the Linear of the same weight in `dtype`)."""
 
     def __init__(self, weight: QuantWeight, bias: torch.Tensor | None, dense: object, max_rows: int,
@@ -95,13 +95,13 @@ class QuantLinear:
             raise ValueError(f"the weight kernel reads {sorted(FORMATS)} blocks, not {weight.fmt}")
         if dtype not in (torch.float32, torch.bfloat16):
             raise ValueError(f"the weight kernel computes in float32 or bf16, not {dtype}")
-        fn = load() if dtype == torch.float32 else amx.load()
+        fn = load() if dtype == torch.float32 else bf16.load()
         if fn is None:
-            raise RuntimeError(f"the weight kernel is unavailable: {error() if dtype == torch.float32 else amx.error()}")
+            raise RuntimeError(f"the weight kernel is unavailable: {error() if dtype == torch.float32 else bf16.error()}")
         self._fn: Any = fn
         self.fmt, self.dtype = weight.fmt, dtype
         # kept alive: the kernel reads it by address (not the blocks too)
-        self._columns = columns(weight) if dtype == torch.float32 else amx.tiles(weight)
+        self._columns = columns(weight) if dtype == torch.float32 else bf16.tiles(weight)
         self.out_features, self.in_features = weight.out_features, weight.in_features
         self.bias = None if bias is None else bias.detach().float().contiguous()
         self.dense = dense

@@ -188,7 +188,7 @@ def test_a_served_model_reads_every_linear_from_the_blocks_with_its_adapted_ones
 
 
 def test_the_setting_resolves_by_device_dtype_and_blocks(tmp_path, monkeypatch):
-    from server.engines.native import quant_linear_amx
+    from server.engines.native import quant_linear_bf16
 
     cpu = torch.device("cpu")
     blocks = {"w": _weight("Q4_1")[0]}
@@ -199,13 +199,13 @@ def test_the_setting_resolves_by_device_dtype_and_blocks(tmp_path, monkeypatch):
         quant_linear.resolve("on", cpu, torch.float32, {})
     with pytest.raises(ValueError, match="serves float16"):
         quant_linear.resolve("on", cpu, torch.float16, blocks)
-    # bf16 takes the AMX build; a CPU without AMX keeps dense GEMMs, without trying to build it
-    monkeypatch.setattr(quant_linear_amx, "cpu_has_amx", lambda: False)
-    monkeypatch.setattr(quant_linear_amx, "_denied", None)
-    monkeypatch.setattr(quant_linear_amx, "_granted", False)
-    monkeypatch.setattr(quant_linear_amx.KERNEL, "load", lambda: pytest.fail("built without AMX"))
+    # bf16 takes the bf16 build; a CPU without AVX512_BF16 keeps dense GEMMs, without trying to build it
+    monkeypatch.setattr(quant_linear_bf16, "cpu_has_avx512_bf16", lambda: False)
+    monkeypatch.setattr(quant_linear_bf16, "_denied", None)
+    monkeypatch.setattr(quant_linear_bf16, "_granted", False)
+    monkeypatch.setattr(quant_linear_bf16.KERNEL, "load", lambda: pytest.fail("built without AVX512_BF16"))
     assert quant_linear.resolve("auto", cpu, torch.bfloat16, blocks) is False
-    with pytest.raises(ValueError, match=r"bf16 build \(AMX\) is unavailable: the CPU has no AMX tiles"):
+    with pytest.raises(ValueError, match=r"bf16 build is unavailable: the CPU has no AVX512_BF16"):
         quant_linear.resolve("on", cpu, torch.bfloat16, blocks)
     with pytest.raises(ValueError, match="CPUs only"):
         quant_linear.resolve("on", torch.device("cuda"), torch.float32, blocks)
@@ -214,7 +214,7 @@ def test_the_setting_resolves_by_device_dtype_and_blocks(tmp_path, monkeypatch):
     # a runner asked for "on" where the backbone has no blocks (the tiny model, no GGUF) fails at build
     with pytest.raises(ValueError, match="no GGUF blocks"):
         build_model_runner(tiny_llama(seed=0), slots=2, kind="llama", weight_kernel="on")
-    with pytest.raises(ValueError, match="AMX"):
+    with pytest.raises(ValueError, match="no AVX512_BF16"):
         build_model_runner(_gguf_model(tmp_path), slots=2, kind="llama", dtype=torch.bfloat16, weight_kernel="on")
 
 
