@@ -41,9 +41,10 @@ def lanes_pay(weight_kernel: bool = False, dtype: torch.dtype = torch.float32) -
     where they are bound by reading the weights: measured beside busy processes, lanes gained on
     an AVX2-only CPU and lost or tied on AVX-512 ones (with and without AMX), in float32 as in bfloat16,
     on dense weights. On the GGUF blocks in float32 a lane reads a fifth of the bytes, and lanes were
-    ahead on an AVX-512 CPU too (docs/history/openmp-threads.md, "Lanes"); in bf16 on the blocks (AMX)
-    a lane dequantises every tile whatever its rows, as a dense one reads every weight. Where this says no, the engine still
-    runs lanes while contention is deep (server/infra/contention.py) where `deep_lanes_pay` says so."""
+    ahead on an AVX-512 CPU too (docs/history/openmp-threads.md, "Lanes"); in bf16 on the blocks a
+    lane dequantises every tile whatever its rows, as a dense one reads every weight, and bf16 needs
+    AVX-512. Where this says no, the engine still runs lanes while contention is deep
+    (server/infra/contention.py) where `deep_lanes_pay` says so."""
     if weight_kernel and dtype == torch.float32:
         return True, "the linears read the GGUF blocks: a second lane's weight reads cost little"
     if cpu_has_avx512():
@@ -56,7 +57,8 @@ def deep_lanes_pay(dtype: torch.dtype) -> tuple[bool, str]:
     thread holds under half a CPU), serving in `dtype`, and why.
 
     There two lanes hold more of the CPUs than one thread (each is a runnable thread of its own)
-    at more CPU a token: that paid on an AVX-512 bf16 CPU without AMX. With bf16 GEMMs on AMX a
+    at more CPU a token: that paid on an AVX-512 bf16 CPU without AMX, on dense weights and on the
+    blocks (BENCHMARKS.md, "In bf16 without AMX"). With bf16 GEMMs on AMX a
     lane's half of the rows costs nearly a whole step (the GEMMs are bound by reading the weights),
     and once one thread's step had fewer ops the lanes lost to it there (figures:
     docs/history/openmp-threads.md, "Lanes under deep contention on AMX")."""
