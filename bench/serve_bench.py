@@ -311,6 +311,9 @@ def main() -> None:
                     help="0: greedy (the default); above: every request samples, unseeded, in the engines and vLLM")
     ap.add_argument("--top-p", type=float, default=1.0, help="nucleus of the sampled requests (with --temperature)")
     args = ap.parse_args()
+    if not 1 <= args.out_min <= args.out_max:
+        ap.error(f"output lengths need 1 <= --out-min <= --out-max; got --out-min {args.out_min} "
+                 f"--out-max {args.out_max}")
     if args.temperature > 0 and set(args.variants) & set("cd"):
         ap.error("variants c and d run greedy only: drop --temperature or those variants")
     if args.threads == "auto":
