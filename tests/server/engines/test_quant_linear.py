@@ -19,6 +19,7 @@ from server.engines.native.llama import Linear
 from server.engines.native.model_runner import build_model_runner
 from server.engines.native.quant_linear import QuantLinear
 from tests.server.engines.test_model_runner import check_against
+from tests.support.kernel_builds import builds_fixture
 
 pytestmark = pytest.mark.skipif(quant_linear.KERNEL.load() is None,
                                 reason=f"no weight kernel: {quant_linear.KERNEL.error()}")
@@ -26,14 +27,7 @@ pytestmark = pytest.mark.skipif(quant_linear.KERNEL.load() is None,
 N, K = 31, 96  # two panels of 12 columns and a tail of 7; three blocks a row
 
 
-@pytest.fixture(params=sorted(quant_linear.BUILDS))
-def build(request, monkeypatch):
-    """QuantLinears made in the test call this build of the kernel."""
-    kernel = quant_linear.BUILDS[request.param]
-    if kernel.load() is None:
-        pytest.fail(f"the {request.param} build of the weight kernel did not load: {kernel.error()}")
-    monkeypatch.setattr(quant_linear, "KERNEL", kernel)
-    return request.param
+build = builds_fixture(quant_linear)  # QuantLinears made in a test that takes it call each build
 
 
 def _weight(fmt: str, n: int = N, k: int = K, seed: int = 0):

@@ -20,6 +20,7 @@ from server.engines.native.llama import Linear
 from server.engines.native.model_runner import build_model_runner
 from server.engines.native.quant_linear import QuantLinear
 from tests.server.engines.test_model_runner import drive
+from tests.support.kernel_builds import builds_fixture
 
 pytestmark = pytest.mark.skipif(quant_linear_bf16.load() is None,
                                 reason=f"no bf16 weight kernel: {quant_linear_bf16.error()}")
@@ -28,14 +29,7 @@ N, K = 64, 96  # two panels of 32 columns; three blocks a row
 BF16_ULP = 2.0**-8  # a bf16 result's rounding, relative
 
 
-@pytest.fixture(params=sorted(quant_linear_bf16.BUILDS))
-def build(request, monkeypatch):
-    """QuantLinears made in the test call this build of the kernel."""
-    kernel = quant_linear_bf16.BUILDS[request.param]
-    if kernel.load() is None:
-        pytest.fail(f"the {request.param} build of the bf16 weight kernel did not load: {kernel.error()}")
-    monkeypatch.setattr(quant_linear_bf16, "KERNEL", kernel)
-    return request.param
+build = builds_fixture(quant_linear_bf16)  # QuantLinears made in a test that takes it call each build
 
 
 def _weight(fmt: str, n: int = N, k: int = K, seed: int = 0):
