@@ -53,7 +53,8 @@ constexpr int TILE_BYTES = 16 * 64;       // one B tile: 16 rows of 64 bytes
 constexpr int OP_NONE = 0, OP_SILU = 1, OP_ADD = 2, OP_MUL = 3;
 constexpr int64_t PARALLEL_MIN_WORK = 1 << 18;
 // blocks ahead whose records are fetched into L1 while a block is multiplied (a decode step streams
-// every record once from memory; the hardware prefetcher alone left the kernel ~7% slower)
+// every record once from memory; fetching ahead helped a little over the hardware prefetcher alone:
+// docs/history/weight-kernel.md, "A bf16 build on AMX")
 constexpr int64_t PREFETCH = 4;
 
 int record_bytes(int fmt) { return fmt == FMT_Q4_1 ? 16 * 16 + 64 : 16 * 32 + 32; }
