@@ -146,7 +146,7 @@ def with_requests(args: list[str], n: int | None) -> list[str]:
 
 
 KEPT = ("tokens", "wall_s", "cpu_s", "runnable_wait_s", "cpu_s_by_process", "cpu_s_by_thread", "one_thread_steps",
-        "steps", "dtype")
+        "contended_steps", "steps", "dtype")
 
 
 def measure(busy: list[int], rounds: int, variants: str, bench_args: list[str], requests_at: dict[int, int],

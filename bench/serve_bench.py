@@ -302,9 +302,10 @@ def main() -> None:
                     help="the engine's POLYSERVE_STATIC_DECODE (CUDA graphs of decode steps; auto = on CUDA)")
     ap.add_argument("--adaptive-threads", choices=["on", "off"], default="on",
                     help="the engine's POLYSERVE_ADAPTIVE_THREADS (one thread while other processes hold the CPUs)")
-    ap.add_argument("--contended", choices=["auto", "lanes", "one"], default="auto",
+    ap.add_argument("--contended", choices=["auto", "lanes", "one", "helper"], default="auto",
                     help="native engine under contention: the step's items over single-thread lanes, or all on "
-                         "one thread, or as the CPU suits (POLYSERVE_CONTENDED_LANES auto|on|off)")
+                         "one thread, alone or with the weight kernel's panel helper, or as the CPU suits "
+                         "(POLYSERVE_CONTENDED_LANES, POLYSERVE_CONTENDED_HELPER)")
     ap.add_argument("--packed-weights", choices=["auto", "on", "off"], default="auto",
                     help="the engine's POLYSERVE_PACKED_WEIGHTS")
     ap.add_argument("--temperature", type=float, default=0.0,
@@ -337,7 +338,8 @@ def main() -> None:
                 max_batch_rows=args.batch, max_batch_tokens=1 << 20, max_prefill_rows=args.batch, max_queue=1 << 16,
                 max_step_tokens=args.max_step_tokens, dtype=serving, packed_weights=packed, threads=args.threads,
                 static_decode=switch(args.static_decode), lora_kernel=lora_kernel, weight_kernel=weight_kernel,
-                adaptive_threads=args.adaptive_threads == "on", contended_lanes={"auto": None, "lanes": True, "one": False}[args.contended]))
+                adaptive_threads=args.adaptive_threads == "on", contended_lanes={"auto": None, "lanes": True, "one": False, "helper": False}[args.contended],
+                contended_helper={"auto": None, "lanes": False, "one": False, "helper": True}[args.contended]))
             eng.start()
             return eng
 
@@ -346,11 +348,13 @@ def main() -> None:
             run_engine(eng, bb.tokenizer, jobs[:4], adapters, "warm-up")
             before, steps = thread_times(), eng.steps
             one_before = eng.governor.steps_at.get(1, 0) if eng.governor else 0  # steps without the team
+            how_before = dict(eng.contended_steps)
             out = run_engine(eng, bb.tokenizer, jobs, adapters, name, temperature=args.temperature, top_p=args.top_p, **kw)
             out["steps"] = eng.steps - steps
             out["dtype"] = dtype_name(serving)  # "auto" resolves per process: say which
             one = (eng.governor.steps_at.get(1, 0) if eng.governor else 0) - one_before
             out["one_thread_steps"] = one if args.threads > 1 else out["steps"]
+            out["contended_steps"] = {k: v - how_before[k] for k, v in eng.contended_steps.items()}
             out.update(sched_delta(before, thread_times(), threads=4))  # the engine's, the lanes', a team's
             return out
         finally:
@@ -383,7 +387,8 @@ def main() -> None:
         r = results[-1]
         print(f"{r['variant']:45s} {r['tok_per_s']:8.1f} tok/s  TTFT p50 {r['ttft_p50']:.2f}s p99 {r['ttft_p99']:.2f}s"
               f"  ITL p50 {1000 * r['itl_p50']:.0f}ms p99 {1000 * r['itl_p99']:.0f}ms  ({r['wall_s']:.0f}s"
-              + (f"; {r['steps']} steps ({r['one_thread_steps']} without the team, {args.contended})" if "steps" in r else "")
+              + (f"; {r['steps']} steps ({r['one_thread_steps']} without the team, {args.contended}: "
+                 f"{', '.join(f'{k} {v}' for k, v in r['contended_steps'].items() if v) or 'none'})" if "steps" in r else "")
               + (f", CPU {r['cpu_s']:.1f}s, waited runnable {r['runnable_wait_s']:.1f}s" if "cpu_s" in r else "")
               + (f" [{', '.join(f'{k} {s:.1f}s' for k, s in r['cpu_s_by_process'].items())}]" if "cpu_s_by_process" in r else "")
               + (f" [threads: {', '.join(f'{k} {v[0]:.1f}s' for k, v in r['cpu_s_by_thread'].items())}]"

@@ -27,7 +27,10 @@ step), which the scheduler gives one share of the CPUs each:
                deep: the one thread waits at least DEEP_ONE s a second (it holds less than half
                a CPU), or the lanes at least DEEP_LANES: there two lanes hold ~1.6x one thread's
                CPU, more than their extra CPU a token on every CPU measured, so the engine runs
-               lanes where the CPU alone would not choose them (engine.py)
+               lanes where the CPU alone would not choose them (engine.py). With the weight
+               kernel's panel helper beside the one thread (panel_helper.h), the engine thread's
+               own waits decide, against DEEP_HELPER: the helper waits while it has no panels,
+               which says nothing of the step's share
 
 Weights of other processes show in the waits only (a nice-19 training run leaves the team's waits
 near zero, so the team stays), which is why going down trusts them and going up checks them again.
@@ -51,6 +54,7 @@ CONTENDED = 0.2  # runnable-but-waiting seconds per wall second, summed over thr
 # windows in a row that agree: single windows swing across the lines
 DEEP_ONE = 0.5
 DEEP_LANES = 1.1
+DEEP_HELPER = 0.6
 DEEP_WINDOWS = 2
 PROBE_S = 2.0
 PROBE_MAX_S = 60.0
@@ -69,6 +73,15 @@ def process_wait_ns(task_dir: Path = Path("/proc/self/task")) -> int | None:
     return total if seen else None
 
 
+def thread_wait_ns() -> int | None:
+    """Nanoseconds the calling thread has spent runnable, waiting for a CPU; None where the kernel
+    keeps no schedstat."""
+    try:
+        return int(Path("/proc/thread-self/schedstat").read_text().split()[1])
+    except (OSError, ValueError, IndexError):
+        return None
+
+
 def runnable_threads(loadavg: Path = Path("/proc/loadavg")) -> int | None:
     """Threads runnable on the whole system right now, this one included (loadavg's "R/total")."""
     try:
@@ -84,16 +97,20 @@ class ThreadGovernor:
 
     def __init__(self, max_threads: int, usable: float, *, clock: Callable[[], float] = time.monotonic,
                  wait_ns: Callable[[], int | None] = process_wait_ns,
-                 runnable: Callable[[], int | None] = runnable_threads) -> None:
+                 runnable: Callable[[], int | None] = runnable_threads,
+                 own_wait_ns: Callable[[], int | None] = thread_wait_ns) -> None:
+        """own_wait_ns: the waits of the thread that calls `threads()` (read there only)."""
         self.max_threads = max_threads
         self.usable = usable
-        self._clock, self._wait_ns, self._runnable = clock, wait_ns, runnable
+        self._clock, self._wait_ns, self._runnable, self._own_wait_ns = clock, wait_ns, runnable, own_wait_ns
         self.current = max_threads
         self.switches = 0
         self.steps_at: dict[int, int] = {}  # steps run per team size (benchmarks report it)
         self.deep = False  # without the team: the CPUs are taken deeply enough for lanes (DEEP_ONE)
         self._deep_votes = 0  # windows in a row that disagreed with self.deep
         self.lanes_running = False  # set by the engine: the last window's steps ran on lanes
+        self.helper_running = False  # set by the engine: the last window's linears had the panel helper
+        self._own0: int | None = None  # the calling thread's waits at the window's start (None: not yet read)
         self._probe_s = PROBE_S
         self._start_window()
         self._probe_at = self._t0 + self._probe_s
@@ -103,6 +120,15 @@ class ThreadGovernor:
         self._t0 = self._clock() if t0 is None else t0
         self._w0 = self._wait_ns() if w0 is None else w0
         self._others: list[int] = []
+
+    def _own_share(self, now: float) -> float | None:
+        """The calling thread's waits over the window closing now (seconds a second), and the
+        next window's start; None for a window it did not see start."""
+        own, own0 = self._own_wait_ns(), self._own0
+        self._own0 = own
+        if own is None or own0 is None:
+            return None
+        return (own - own0) / 1e9 / (now - self._t0)
 
     def _set(self, n: int, why: str) -> None:
         log.log(logging.DEBUG if why == "probe" else logging.INFO, "engine threads %d -> %d (%s)", self.current, n, why)
@@ -126,6 +152,7 @@ class ThreadGovernor:
             return self.current
         waited = self._wait_ns()
         share = (waited - self._w0) / 1e9 / (now - self._t0) if waited is not None and self._w0 is not None else None
+        own = self._own_share(now)
         if self.current > 1:
             if share is not None:
                 if share > CONTENDED:
@@ -142,13 +169,18 @@ class ThreadGovernor:
                 self._set(self.max_threads, "probe")
                 self._probe_s = min(PROBE_MAX_S, self._probe_s * 2)
                 self._probe_at = now + self._probe_s
+            elif self.helper_running and own is not None:
+                self._vote_deep(own >= DEEP_HELPER, own)
             elif share is not None:
-                deep = share >= (DEEP_LANES if self.lanes_running else DEEP_ONE)
-                self._deep_votes = self._deep_votes + 1 if deep != self.deep else 0
-                if self._deep_votes >= DEEP_WINDOWS:
-                    log.debug("contention %s: threads waited %.2f s a second", "deep" if deep else "shallow", share)
-                    self.deep, self._deep_votes = deep, 0
+                self._vote_deep(share >= (DEEP_LANES if self.lanes_running else DEEP_ONE), share)
             if self.current > 1:
                 self.deep, self._deep_votes = False, 0
         self._start_window(now, waited)
         return self.current
+
+    def _vote_deep(self, deep: bool, waits: float) -> None:
+        """One window's say on self.deep: a change needs DEEP_WINDOWS windows in a row."""
+        self._deep_votes = self._deep_votes + 1 if deep != self.deep else 0
+        if self._deep_votes >= DEEP_WINDOWS:
+            log.debug("contention %s: threads waited %.2f s a second", "deep" if deep else "shallow", waits)
+            self.deep, self._deep_votes = deep, 0

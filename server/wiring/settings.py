@@ -36,6 +36,9 @@ class Settings(BaseSettings):
     # (contended_lanes, server/engines/native/lanes.py) or all on the engine thread
     adaptive_threads: bool = True
     contended_lanes: Literal["auto", "on", "off"] = "auto"  # auto: the machine decides (lanes.lanes_pay)
+    # native engine, without the team: the weight kernel's bf16 linears share their panels with a
+    # helper thread (server/engines/native/panel_helper.h) instead of lanes; auto: where it runs
+    contended_helper: Literal["auto", "on", "off"] = "auto"
     # serving dtype: float32 | bfloat16 | float16, or auto (the machine decides: server/engines/dtype.py)
     dtype: str | None = None
     # vllm engine: other vLLM engine arguments as a JSON object, e.g. {"tensor_parallel_size": 2}

@@ -18,6 +18,9 @@
                        torch thread each (lanes.py); False: every item on the engine thread alone;
                        None: as the machine suits (lanes.lanes_pay), and lanes while contention
                        is deep (contention.ThreadGovernor.deep) where lanes.deep_lanes_pay says so
+    contended_helper   without the team: the engine thread runs every item, its linears sharing
+                       their panels with the weight kernel's helper thread (panel_helper.h), in
+                       place of lanes; None: wherever the runner has it (bf16 on the GGUF blocks)
     caps               per-tenant caps and weights (server/engines/fair.py)
 
 `from_settings` maps the POLYSERVE_* settings onto it; tests and benchmarks build one directly.
@@ -54,6 +57,7 @@ class EngineConfig:
     threads: int | None = None
     adaptive_threads: bool = True
     contended_lanes: bool | None = None
+    contended_helper: bool | None = None
     caps: TenantCaps = field(default_factory=TenantCaps)
 
     def __post_init__(self) -> None:
@@ -83,6 +87,6 @@ class EngineConfig:
             packed_weights=switch(settings.packed_weights), static_decode=switch(settings.static_decode),
             lora_kernel=settings.lora_kernel, attention_kernel=settings.attention_kernel,
             weight_kernel=settings.weight_kernel, elementwise_kernel=settings.elementwise_kernel, threads=threads, adaptive_threads=settings.adaptive_threads,
-            contended_lanes=switch(settings.contended_lanes),
+            contended_lanes=switch(settings.contended_lanes), contended_helper=switch(settings.contended_helper),
             caps=tenant_caps(settings),
         )

@@ -133,6 +133,21 @@ class NativeEngine:
             log.info("under deep contention, a step runs on %s (%s)",
                      "lanes" if self.lanes_when_deep else "one thread", why)
         self.lanes = 1  # threads the step's items are split over (runner.use_lanes), while the team is 1
+        # where a step without the team runs on the engine thread (no lanes), its linears share their
+        # panels with the weight kernel's helper thread where the runner has it (panel_helper.h): a
+        # second runnable thread with no weight dequantised twice and no barrier
+        self.contended_helper = False
+        if self.governor is not None and self.threads > 1 and cfg.contended_helper is not False:
+            possible = self.runner.helper_possible()
+            if cfg.contended_helper and not possible:
+                log.warning("POLYSERVE_CONTENDED_HELPER=on, but the runner's linears have no panel helper "
+                            "(it needs the weight kernel in bf16 on a CPU)")
+            self.contended_helper = possible
+            if possible:
+                log.info("without the team and off lanes, a step's linears share their panels with the weight "
+                         "kernel's helper thread")
+        self.helper = False  # the helper runs (runner.use_helper)
+        self.contended_steps = {"one": 0, "lanes": 0, "helper": 0}  # steps without the team, by how they ran
 
     # -- public API (any thread) -----------------------------------------------------------------
     def start(self) -> None:
@@ -226,7 +241,13 @@ class NativeEngine:
                     if want != lanes:
                         lanes = want
                         self.lanes = self.runner.use_lanes(self.threads if want else 1)
-                        self.governor.lanes_running = self.lanes > 1
+                    helper = now == 1 and not lanes and self.contended_helper
+                    if helper != self.helper:
+                        self.helper = self.runner.use_helper(helper)
+                    self.governor.lanes_running = self.lanes > 1
+                    self.governor.helper_running = self.helper
+                    if now == 1:
+                        self.contended_steps["lanes" if self.lanes > 1 else "helper" if self.helper else "one"] += 1
                 try:
                     self.step()
                 except Exception:  # a bug outside the isolated parts: fail the rows in flight only
@@ -237,6 +258,8 @@ class NativeEngine:
             reason = "engine stopped unexpectedly"
             raise
         finally:
+            if self.helper:
+                self.helper = self.runner.use_helper(False)  # its thread joined
             self._shutdown(reason)
 
     def _in_flight(self) -> bool:

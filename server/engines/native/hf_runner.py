@@ -144,6 +144,14 @@ class HFRunner:
         implementation, the routed model's batch plan), so two steps cannot run side by side."""
         return 1
 
+    def helper_possible(self) -> bool:
+        """False: its linears are torch's."""
+        return False
+
+    def use_helper(self, on: bool) -> bool:
+        """Always False: its linears are torch's."""
+        return False
+
     def check(self, prompt: list[int], atol: float = 1e-3) -> None:
         """Start-up self-test: a prompt prefilled in two chunks, then one decode step, must give the
         logits of the model's plain forward; raises ValueError naming the gap."""

@@ -206,6 +206,10 @@ class _Layer:
             self.gate_up = _fused([mlp.gate_proj, mlp.up_proj], weights)
 
 
+# rows of the LM head's calls the panel helper takes: a step's logit rows (one a decoding row)
+HEAD_ROWS = 64
+
+
 class LlamaRunner:
     """The flat-batch forward over a slot KV cache and per-slot LoRA tables (see module doc)."""
 
@@ -356,6 +360,27 @@ class LlamaRunner:
             return n
         self._lanes_on = False  # the threads stay, idle, for the next time
         return 1
+
+    def helper_possible(self) -> bool:
+        """Whether the linears have the panel helper: they read the GGUF blocks in bf16 on a CPU."""
+        return self.weight_kernel and self.dtype == torch.bfloat16 and self.device.type == "cpu"
+
+    def use_helper(self, on: bool) -> bool:
+        """Where `on`, the weight kernel's panel helper (panel_helper.h) takes panels of the linears
+        the calling thread runs without an OpenMP team, from the next step on; off, its thread is
+        joined. Returns whether it runs. Its buffers hold a call of up to MAX_ROWS rows (the LM
+        head's: HEAD_ROWS); larger calls run on the calling thread alone."""
+        if not self.helper_possible():
+            return False
+        if not on:
+            quant_linear_bf16.share(0)
+            return False
+        body = [lin for layer in self.layers for lin in vars(layer).values() if isinstance(lin, QuantLinear)]
+        head = [self.lm_head] if isinstance(self.lm_head, QuantLinear) else []
+        rows = quant_linears.MAX_ROWS
+        inputs = rows * max(lin.in_features for lin in body + head)
+        results = max([rows * lin.out_features for lin in body] + [HEAD_ROWS * lin.out_features for lin in head])
+        return quant_linear_bf16.share(inputs, results, max(lin.out_features for lin in body + head))
 
     def prepare(self, batch: StepBatch) -> None:
         """Room in the KV cache and the rope table for this step (may allocate)."""

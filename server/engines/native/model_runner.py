@@ -45,6 +45,15 @@ class ModelRunner(Protocol):
         the lanes it will use (1: the calling thread runs every item)."""
         ...
 
+    def helper_possible(self) -> bool:
+        """Whether the runner's linears have the weight kernel's panel helper."""
+        ...
+
+    def use_helper(self, on: bool) -> bool:
+        """Where `on`, the next steps' weight-kernel linears called without an OpenMP team share
+        their panels with the kernel's helper thread (panel_helper.h); returns whether it runs."""
+        ...
+
     def idle(self) -> None: ...
 
 

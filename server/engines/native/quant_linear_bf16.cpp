@@ -31,9 +31,13 @@
 #include <sys/syscall.h>
 #include <unistd.h>
 
+#include <omp.h>
+
 #include <cstdint>
 #include <cstring>
 #include <vector>
+
+#include "panel_helper.h"
 
 #if !defined(__AVX512F__) || !defined(__AVX512BF16__)
 #error "quant_linear_bf16 needs AVX512_BF16"
@@ -160,8 +164,13 @@ struct Epilogue {
     int64_t other_stride;
     uint16_t* out;
     int64_t out_stride;
+    float* raw;  // instead: the row's raw sums, PANEL floats a row (the panel helper's results)
 
     void row(int64_t r, const float* sums, int64_t c0) const {
+        if (raw) {
+            if (raw + r * PANEL != sums) std::memcpy(raw + r * PANEL, sums, sizeof(float) * PANEL);
+            return;
+        }
         for (int h = 0; h < 2; ++h) {
             const int64_t c = c0 + h * COLS;
             finish(_mm512_load_ps(sums + h * COLS), bias ? bias + c : nullptr, op,
@@ -282,6 +291,57 @@ void panel_amx(int fmt, int64_t M, const uint16_t* x, int64_t x_stride, const ui
     }
 }
 #endif
+// one thread's reusable buffers for its panels
+struct Scratch {
+    uint16_t* tiles;
+    float* sums;
+    int configured;  // the AMX tile configuration's rows (-1: none yet)
+};
+
+Scratch thread_scratch(int64_t M, int64_t nb) {
+    static thread_local std::vector<uint8_t> tile_bytes, sum_bytes;
+#ifdef POLYSERVE_AMX
+    // a panel's B tiles for every block of its inputs (more than 16 rows), or two blocks'
+    return {scratch<uint16_t>(tile_bytes, static_cast<size_t>(nb > 2 ? nb : 2) * TILE_BYTES),
+            scratch<float>(sum_bytes, 16 * PANEL), -1};
+#else
+    (void)nb;
+    return {scratch<uint16_t>(tile_bytes, 2 * TILE_BYTES), scratch<float>(sum_bytes, static_cast<size_t>(M) * PANEL),
+            -1};
+#endif
+}
+
+// panel p of the call (its 32 columns for every row) through the epilogue; `sums`, where given,
+// replaces the scratch's (the dot path sums in place)
+void panel(int fmt, int64_t M, const uint16_t* x, int64_t x_stride, const uint8_t* w, int64_t nb, int64_t rec,
+           int64_t p, const Epilogue& e, Scratch& s, float* sums = nullptr) {
+    // the panel's records, block by block, its two tiles' side by side: one stream
+    const uint8_t* recs = w + (2 * p * nb) * rec;
+#ifdef POLYSERVE_AMX
+    (void)sums;
+    panel_amx(fmt, M, x, x_stride, recs, nb, rec, s.tiles, s.sums, s.configured, e, p * PANEL);
+#else
+    panel_dot(fmt, M, x, x_stride, recs, nb, rec, s.tiles, sums ? sums : s.sums, e, p * PANEL);
+#endif
+}
+
+// what the panel helper needs of a call: its x is the helper's copy, rows K apart
+struct Job {
+    int fmt;
+    int64_t M, nb, rec, panels;
+    const uint8_t* w;
+
+    void sums(int64_t p, const uint8_t* xb, float* res) const {
+        static thread_local int configured = -1;  // the helper thread keeps its tile configuration
+        Scratch s = thread_scratch(M, nb);
+        s.configured = configured;
+        const Epilogue raw{nullptr, OP_NONE, nullptr, 0, nullptr, 0, res};
+        panel(fmt, M, reinterpret_cast<const uint16_t*>(xb), nb * BLOCK, w, nb, rec, p, raw, s, res);
+        configured = s.configured;
+    }
+};
+
+polyserve::PanelHelper<Job> helper;
 }  // namespace
 
 extern "C" {
@@ -305,9 +365,31 @@ int polyserve_bf16_uses_amx() {
 #endif
 }
 
+// The panel helper (panel_helper.h) for calls made by a thread without an OpenMP team whose x
+// holds up to `inputs` values (rows x K), whose outputs up to `results` (rows x N), of up to
+// `outputs` columns: started where inputs > 0, stopped (joined) where 0. Returns 0, or -1 where
+// the thread could not start.
+int polyserve_bf16_helper(int64_t inputs, int64_t results, int64_t outputs) {
+    if (inputs <= 0) {
+        helper.stop();
+        return 0;
+    }
+    return helper.start(static_cast<size_t>(inputs) * 2, static_cast<size_t>(results), outputs / PANEL) ? 0 : -1;
+}
+
+// Panels whose results callers took from the panel helper, since the process started.
+int64_t polyserve_bf16_helper_taken() { return static_cast<int64_t>(helper.taken()); }
+
+// Tests: the panel helper sleeps `ns` after claiming each panel, as if descheduled mid-panel.
+int polyserve_bf16_helper_pause(int64_t ns) {
+    helper.pause_after_claim(ns);
+    return 0;
+}
+
 // x: (M, K) bf16 rows `x_stride` apart; w: N / 16 x K / 32 records (above); bias: N floats or null;
 // out: (M, N) bf16 rows `out_stride` apart; other: (M, N) bf16 rows `other_stride` apart, read for
 // add / mul. K and N must be multiples of 32. Returns 0, or -1 for arguments it does not take.
+// A caller whose OpenMP team is one thread shares the panels with the panel helper where it runs.
 int polyserve_quant_linear_bf16(int fmt, int64_t M, int64_t K, const uint16_t* x, int64_t x_stride,
                                 const uint8_t* w, int64_t N, const float* bias, uint16_t* out, int64_t out_stride,
                                 int op, const uint16_t* other, int64_t other_stride) {
@@ -316,32 +398,29 @@ int polyserve_quant_linear_bf16(int fmt, int64_t M, int64_t K, const uint16_t* x
         return -1;
     if (M == 0 || N == 0) return 0;
     const int64_t nb = K / BLOCK, rec = record_bytes(fmt), panels = N / PANEL;
-    const Epilogue e{bias, op, other, other_stride, out, out_stride};
-#pragma omp parallel if (M * K * N >= PARALLEL_MIN_WORK)
+    const Epilogue e{bias, op, other, other_stride, out, out_stride, nullptr};
+    const bool parallel = M * K * N >= PARALLEL_MIN_WORK;
+    if (parallel && helper.running() && omp_get_max_threads() == 1 && !omp_in_parallel()) {
+        Scratch s = thread_scratch(M, nb);
+        const Job job{fmt, M, nb, rec, panels, w};
+        const bool shared = helper.run(
+            job, reinterpret_cast<const uint8_t*>(x), M, K * 2, x_stride * 2, M * PANEL,
+            [&](int64_t p) { panel(fmt, M, x, x_stride, w, nb, rec, p, e, s); },
+            [&](int64_t p, const float* sums) {
+                for (int64_t r = 0; r < M; ++r) e.row(r, sums + r * PANEL, p * PANEL);
+            });
+#ifdef POLYSERVE_AMX
+        if (s.configured >= 0) _tile_release();
+#endif
+        if (shared) return 0;
+    }
+#pragma omp parallel if (parallel)
     {
-        // per thread, reused across calls
-        static thread_local std::vector<uint8_t> tile_bytes, sum_bytes;
-#ifdef POLYSERVE_AMX
-        // a panel's B tiles for every block of its inputs (more than 16 rows), or two blocks'
-        uint16_t* tiles = scratch<uint16_t>(tile_bytes, static_cast<size_t>(nb > 2 ? nb : 2) * TILE_BYTES);
-        float* res = scratch<float>(sum_bytes, 16 * PANEL);
-        int configured = -1;
-#else
-        uint16_t* tiles = scratch<uint16_t>(tile_bytes, 2 * TILE_BYTES);  // two blocks' tiles
-        float* sums = scratch<float>(sum_bytes, static_cast<size_t>(M) * PANEL);
-#endif
+        Scratch s = thread_scratch(M, nb);  // per thread, reused across calls
 #pragma omp for schedule(static)
-        for (int64_t p = 0; p < panels; ++p) {
-            // the panel's records, block by block, its two tiles' side by side: one stream
-            const uint8_t* recs = w + (2 * p * nb) * rec;
+        for (int64_t p = 0; p < panels; ++p) panel(fmt, M, x, x_stride, w, nb, rec, p, e, s);
 #ifdef POLYSERVE_AMX
-            panel_amx(fmt, M, x, x_stride, recs, nb, rec, tiles, res, configured, e, p * PANEL);
-#else
-            panel_dot(fmt, M, x, x_stride, recs, nb, rec, tiles, sums, e, p * PANEL);
-#endif
-        }
-#ifdef POLYSERVE_AMX
-        if (configured >= 0) _tile_release();
+        if (s.configured >= 0) _tile_release();
 #endif
     }
     return 0;

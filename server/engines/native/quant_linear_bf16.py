@@ -31,7 +31,7 @@ _I64, _PTR, _INT = ctypes.c_int64, ctypes.c_void_p, ctypes.c_int
 _SOURCE = Path(__file__).with_name("quant_linear_bf16.cpp")
 KERNEL = CppKernel(_SOURCE, "polyserve_quant_linear_bf16",
                    [_INT, _I64, _I64, _PTR, _I64, _PTR, _I64, _PTR, _PTR, _I64, _INT, _PTR, _I64], _INT,
-                   "bf16 quantised-weight linear")
+                   "bf16 quantised-weight linear", headers=(_SOURCE.with_name("panel_helper.h"),))
 # the build for this CPU (AMX where it has AMX), and the one a CPU without AMX gets
 BUILDS = {"native": KERNEL, "avx512_bf16": KERNEL.with_flags(("-mno-amx-tile",))}
 FORMATS = {"Q4_1": 0, "Q8_0": 1}
@@ -42,11 +42,11 @@ _granted = False  # the process holds what the kernel needs: later loads (one a 
 _companions: dict[tuple[int, str], CppKernel] = {}
 
 
-def _companion(kernel: CppKernel, symbol: str) -> CppKernel:
-    """Another function (no arguments, an int back) of the library `kernel` is in."""
+def _companion(kernel: CppKernel, symbol: str, argtypes: tuple[object, ...] = (), restype: object = _INT) -> CppKernel:
+    """Another function of the library `kernel` is in."""
     key = (id(kernel), symbol)
     if key not in _companions:
-        _companions[key] = CppKernel(kernel.source, symbol, [], _INT, f"{kernel.what} ({symbol})",
+        _companions[key] = CppKernel(kernel.source, symbol, list(argtypes), restype, f"{kernel.what} ({symbol})",
                                      kernel.headers, kernel.flags)
     return _companions[key]
 
@@ -80,6 +80,35 @@ def path() -> str | None:
         return None
     uses_amx = _companion(KERNEL, "polyserve_bf16_uses_amx").load()
     return None if uses_amx is None else ("AMX" if uses_amx() else "AVX512_BF16")
+
+
+def share(inputs: int, results: int = 0, outputs: int = 0) -> bool:
+    """Start the kernel's panel helper (panel_helper.h): a second thread that takes panels of each
+    call made by a thread without an OpenMP team, for calls whose x holds up to `inputs` values
+    (rows x in_features), whose output up to `results` (rows x out_features), of up to `outputs`
+    columns (larger calls run alone); inputs = 0 stops it (it finishes its panel and exits). True
+    where it runs (for 0: has stopped); False where the kernel or the thread is unavailable."""
+    if load() is None:
+        return False
+    fn = _companion(KERNEL, "polyserve_bf16_helper", (_I64, _I64, _I64)).load()
+    return fn is not None and fn(inputs, results, outputs) == 0
+
+
+def helper_taken() -> int:
+    """Panels whose results callers took from the panel helper, since the process started (0
+    where the kernel is unavailable)."""
+    if load() is None:
+        return 0
+    loaded = _companion(KERNEL, "polyserve_bf16_helper_taken", (), _I64).load()
+    return 0 if loaded is None else int(loaded())
+
+
+def pause_helper(ns: int) -> None:
+    """Tests: the panel helper sleeps `ns` after claiming each panel, as if descheduled mid-panel."""
+    fn = _companion(KERNEL, "polyserve_bf16_helper_pause", (_I64,)).load()
+    if fn is None:
+        raise RuntimeError(f"the bf16 weight kernel is unavailable: {error()}")
+    fn(ns)
 
 
 def error() -> str | None:

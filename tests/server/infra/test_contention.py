@@ -13,6 +13,7 @@ import torch
 
 from server.infra import contention
 from server.infra.contention import (
+    DEEP_HELPER,
     DEEP_LANES,
     DEEP_ONE,
     DEEP_WINDOWS,
@@ -29,21 +30,24 @@ class Host:
     def __init__(self) -> None:
         self.t = 0.0
         self.wait_ns = 0
+        self.own_wait_ns = 0  # the engine thread's own
         self.running = 1
 
     def gov(self, max_threads: int = 2, usable: float = 2.0) -> ThreadGovernor:
         return ThreadGovernor(max_threads, usable, clock=lambda: self.t, wait_ns=lambda: self.wait_ns,
-                              runnable=lambda: self.running)
+                              runnable=lambda: self.running, own_wait_ns=lambda: self.own_wait_ns)
 
     def run(self, gov: ThreadGovernor, seconds: float, *, wait_per_s: float | Callable[[int], float] = 0.0,
-            steps_per_s: int = 40) -> list[int]:
+            steps_per_s: int = 40, own_per_s: float | None = None) -> list[int]:
         """Steps for `seconds`, the process waiting wait_per_s runnable seconds each second (a
-        function: of the team size the step runs on)."""
+        function: of the team size the step runs on), the engine thread own_per_s of them (default:
+        all of them)."""
         out = []
         for _ in range(int(seconds * steps_per_s)):
             self.t += 1 / steps_per_s
             wait = wait_per_s(gov.current) if callable(wait_per_s) else wait_per_s
             self.wait_ns += int(wait / steps_per_s * 1e9)
+            self.own_wait_ns += int((wait if own_per_s is None else own_per_s) / steps_per_s * 1e9)
             out.append(gov.threads())
         return out
 
@@ -162,6 +166,28 @@ def test_deep_contention_is_read_from_the_one_threads_waits_and_kept_on_lanes_un
     host.running = 1  # the busy processes left: the team is back, and contention is not deep
     host.run(gov, SETTLE, wait_per_s=0.0)
     assert gov.current == 2 and not gov.deep
+
+
+def test_with_the_panel_helper_the_engine_threads_own_waits_read_deep():
+    """With the panel helper beside the one thread, the process's waits include the helper's (it
+    waits while it has no panels): the engine thread's own waits decide, against DEEP_HELPER.
+    Measured on 2 CPUs: beside 2 busy processes the engine thread waited ~0.47 s a second, the
+    two threads ~0.9; beside 6 ~0.72 and ~1.0."""
+    host = Host()
+    gov = host.gov()
+    host.running = 8
+    host.run(gov, 1, wait_per_s=0.3)
+    assert gov.current == 1 and not gov.deep
+    gov.helper_running = True
+    host.run(gov, SETTLE, wait_per_s=1.3, own_per_s=DEEP_HELPER - 0.15)  # beside 2
+    assert not gov.deep
+    host.run(gov, SETTLE, wait_per_s=1.3, own_per_s=DEEP_HELPER + 0.15)  # beside 6
+    assert gov.deep
+    host.run(gov, SETTLE, wait_per_s=2.0, own_per_s=DEEP_HELPER - 0.15)
+    assert not gov.deep
+    gov.helper_running = False  # the one thread alone: the process's waits again
+    host.run(gov, SETTLE, wait_per_s=DEEP_ONE + 0.2, own_per_s=0.0)
+    assert gov.deep
 
 
 def test_one_window_across_the_line_does_not_change_the_reading():
@@ -397,3 +423,76 @@ def test_deep_contention_keeps_one_thread_for_bf16_on_amx(monkeypatch, tiny_base
                                                                       contended_lanes=False)).lanes_when_deep
     assert not NativeEngine(tiny_base, tokenizer, config=EngineConfig(threads=2, dtype=dtype,
                                                                       adaptive_threads=False)).lanes_when_deep
+
+
+def test_without_the_team_the_panel_helper_runs_until_contention_is_deep(monkeypatch, tiny_base, tokenizer):
+    """Where the runner has the panel helper (bf16 on the GGUF blocks), a step without the team runs
+    on the engine thread with the helper; under deep contention the lanes take over where they pay
+    (the helper stops), and the helper comes back when contention eases; the engine stops it when it
+    stops. POLYSERVE_CONTENDED_HELPER off: never; on, where the runner has none: a warning, never."""
+    from server.engines.native import engine as engine_mod
+    from server.engines.native import lanes as lanes_mod
+    from server.engines.native.config import EngineConfig
+    from server.engines.native.engine import NativeEngine
+    from server.engines.request import GenRequest, SamplingParams
+    from server.wiring.settings import Settings
+    from tests.support.engine_utils import wait_all
+
+    monkeypatch.setattr(lanes_mod, "cpu_has_avx512", lambda: True)
+    monkeypatch.setattr(lanes_mod, "cpu_has_amx", lambda: False)
+    made: list = []
+    calls: list[bool] = []
+
+    class Governor:
+        current = 1
+
+        def __init__(self, max_threads: int, usable: float) -> None:
+            self.steps_at: dict[int, int] = {}
+            self.deep = False
+            made.append(self)
+
+        def threads(self) -> int:
+            return self.current
+
+    build = engine_mod.build_model_runner
+
+    def with_helper(*args, **kwargs):
+        runner = build(*args, **kwargs)
+        runner.helper_possible = lambda: True
+
+        def use_helper(on: bool) -> bool:
+            calls.append(on)
+            return on
+
+        runner.use_helper = use_helper
+        return runner
+
+    def generate(eng: NativeEngine) -> None:
+        wait_all([eng.submit(GenRequest(tokenizer("hello there", add_special_tokens=False).input_ids,
+                                        SamplingParams(max_new_tokens=4, ignore_eos=True)))])
+
+    monkeypatch.setattr(engine_mod, "ThreadGovernor", Governor)
+    monkeypatch.setattr(engine_mod, "build_model_runner", with_helper)
+    eng = NativeEngine(tiny_base, tokenizer, config=EngineConfig(threads=2))
+    assert eng.contended_helper and eng.lanes_when_deep
+    eng.start()
+    try:
+        generate(eng)
+        assert calls == [True] and eng.helper and eng.lanes == 1 and made[0].helper_running
+        made[0].deep = True
+        generate(eng)
+        assert calls == [True, False] and not eng.helper and eng.lanes == 2
+        made[0].deep = False
+        generate(eng)
+        assert calls == [True, False, True] and eng.helper and eng.lanes == 1
+        assert eng.contended_steps["helper"] > 0 and eng.contended_steps["lanes"] > 0
+        assert eng.contended_steps["one"] == 0
+    finally:
+        eng.stop()
+    assert calls[-1] is False and not eng.helper  # stopped with the engine
+    monkeypatch.setenv("POLYSERVE_CONTENDED_HELPER", "off")
+    assert not NativeEngine(tiny_base, tokenizer, config=EngineConfig.from_settings(Settings(), threads=2)).contended_helper
+    monkeypatch.setattr(engine_mod, "build_model_runner", build)
+    monkeypatch.setenv("POLYSERVE_CONTENDED_HELPER", "on")
+    eng = NativeEngine(tiny_base, tokenizer, config=EngineConfig.from_settings(Settings(), threads=2))
+    assert not eng.contended_helper  # the tiny float32 runner has no panel helper
