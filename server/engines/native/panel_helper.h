@@ -61,15 +61,16 @@ class PanelHelper {
     static_assert(std::is_trivially_copyable<Job>::value, "a job is copied word by word");
     static constexpr int WORDS = (sizeof(Job) + 7) / 8;
     static constexpr uint64_t CLOSED = 0xFFFFFFFFu;  // a claim word's panel: nothing to claim
-    static constexpr int64_t SPIN_NS = 200000;        // a helper's spin before it sleeps
 
    public:
     ~PanelHelper() { stop(); }
 
     // Starts the helper with buffers for x of up to x_bytes and results of up to res_floats floats
-    // over up to `panels` panels (a running helper with smaller buffers is stopped first). Returns
-    // false where the thread cannot start.
-    bool start(size_t x_bytes, size_t res_floats, int64_t panels) {
+    // over up to `panels` panels (a running helper with smaller buffers is stopped first); after a
+    // call it spins spin_ns before it sleeps (0 under a CPU quota: a spin spends the quota the
+    // caller needs). Returns false where the thread cannot start.
+    bool start(size_t x_bytes, size_t res_floats, int64_t panels, int64_t spin_ns) {
+        spin_ns_.store(spin_ns, std::memory_order_relaxed);
         if (thread_.joinable() && x_.size() >= x_bytes + 64 && res_.size() >= res_floats + 16 &&
             static_cast<int64_t>(done_.size()) >= panels) {
             enabled_.store(true, std::memory_order_release);
@@ -194,9 +195,9 @@ class PanelHelper {
 
     void futex_wake() { syscall(SYS_futex, reinterpret_cast<uint32_t*>(&seq_), FUTEX_WAKE_PRIVATE, 1, nullptr, nullptr, 0); }
 
-    // until seq_ moves past `seen`: spin SPIN_NS, then sleep
+    // until seq_ moves past `seen`: spin spin_ns_, then sleep
     void wait_past(uint32_t seen) {
-        const int64_t until = now_ns() + SPIN_NS;
+        const int64_t until = now_ns() + spin_ns_.load(std::memory_order_relaxed);
         for (int i = 0; seq_.load(std::memory_order_acquire) == seen; ++i) {
             _mm_pause();
             if ((i & 63) == 63 && now_ns() > until) {
@@ -242,6 +243,7 @@ class PanelHelper {
     std::atomic<uint32_t> seq_{0};  // the futex word: one more for each call posted
     std::atomic<int> sleeping_{0};
     std::atomic<int64_t> pause_ns_{0};
+    std::atomic<int64_t> spin_ns_{0};
     std::atomic<uint64_t> taken_{0};
     std::atomic<uint64_t> claim_{CLOSED};  // the call's tag (its generation's low 32 bits) << 32 | next panel
     std::atomic<uint64_t> posted_[POSTED_WORDS] = {};
