@@ -243,9 +243,7 @@ class NativeEngine:
                         self.lanes = self.runner.use_lanes(self.threads if want else 1)
                     helper = now == 1 and not lanes and self.contended_helper
                     if helper != self.helper:
-                        # under a CPU quota the helper sleeps between calls: its spin would spend
-                        # the quota the engine thread needs (as the team's waits: openmp.py)
-                        self.helper = self.runner.use_helper(helper, spin=not cpus.budget().limited)
+                        self.helper = self.runner.use_helper(helper)
                     self.governor.lanes_running = self.lanes > 1
                     self.governor.helper_running = self.helper
                     if now == 1:

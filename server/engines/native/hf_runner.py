@@ -148,7 +148,7 @@ class HFRunner:
         """False: its linears are torch's."""
         return False
 
-    def use_helper(self, on: bool, spin: bool = True) -> bool:
+    def use_helper(self, on: bool) -> bool:
         """Always False: its linears are torch's."""
         return False
 

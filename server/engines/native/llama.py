@@ -365,12 +365,11 @@ class LlamaRunner:
         """Whether the linears have the panel helper: they read the GGUF blocks in bf16 on a CPU."""
         return self.weight_kernel and self.dtype == torch.bfloat16 and self.device.type == "cpu"
 
-    def use_helper(self, on: bool, spin: bool = True) -> bool:
+    def use_helper(self, on: bool) -> bool:
         """Where `on`, the weight kernel's panel helper (panel_helper.h) takes panels of the linears
         the calling thread runs without an OpenMP team, from the next step on; off, its thread is
-        joined. spin: it spins a while after each call before it sleeps (not under a CPU quota).
-        Returns whether it runs. Its buffers hold a call of up to MAX_ROWS rows (the LM head's:
-        HEAD_ROWS); larger calls run on the calling thread alone."""
+        joined. Returns whether it runs. Its buffers hold a call of up to MAX_ROWS rows (the LM
+        head's: HEAD_ROWS); larger calls run on the calling thread alone."""
         if not self.helper_possible():
             return False
         if not on:
@@ -381,8 +380,7 @@ class LlamaRunner:
         rows = quant_linears.MAX_ROWS
         inputs = rows * max(lin.in_features for lin in body + head)
         results = max([rows * lin.out_features for lin in body] + [HEAD_ROWS * lin.out_features for lin in head])
-        return quant_linear_bf16.share(inputs, results, max(lin.out_features for lin in body + head),
-                                       quant_linear_bf16.SPIN_NS if spin else 0)
+        return quant_linear_bf16.share(inputs, results, max(lin.out_features for lin in body + head))
 
     def prepare(self, batch: StepBatch) -> None:
         """Room in the KV cache and the rope table for this step (may allocate)."""

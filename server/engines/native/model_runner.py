@@ -49,10 +49,9 @@ class ModelRunner(Protocol):
         """Whether the runner's linears have the weight kernel's panel helper."""
         ...
 
-    def use_helper(self, on: bool, spin: bool = True) -> bool:
+    def use_helper(self, on: bool) -> bool:
         """Where `on`, the next steps' weight-kernel linears called without an OpenMP team share
-        their panels with the kernel's helper thread (panel_helper.h), spinning between calls where
-        `spin`; returns whether it runs."""
+        their panels with the kernel's helper thread (panel_helper.h); returns whether it runs."""
         ...
 
     def idle(self) -> None: ...

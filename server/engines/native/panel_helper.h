@@ -25,8 +25,8 @@
 // generation, which no later call reads. Every panel is computed by the same function whichever
 // thread runs it, so the output does not depend on who computed what.
 //
-// The helper spins a while after a call (the next linear of a step follows within microseconds),
-// then sleeps on a futex. A caller that finds the helper in use by another thread (lanes), or a
+// The helper sleeps on a futex between calls; a call wakes it (one system call where it sleeps).
+// A caller that finds the helper in use by another thread (lanes), or a
 // call larger than the buffers, runs alone.
 
 #pragma once
@@ -66,11 +66,9 @@ class PanelHelper {
     ~PanelHelper() { stop(); }
 
     // Starts the helper with buffers for x of up to x_bytes and results of up to res_floats floats
-    // over up to `panels` panels (a running helper with smaller buffers is stopped first); after a
-    // call it spins spin_ns before it sleeps (0 under a CPU quota: a spin spends the quota the
-    // caller needs). Returns false where the thread cannot start.
-    bool start(size_t x_bytes, size_t res_floats, int64_t panels, int64_t spin_ns) {
-        spin_ns_.store(spin_ns, std::memory_order_relaxed);
+    // over up to `panels` panels (a running helper with smaller buffers is stopped first). Returns
+    // false where the thread cannot start.
+    bool start(size_t x_bytes, size_t res_floats, int64_t panels) {
         if (thread_.joinable() && x_.size() >= x_bytes + 64 && res_.size() >= res_floats + 16 &&
             static_cast<int64_t>(done_.size()) >= panels) {
             enabled_.store(true, std::memory_order_release);
@@ -195,19 +193,14 @@ class PanelHelper {
 
     void futex_wake() { syscall(SYS_futex, reinterpret_cast<uint32_t*>(&seq_), FUTEX_WAKE_PRIVATE, 1, nullptr, nullptr, 0); }
 
-    // until seq_ moves past `seen`: spin spin_ns_, then sleep
+    // until seq_ moves past `seen`, asleep on the futex: no spin (a spinning helper takes CPU time
+    // from the caller it shares a CPU with, and under a CPU quota spends the caller's quota)
     void wait_past(uint32_t seen) {
-        const int64_t until = now_ns() + spin_ns_.load(std::memory_order_relaxed);
-        for (int i = 0; seq_.load(std::memory_order_acquire) == seen; ++i) {
-            _mm_pause();
-            if ((i & 63) == 63 && now_ns() > until) {
-                sleeping_.store(1, std::memory_order_seq_cst);
-                while (seq_.load(std::memory_order_seq_cst) == seen)
-                    syscall(SYS_futex, reinterpret_cast<uint32_t*>(&seq_), FUTEX_WAIT_PRIVATE, seen, nullptr, nullptr, 0);
-                sleeping_.store(0, std::memory_order_relaxed);
-                return;
-            }
-        }
+        if (seq_.load(std::memory_order_acquire) != seen) return;
+        sleeping_.store(1, std::memory_order_seq_cst);
+        while (seq_.load(std::memory_order_seq_cst) == seen)
+            syscall(SYS_futex, reinterpret_cast<uint32_t*>(&seq_), FUTEX_WAIT_PRIVATE, seen, nullptr, nullptr, 0);
+        sleeping_.store(0, std::memory_order_relaxed);
     }
 
     void loop(uint32_t seen) {
@@ -243,7 +236,6 @@ class PanelHelper {
     std::atomic<uint32_t> seq_{0};  // the futex word: one more for each call posted
     std::atomic<int> sleeping_{0};
     std::atomic<int64_t> pause_ns_{0};
-    std::atomic<int64_t> spin_ns_{0};
     std::atomic<uint64_t> taken_{0};
     std::atomic<uint64_t> claim_{CLOSED};  // the call's tag (its generation's low 32 bits) << 32 | next panel
     std::atomic<uint64_t> posted_[POSTED_WORDS] = {};

@@ -367,16 +367,14 @@ int polyserve_bf16_uses_amx() {
 
 // The panel helper (panel_helper.h) for calls made by a thread without an OpenMP team whose x
 // holds up to `inputs` values (rows x K), whose outputs up to `results` (rows x N), of up to
-// `outputs` columns, spinning `spin_ns` after a call before it sleeps: started where inputs > 0,
-// stopped (joined) where 0. Returns 0, or -1 where the thread could not start.
-int polyserve_bf16_helper(int64_t inputs, int64_t results, int64_t outputs, int64_t spin_ns) {
+// `outputs` columns: started where inputs > 0, stopped (joined) where 0. Returns 0, or -1 where
+// the thread could not start.
+int polyserve_bf16_helper(int64_t inputs, int64_t results, int64_t outputs) {
     if (inputs <= 0) {
         helper.stop();
         return 0;
     }
-    return helper.start(static_cast<size_t>(inputs) * 2, static_cast<size_t>(results), outputs / PANEL, spin_ns)
-               ? 0
-               : -1;
+    return helper.start(static_cast<size_t>(inputs) * 2, static_cast<size_t>(results), outputs / PANEL) ? 0 : -1;
 }
 
 // Panels whose results callers took from the panel helper, since the process started.

@@ -82,22 +82,16 @@ def path() -> str | None:
     return None if uses_amx is None else ("AMX" if uses_amx() else "AVX512_BF16")
 
 
-# how long the panel helper spins after a call before it sleeps on a futex: a step's next linear
-# follows within microseconds, a waking futex costs the caller a system call and the helper a wake-up
-SPIN_NS = 200_000
-
-
-def share(inputs: int, results: int = 0, outputs: int = 0, spin_ns: int = SPIN_NS) -> bool:
+def share(inputs: int, results: int = 0, outputs: int = 0) -> bool:
     """Start the kernel's panel helper (panel_helper.h): a second thread that takes panels of each
     call made by a thread without an OpenMP team, for calls whose x holds up to `inputs` values
     (rows x in_features), whose output up to `results` (rows x out_features), of up to `outputs`
-    columns (larger calls run alone), spinning `spin_ns` after a call before it sleeps (0 under a
-    CPU quota); inputs = 0 stops it (it finishes its panel and exits). True where it runs (for 0:
-    has stopped); False where the kernel or the thread is unavailable."""
+    columns (larger calls run alone); inputs = 0 stops it (it finishes its panel and exits). True
+    where it runs (for 0: has stopped); False where the kernel or the thread is unavailable."""
     if load() is None:
         return False
-    fn = _companion(KERNEL, "polyserve_bf16_helper", (_I64, _I64, _I64, _I64)).load()
-    return fn is not None and fn(inputs, results, outputs, spin_ns) == 0
+    fn = _companion(KERNEL, "polyserve_bf16_helper", (_I64, _I64, _I64)).load()
+    return fn is not None and fn(inputs, results, outputs) == 0
 
 
 def helper_taken() -> int:

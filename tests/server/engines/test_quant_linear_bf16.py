@@ -222,12 +222,11 @@ def one_thread():
     keep.clear()
 
 
-def _share(spin_ns: int = quant_linear_bf16.SPIN_NS) -> None:
-    assert quant_linear_bf16.share(64 * HK, 64 * HN, HN, spin_ns)
+def _share() -> None:
+    assert quant_linear_bf16.share(64 * HK, 64 * HN, HN)
 
 
-@pytest.mark.parametrize("spin_ns", [quant_linear_bf16.SPIN_NS, 0])  # 0: it sleeps after every call
-def test_the_panel_helper_changes_no_bit(build, one_thread, spin_ns):
+def test_the_panel_helper_changes_no_bit(build, one_thread):
     lin, _, _ = _linear("Q4_1", bias=True, n=HN, k=HK, max_rows=256)
     one_thread.append(lin)
     x, other = _rows(70, k=HK, seed=6), _rows(70, k=HN, seed=7)
@@ -238,7 +237,7 @@ def test_the_panel_helper_changes_no_bit(build, one_thread, spin_ns):
         return lin.binary(x[:m], other[:m], op) if op == "add" else lin(x[:m], op)
 
     want = {c: run(*c) for c in calls}
-    _share(spin_ns)
+    _share()
     taken = quant_linear_bf16.helper_taken()
     for _ in range(20):
         for c in calls:

@@ -435,7 +435,6 @@ def test_without_the_team_the_panel_helper_runs_until_contention_is_deep(monkeyp
     from server.engines.native.config import EngineConfig
     from server.engines.native.engine import NativeEngine
     from server.engines.request import GenRequest, SamplingParams
-    from server.infra.cpus import CpuBudget
     from server.wiring.settings import Settings
     from tests.support.engine_utils import wait_all
 
@@ -443,7 +442,6 @@ def test_without_the_team_the_panel_helper_runs_until_contention_is_deep(monkeyp
     monkeypatch.setattr(lanes_mod, "cpu_has_amx", lambda: False)
     made: list = []
     calls: list[bool] = []
-    spins: list[bool] = []
 
     class Governor:
         current = 1
@@ -462,9 +460,8 @@ def test_without_the_team_the_panel_helper_runs_until_contention_is_deep(monkeyp
         runner = build(*args, **kwargs)
         runner.helper_possible = lambda: True
 
-        def use_helper(on: bool, spin: bool = True) -> bool:
+        def use_helper(on: bool) -> bool:
             calls.append(on)
-            spins.append(spin)
             return on
 
         runner.use_helper = use_helper
@@ -493,16 +490,6 @@ def test_without_the_team_the_panel_helper_runs_until_contention_is_deep(monkeyp
     finally:
         eng.stop()
     assert calls[-1] is False and not eng.helper  # stopped with the engine
-    assert all(spins)
-    # under a CPU quota below the CPUs (1.5 of 2) the helper does not spin between calls
-    monkeypatch.setattr(engine_mod.cpus, "budget", lambda: CpuBudget(online=2, quota=1.5))
-    eng = NativeEngine(tiny_base, tokenizer, config=EngineConfig(threads=2))
-    eng.start()
-    try:
-        generate(eng)
-    finally:
-        eng.stop()
-    assert calls[-2:] == [True, False] and spins[-2] is False  # started without its spin
     monkeypatch.setenv("POLYSERVE_CONTENDED_HELPER", "off")
     assert not NativeEngine(tiny_base, tokenizer, config=EngineConfig.from_settings(Settings(), threads=2)).contended_helper
     monkeypatch.setattr(engine_mod, "build_model_runner", build)
