@@ -60,26 +60,25 @@ PROBE_S = 2.0
 PROBE_MAX_S = 60.0
 
 
+def waited_ns(schedstat: Path) -> int | None:
+    """Nanoseconds a thread has spent runnable, waiting for a CPU (its schedstat's second field);
+    None where it has ended or the kernel keeps no schedstat."""
+    try:
+        return int(schedstat.read_text().split()[1])
+    except (OSError, ValueError, IndexError):
+        return None
+
+
 def process_wait_ns(task_dir: Path = Path("/proc/self/task")) -> int | None:
-    """Nanoseconds this process's threads have spent runnable, waiting for a CPU (schedstat's
-    second field, summed); None where the kernel keeps no schedstat."""
-    total, seen = 0, False
-    for task in task_dir.iterdir():
-        try:
-            total += int((task / "schedstat").read_text().split()[1])
-            seen = True
-        except (OSError, ValueError, IndexError):  # a thread that just ended; no schedstat
-            continue
-    return total if seen else None
+    """This process's threads' waits, summed (threads that just ended skipped); None where the
+    kernel keeps no schedstat."""
+    waits = [w for task in task_dir.iterdir() if (w := waited_ns(task / "schedstat")) is not None]
+    return sum(waits) if waits else None
 
 
 def thread_wait_ns() -> int | None:
-    """Nanoseconds the calling thread has spent runnable, waiting for a CPU; None where the kernel
-    keeps no schedstat."""
-    try:
-        return int(Path("/proc/thread-self/schedstat").read_text().split()[1])
-    except (OSError, ValueError, IndexError):
-        return None
+    """The calling thread's waits."""
+    return waited_ns(Path("/proc/thread-self/schedstat"))
 
 
 def runnable_threads(loadavg: Path = Path("/proc/loadavg")) -> int | None:

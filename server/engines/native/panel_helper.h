@@ -18,16 +18,15 @@
 //     epilogue; the one the helper may still be on it waits for briefly (twice its own mean panel
 //     time) and otherwise computes itself.
 // The helper reads nothing of the caller's but the weights: x is copied, results go to its own
-// buffer, the epilogue (bias, the op, `other`) is the caller's. A helper descheduled mid-panel may
-// read a call's weights after the call has returned, so weights must outlive the helper's last
-// call: stop() (which joins it) before they are freed.
-// Late work of a helper that was descheduled mid-panel lands in that buffer stamped with an old
-// generation, which no later call reads. Every panel is computed by the same function whichever
-// thread runs it, so the output does not depend on who computed what.
+// buffer, the epilogue (bias, the op, `other`) is the caller's. Late work of a helper that was
+// descheduled mid-panel lands in that buffer stamped with an old generation, which no later call
+// reads; but it may read a call's weights after the call has returned, so weights must outlive the
+// helper: stop() (which joins it) before they are freed. Every panel is computed by the same
+// function whichever thread runs it, so the output does not depend on who computed what.
 //
 // The helper sleeps on a futex between calls; a call wakes it (one system call where it sleeps).
-// A caller that finds the helper in use by another thread (lanes), or a
-// call larger than the buffers, runs alone.
+// A caller that finds the helper in use by another thread (lanes), or a call larger than the
+// buffers, runs alone.
 
 #pragma once
 
@@ -59,7 +58,6 @@ inline int64_t now_ns() {
 template <class Job>
 class PanelHelper {
     static_assert(std::is_trivially_copyable<Job>::value, "a job is copied word by word");
-    static constexpr int WORDS = (sizeof(Job) + 7) / 8;
     static constexpr uint64_t CLOSED = 0xFFFFFFFFu;  // a claim word's panel: nothing to claim
 
    public:
@@ -112,7 +110,7 @@ class PanelHelper {
     void pause_after_claim(int64_t ns) { pause_ns_.store(ns, std::memory_order_relaxed); }
 
     // own(p): panel p computed and finished into the output on this thread; finish(p, sums): panel
-    // p finished from the helper's raw sums (x_rows * ...). Returns false, having done nothing, where
+    // p finished from the helper's raw sums (res_per_panel floats). Returns false, having done nothing, where
     // the helper is off, busy with another caller, or the call does not fit its buffers.
     template <class Own, class Finish>
     bool run(const Job& job, const uint8_t* x, int64_t x_rows, int64_t x_row_bytes, int64_t x_stride_bytes,
