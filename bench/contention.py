@@ -18,7 +18,8 @@ b.json` (runs of one round number pair up for (a)/(F)).
 Reported per busy count: the median over rounds of each variant's output tok/s and the spread
 (min-max), the median of the per-round ratios (a)/(F) and their spread, and "kept": the median
 beside N busy processes over the median with none (fair share of 2 threads on 2 CPUs beside N
-single-threaded busy processes: 2 / (2 + N)). Then, for each variant, what its processes got from
+single-threaded busy processes: 2 / (2 + N)); under the table, kept round by round (each round's run
+beside N over that round's run alone). Then, for each variant, what its processes got from
 the scheduler (serve_bench's and the peer's schedstat figures): CPUs held, CPU seconds per 1,000
 tokens, and the share of its runnable time on a CPU. `--idle-busy` runs the busy processes at idle
 priority: the CPUs never halt, but the bench's processes keep them.
@@ -200,6 +201,7 @@ def report(rows: list[dict]) -> str:
             f"| {statistics.median(ratios):.2f} ({', '.join(f'{x:.2f}' for x in ratios)}) | {kept['a']} | {kept[peer]} "
             f"| {2 / (2 + n):.2f} |" if ratios else
             f"| {n} | {len(a)} | {med['a']:.1f} ({spread(list(a.values()))}) | - | - | {kept['a']} | - | {2 / (2 + n):.2f} |")
+    lines += kept_by_round(rows, levels, ("a", peer))
     # other variants run beside them (e.g. (w), the engine on dense weights): against (a), round by round
     for v in sorted({row["variant"] for row in rows if row["busy"] != "quota"} - {"a", peer}):
         lines += ["", (f"| busy processes | rounds | ({v}) tok/s: median (spread) | (a)/({v}): median (per round) "
@@ -224,6 +226,26 @@ def report(rows: list[dict]) -> str:
                      f"({spread(qs)}, {len(qs)} rounds)"
                      + (f" = {statistics.median(qs) / alone['a']:.2f} of (a) unlimited" if "a" in alone else ""))
     return "\n".join(lines)
+
+
+def kept_by_round(rows: list[dict], levels: list[int], variants: tuple[str, ...]) -> list[str]:
+    """Kept round by round: each round's run beside N busy processes over the same round's run alone,
+    a median of those and each round's. The table's kept divides medians of runs made up to a round
+    apart; where the host's own speed moves between rounds, the two can differ."""
+    def tps(busy: int, v: str) -> dict[int, float]:
+        return {row["round"]: row["tok_per_s"] for row in rows if row["busy"] == busy and row["variant"] == v}
+
+    out = []
+    for v in variants:
+        alone = tps(0, v)
+        parts = []
+        for n in levels:
+            kept = [x / alone[r] for r, x in sorted(tps(n, v).items()) if r in alone] if n else []
+            if kept:
+                parts.append(f"beside {n} {statistics.median(kept):.2f} ({', '.join(f'{k:.2f}' for k in kept)})")
+        if parts:
+            out.append(f"({v}) kept round by round (over the same round alone): {'; '.join(parts)}")
+    return [""] + out if out else []
 
 
 def mixed_dtypes(rows: list[dict]) -> list[str]:

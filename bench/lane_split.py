@@ -7,8 +7,11 @@ the lanes' time over the run: n lanes hold n x the run's wall of thread time, sp
     on a CPU          inside their forwards (schedstat of each lane's thread)
     runnable          inside their forwards, waiting for a CPU the busy processes hold
     blocked           inside their forwards, neither (the GIL, a lock, a page fault)
-    idle at the join  a lane's forward is done and the step's slowest is not (or the step had
-                      fewer items than lanes)
+    idle at the join  the step's lanes are not all inside their forwards, split as
+        before          the lane's forward has not started (a helper lane's wake-up, the engine
+                        thread's sub-batches)
+        after           its forward is done and the step's slowest is not
+        no item         the step had fewer items than lanes: a lane had nothing to run
     team steps        the governor's probes: a step on the engine's OpenMP team, not on lanes
     between steps     no forward: the engine thread's serial part (scheduling, sampling,
                       detokenising) or its wait for a CPU there; the helpers sleep
@@ -143,15 +146,21 @@ def split(steps: list[Step], lanes: int) -> dict[str, float]:
     in_forward = sum(s.end - s.start for s in spans)
     on_cpu = sum(s.cpu for s in spans)
     runnable = sum(s.runnable for s in spans)
-    at_join = sum(lanes * (st.end - st.start) - sum(s.end - s.start for s in st.spans) for st in on_lanes)
+    before = sum(s.start - st.start for st in on_lanes for s in st.spans)
+    after = sum(st.end - s.end for st in on_lanes for s in st.spans)
+    no_item = sum((lanes - len(st.spans)) * (st.end - st.start) for st in on_lanes)
     team = lanes * sum(st.end - st.start for st in steps if not st.spans)
     between = lanes * sum(b.start - a.end for a, b in itertools.pairwise(steps))
     parts = {"on_cpu_s": on_cpu, "runnable_s": runnable, "blocked_s": max(0.0, in_forward - on_cpu - runnable),
-             "idle_at_join_s": at_join, "team_steps_s": team, "between_steps_s": between}
+             "idle_at_join_s": before + after + no_item, "team_steps_s": team, "between_steps_s": between}
     total = lanes * wall
     out: dict[str, float] = {"steps": len(on_lanes), "team_steps": len(steps) - len(on_lanes), "lanes": lanes,
                              "wall_s": wall, **parts}
     out.update({k.removesuffix("_s") + "_share": v / total for k, v in parts.items()})
+    # the idle at the join's parts (in it, not beside it: the shares above sum to 1 without them)
+    joins = {"join_before_s": before, "join_after_s": after, "join_no_item_s": no_item}
+    out.update(joins)
+    out.update({k.removesuffix("_s") + "_share": v / total for k, v in joins.items()})
     out["cpu_of_runnable"] = on_cpu / (on_cpu + runnable) if on_cpu + runnable else 0.0
     return out
 
@@ -206,7 +215,9 @@ def main() -> None:
             continue
         print(f"beside {busy}: {row['tok_per_s']:.1f} tok/s, {row['steps']} steps on {row['lanes']} lanes; of the lanes' "
               f"time: on a CPU {row['on_cpu_share']:.3f}, runnable {row['runnable_share']:.3f}, blocked "
-              f"{row['blocked_share']:.3f}, idle at the join {row['idle_at_join_share']:.3f}, team steps "
+              f"{row['blocked_share']:.3f}, idle at the join {row['idle_at_join_share']:.3f} (before its forward "
+              f"{row['join_before_share']:.3f}, after {row['join_after_share']:.3f}, no item "
+              f"{row['join_no_item_share']:.3f}), team steps "
               f"{row['team_steps_share']:.3f} ({row['team_steps']}), between steps "
               f"{row['between_steps_share']:.3f}; on a CPU for {row['cpu_of_runnable']:.3f} of their runnable time",
               flush=True)

@@ -26,6 +26,15 @@ def test_the_table_pairs_polyserve_with_the_peer_that_ran():
         assert six.startswith("| 6 | 3 | 25.0 (20.0-30.0) | 24.0 (20.0-25.0) | 1.25 (0.80, 1.25, 1.25) | 0.25 | 0.25 | 0.25 |")
 
 
+def test_kept_is_also_given_round_by_round_over_the_same_rounds_run_alone():
+    lines = report(_rows("F")).splitlines()
+    # (a): 20/100, 30/110, 25/90; (F): 25/90, 24/100, 20/95
+    assert "(a) kept round by round (over the same round alone): beside 6 0.27 (0.20, 0.27, 0.28)" in lines
+    assert "(F) kept round by round (over the same round alone): beside 6 0.24 (0.28, 0.24, 0.21)" in lines
+    rows = [row for row in _rows("F") if not (row["busy"] == 0 and row["round"] == 1)]  # round 1 alone missing
+    assert "(a) kept round by round (over the same round alone): beside 6 0.24 (0.20, 0.28)" in report(rows).splitlines()
+
+
 def test_another_engine_variant_gets_its_own_table_against_a_round_by_round():
     rows = _rows("f")
     for r, (w0, w6) in enumerate([(80.0, 10.0), (100.0, 20.0), (90.0, 25.0)]):

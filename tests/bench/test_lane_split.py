@@ -29,6 +29,8 @@ def test_the_split_accounts_for_every_second_of_the_lanes():
     assert out["runnable_s"] == pytest.approx(0.3)
     assert out["blocked_s"] == pytest.approx(0.1)
     assert out["idle_at_join_s"] == pytest.approx(0.5 + 0.75)
+    # lane 1 finished 0.5 s early; in the second step the other lane had no item
+    assert (out["join_before_s"], out["join_after_s"], out["join_no_item_s"]) == pytest.approx((0.0, 0.5, 0.75))
     assert out["team_steps_s"] == pytest.approx(2 * 0.5)
     assert out["between_steps_s"] == pytest.approx(2 * (0.25 + 0.5))
     shares = ["on_cpu_share", "runnable_share", "blocked_share", "idle_at_join_share", "team_steps_share",
@@ -39,6 +41,15 @@ def test_the_split_accounts_for_every_second_of_the_lanes():
         split([], lanes=2)
     with pytest.raises(ValueError):
         split([Step(0.0, 1.0, [])], lanes=2)  # only team steps: nothing ran on lanes
+
+
+def test_the_idle_at_the_join_splits_into_before_and_after_a_lanes_forward():
+    # lane 1 starts 0.3 s late (its wake-up) and ends 0.2 s before lane 0; lane 2 ran nothing
+    step = Step(0.0, 1.0, [Span(0.0, 1.0, cpu=1.0, runnable=0.0), Span(0.3, 0.8, cpu=0.5, runnable=0.0)])
+    out = split([step], lanes=3)
+    assert (out["join_before_s"], out["join_after_s"], out["join_no_item_s"]) == pytest.approx((0.3, 0.2, 1.0))
+    assert out["idle_at_join_s"] == pytest.approx(1.5)
+    assert out["join_before_share"] == pytest.approx(0.1)
 
 
 def _batch(n: int) -> StepBatch:
