@@ -178,11 +178,16 @@ def spread(xs: list[float]) -> str:
     return f"{min(xs):.1f}-{max(xs):.1f}" if len(xs) > 1 else "-"
 
 
+def by_round(rows: list[dict], busy: int, variant: str) -> dict[int, float]:
+    """A variant's tok/s beside `busy` busy processes, by round."""
+    return {row["round"]: row["tok_per_s"] for row in rows if row["busy"] == busy and row["variant"] == variant}
+
+
 def report(rows: list[dict]) -> str:
     """The table; the peer is vLLM bare at the dtype that was run: (F) bfloat16 or (f) float32 (its
     fastest on a CPU without bf16)."""
-    def tps(busy, v: str) -> dict[tuple[int, int], float]:
-        return {row["round"]: row["tok_per_s"] for row in rows if row["busy"] == busy and row["variant"] == v}
+    def tps(busy: int, v: str) -> dict[int, float]:
+        return by_round(rows, busy, v)
 
     peer = "F" if any(row["variant"] == "F" for row in rows) else "f"
     name = {"F": "vLLM bare", "f": "vLLM bare, float32"}[peer]
@@ -212,10 +217,10 @@ def report(rows: list[dict]) -> str:
             if not other:
                 continue
             ratios = [a[k] / other[k] for k in a if k in other]
-            med = statistics.median(other.values())
-            lines.append(f"| {n} | {len(other)} | {med:.1f} ({spread(list(other.values()))}) | "
+            med_v = statistics.median(other.values())
+            lines.append(f"| {n} | {len(other)} | {med_v:.1f} ({spread(list(other.values()))}) | "
                          + (f"{statistics.median(ratios):.2f} ({', '.join(f'{x:.2f}' for x in ratios)})" if ratios else "-")
-                         + (f" | {med / alone_v:.2f} |" if alone_v else " | - |"))
+                         + (f" | {med_v / alone_v:.2f} |" if alone_v else " | - |"))
     lines += cpu_table(rows, levels)
     lines += mixed_dtypes(rows)
     q = [row for row in rows if row["busy"] == "quota"]
@@ -232,15 +237,12 @@ def kept_by_round(rows: list[dict], levels: list[int], variants: tuple[str, ...]
     """Kept round by round: each round's run beside N busy processes over the same round's run alone,
     a median of those and each round's. The table's kept divides medians of runs made up to a round
     apart; where the host's own speed moves between rounds, the two can differ."""
-    def tps(busy: int, v: str) -> dict[int, float]:
-        return {row["round"]: row["tok_per_s"] for row in rows if row["busy"] == busy and row["variant"] == v}
-
     out = []
     for v in variants:
-        alone = tps(0, v)
+        alone = by_round(rows, 0, v)
         parts = []
         for n in levels:
-            kept = [x / alone[r] for r, x in sorted(tps(n, v).items()) if r in alone] if n else []
+            kept = [x / alone[r] for r, x in sorted(by_round(rows, n, v).items()) if r in alone] if n else []
             if kept:
                 parts.append(f"beside {n} {statistics.median(kept):.2f} ({', '.join(f'{k:.2f}' for k in kept)})")
         if parts:
