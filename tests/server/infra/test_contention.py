@@ -170,9 +170,9 @@ def test_deep_contention_is_read_from_the_one_threads_waits_and_kept_on_lanes_un
 
 def test_with_the_panel_helper_the_engine_threads_own_waits_read_deep():
     """With the panel helper beside the one thread, the process's waits include the helper's (it
-    waits while it has no panels): the engine thread's own waits decide, against DEEP_HELPER.
-    Measured on 2 CPUs: beside 2 busy processes the engine thread waited 0.38-0.47 s a second, the
-    two threads ~0.8-0.9; beside 6 ~0.72 and ~1.0."""
+    waits while it has no panels): the engine thread's own waits decide, against DEEP_HELPER (the
+    waits measured beside 2 and 6 busy processes: docs/history/openmp-threads.md, "The panel
+    helper")."""
     host = Host()
     gov = host.gov()
     host.running = 8
