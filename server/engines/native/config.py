@@ -16,11 +16,12 @@
                        hold the CPUs, without the team (server/infra/contention.py)
     contended_lanes    without the team: the step's items split over `threads` threads of one
                        torch thread each (lanes.py); False: every item on the engine thread alone;
-                       None: as the machine suits (lanes.lanes_pay), and lanes while contention
-                       is deep (contention.ThreadGovernor.deep) where lanes.deep_lanes_pay says so
+                       None: as the machine and the helper suit (lanes.lanes_pay), and lanes
+                       while contention is deep (contention.ThreadGovernor.deep) where
+                       lanes.deep_lanes_pay says so
     contended_helper   without the team: the engine thread runs every item, its linears sharing
                        their panels with the weight kernel's helper thread (panel_helper.h), in
-                       place of lanes; None: wherever the runner has it (bf16 on the GGUF blocks)
+                       place of lanes; None: wherever the runner has it (the GGUF blocks on a CPU)
     caps               per-tenant caps and weights (server/engines/fair.py)
 
 `from_settings` maps the POLYSERVE_* settings onto it; tests and benchmarks build one directly.

@@ -121,18 +121,6 @@ class NativeEngine:
         # (server/infra/contention.py), the step's rows then split over self.threads lanes
         # (lanes.py) where they pay; None: always self.threads
         self.governor = ThreadGovernor(self.threads, cpus.budget().usable) if cfg.adaptive_threads else None
-        self.contended_lanes = cfg.contended_lanes
-        if self.governor is not None and self.contended_lanes is None:
-            self.contended_lanes, why = lanes_pay(bool(getattr(self.runner, "weight_kernel", False)), self.runner.dtype)
-            log.info("without the team, a step runs on %s (%s)", "lanes" if self.contended_lanes else "one thread", why)
-        # auto: where the CPU alone does not choose lanes, lanes may still run while contention is
-        # deep (ThreadGovernor.deep: one thread holds under half a CPU)
-        self.lanes_when_deep = False
-        if self.governor is not None and cfg.contended_lanes is None and not self.contended_lanes:
-            self.lanes_when_deep, why = deep_lanes_pay(self.runner.dtype)
-            log.info("under deep contention, a step runs on %s (%s)",
-                     "lanes" if self.lanes_when_deep else "one thread", why)
-        self.lanes = 1  # threads the step's items are split over (runner.use_lanes), while the team is 1
         # where a step without the team runs on the engine thread (no lanes), its linears share their
         # panels with the weight kernel's helper thread where the runner has it (panel_helper.h): a
         # second runnable thread with no weight dequantised twice and no barrier
@@ -141,11 +129,23 @@ class NativeEngine:
             possible = self.runner.helper_possible()
             if cfg.contended_helper and not possible:
                 log.warning("POLYSERVE_CONTENDED_HELPER=on, but the runner's linears have no panel helper "
-                            "(it needs the weight kernel in bf16 on a CPU)")
+                            "(it needs the weight kernel on a CPU)")
             self.contended_helper = possible
-            if possible:
-                log.info("without the team and off lanes, a step's linears share their panels with the weight "
-                         "kernel's helper thread")
+        self.contended_lanes = cfg.contended_lanes
+        if self.governor is not None and self.contended_lanes is None:
+            self.contended_lanes, why = lanes_pay(bool(getattr(self.runner, "weight_kernel", False)), self.runner.dtype,
+                                                  self.contended_helper)
+            log.info("without the team, a step runs on %s (%s)",
+                     "lanes" if self.contended_lanes else "one thread with the panel helper" if self.contended_helper
+                     else "one thread", why)
+        # auto: where the CPU alone does not choose lanes, lanes may still run while contention is
+        # deep (ThreadGovernor.deep: one thread holds under half a CPU)
+        self.lanes_when_deep = False
+        if self.governor is not None and cfg.contended_lanes is None and not self.contended_lanes:
+            self.lanes_when_deep, why = deep_lanes_pay(self.runner.dtype)
+            log.info("under deep contention, a step runs on %s (%s)",
+                     "lanes" if self.lanes_when_deep else "one thread", why)
+        self.lanes = 1  # threads the step's items are split over (runner.use_lanes), while the team is 1
         self.helper = False  # the helper runs (runner.use_helper)
         self.contended_steps = {"one": 0, "lanes": 0, "helper": 0}  # steps without the team, by how they ran
 

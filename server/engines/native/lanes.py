@@ -13,7 +13,7 @@ Items of one step are independent: each writes only its own slot's KV positions 
 own slot's adapter tables, so lanes share the cache and the tables without a lock. The one
 allocation a step may make (the KV cache and the rope table growing) happens before the lanes start.
 
-    lanes_pay(weight_kernel, dtype)  whether lanes beat one thread on this CPU and weights ("auto")
+    lanes_pay(weight_kernel, dtype, helper)  whether lanes beat one thread on this CPU and weights ("auto")
     partition(sizes, lanes)          items to lanes, balanced by tokens (pure)
     Lanes(n).run(batch, fn)          fn(sub-batch) on each lane (the calling thread is lane 0), the
                                      logits back in the batch's order
@@ -31,10 +31,16 @@ from server.engines.native.step import StepBatch
 from server.infra import openmp
 
 
-def lanes_pay(weight_kernel: bool = False, dtype: torch.dtype = torch.float32) -> tuple[bool, str]:
+def lanes_pay(weight_kernel: bool = False, dtype: torch.dtype = torch.float32,
+              helper: bool = False) -> tuple[bool, str]:
     """Whether a contended step runs on lanes rather than on one thread, on this CPU, and why.
     weight_kernel: the runner's linears read the backbone's GGUF blocks (quant_linear.py), serving
-    `dtype`.
+    `dtype`; helper: the one thread's linears would share their panels with the weight kernel's
+    panel helper (panel_helper.h).
+
+    With the helper, one thread beat lanes beside a few busy processes in float32 and in bf16 (a
+    second runnable thread for the linears, no weight dequantised twice) and tied or lost beside
+    many, which `deep_lanes_pay` covers.
 
     Lanes get more of the CPUs than one thread but spend more CPU per token (each reads all the
     weights for half the rows). That pays where a step's GEMMs are bound by arithmetic, and not
@@ -45,6 +51,8 @@ def lanes_pay(weight_kernel: bool = False, dtype: torch.dtype = torch.float32) -
     lane dequantises every tile whatever its rows, as a dense one reads every weight, and bf16 needs
     AVX-512. Where this says no, the engine still runs lanes while contention is deep
     (server/infra/contention.py) where `deep_lanes_pay` says so."""
+    if helper:
+        return False, "the panel helper shares the linears' panels: no weight is dequantised twice"
     if weight_kernel and dtype == torch.float32:
         return True, "the linears read the GGUF blocks: a second lane's weight reads cost little"
     if cpu_has_avx512():

@@ -35,8 +35,8 @@ from adapters_store.backbone.gguf_blocks import QuantWeight, concat, frozen_weig
 from server.engines.native import attention_kernel as attention_kernels
 from server.engines.native import elementwise_kernel as elementwise
 from server.engines.native import lora_kernel as lora_kernels
+from server.engines.native import panel_helper, quant_linear_bf16
 from server.engines.native import quant_linear as quant_linears
-from server.engines.native import quant_linear_bf16
 from server.engines.native.attention import cuda_backends, slot_attention
 from server.engines.native.lanes import Lanes
 from server.engines.native.quant_linear import QuantLinear
@@ -167,7 +167,7 @@ def _fused(modules: list[nn.Module], weights: Weights,
     if not weights.blocks or any(q is None for q in quant):
         return dense
     fused = concat([cast(QuantWeight, q).rows(r) for q, r in zip(quant, rows, strict=True)])
-    if weights.dtype == torch.bfloat16 and fused.out_features % quant_linear_bf16.COLUMNS:
+    if weights.dtype == torch.bfloat16 and fused.out_features % quant_linear_bf16.PANEL:
         return dense  # the bf16 build's panels: no tail of columns
     return QuantLinear(fused, bias, dense, quant_linears.MAX_ROWS, weights.dtype)
 
@@ -362,8 +362,8 @@ class LlamaRunner:
         return 1
 
     def helper_possible(self) -> bool:
-        """Whether the linears have the panel helper: they read the GGUF blocks in bf16 on a CPU."""
-        return self.weight_kernel and self.dtype == torch.bfloat16 and self.device.type == "cpu"
+        """Whether the linears have the panel helper: they read the GGUF blocks on a CPU."""
+        return self.weight_kernel and self.device.type == "cpu"
 
     def use_helper(self, on: bool) -> bool:
         """Where `on`, the weight kernel's panel helper (panel_helper.h) takes panels of the linears
@@ -372,15 +372,20 @@ class LlamaRunner:
         head's: HEAD_ROWS); larger calls run on the calling thread alone."""
         if not self.helper_possible():
             return False
+        kernel = quant_linear_bf16 if self.dtype == torch.bfloat16 else quant_linears
         if not on:
-            quant_linear_bf16.share(0)
+            panel_helper.share(kernel, 0)
             return False
         body = [lin for layer in self.layers for lin in vars(layer).values() if isinstance(lin, QuantLinear)]
         head = [self.lm_head] if isinstance(self.lm_head, QuantLinear) else []
-        rows = quant_linears.MAX_ROWS
+        rows, panel = quant_linears.MAX_ROWS, kernel.PANEL
+
+        def padded(lin: QuantLinear) -> int:  # out_features in whole panels
+            return -(-lin.out_features // panel) * panel
+
         inputs = rows * max(lin.in_features for lin in body + head)
-        results = max([rows * lin.out_features for lin in body] + [HEAD_ROWS * lin.out_features for lin in head])
-        return quant_linear_bf16.share(inputs, results, max(lin.out_features for lin in body + head))
+        results = max([rows * padded(lin) for lin in body] + [HEAD_ROWS * padded(lin) for lin in head])
+        return panel_helper.share(kernel, inputs, results, max(lin.out_features for lin in body + head))
 
     def prepare(self, batch: StepBatch) -> None:
         """Room in the KV cache and the rope table for this step (may allocate)."""

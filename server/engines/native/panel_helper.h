@@ -244,4 +244,16 @@ class PanelHelper {
     std::thread thread_;
 };
 
+// A kernel's start / stop entry point: started with buffers for x of up to x_bytes, results of up
+// to res_floats floats, `panels` panels, where x_bytes > 0; stopped (joined) where 0. Returns 0, or
+// -1 where the thread could not start.
+template <class Job>
+int start_or_stop(PanelHelper<Job>& helper, int64_t x_bytes, int64_t res_floats, int64_t panels) {
+    if (x_bytes <= 0) {
+        helper.stop();
+        return 0;
+    }
+    return helper.start(static_cast<size_t>(x_bytes), static_cast<size_t>(res_floats), panels) ? 0 : -1;
+}
+
 }  // namespace polyserve

@@ -20,13 +20,18 @@
 // caller keeps the float32 GEMMs. With AVX-512 the panels are dequantised and multiplied 16 floats
 // an instruction in 32 registers (twice the work of an AVX2 instruction, and a larger tile). The
 // panels are shared out over the calling thread's OpenMP team (torch's libgomp): one thread when
-// torch runs on one (lanes, one-thread steps), no team at all.
+// torch runs on one (lanes, one-thread steps), no team at all; a caller without a team shares them
+// with the panel helper where it runs (panel_helper.h).
 
 #include <immintrin.h>
+#include <omp.h>
+
 #include <cmath>
 #include <cstdint>
 #include <cstring>
 #include <vector>
+
+#include "panel_helper.h"
 
 #if !defined(__AVX2__) || !defined(__FMA__) || !defined(__F16C__)
 #error "quant_linear needs AVX2, FMA and F16C"
@@ -200,52 +205,135 @@ inline float finish(float v, int op, float other) {
     }
 }
 
+// a thread's buffers, reused across calls: the vector-aligned panel of PANEL x K floats, a column's
+// scales, and the raw sums of a panel (rows PANEL floats apart)
+struct Scratch {
+    float* panel;
+    float* scales;
+    float* sums;
+};
+
+Scratch thread_scratch(int64_t M, int64_t K) {
+    static thread_local std::vector<float> storage, scales, sums;
+    if (storage.size() < static_cast<size_t>(PANEL * K + V)) storage.resize(PANEL * K + V);
+    if (scales.size() < static_cast<size_t>(2 * (K / BLOCK))) scales.resize(2 * (K / BLOCK));
+    if (sums.size() < static_cast<size_t>(M * PANEL)) sums.resize(M * PANEL);
+    float* panel = reinterpret_cast<float*>((reinterpret_cast<uintptr_t>(storage.data()) + ALIGN - 1) &
+                                            ~uintptr_t(ALIGN - 1));
+    return {panel, scales.data(), sums.data()};
+}
+
+inline int panel_cols(int64_t N, int64_t p) { return static_cast<int>(N - p * PANEL < PANEL ? N - p * PANEL : PANEL); }
+
+// panel p's raw sums for the M rows of x (rows xs apart) into sums (rows PANEL floats apart)
+void panel_sums(int fmt, int64_t M, int64_t K, const float* x, int64_t xs, const uint8_t* w, int64_t N, int64_t p,
+                const Scratch& s, float* sums) {
+    const int cols = panel_cols(N, p);
+    dequant_panel(fmt, w, K, p * PANEL, cols, s.panel, s.scales);
+    for (int64_t m0 = 0; m0 < M; m0 += 4) {
+        const int rows = static_cast<int>(M - m0 < 4 ? M - m0 : 4);
+        const float* xr = x + m0 * xs;
+        float* res = sums + m0 * PANEL;
+        switch (rows) {
+            case 4: rows_against_panel<4, C4>(xr, xs, s.panel, K, cols, res); break;
+            case 3: rows_against_panel<3, C3>(xr, xs, s.panel, K, cols, res); break;
+            case 2: rows_against_panel<2, C2>(xr, xs, s.panel, K, cols, res); break;
+            default: rows_against_panel<1, C1>(xr, xs, s.panel, K, cols, res); break;
+        }
+    }
+}
+
+// what happens to a panel's raw sums: bias, the op, into out
+struct Epilogue {
+    const float* bias;
+    int op;
+    const float* other;
+    int64_t other_stride;
+    float* out;
+    int64_t out_stride;
+    int64_t M, N;
+
+    void panel(int64_t p, const float* sums) const {
+        const int64_t n0 = p * PANEL;
+        const int cols = panel_cols(N, p);
+        for (int64_t r = 0; r < M; ++r) {
+            float* o = out + r * out_stride + n0;
+            const float* oth = other ? other + r * other_stride + n0 : nullptr;
+            for (int c = 0; c < cols; ++c) {
+                const float v = sums[r * PANEL + c] + (bias ? bias[n0 + c] : 0.0f);
+                o[c] = finish(v, op, oth ? oth[c] : 0.0f);
+            }
+        }
+    }
+};
+
+// what the panel helper needs of a call: its x is the helper's copy, rows K apart
+struct Job {
+    int fmt;
+    int64_t M, K, N, panels;
+    const uint8_t* w;
+
+    void sums(int64_t p, const uint8_t* xb, float* res) const {
+        panel_sums(fmt, M, K, reinterpret_cast<const float*>(xb), K, w, N, p, thread_scratch(M, K), res);
+    }
+};
+
+polyserve::PanelHelper<Job> helper;
+
 }  // namespace
 
 extern "C" {
 
+// The panel helper (panel_helper.h) for calls made by a thread without an OpenMP team whose x
+// holds up to `inputs` values (rows x K), whose panels' results up to `results` floats (rows x N,
+// N rounded up to whole panels of PANEL columns), of up to `outputs` columns: started where
+// inputs > 0, stopped (joined) where 0. Returns 0, or -1 where the thread could not start.
+int polyserve_quant_linear_helper(int64_t inputs, int64_t results, int64_t outputs) {
+    return polyserve::start_or_stop(helper, inputs * 4, results, (outputs + PANEL - 1) / PANEL);
+}
+
+// Panels whose results callers took from the panel helper, since the process started.
+int64_t polyserve_quant_linear_helper_taken() { return static_cast<int64_t>(helper.taken()); }
+
+// Tests: the panel helper sleeps `ns` after claiming each panel, as if descheduled mid-panel.
+int polyserve_quant_linear_helper_pause(int64_t ns) {
+    helper.pause_after_claim(ns);
+    return 0;
+}
+
 // x: (M, K) float32 rows `x_stride` apart; w: N rows of K / 32 blocks; bias: N floats or null;
 // out: (M, N) rows `out_stride` apart; other: (M, N) rows `other_stride` apart, read for add / mul.
 // K must be a multiple of 32. Returns 0, or -1 for arguments it does not take.
+// A caller whose OpenMP team is one thread shares the panels with the panel helper where it runs.
 int polyserve_quant_linear(int fmt, int64_t M, int64_t K, const float* x, int64_t x_stride,
                            const uint8_t* w, int64_t N, const float* bias, float* out, int64_t out_stride,
                            int op, const float* other, int64_t other_stride) {
     if ((fmt != FMT_Q4_1 && fmt != FMT_Q8_0) || K % BLOCK != 0 || M < 0 || N < 0 ||
         op < OP_NONE || op > OP_MUL || ((op == OP_ADD || op == OP_MUL) && other == nullptr))
         return -1;
+    if (M == 0 || N == 0) return 0;
     const int64_t panels = (N + PANEL - 1) / PANEL;
-#pragma omp parallel if (M * K * N >= PARALLEL_MIN_WORK)
+    const Epilogue e{bias, op, other, other_stride, out, out_stride, M, N};
+    const bool parallel = M * K * N >= PARALLEL_MIN_WORK;
+    if (parallel && helper.running() && omp_get_max_threads() == 1 && !omp_in_parallel()) {
+        const Scratch s = thread_scratch(M, K);
+        const Job job{fmt, M, K, N, panels, w};
+        const bool shared = helper.run(
+            job, reinterpret_cast<const uint8_t*>(x), M, K * 4, x_stride * 4, M * PANEL,
+            [&](int64_t p) {
+                panel_sums(fmt, M, K, x, x_stride, w, N, p, s, s.sums);
+                e.panel(p, s.sums);
+            },
+            [&](int64_t p, const float* sums) { e.panel(p, sums); });
+        if (shared) return 0;
+    }
+#pragma omp parallel if (parallel)
     {
-        // vector-aligned panel of PANEL x K floats, per thread, reused across calls
-        static thread_local std::vector<float> storage, scales;
-        if (storage.size() < static_cast<size_t>(PANEL * K + V)) storage.resize(PANEL * K + V);
-        if (scales.size() < static_cast<size_t>(2 * (K / BLOCK))) scales.resize(2 * (K / BLOCK));
-        float* panel = reinterpret_cast<float*>((reinterpret_cast<uintptr_t>(storage.data()) + ALIGN - 1) &
-                                                ~uintptr_t(ALIGN - 1));
-        float res[4 * PANEL];
+        const Scratch s = thread_scratch(M, K);
 #pragma omp for schedule(static)
         for (int64_t p = 0; p < panels; ++p) {
-            const int64_t n0 = p * PANEL;
-            const int cols = static_cast<int>(N - n0 < PANEL ? N - n0 : PANEL);
-            dequant_panel(fmt, w, K, n0, cols, panel, scales.data());
-            for (int64_t m0 = 0; m0 < M; m0 += 4) {
-                const int rows = static_cast<int>(M - m0 < 4 ? M - m0 : 4);
-                const float* xr = x + m0 * x_stride;
-                switch (rows) {
-                    case 4: rows_against_panel<4, C4>(xr, x_stride, panel, K, cols, res); break;
-                    case 3: rows_against_panel<3, C3>(xr, x_stride, panel, K, cols, res); break;
-                    case 2: rows_against_panel<2, C2>(xr, x_stride, panel, K, cols, res); break;
-                    default: rows_against_panel<1, C1>(xr, x_stride, panel, K, cols, res); break;
-                }
-                for (int r = 0; r < rows; ++r) {
-                    float* o = out + (m0 + r) * out_stride + n0;
-                    const float* oth = other ? other + (m0 + r) * other_stride + n0 : nullptr;
-                    for (int c = 0; c < cols; ++c) {
-                        const float v = res[r * PANEL + c] + (bias ? bias[n0 + c] : 0.0f);
-                        o[c] = finish(v, op, oth ? oth[c] : 0.0f);
-                    }
-                }
-            }
+            panel_sums(fmt, M, K, x, x_stride, w, N, p, s, s.sums);
+            e.panel(p, s.sums);
         }
     }
     return 0;

@@ -32,15 +32,18 @@ from server.engines.native import quant_linear_bf16 as bf16
 from server.engines.native.cpp_kernel import CppKernel
 
 _I64, _PTR, _INT = ctypes.c_int64, ctypes.c_void_p, ctypes.c_int
-KERNEL = CppKernel(Path(__file__).with_name("quant_linear.cpp"), "polyserve_quant_linear",
+_SOURCE = Path(__file__).with_name("quant_linear.cpp")
+KERNEL = CppKernel(_SOURCE, "polyserve_quant_linear",
                    [_INT, _I64, _I64, _PTR, _I64, _PTR, _I64, _PTR, _PTR, _I64, _INT, _PTR, _I64], _INT,
-                   "quantised-weight linear")
+                   "quantised-weight linear", headers=(_SOURCE.with_name("panel_helper.h"),))
 # the build for this CPU, and the one a CPU without AVX-512 gets (the kernel has a path for each):
 # on an AVX-512 CPU tests check both and bench/engine_ab.py compares them
 BUILDS = {"native": KERNEL, "avx2": KERNEL.with_flags(("-mno-avx512f",))}
 FORMATS = {"Q4_1": 0, "Q8_0": 1}
 OPS = {"none": 0, "swish": 1, "add": 2, "mul": 3}
 SETTINGS = ("auto", "on", "off")
+HELPER = "polyserve_quant_linear_helper"  # the panel helper's entry points (panel_helper.py)
+PANEL = 12  # output columns a panel of the kernel covers
 # more rows than this in one call (prompt chunks longer than the default step): oneDNN's float32
 # GEMM, faster than the kernel for many rows (bench/weight_formats.py)
 MAX_ROWS = 256

@@ -370,11 +370,7 @@ int polyserve_bf16_uses_amx() {
 // `outputs` columns: started where inputs > 0, stopped (joined) where 0. Returns 0, or -1 where
 // the thread could not start.
 int polyserve_bf16_helper(int64_t inputs, int64_t results, int64_t outputs) {
-    if (inputs <= 0) {
-        helper.stop();
-        return 0;
-    }
-    return helper.start(static_cast<size_t>(inputs) * 2, static_cast<size_t>(results), outputs / PANEL) ? 0 : -1;
+    return polyserve::start_or_stop(helper, inputs * 2, results, outputs / PANEL);
 }
 
 // Panels whose results callers took from the panel helper, since the process started.

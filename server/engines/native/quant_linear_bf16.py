@@ -26,6 +26,7 @@ import torch
 from adapters_store.backbone.gguf_blocks import BLOCK, BLOCK_BYTES, QuantWeight
 from adapters_store.backbone.hardware import cpu_has_avx512_bf16
 from server.engines.native.cpp_kernel import CppKernel
+from server.engines.native.panel_helper import companion
 
 _I64, _PTR, _INT = ctypes.c_int64, ctypes.c_void_p, ctypes.c_int
 _SOURCE = Path(__file__).with_name("quant_linear_bf16.cpp")
@@ -36,19 +37,10 @@ KERNEL = CppKernel(_SOURCE, "polyserve_quant_linear_bf16",
 BUILDS = {"native": KERNEL, "avx512_bf16": KERNEL.with_flags(("-mno-amx-tile",))}
 FORMATS = {"Q4_1": 0, "Q8_0": 1}
 OPS = {"none": 0, "swish": 1, "add": 2, "mul": 3}
-COLUMNS = 32  # output columns a panel of the kernel covers: a weight's out_features must divide by it
+HELPER = "polyserve_bf16_helper"  # the panel helper's entry points (panel_helper.py)
+PANEL = 32  # output columns a panel of the kernel covers: a weight's out_features must divide by it
 _denied: str | None = None
 _granted = False  # the process holds what the kernel needs: later loads (one a linear at start-up) skip the checks
-_companions: dict[tuple[int, str], CppKernel] = {}
-
-
-def _companion(kernel: CppKernel, symbol: str, argtypes: tuple[object, ...] = (), restype: object = _INT) -> CppKernel:
-    """Another function of the library `kernel` is in."""
-    key = (id(kernel), symbol)
-    if key not in _companions:
-        _companions[key] = CppKernel(kernel.source, symbol, list(argtypes), restype, f"{kernel.what} ({symbol})",
-                                     kernel.headers, kernel.flags)
-    return _companions[key]
 
 
 def load() -> object | None:
@@ -65,7 +57,7 @@ def load() -> object | None:
     fn = KERNEL.load()
     if fn is None:
         return None
-    init = _companion(KERNEL, "polyserve_bf16_init").load()
+    init = companion(KERNEL, "polyserve_bf16_init").load()
     rc = -1 if init is None else init()
     if rc != 0:
         _denied = f"the kernel refused the AMX tile state (arch_prctl: {rc})"
@@ -78,41 +70,12 @@ def path() -> str | None:
     """How the loaded build multiplies: "AMX" or "AVX512_BF16" (None where it did not load)."""
     if load() is None:
         return None
-    uses_amx = _companion(KERNEL, "polyserve_bf16_uses_amx").load()
+    uses_amx = companion(KERNEL, "polyserve_bf16_uses_amx").load()
     return None if uses_amx is None else ("AMX" if uses_amx() else "AVX512_BF16")
 
 
-def share(inputs: int, results: int = 0, outputs: int = 0) -> bool:
-    """Start the kernel's panel helper (panel_helper.h): a second thread that takes panels of each
-    call made by a thread without an OpenMP team, for calls whose x holds up to `inputs` values
-    (rows x in_features), whose output up to `results` (rows x out_features), of up to `outputs`
-    columns (larger calls run alone); inputs = 0 stops it (it finishes its panel and exits). True
-    where it runs (for 0: has stopped); False where the kernel or the thread is unavailable."""
-    if load() is None:
-        return False
-    fn = _companion(KERNEL, "polyserve_bf16_helper", (_I64, _I64, _I64)).load()
-    return fn is not None and fn(inputs, results, outputs) == 0
-
-
-def helper_taken() -> int:
-    """Panels whose results callers took from the panel helper, since the process started (0
-    where the kernel is unavailable)."""
-    if load() is None:
-        return 0
-    loaded = _companion(KERNEL, "polyserve_bf16_helper_taken", (), _I64).load()
-    return 0 if loaded is None else int(loaded())
-
-
-def pause_helper(ns: int) -> None:
-    """Tests: the panel helper sleeps `ns` after claiming each panel, as if descheduled mid-panel."""
-    fn = _companion(KERNEL, "polyserve_bf16_helper_pause", (_I64,)).load()
-    if fn is None:
-        raise RuntimeError(f"the bf16 weight kernel is unavailable: {error()}")
-    fn(ns)
-
-
 def error() -> str | None:
-    return KERNEL.error() or _companion(KERNEL, "polyserve_bf16_init").error() or _denied
+    return KERNEL.error() or companion(KERNEL, "polyserve_bf16_init").error() or _denied
 
 
 def tiles(weight: QuantWeight) -> torch.Tensor:
@@ -122,8 +85,8 @@ def tiles(weight: QuantWeight) -> torch.Tensor:
     code i + 16 in its high one), then the 16 columns' fp16 d, then (Q4_1) their fp16 m: the GGUF's
     bytes, regrouped so that the kernel reads a panel as one stream."""
     n, k = weight.out_features, weight.in_features
-    if n % COLUMNS or k % BLOCK:
-        raise ValueError(f"the bf16 weight kernel takes multiples of {COLUMNS} columns and {BLOCK} inputs, "
+    if n % PANEL or k % BLOCK:
+        raise ValueError(f"the bf16 weight kernel takes multiples of {PANEL} columns and {BLOCK} inputs, "
                          f"not {n} x {k}")
     nb, panels = k // BLOCK, n // 16
     raw = weight.blocks.view(n, nb, BLOCK_BYTES[weight.fmt])

@@ -9,8 +9,6 @@ compile there: the runner keeps oneDNN's bf16 GEMMs)."""
 
 from __future__ import annotations
 
-import time
-
 import pytest
 import torch
 
@@ -158,32 +156,6 @@ def test_the_llama_runner_in_bf16_on_blocks_stays_with_its_dense_self(tmp_path):
         torch.testing.assert_close(got, want, atol=0.05, rtol=0.02)
 
 
-def test_the_llama_runner_with_the_panel_helper_gives_the_same_logits(tmp_path, one_thread):
-    """What the engine runs without its team beside busy processes: the runner's linears share their
-    panels with the helper; every logit is the same as on the engine thread alone."""
-    from tests.support.gguf_file import write_gguf
-
-    pytest.importorskip("gguf")
-    model = tiny_llama(seed=0, hidden=256)  # linears large enough to share
-    write_gguf(model, tmp_path)
-    runner = build_model_runner(model, slots=4, kind="llama", dtype=torch.bfloat16, weight_kernel="on")
-    one_thread.append(runner)
-    assert runner.helper_possible()
-    assert not build_model_runner(model, slots=4, kind="llama", dtype=torch.bfloat16,
-                                  weight_kernel="off").helper_possible()
-    gen = torch.Generator().manual_seed(0)
-    prompts = [torch.randint(0, 259, (n,), generator=gen).tolist() for n in (7, 13, 1, 20)]
-    nxt = [5, 6, 7, 8]
-    alone = drive(runner, prompts, nxt)
-    assert runner.use_helper(True)
-    taken = quant_linear_bf16.helper_taken()
-    shared = drive(runner, prompts, nxt)
-    assert quant_linear_bf16.helper_taken() > taken
-    assert runner.use_helper(False) is False
-    for (got, where), (want, same) in zip(shared, alone, strict=True):
-        assert where == same and torch.equal(got, want)
-
-
 def test_the_builds_are_separate_libraries_and_say_how_they_multiply():
     native, plain = quant_linear_bf16.BUILDS["native"], quant_linear_bf16.BUILDS["avx512_bf16"]
     assert native is quant_linear_bf16.KERNEL and plain.flags == ("-mno-amx-tile",)
@@ -201,96 +173,3 @@ def test_the_setting_resolves_bf16_to_the_bf16_build():
     assert quant_linear.resolve("auto", cpu, torch.bfloat16, blocks) is True
     assert quant_linear.resolve("off", cpu, torch.bfloat16, blocks) is False
     assert quant_linear.resolve("auto", cpu, torch.bfloat16, {}) is False
-
-
-# the panel helper (panel_helper.h): a second thread takes panels of calls made without an OpenMP
-# team; a call's bits must not depend on who computed which panel, nor on a helper that is late
-HN, HK = 512, 512  # 16 panels; one row is already a call large enough to share
-
-
-@pytest.fixture
-def one_thread():
-    """The test's calls on one torch thread; what the test puts in the list it gets (its linears)
-    stays alive until the helper has stopped: a late helper may still be reading their weights."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    keep: list[object] = []
-    yield keep
-    torch.set_num_threads(before)
-    quant_linear_bf16.pause_helper(0)
-    assert quant_linear_bf16.share(0)
-    keep.clear()
-
-
-def _share() -> None:
-    assert quant_linear_bf16.share(64 * HK, 64 * HN, HN)
-
-
-def test_the_panel_helper_changes_no_bit(build, one_thread):
-    lin, _, _ = _linear("Q4_1", bias=True, n=HN, k=HK, max_rows=256)
-    one_thread.append(lin)
-    x, other = _rows(70, k=HK, seed=6), _rows(70, k=HN, seed=7)
-    sizes = (1, 8, 16, 17, 40, 64, 65)  # 65: beyond the helper's buffers, the caller alone
-    calls = [(m, op) for m in sizes for op in ("none", "swish", "add")]
-
-    def run(m: int, op: str) -> torch.Tensor:
-        return lin.binary(x[:m], other[:m], op) if op == "add" else lin(x[:m], op)
-
-    want = {c: run(*c) for c in calls}
-    _share()
-    taken = quant_linear_bf16.helper_taken()
-    for _ in range(20):
-        for c in calls:
-            assert torch.equal(run(*c), want[c]), c
-    assert quant_linear_bf16.helper_taken() > taken  # the helper did take panels
-
-
-def test_a_late_helper_is_redone_by_the_caller_and_its_late_results_never_read(build, one_thread):
-    """The helper sleeps after each claim, as if descheduled mid-panel: the caller computes the
-    claimed panel itself instead of waiting, and the helper's results, landing during later calls,
-    are never used."""
-    lin, _, _ = _linear("Q8_0", n=HN, k=HK)
-    one_thread.append(lin)
-    xs = [_rows(m, k=HK, seed=10 + i) for i, m in enumerate((3, 16, 1, 9, 16, 2) * 3)]
-    want = [lin(x) for x in xs]
-    _share()
-    quant_linear_bf16.pause_helper(200_000)
-    for x, w in zip(xs, want, strict=True):
-        assert torch.equal(lin(x), w)
-    quant_linear_bf16.pause_helper(20_000_000)
-    started = time.perf_counter()
-    for x, w in zip(xs, want, strict=True):
-        assert torch.equal(lin(x), w)
-    # waiting for the helper would take 20 ms a call; the 18 calls alone take a few ms
-    assert time.perf_counter() - started < 0.25
-
-
-def test_callers_on_two_threads_share_one_helper(build, one_thread):
-    """A caller that finds the helper taken (lanes) runs alone."""
-    from concurrent.futures import ThreadPoolExecutor
-
-    from server.infra import openmp
-
-    lin, _, _ = _linear("Q4_1", n=HN, k=HK)
-    one_thread.append(lin)
-    xs = [_rows(8, k=HK, seed=20 + i) for i in range(2)]
-    want = [lin(x) for x in xs]
-    _share()
-    with ThreadPoolExecutor(1, initializer=openmp.one_thread) as pool:
-        for _ in range(100):
-            other = pool.submit(lambda: [lin(xs[1]) for _ in range(10)])
-            mine = [lin(xs[0]) for _ in range(10)]
-            assert all(torch.equal(y, want[0]) for y in mine)
-            assert all(torch.equal(y, want[1]) for y in other.result())
-
-
-def test_the_helper_stops_and_starts_again(build, one_thread):
-    lin, _, _ = _linear("Q4_1", n=HN, k=HK)
-    one_thread.append(lin)
-    x = _rows(4, k=HK, seed=30)
-    want = lin(x)
-    for _ in range(3):
-        _share()
-        assert torch.equal(lin(x), want)
-        assert quant_linear_bf16.share(0)
-        assert torch.equal(lin(x), want)

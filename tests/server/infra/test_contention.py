@@ -314,8 +314,9 @@ def test_without_the_team_the_engine_splits_steps_over_lanes(monkeypatch, tiny_b
 @pytest.mark.parametrize("avx512", [True, False])
 def test_lanes_by_default_where_the_cpu_has_no_avx512_and_the_setting_wins(monkeypatch, tiny_base, tokenizer, avx512):
     """POLYSERVE_CONTENDED_LANES auto (the default): lanes on CPUs without AVX-512, one thread on
-    CPUs with it (where lanes measured slower on dense weights), lanes wherever the linears read the
-    GGUF blocks; on/off win over the machine."""
+    CPUs with it (where lanes measured slower on dense weights); where the linears read the GGUF
+    blocks, one thread with the panel helper (lanes while contention is deep), or lanes where the
+    helper is off; on/off win over the machine."""
     from server.engines.native import engine as engine_mod
     from server.engines.native import lanes as lanes_mod
     from server.engines.native.config import EngineConfig
@@ -325,6 +326,7 @@ def test_lanes_by_default_where_the_cpu_has_no_avx512_and_the_setting_wins(monke
     monkeypatch.setattr(lanes_mod, "cpu_has_avx512", lambda: avx512)
     assert lanes_mod.lanes_pay()[0] is (not avx512)
     assert lanes_mod.lanes_pay(weight_kernel=True)[0] is True  # linears on the GGUF blocks: lanes either way
+    assert lanes_mod.lanes_pay(True, torch.float32, helper=True)[0] is False  # ... but the helper, where it runs
     # in bf16 on the blocks (AMX) a lane dequantises every tile whatever its rows: as dense weights
     assert lanes_mod.lanes_pay(True, torch.bfloat16)[0] is (not avx512)
     assert EngineConfig.from_settings(Settings()).contended_lanes is None
@@ -332,7 +334,8 @@ def test_lanes_by_default_where_the_cpu_has_no_avx512_and_the_setting_wins(monke
         monkeypatch.setenv("POLYSERVE_CONTENDED_LANES", value)
         eng = NativeEngine(tiny_base, tokenizer, config=EngineConfig.from_settings(Settings(), threads=2))
         assert eng.contended_lanes is want, value
-    # a runner whose linears read the GGUF blocks (the default backbone on a float32 CPU): lanes under auto
+    # a runner whose linears read the GGUF blocks (the default backbone on a float32 CPU): under auto
+    # one thread with the panel helper, lanes while contention is deep; lanes where the helper is off
     build = engine_mod.build_model_runner
 
     def on_blocks(*args, **kwargs):
@@ -343,11 +346,16 @@ def test_lanes_by_default_where_the_cpu_has_no_avx512_and_the_setting_wins(monke
     monkeypatch.setattr(engine_mod, "build_model_runner", on_blocks)
     monkeypatch.setenv("POLYSERVE_CONTENDED_LANES", "auto")
     monkeypatch.setenv("POLYSERVE_DTYPE", "float32")
-    assert NativeEngine(tiny_base, tokenizer, config=EngineConfig.from_settings(Settings(), threads=2)).contended_lanes
-    # ... but in bf16 (the AMX build) as on dense weights
+    eng = NativeEngine(tiny_base, tokenizer, config=EngineConfig.from_settings(Settings(), threads=2))
+    assert eng.contended_helper and not eng.contended_lanes and eng.lanes_when_deep
+    monkeypatch.setenv("POLYSERVE_CONTENDED_HELPER", "off")
+    eng = NativeEngine(tiny_base, tokenizer, config=EngineConfig.from_settings(Settings(), threads=2))
+    assert not eng.contended_helper and eng.contended_lanes
+    monkeypatch.delenv("POLYSERVE_CONTENDED_HELPER")
+    # ... and in bf16 too
     monkeypatch.setenv("POLYSERVE_DTYPE", "bfloat16")
     eng = NativeEngine(tiny_base, tokenizer, config=EngineConfig.from_settings(Settings(), threads=2))
-    assert eng.runner.dtype == torch.bfloat16 and eng.contended_lanes is (not avx512)
+    assert eng.runner.dtype == torch.bfloat16 and eng.contended_helper and not eng.contended_lanes
     monkeypatch.delenv("POLYSERVE_DTYPE")
     monkeypatch.setattr(engine_mod, "build_model_runner", build)
     monkeypatch.setenv("POLYSERVE_CONTENDED_LANES", "true")  # the values are auto|on|off, like the others
