@@ -66,6 +66,7 @@ class CppKernel:
         self._lock = threading.Lock()
         self._fn: Any = None
         self._error: str | None = None
+        self._companions: dict[str, CppKernel] = {}
 
     def load(self) -> Any:
         """The ctypes function, built on first use; None (and the reason in `error()`) where it
@@ -99,6 +100,14 @@ class CppKernel:
 
     def error(self) -> str | None:
         return self._error
+
+    def companion(self, symbol: str, argtypes: tuple[Any, ...] = (), restype: Any = ctypes.c_int) -> CppKernel:
+        """Another exported function of the same library (one per symbol, kept)."""
+        with self._lock:
+            if symbol not in self._companions:
+                self._companions[symbol] = CppKernel(self.source, symbol, list(argtypes), restype,
+                                                     f"{self.what} ({symbol})", self.headers, self.flags)
+            return self._companions[symbol]
 
     def with_flags(self, flags: tuple[str, ...]) -> CppKernel:
         """The same kernel built with these extra flags (a library of its own)."""

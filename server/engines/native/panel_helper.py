@@ -9,19 +9,7 @@ from __future__ import annotations
 import ctypes
 from types import ModuleType
 
-from server.engines.native.cpp_kernel import CppKernel
-
-_I64, _INT = ctypes.c_int64, ctypes.c_int
-_companions: dict[tuple[int, str], CppKernel] = {}
-
-
-def companion(kernel: CppKernel, symbol: str, argtypes: tuple[object, ...] = (), restype: object = _INT) -> CppKernel:
-    """Another function of the library `kernel` is in."""
-    key = (id(kernel), symbol)
-    if key not in _companions:
-        _companions[key] = CppKernel(kernel.source, symbol, list(argtypes), restype, f"{kernel.what} ({symbol})",
-                                     kernel.headers, kernel.flags)
-    return _companions[key]
+_I64 = ctypes.c_int64
 
 
 def share(kernel: ModuleType, inputs: int, results: int = 0, outputs: int = 0) -> bool:
@@ -33,7 +21,7 @@ def share(kernel: ModuleType, inputs: int, results: int = 0, outputs: int = 0) -
     False where the kernel or the thread is unavailable."""
     if kernel.load() is None:
         return False
-    fn = companion(kernel.KERNEL, kernel.HELPER, (_I64, _I64, _I64)).load()
+    fn = kernel.KERNEL.companion(kernel.HELPER, (_I64, _I64, _I64)).load()
     return fn is not None and fn(inputs, results, outputs) == 0
 
 
@@ -42,13 +30,13 @@ def taken(kernel: ModuleType) -> int:
     where the kernel is unavailable)."""
     if kernel.load() is None:
         return 0
-    fn = companion(kernel.KERNEL, f"{kernel.HELPER}_taken", (), _I64).load()
+    fn = kernel.KERNEL.companion(f"{kernel.HELPER}_taken", (), _I64).load()
     return 0 if fn is None else int(fn())
 
 
 def pause(kernel: ModuleType, ns: int) -> None:
     """Tests: the kernel's helper sleeps `ns` after claiming each panel, as if descheduled mid-panel."""
-    fn = companion(kernel.KERNEL, f"{kernel.HELPER}_pause", (_I64,)).load()
+    fn = kernel.KERNEL.companion(f"{kernel.HELPER}_pause", (_I64,)).load()
     if fn is None:
         raise RuntimeError(f"the {kernel.KERNEL.what} kernel is unavailable: {kernel.error()}")
     fn(ns)

@@ -26,7 +26,6 @@ import torch
 from adapters_store.backbone.gguf_blocks import BLOCK, BLOCK_BYTES, QuantWeight
 from adapters_store.backbone.hardware import cpu_has_avx512_bf16
 from server.engines.native.cpp_kernel import CppKernel
-from server.engines.native.panel_helper import companion
 
 _I64, _PTR, _INT = ctypes.c_int64, ctypes.c_void_p, ctypes.c_int
 _SOURCE = Path(__file__).with_name("quant_linear_bf16.cpp")
@@ -57,7 +56,7 @@ def load() -> object | None:
     fn = KERNEL.load()
     if fn is None:
         return None
-    init = companion(KERNEL, "polyserve_bf16_init").load()
+    init = KERNEL.companion("polyserve_bf16_init").load()
     rc = -1 if init is None else init()
     if rc != 0:
         _denied = f"the kernel refused the AMX tile state (arch_prctl: {rc})"
@@ -70,12 +69,12 @@ def path() -> str | None:
     """How the loaded build multiplies: "AMX" or "AVX512_BF16" (None where it did not load)."""
     if load() is None:
         return None
-    uses_amx = companion(KERNEL, "polyserve_bf16_uses_amx").load()
+    uses_amx = KERNEL.companion("polyserve_bf16_uses_amx").load()
     return None if uses_amx is None else ("AMX" if uses_amx() else "AVX512_BF16")
 
 
 def error() -> str | None:
-    return KERNEL.error() or companion(KERNEL, "polyserve_bf16_init").error() or _denied
+    return KERNEL.error() or KERNEL.companion("polyserve_bf16_init").error() or _denied
 
 
 def tiles(weight: QuantWeight) -> torch.Tensor:

@@ -34,10 +34,9 @@ kept: list[object] = []  # a test's linears and runners (the fixture `kernel`)
 def _cases() -> list[object]:
     cases = []
     for dtype, module in KERNELS.items():
-        available = quant_linear.load() if module is quant_linear else quant_linear_bf16.load()
         why = f"no {str(dtype).removeprefix('torch.')} weight kernel: {module.error()}"
         for name in sorted(module.BUILDS):
-            marks = [] if available is not None else [pytest.mark.skip(reason=why)]
+            marks = [] if module.load() is not None else [pytest.mark.skip(reason=why)]
             cases.append(pytest.param((dtype, name), id=f"{str(dtype).removeprefix('torch.')}-{name}", marks=marks))
     return cases
 
