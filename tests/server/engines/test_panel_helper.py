@@ -34,9 +34,10 @@ kept: list[object] = []  # a test's linears and runners (the fixture `kernel`)
 def _cases() -> list[object]:
     cases = []
     for dtype, module in KERNELS.items():
+        available = module.load() is not None  # before error(): the reason is known once load() has run
         why = f"no {str(dtype).removeprefix('torch.')} weight kernel: {module.error()}"
         for name in sorted(module.BUILDS):
-            marks = [] if module.load() is not None else [pytest.mark.skip(reason=why)]
+            marks = [] if available else [pytest.mark.skip(reason=why)]
             cases.append(pytest.param((dtype, name), id=f"{str(dtype).removeprefix('torch.')}-{name}", marks=marks))
     return cases
 
