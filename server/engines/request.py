@@ -155,6 +155,7 @@ class FinalEvent:
     index: int = 0  # which choice
     logprobs: list[TokenLogprob] | None = None  # tokens not yet reported in a TokenEvent
     prompt_logprobs: list[TokenLogprob | None] | None = None  # per prompt token (first is None)
+    cached_tokens: int = 0  # prompt tokens whose KV came from the prefix cache
 
 
 class RequestHandle:
@@ -225,6 +226,8 @@ class GenRequest:
     handle: RequestHandle = field(default_factory=lambda: RequestHandle(None))
     arrival: float = field(default_factory=time.perf_counter)
     tenant: str = "default"  # who asked (server.tenancy.tenants): fair admission, caps and usage go by it
+    cache_salt: str | None = None  # vLLM's field: only requests with the same salt share prompt KV
+    cached_tokens: int = 0  # set by the engine at admission: prompt tokens found in its prefix cache
 
     def __post_init__(self) -> None:
         self.handle.expect = self.params.n

@@ -33,6 +33,12 @@ class Metrics:
         # tenant: a configured tenant's name (server.tenancy.tenants), never a key: bounded cardinality
         self.prompt_tokens = Counter(P + "prompt_tokens", "Prompt tokens admitted.", ["tenant"], registry=r)
         self.generation_tokens = Counter(P + "generation_tokens", "Tokens generated.", ["tenant"], registry=r)
+        self.prefix_cache_queries = Counter(P + "prefix_cache_query_tokens",
+                                            "Prompt tokens looked up in the prefix cache.", registry=r)
+        self.prefix_cache_hits = Counter(P + "prefix_cache_hit_tokens",
+                                         "Prompt tokens whose KV the prefix cache held.", registry=r)
+        self.prefix_cache_blocks = Gauge(P + "prefix_cache_blocks", "Blocks of prompt KV in the prefix cache.",
+                                         registry=r)
         self.tenant_refused = Counter(P + "tenant_refused", "Requests a tenant's own cap refused, by limit.",
                                       ["tenant", "limit"], registry=r)
         self.adapter_cache = Counter(P + "adapter_cache_requests", "Adapter lookups by tier and result (hit, miss, error = Redis failed, corrupt = undecodable entry, dropped).",

@@ -83,6 +83,8 @@ class Settings(BaseSettings):
     max_batch_rows: int = Field(default=32, ge=1)
     max_batch_tokens: int = Field(default=16384, ge=16)  # prompt + max_new tokens of the rows in flight
     max_prefill_rows: int = Field(default=16, ge=1)  # requests admitted in one step
+    # prompt KV kept across requests (native engine); None = max_batch_tokens, 0 = off
+    prefix_cache_tokens: int | None = Field(default=None, ge=0)
     # tokens in one forward: every decoding row's next token + prompt chunks (chunked prefill)
     max_step_tokens: int = Field(default=256, ge=2)
     # native engine: while a tenant's rows decode, prompt tokens of other tenants' requests in one

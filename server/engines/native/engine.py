@@ -55,6 +55,7 @@ from server.engines.native.lanes import deep_lanes_pay, lanes_pay
 from server.engines.native.ledger import FinalLedger, answer_unadmitted
 from server.engines.native.logprobs import prompt_chunk_logprobs
 from server.engines.native.model_runner import ModelRunner, build_model_runner
+from server.engines.native.prefix_cache import BLOCK, PrefixCache, chain, namespace
 from server.engines.native.rows import Row, describe, new_rows, sample_rows, stop_token
 from server.engines.native.scheduler import Prefill, Scheduler
 from server.engines.native.slots import SlotPool
@@ -97,6 +98,15 @@ class NativeEngine:
                  "on the backbone's GGUF blocks" if getattr(self.runner, "weight_kernel", False) else "on dense weights",
                  "in the native kernel" if getattr(self.runner, "elementwise", False) else "as torch ops")
         self.pool = SlotPool(cfg.max_batch_rows)
+        # prompt KV kept across requests, copied into a row's slot at admission (prefix_cache.py)
+        budget = cfg.prefix_cache_budget
+        self.prefix = PrefixCache.like(self.runner.kv, budget) if budget else None
+        if self.prefix is None:
+            log.info("prefix cache: off")
+        else:
+            log.info("prefix cache: up to %d prompt tokens (%.0f MiB) in blocks of %d, keyed by adapter version, "
+                     "tenant and cache_salt", self.prefix.max_blocks * BLOCK,
+                     self.prefix.max_blocks * self.prefix.block_bytes / 2**20, BLOCK)
         self.eos_ids = _eos_ids(model, tokenizer)
         self.vocab_size = self.runner.vocab_size
         self.max_positions = self.runner.max_positions
@@ -335,7 +345,38 @@ class NativeEngine:
             except Exception as err:  # noqa: BLE001 - a bad adapter fails its request only
                 log.warning("request %s: adapter not usable: %s", req.id, describe(err))
                 self._fail_prefill(prefill, f"adapter not usable: {describe(err)}")
+                continue
+            if self.prefix is not None:
+                self._reuse(prefill)
         self._release_failed()
+
+    # -- the prefix cache ----------------------------------------------------------------------
+    def _reuse(self, prefill: Prefill) -> None:
+        """The prompt's longest cached prefix goes into its slot; its chunks start after it."""
+        assert self.prefix is not None
+        req = prefill.req
+        prefill.hashes = chain(namespace(getattr(req.adapter, "key", None), req.tenant, req.cache_salt),
+                               prefill.tokens)
+        if prefill.prompt_lp is not None:
+            return  # every prompt position's logits are asked for: nothing may be skipped
+        found = self.prefix.match(prefill.hashes, len(prefill.tokens))
+        if self.metrics is not None:
+            self.metrics.prefix_cache_queries.inc(len(prefill.tokens))
+            self.metrics.prefix_cache_hits.inc(len(found) * BLOCK)
+        if found:
+            self.runner.kv.ensure(len(found) * BLOCK, self.max_positions)
+            prefill.done = self.prefix.load(found, self.runner.kv, prefill.slots[0])
+            prefill.stored = len(found)
+        if prefill.resume is None:
+            req.cached_tokens = prefill.done
+
+    def _keep(self, prefill: Prefill) -> None:
+        """The full blocks the prompt's chunks have now written go into the prefix cache."""
+        assert self.prefix is not None
+        full = min(len(prefill.hashes), prefill.done // BLOCK)
+        if full > prefill.stored:
+            self.prefix.store(prefill.hashes[:full], self.runner.kv, prefill.slots[0], prefill.stored)
+            prefill.stored = full
 
     # -- one step ------------------------------------------------------------------------------
     def _run_step(self, items: list[Item], owners: list[Row | Prefill]) -> None:
@@ -402,6 +443,8 @@ class NativeEngine:
                     prefill.prompt_lp.extend(prompt_chunk_logprobs(
                         logits[span], prefill.req.prompt_ids, item.start, prefill.req.params.prompt_logprobs or 0))
                 prefill.done = item.end
+                if self.prefix is not None:
+                    self._keep(prefill)
                 if prefill.remaining == 0 and prefill.resume is not None:
                     self._resumed(prefill)  # its pending token is fed next step: nothing to sample
                 elif prefill.remaining == 0:
@@ -517,7 +560,7 @@ class NativeEngine:
         text += row.detok.flush() if reason != "cancelled" else ""
         self.ledger.send(row.req, FinalEvent(
             text, reason, len(row.req.prompt_ids), row.generated, index=row.index,
-            logprobs=row.take_logprobs(), prompt_logprobs=row.prompt_logprobs,
+            logprobs=row.take_logprobs(), prompt_logprobs=row.prompt_logprobs, cached_tokens=row.req.cached_tokens,
         ))
         elapsed = time.perf_counter() - row.req.arrival
         self._avg_request_s = 0.9 * self._avg_request_s + 0.1 * elapsed
@@ -608,6 +651,8 @@ class NativeEngine:
         if self.metrics is not None:
             self.metrics.running.set(self.running)
             self.metrics.waiting.set(len(self._waiting))
+            if self.prefix is not None:
+                self.metrics.prefix_cache_blocks.set(len(self.prefix))
 
 
 def _eos_ids(model: torch.nn.Module, tokenizer: Any) -> frozenset[int]:

@@ -16,6 +16,7 @@ from typing import Any, Protocol
 
 import torch
 
+from server.engines.native.slots import SlotKV
 from server.engines.native.step import StepBatch
 
 log = logging.getLogger("polyserve.engine")
@@ -29,6 +30,7 @@ class ModelRunner(Protocol):
     dtype: torch.dtype
     vocab_size: int
     max_positions: int | None
+    kv: SlotKV  # every row's KV, one slot a row (the prefix cache copies blocks in and out)
 
     def forward(self, batch: StepBatch) -> torch.Tensor:
         """Logits (R, V) float32 at batch.logit_index; writes the items' K/V into their slots."""

@@ -73,6 +73,8 @@ class Prefill:
     resume: Any = None  # the preempted Row (one slot), or None: a new request
     width: int = 0  # slots a new request takes: n, or fewer when it starts split (0 = n)
     tokens: list[int] = field(default_factory=list)  # what goes into slots[0]: the prompt, or prompt + generated
+    hashes: list[bytes] = field(default_factory=list)  # prefix-cache names of its full blocks (prefix_cache.chain)
+    stored: int = 0  # of which the prefix cache holds (found there, or stored from slots[0])
 
     def __post_init__(self) -> None:
         if self.resume is None:
