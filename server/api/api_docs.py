@@ -92,7 +92,7 @@ def _set_bound(schema: dict, key: str, value: int) -> None:
     for branch in branches:
         if key == "maximum" and branch.get("type") == "integer":
             branch[key] = value
-        if key == "maxItems" and branch.get("type") == "array":
+        if key in ("maxItems", "minItems") and branch.get("type") == "array":
             branch[key] = value
     if key == "maximum" and isinstance(schema.get("default"), int) and schema["default"] > value:
         schema["default"] = value
@@ -202,6 +202,10 @@ def build(app: FastAPI, settings: Settings) -> dict[str, Any]:
                 for field, (key, value) in fields.items():
                     if field in schema.get("properties", {}):
                         _set_bound(schema["properties"][field], key, value)
+    for name, schema in schemas.items():  # a second bound on `examples`: the fewest a registration takes
+        if (name == "RegisterRequest" or name.startswith("RegisterRequest-")) and "examples" in schema.get(
+                "properties", {}):
+            _set_bound(schema["properties"]["examples"], "minItems", settings.min_examples_per_task)
     _prompts_bound(schemas, settings.max_prompts_per_request)
     _query_bounds(doc, {("/v1/usage", "get", "window"): ("maximum", settings.usage_window_max_seconds)})
     return doc

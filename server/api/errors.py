@@ -155,20 +155,73 @@ def _field(loc: tuple) -> str:
     return ".".join(parts) or "body"
 
 
-def validation_message(err: RequestValidationError) -> tuple[str, str | None]:
-    """A message naming each bad field (never its value) and the first field's name."""
+def is_json(content_type: str | None) -> bool:
+    """application/json or a +json type (what FastAPI parses a body from)."""
+    media = (content_type or "").split(";")[0].strip().lower()
+    return media == "application/json" or (media.startswith("application/") and media.endswith("+json"))
+
+
+def _body_message(e: dict, content_type: str | None) -> str | None:
+    """What is wrong with the body as a whole, in words a person reads (None: a field's error)."""
+    kind, loc = e.get("type"), tuple(e.get("loc", ()))
+    if kind == "json_invalid":
+        return "body: not valid JSON; send one JSON object"
+    if loc != ("body",):
+        return None
+    if not is_json(content_type):
+        got = (content_type or "").split(";")[0].strip() or "none"
+        return f"body: send a JSON object with the header Content-Type: application/json (got {got})"
+    if kind == "missing":
+        return "body: empty; send a JSON object"
+    if kind in ("model_attributes_type", "dict_type", "model_type"):
+        return "body: must be a JSON object"
+    return None
+
+
+def _friendly(e: dict) -> str:
+    """pydantic's message, except where a plainer one says the same."""
+    kind, ctx = e.get("type"), e.get("ctx") or {}
+    if kind in ("string_too_short", "too_short") and ctx.get("min_length") == 1:
+        return "must not be empty"
+    if kind in ("model_attributes_type", "model_type", "dict_type"):
+        return "must be a JSON object"
+    return str(e.get("msg", "invalid")).removeprefix("Value error, ")
+
+
+def _relevant(errors: list[dict]) -> list[dict]:
+    """A field of a union type fails once per member; where one member's check failed on the value
+    (e.g. an empty string, or an empty one in a list), the other members' "not my type" errors
+    under the same top-level field say nothing more."""
+    def top(e: dict) -> str:
+        return _field(tuple(e.get("loc", ()))).split(".")[0]
+
+    def typed(e: dict) -> bool:
+        return str(e.get("type", "")).endswith("_type")
+
+    checked = {top(e) for e in errors if not typed(e)}
+    return [e for e in errors if not (typed(e) and top(e) in checked)]
+
+
+def validation_message(err: RequestValidationError, content_type: str | None = None) -> tuple[str, str | None]:
+    """A message naming each bad field (never its value) and the first field's name; a body that
+    is not a JSON object (or is not sent as JSON) is said so in plain words."""
+    errors = list(err.errors())
+    for e in _relevant(errors):
+        body = _body_message(e, content_type)
+        if body is not None:
+            return body, "body"
     msgs, first = [], None
-    for e in err.errors()[:5]:
-        if e.get("type") == "json_invalid":
-            msgs.append("body: invalid JSON")
-            first = first or "body"
-        else:
-            field = _field(tuple(e.get("loc", ())))
-            msg = str(e.get("msg", "invalid")).removeprefix("Value error, ")
-            named = _NAMED.match(msg)
-            if field == "body" and named:  # a model-level check names its field first
-                field, msg = named.group(1), msg[named.end():]
-            first = first or field
+    for e in errors[:1] + _relevant(errors)[:5]:  # `param`: the first error's field, as always
+        field = _field(tuple(e.get("loc", ())))
+        msg = _friendly(e)
+        named = _NAMED.match(msg)
+        if field == "body" and named:  # a model-level check names its field first
+            field, msg = named.group(1), msg[named.end():]
+        if first is None:
+            first = field
+            if e not in _relevant(errors):
+                continue
+        if f"{field}: {msg}" not in msgs:
             msgs.append(f"{field}: {msg}")
     return "; ".join(msgs), first
 
@@ -205,7 +258,7 @@ def install_handlers(app: FastAPI) -> None:
 
     @app.exception_handler(RequestValidationError)
     async def _validation(request: Request, exc: RequestValidationError) -> JSONResponse:
-        message, param = validation_message(exc)
+        message, param = validation_message(exc, request.headers.get("content-type"))
         return respond(request, 422, "validation_error", message, param=param)
 
     @app.exception_handler(StarletteHTTPException)

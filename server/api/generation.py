@@ -110,8 +110,9 @@ async def prepare(
             prompt_format = rt.registry.prompt_format(task, tenant)
         try:
             rendered = render(prompt_format)
-        except ValueError as err:  # unknown prompt format, unrenderable messages
-            raise ApiError(400, "invalid_request", str(err), param=prompt_field) from None
+        except ValueError as err:  # unknown prompt format, unrenderable or empty messages
+            raise ApiError(400, "invalid_request", str(err), param=prompt_field,
+                           code=getattr(err, "code", None)) from None
         check_rendered(rendered, vocab, s.max_prompt_tokens, prompt_field)
         with task_errors(names):
             adapter = rt.registry.resolve(task, tenant)

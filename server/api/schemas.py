@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from adapters_store.lora.mix import MAX_MIX_CHARS, MIX_SCHEMA_EXTRA, MODEL_ID_PATTERN
 from adapters_store.store.records import TaskRecord
@@ -20,7 +20,8 @@ class GenerateRequest(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
     task: str = Field(pattern=MODEL_ID_PATTERN, max_length=MAX_MIX_CHARS, json_schema_extra=MIX_SCHEMA_EXTRA, examples=["base"])
-    prompt: str
+    prompt: str = Field(min_length=1, json_schema_extra={"pattern": r"\S"},
+                        description="the task's input; wrapped in the task's trained prompt format (not empty)")
     max_new_tokens: Annotated[int, Field(ge=1), Number] = Field(default=64, description="default: 64, or the server's limit if lower")
     temperature: Annotated[float, Field(ge=0.0, le=100.0), Number] = 0.0
     top_p: Annotated[float, Field(gt=0.0, le=1.0), Number] = 1.0
@@ -28,6 +29,13 @@ class GenerateRequest(BaseModel):
     stop: list[Annotated[str, Field(min_length=1, max_length=256)]] = Field(default_factory=list)
     seed: Annotated[int, Number] | None = Field(default=None, description="any integer (used modulo 2**63)")
     stream: Bool = False
+
+    @field_validator("prompt")
+    @classmethod
+    def _prompt_not_blank(cls, value: str) -> str:
+        if not value.strip():  # the task's format around nothing: the adapter answers made-up text
+            raise ValueError("must not be empty or only whitespace")
+        return value
 
 
 class GenerateResponse(BaseModel):

@@ -6,7 +6,7 @@ runs these; server/api/openai/tokenize_routes.py shares the vocabulary bound):
     prompt            a token-id prompt's length and ids, a text prompt's encodability (400) and a
                       cheap length bound before tokenising; the tokenised prompt: not empty, in
                       the vocabulary, within max_prompt_tokens -> 413 context_length_exceeded
-    task lookup       task_errors: a task (or mix member) not found -> 404 (param model); a
+    task lookup       task_errors: a task (or mix member) not found -> 404 naming the task field; a
                       malformed task or mix id -> 422 naming the task field (code invalid_mix)
 
 Messages name the field and never echo the input.
@@ -104,13 +104,13 @@ def check_prompt_ids(ids: list[int], vocab: int, max_tokens: int, field: str) ->
 @contextmanager
 def task_errors(names: dict[str, str]) -> Iterator[None]:
     """A registry lookup of the request's task as the client sees it failing: not found -> 404
-    on `model` (err.task: the task, or the mix member, not found); a malformed task or mix id
-    -> 422 naming the route's task field."""
+    naming the route's task field (`task` on /v1/generate, `model` on the OpenAI routes; err.task:
+    the task, or the mix member, not found); a malformed task or mix id -> 422 naming that field."""
+    field = names.get("task", "task")
     try:
         yield
     except TaskNotFound as err:
-        raise ApiError(404, "not_found", f"task {err.task!r} not found", param="model") from None
+        raise ApiError(404, "not_found", f"{field}: task {err.task!r} not found", param=field) from None
     except ValueError as err:
-        field = names.get("task", "task")
         code = "invalid_mix" if isinstance(err, MixError) else None
         raise ApiError(422, "validation_error", f"{field}: {err}", param=field, code=code) from None

@@ -15,11 +15,12 @@ from __future__ import annotations
 from typing import Annotated, Any
 
 from pydantic import BeforeValidator, Strict
+from pydantic_core import PydanticCustomError
 
 
 def _number(value: Any) -> Any:
-    if isinstance(value, str | bool):
-        raise ValueError("Input should be a number")  # noqa: TRY004 (pydantic reports ValueErrors)
+    if isinstance(value, str | bool):  # a type error, as pydantic's own (server.api.errors tells them apart)
+        raise PydanticCustomError("number_type", "Input should be a number")
     return value
 
 

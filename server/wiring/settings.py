@@ -97,6 +97,8 @@ class Settings(BaseSettings):
     max_new_tokens: int = Field(default=1024, ge=1)
     max_body_bytes: int = Field(default=4 * 1024 * 1024, ge=1024)
     max_examples_per_task: int = Field(default=1000, ge=1)
+    # POST /v1/tasks with fewer examples: 422 naming this (README "Operations" says why 4)
+    min_examples_per_task: int = Field(default=4, ge=1)
     max_job_steps: int = Field(default=5000, ge=1)  # POST /v1/tasks `steps` above this: 422
     max_queued_jobs: int = Field(default=16, ge=1)  # unfinished jobs of this replica; beyond: 429
     job_retention_seconds: float = Field(default=7 * 24 * 3600, gt=0)  # finished jobs + their files
@@ -183,6 +185,9 @@ class Settings(BaseSettings):
         if self.max_step_tokens <= self.max_batch_rows:
             raise ValueError(f"max_step_tokens ({self.max_step_tokens}) must exceed max_batch_rows "
                              f"({self.max_batch_rows}): a step holds every decoding row's token and prompt chunks")
+        if self.min_examples_per_task > self.max_examples_per_task:
+            raise ValueError(f"min_examples_per_task ({self.min_examples_per_task}) must not exceed "
+                             f"max_examples_per_task ({self.max_examples_per_task})")
         return self
 
     @property

@@ -52,6 +52,10 @@ async def register_task(body: RegisterRequest, request: Request, rt: RuntimeDep,
     an admin key's, once admin keys are set)."""
     if body.shared:  # strict: with only API keys nobody is an admin, so nobody shares
         require_admin(request, "shared: a task every tenant can use", param="shared", strict=True)
+    if body.examples is not None and len(body.examples) < settings.min_examples_per_task:
+        raise ApiError(422, "validation_error",
+                       f"examples: at least {settings.min_examples_per_task} examples per task "
+                       f"(POLYSERVE_MIN_EXAMPLES_PER_TASK), got {len(body.examples)}", param="examples")
     if body.method == "lora":
         # arbitrary uploaded weights, up to the body limit: an operator's act once operators exist
         require_admin(request, "method lora (importing a LoRA over HTTP)", param="method")

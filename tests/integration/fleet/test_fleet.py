@@ -28,6 +28,7 @@ from tests.support.pg_utils import temp_database
 from tests.support.server_fixtures import build_store
 
 ONE = [{"input": "w1 x1", "output": "x1 w1"}]  # one example: nothing held out, every step runs
+ONE_ALLOWED = {"POLYSERVE_MIN_EXAMPLES_PER_TASK": "1"}  # below the default minimum, for these jobs' sake
 
 
 @pytest.fixture(scope="module")
@@ -35,7 +36,7 @@ def fleet(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("fleet")
     with temp_database("polyserve_fleet") as dsn:
         seed_database(dsn, tmp)
-        procs = {name: start(kind, name, dsn, tmp)
+        procs = {name: start(kind, name, dsn, tmp, env=ONE_ALLOWED)
                  for name, kind in (("a", "serve"), ("b", "serve"), ("w1", "worker"), ("w2", "worker"))}
         try:
             for proc in procs.values():
