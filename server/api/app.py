@@ -19,7 +19,7 @@ from server.api.middleware import BodyLimit, RequestMetrics
 from server.api.openai import routes as openai
 from server.api.openai import tokenize_routes as tokenize
 from server.api.routes import generate, health, jobs, metrics, similar, tasks, usage
-from server.infra import cpus, openmp
+from server.infra import access_log, cpus, openmp
 from server.infra.metrics import Metrics
 from server.tenancy.tenants import Directory
 from server.wiring.runtime import Runtime
@@ -33,6 +33,7 @@ def create_app(settings: Settings | None = None, *, backbone: Any = None) -> Fas
     """backbone: an already loaded adapters_store.backbone.load.Backbone (tests), else settings.backbone."""
     settings = settings or Settings()
     metrics_ = Metrics()
+    access_log.install()  # /health and /ready polls at DEBUG
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):

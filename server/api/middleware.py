@@ -61,7 +61,8 @@ class BodyLimit:
 
 
 class RequestMetrics:
-    """requests_total{endpoint,status,tenant} and request_duration_seconds; endpoint = route template."""
+    """requests_total{endpoint,status,tenant} and request_duration_seconds{endpoint}; endpoint = the
+    route template (`/v1/tasks/{task}`, never a raw path or a task id), "other" where none matched."""
 
     def __init__(self, app: Any, metrics: Metrics) -> None:
         self.app, self.metrics = app, metrics
@@ -86,4 +87,4 @@ class RequestMetrics:
             # the auth dependency names the tenant in the request's state ("" = none identified)
             tenant = scope.get("state", {}).get("tenant", "")
             self.metrics.requests.labels(endpoint=endpoint, status=str(status), tenant=tenant).inc()
-            self.metrics.request_duration.observe(time.perf_counter() - started)
+            self.metrics.request_duration.labels(endpoint=endpoint).observe(time.perf_counter() - started)

@@ -1,12 +1,22 @@
 """Prometheus metrics of one app (own CollectorRegistry): exactly the contract's list.
 
 Base units, counters end in _total, never a task-id label. Histogram buckets span 1 ms .. 60 s
-so that both a CPU and a GPU deployment land inside them.
+so that both a CPU and a GPU deployment land inside them. No `_created` series: a creation
+timestamp per labelled child doubles the series a scrape reads and no dashboard uses them.
 """
 
 from __future__ import annotations
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client import (
+    CollectorRegistry,
+    Counter,
+    Gauge,
+    Histogram,
+    disable_created_metrics,
+    generate_latest,
+)
+
+disable_created_metrics()  # process-wide in prometheus_client: every registry of this process
 
 LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
 BATCH_BUCKETS = (1, 2, 4, 8, 12, 16, 24, 32, 48, 64, 96, 128, 256)
@@ -18,8 +28,9 @@ class Metrics:
         r = self.registry = CollectorRegistry()
         self.requests = Counter(P + "requests", "HTTP requests by endpoint template and status code.",
                                 ["endpoint", "status", "tenant"], registry=r)
-        self.request_duration = Histogram(P + "request_duration_seconds", "HTTP request duration.",
-                                          buckets=LATENCY_BUCKETS, registry=r)
+        # endpoint: the route template (as on requests_total), "other" where no route matched
+        self.request_duration = Histogram(P + "request_duration_seconds", "HTTP request duration by endpoint template.",
+                                          ["endpoint"], buckets=LATENCY_BUCKETS, registry=r)
         self.ttft = Histogram(P + "time_to_first_token_seconds", "Arrival to first generated token.",
                               buckets=LATENCY_BUCKETS, registry=r)
         self.inter_token = Histogram(P + "inter_token_latency_seconds", "Time between a row's tokens.",

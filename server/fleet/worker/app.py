@@ -14,6 +14,7 @@ from prometheus_client import CONTENT_TYPE_LATEST
 
 from server.fleet.worker.loop import Worker, build_worker
 from server.fleet.worker.metrics import WorkerMetrics
+from server.infra import access_log
 from server.wiring.settings import Settings
 from server.wiring.startup import built_in_background, init_state
 
@@ -28,6 +29,7 @@ def _unavailable(message: str, retry: bool) -> JSONResponse:
 def create_worker_app(settings: Settings | None = None) -> FastAPI:
     settings = settings or Settings()
     metrics = WorkerMetrics()
+    access_log.install()  # /health and /ready polls at DEBUG
 
     async def build() -> Worker:
         worker = await asyncio.to_thread(build_worker, settings, metrics)
