@@ -115,7 +115,7 @@ class NativeEngine:
         self.ledger = FinalLedger()  # choices admitted and not yet answered
         # waiting requests, one FIFO per tenant, admitted by fair share (scheduler.py, fair.py)
         self.caps = cfg.caps
-        self.scheduler = Scheduler(cfg)
+        self.scheduler = Scheduler(cfg, cached=self._cached if self.prefix is not None else None)
         self._waiting = self.scheduler.waiting
         self._cond = threading.Condition()
         self._background: deque[Callable[[], bool]] = deque()
@@ -351,15 +351,28 @@ class NativeEngine:
         self._release_failed()
 
     # -- the prefix cache ----------------------------------------------------------------------
+    def _hashes(self, prefill: Prefill) -> list[bytes]:
+        if not prefill.hashes:
+            req = prefill.req
+            prefill.hashes = chain(namespace(getattr(req.adapter, "key", None), req.tenant, req.cache_salt),
+                                   prefill.tokens)
+        return prefill.hashes
+
+    def _cached(self, prefill: Prefill) -> int:
+        """The scheduler's question at admission: prompt tokens the prefix cache holds for it."""
+        assert self.prefix is not None
+        if prefill.resume is None and prefill.req.params.prompt_logprobs is not None:
+            return 0
+        return len(self.prefix.peek(self._hashes(prefill), len(prefill.tokens))) * BLOCK
+
     def _reuse(self, prefill: Prefill) -> None:
         """The prompt's longest cached prefix goes into its slot; its chunks start after it."""
         assert self.prefix is not None
         req = prefill.req
-        prefill.hashes = chain(namespace(getattr(req.adapter, "key", None), req.tenant, req.cache_salt),
-                               prefill.tokens)
+        hashes = self._hashes(prefill)
         if prefill.prompt_lp is not None:
             return  # every prompt position's logits are asked for: nothing may be skipped
-        found = self.prefix.match(prefill.hashes, len(prefill.tokens))
+        found = self.prefix.match(hashes, len(prefill.tokens))
         if self.metrics is not None:
             self.metrics.prefix_cache_queries.inc(len(prefill.tokens))
             self.metrics.prefix_cache_hits.inc(len(found) * BLOCK)

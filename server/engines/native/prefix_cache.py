@@ -15,7 +15,8 @@ the very same tokens. SHA-256: a collision would serve another prompt's KV, and 
 the tokens.
 
     match(hashes, tokens)   the longest chain of cached blocks, at most all but the prompt's
-                            last token (the forward that follows must produce its logits)
+                            last token (the forward that follows must produce its logits);
+                            peek: the same, for the scheduler's count of prompt work
     load(blocks, kv, slot)  their KV copied into the row's slot, positions 0 .. n*BLOCK - 1
     store(hashes, kv, slot) the blocks the slot now holds that the cache lacks, copied out
 
@@ -103,16 +104,20 @@ class PrefixCache:
     def __len__(self) -> int:
         return len(self.blocks)
 
-    def match(self, hashes: Sequence[bytes], prompt_tokens: int) -> list[int]:
+    def peek(self, hashes: Sequence[bytes], prompt_tokens: int) -> list[int]:
         """Rows of the longest cached chain among `hashes`, leaving at least the prompt's last
-        token to compute; touched as used (the chain's first block most recent)."""
-        usable = min(len(hashes), (prompt_tokens - 1) // BLOCK)
+        token to compute (nothing touched, nothing counted)."""
         found: list[int] = []
-        for h in hashes[:usable]:
+        for h in hashes[: min(len(hashes), (prompt_tokens - 1) // BLOCK)]:
             row = self.blocks.get(h)
             if row is None:
                 break
             found.append(row)
+        return found
+
+    def match(self, hashes: Sequence[bytes], prompt_tokens: int) -> list[int]:
+        """`peek`, touched as used (the chain's first block most recent) and counted."""
+        found = self.peek(hashes, prompt_tokens)
         self._touch(hashes[: len(found)])
         self.stats.queried += prompt_tokens
         self.stats.hit += len(found) * BLOCK

@@ -51,6 +51,7 @@ engine calls `admit` under its queue lock (submit() pushes from other threads).
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -114,8 +115,11 @@ class Admission:
 
 
 class Scheduler:
-    def __init__(self, config: EngineConfig) -> None:
+    def __init__(self, config: EngineConfig, cached: Callable[[Prefill], int] | None = None) -> None:
+        """cached: the prompt tokens of an admitted request that the prefix cache will fill (they
+        need no forward, so they take none of a step's room)."""
         self.config = config
+        self.cached = cached
         self.waiting = FairQueue(config.caps, max_queue=config.max_queue, max_rows=config.max_batch_rows,
                                  max_tokens=config.max_batch_tokens)
         self.preempted: list[Preempted] = []  # oldest first
@@ -218,7 +222,8 @@ class Scheduler:
         self._tokens += prefill.budget
         self._running += prefill.rows
         key = self._room_key(prefill.req)
-        self._pending[key] = self._pending.get(key, 0) + prefill.remaining
+        work = prefill.remaining - (self.cached(prefill) if self.cached is not None else 0)
+        self._pending[key] = self._pending.get(key, 0) + work
         out.admitted.append(prefill)
 
     def _room_key(self, req: GenRequest) -> str:

@@ -250,14 +250,16 @@ def test_the_metrics_and_the_budget(setup, one_thread):
 
 
 def test_prompt_logprobs_are_computed_for_every_position(setup, one_thread):
-    bb, _, store, cache = setup
+    bb = setup[0]
     ids = prompt(bb, 40, 2, seed=9)
     params = SamplingParams(max_new_tokens=2, ignore_eos=True, prompt_logprobs=0)
     engine = engine_for(setup, prefix_cache_tokens=4096)
     try:
-        first, second = serve(engine, [(ids, None, "default", None)] * 2, params)
+        _, second = serve(engine, [(ids, None, "default", None)] * 2, params)
         assert finals(second)[0].cached_tokens == 0
         assert len(finals(second)[0].prompt_logprobs) == len(ids)
+        (plain,) = serve(engine, [(ids, None, "default", None)], SamplingParams(max_new_tokens=2, ignore_eos=True))
+        assert finals(plain)[0].cached_tokens == 32  # what those requests computed was kept
     finally:
         engine.stop()
 
@@ -267,3 +269,18 @@ def test_the_setting_is_validated():
         EngineConfig(prefix_cache_tokens=5)
     assert EngineConfig().prefix_cache_budget == EngineConfig().max_batch_tokens
     assert EngineConfig(prefix_cache_tokens=0).prefix_cache_budget == 0
+
+
+def test_cached_prompt_tokens_take_no_room_in_a_step(setup, one_thread):
+    """The scheduler counts only what a prompt still has to compute against a step's room: four
+    requests whose 96-token prefix is cached join one step (one would, counted in full)."""
+    bb, rm, _, _ = setup
+    engine = NativeEngine(bb.model, bb.tokenizer, rm, EngineConfig(max_step_tokens=48, max_batch_rows=8,
+                                                                   prefix_cache_tokens=4096))
+    ids = prompt(bb, 96, 0, seed=0)
+    first = engine.submit(GenRequest([*ids, 5], SamplingParams(max_new_tokens=1)))
+    while not first.handle.done:
+        engine.step()
+    reqs = [engine.submit(GenRequest([*ids, 6 + i], SamplingParams(max_new_tokens=4))) for i in range(4)]
+    engine.step()
+    assert len(engine.rows) == 4 and [r.cached_tokens for r in reqs] == [96] * 4
