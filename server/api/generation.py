@@ -90,7 +90,7 @@ def sampling(names: dict[str, str], **values) -> SamplingParams:
 async def prepare(
     rt: Runtime, task: str, render: Callable[[str], str | list[int]], params: SamplingParams, *,
     id_prefix: str = "gen", names: dict[str, str] | None = None, prompt_field: str = "prompt",
-    special_tokens: bool = True,
+    special_tokens: bool = True, cache_salt: str | None = None,
 ) -> Call:
     """Validate against the limits (server/api/validation.py), resolve the adapter, render (given
     the task's prompt format) and tokenise; returns an unsubmitted request. special_tokens: add the
@@ -124,7 +124,7 @@ async def prepare(
     adapter, ids, text = await asyncio.to_thread(work)
     check_prompt_ids(ids, vocab, s.max_prompt_tokens, prompt_field)
     req = GenRequest(ids, params, adapter, task, id=new_request_id(id_prefix), handle=RequestHandle(loop),
-                     tenant=tenant.name)
+                     tenant=tenant.name, cache_salt=cache_salt)
     return Call(req, deadline, text, names)
 
 

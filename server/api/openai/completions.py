@@ -34,11 +34,13 @@ from server.engines.request import FinalEvent, SamplingParams, TokenEvent
 from server.wiring.runtime import Runtime
 
 
-def batch_usage(finals_per_prompt: Sequence[Sequence[FinalEvent]], scoring: bool = False) -> dict[str, int]:
+def batch_usage(finals_per_prompt: Sequence[Sequence[FinalEvent]], scoring: bool = False) -> dict[str, Any]:
     """Every prompt's tokens once, every choice's completion tokens (none when scoring)."""
     prompt = sum(finals[0].prompt_tokens for finals in finals_per_prompt if finals)
     completion = 0 if scoring else sum(f.completion_tokens for finals in finals_per_prompt for f in finals)
-    return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
+    cached = sum(finals[0].cached_tokens for finals in finals_per_prompt if finals)
+    return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion,
+            "prompt_tokens_details": {"cached_tokens": cached}}
 
 
 async def prepare_all(rt: Runtime, body: CompletionRequest, params: SamplingParams,

@@ -29,11 +29,13 @@ def finish_reason(reason: FinishReason) -> str:
     return "length" if reason == "length" else "stop"
 
 
-def usage(finals: Sequence[FinalEvent]) -> dict[str, int]:
-    """One prompt, summed completions over the choices."""
+def usage(finals: Sequence[FinalEvent]) -> dict[str, Any]:
+    """One prompt, summed completions over the choices; the prompt tokens the prefix cache held."""
     prompt = finals[0].prompt_tokens if finals else 0
     completion = sum(f.completion_tokens for f in finals)
-    return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
+    cached = finals[0].cached_tokens if finals else 0
+    return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion,
+            "prompt_tokens_details": {"cached_tokens": cached}}
 
 
 def clamp(logprob: float) -> float:

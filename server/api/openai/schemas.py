@@ -106,6 +106,8 @@ class _Common(BaseModel):
     service_tier: str | None = Field(default=None, max_length=64, description="ignored")
     prompt_cache_key: str | None = Field(default=None, max_length=256, description="ignored")
     safety_identifier: str | None = Field(default=None, max_length=256, description="ignored")
+    cache_salt: str | None = Field(default=None, min_length=1, max_length=256, description=(
+        "extension (vLLM): only requests of this tenant with the same salt reuse each other's cached prompt KV"))
     # vLLM's sampling extensions (server.engines.request.SamplingParams says what each does)
     ignore_eos: Bool = Field(default=False, description="extension (vLLM): EOS does not end a choice")
     min_tokens: Annotated[int, Field(ge=0), Number] = Field(default=0, description="extension (vLLM): no EOS / stop token / stop string "
