@@ -37,7 +37,7 @@ from server.engines.base import EngineStopped, QueueFull, check_fits
 from server.engines.fair import TenantCaps, check_submit_caps
 from server.engines.request import FinalEvent, GenRequest, TokenEvent, TokenLogprob
 from server.engines.vllm.lora_dirs import LoraDirectories
-from server.engines.vllm.params import vllm_kwargs
+from server.engines.vllm.params import cache_salt, vllm_kwargs
 from server.engines.vllm.structured import structured_kwargs
 from server.infra.metrics import Metrics
 
@@ -238,11 +238,15 @@ class VllmEngine:
             lora = await self._lora_request(req.adapter)
             params = VSamplingParams(**vllm_kwargs(req.params), **structured_kwargs(req.params),
                                      output_kind=RequestOutputKind.DELTA)
-            prompt = {"prompt_token_ids": list(req.prompt_ids)}
+            # vLLM's prefix cache keys blocks by the LoRA (its name names the adapter's version:
+            # lora_dirs.py) and this salt: a tenant reuses only its own prompts' KV, as natively
+            prompt = {"prompt_token_ids": list(req.prompt_ids), "cache_salt": cache_salt(req)}
+            cached = 0
             async for out in self._llm.generate(prompt, params, request_id=req.id, lora_request=lora):
                 if first and self.metrics is not None:
                     self.metrics.queue_wait.observe(time.perf_counter() - req.arrival)
                 first = False
+                cached = getattr(out, "num_cached_tokens", None) or cached
                 if out.prompt_logprobs is not None and prompt_lps is None:
                     prompt_lps = [None] + (token_logprobs(req.prompt_ids[1:], out.prompt_logprobs[1:],
                                                           req.params.prompt_logprobs or 0) or [])
@@ -259,7 +263,7 @@ class VllmEngine:
                     finals.add(c.index)
                     reason = FINISH.get(c.finish_reason, "stop")
                     req.handle.push(FinalEvent(c.text, reason, len(req.prompt_ids), counts[c.index], index=c.index,  # type: ignore[arg-type]
-                                               logprobs=lps, prompt_logprobs=prompt_lps))
+                                               logprobs=lps, prompt_logprobs=prompt_lps, cached_tokens=cached))
         except asyncio.CancelledError:
             message = self._cancel_reason.pop(req.id, None)
             self._answer_rest(req, finals, counts, "cancelled", message)

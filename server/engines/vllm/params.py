@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from server.engines.request import SamplingParams
+from server.engines.request import GenRequest, SamplingParams
 
 
 def vllm_kwargs(p: SamplingParams) -> dict[str, Any]:
@@ -38,3 +38,9 @@ def vllm_kwargs(p: SamplingParams) -> dict[str, Any]:
     if p.logit_bias:
         kwargs["logit_bias"] = {int(t): float(b) for t, b in p.logit_bias}
     return kwargs
+
+
+def cache_salt(req: GenRequest) -> str:
+    """vLLM's cache_salt for a request: its tenant and its own salt, so vLLM's prefix cache reuses
+    a prompt's KV only within the tenant (and salt) that computed it."""
+    return repr((req.tenant, req.cache_salt))

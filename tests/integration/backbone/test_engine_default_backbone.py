@@ -60,3 +60,33 @@ def test_mixed_features_batch_equals_solo_and_penalties_change_the_answer(defaul
     assert together == solo
     assert solo[1][0][1] != solo[0][0][1] and solo[2][0][1] != solo[3][0][1]
     assert solo[4][0] != solo[4][1]  # two seeded choices differ
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["float32", "bfloat16"])
+def test_a_cached_prefix_gives_the_uncached_answer(default, dtype):
+    """The prefix cache on the real serving path (the weight kernel on the GGUF blocks, the
+    decode-attention kernel): greedy answers equal with the cache on and off, logprobs close."""
+    from server.engines.native.config import EngineConfig
+
+    bb, _ = default
+    system = ("You are a helpful assistant for a travel agency. You answer questions about cities, "
+              "trains and museums briefly and politely, and you never invent prices or opening hours. ") * 3
+    prompts = [system + q for q in ("Where is the Louvre?", "Which city has the Colosseum?",
+                                    "How do I get from Paris to Lyon?", "Where is the Louvre?")]
+    params = dataclasses.replace(GREEDY, logprobs=0)
+    answers = {}
+    for budget in (0, 4096):
+        engine = NativeEngine(bb.model, bb.tokenizer, config=EngineConfig(dtype=dtype, prefix_cache_tokens=budget))
+        engine.start()
+        try:
+            answers[budget] = [run(engine, bb.tokenizer, p, params)[0] for p in prompts]
+        finally:
+            engine.stop()
+    plain, cached = answers[0], answers[4096]
+    assert [c.final.cached_tokens for c in plain] == [0] * 4
+    hits = [c.final.cached_tokens for c in cached]
+    assert hits[0] == 0 and all(h >= 96 for h in hits[1:]), hits
+    for a, b in zip(plain, cached, strict=True):
+        assert a.tokens == b.tokens, (a.text, b.text)
+        tol = 1e-3 if dtype == torch.float32 else 0.15
+        assert max(abs(x.logprob - y.logprob) for x, y in zip(a.logprobs, b.logprobs, strict=True)) <= tol

@@ -206,18 +206,33 @@ def test_a_polyserve_server_on_the_vllm_engine(tmp_path):
             examples = [{"input": f"{a} {b}", "output": f"{b} {a}"} for a, b in
                         [("cat", "dog"), ("red", "blue"), ("one", "two"), ("sun", "moon"), ("up", "down"),
                          ("left", "right"), ("hot", "cold"), ("big", "small")]]
-            job = c.post("/v1/tasks", json={"task": "swap-pair", "examples": examples, "method": "retrieve"})
-            assert job.status_code == 202, job.text
-            deadline = time.time() + 180
-            while (state := c.get(f"/v1/jobs/{job.json()['id']}").json())["status"] not in ("succeeded", "failed"):
-                assert time.time() < deadline, state
-                time.sleep(0.5)
-            assert state["status"] == "succeeded", state
+            def register(pairs) -> None:
+                job = c.post("/v1/tasks", json={"task": "swap-pair", "examples": pairs, "method": "retrieve"})
+                assert job.status_code == 202, job.text
+                deadline = time.time() + 180
+                while (state := c.get(f"/v1/jobs/{job.json()['id']}").json())["status"] not in ("succeeded", "failed"):
+                    assert time.time() < deadline, state
+                    time.sleep(0.5)
+                assert state["status"] == "succeeded", state
+
+            def cached(model: str, **extra) -> int:  # vLLM's own prefix cache, as the usage reports it
+                r = c.post("/v1/completions", json={"model": model, "prompt": long_prompt, "max_tokens": 2,
+                                                    "temperature": 0, **extra})
+                assert r.status_code == 200, r.text
+                return r.json()["usage"]["prompt_tokens_details"]["cached_tokens"]
+
+            long_prompt = "Context: " + " ".join(["pear apple fig cat dog"] * 40) + "\nInput: tea milk\nOutput:"
+            register(examples)
             served = c.post("/v1/generate", json={"task": "swap-pair", "prompt": "tea milk", "max_new_tokens": 8})
             assert served.status_code == 200 and served.json()["usage"]["completion_tokens"] > 0
+            cached("swap-pair")
+            assert cached("swap-pair") > 0
+            assert cached("swap-pair", cache_salt="another") == 0  # a salt of its own
             assert c.delete("/v1/tasks/swap-pair").status_code in (200, 204)
             gone = c.post("/v1/generate", json={"task": "swap-pair", "prompt": "tea milk", "max_new_tokens": 8})
             assert gone.status_code == 404
+            register([{"input": e["input"], "output": e["input"].upper()} for e in examples])  # the same name again
+            assert cached("swap-pair") == 0  # a new LoRA name: the old version's KV is never served
             metrics = c.get("/metrics").text
             assert "polyserve_requests_total" in metrics or "polyserve_" in metrics
     finally:
