@@ -31,6 +31,8 @@ def fmt_value(value: Any) -> str:
         return f"{value:.4g}"
     if isinstance(value, dict | list):
         return json.dumps(value, separators=(",", ":"), sort_keys=True)
+    if isinstance(value, str) and not value.isprintable():  # a prompt template's newline stays on its line
+        return json.dumps(value, ensure_ascii=False)
     return str(value)
 
 

@@ -17,6 +17,8 @@ TARGET_SEPARATOR = " "  # between "Output:" and the answer; not part of the answ
 # The name of this format, recorded in every task record (adapters_store.store.records.TaskRecord
 # .prompt_format) so that serving renders a task's inputs the way its adapter was trained.
 PROMPT_FORMAT = "input-output"
+# each known format's text: `{input}` is replaced by the input, the answer follows TARGET_SEPARATOR
+PROMPT_TEMPLATES = {PROMPT_FORMAT: PROMPT_TEMPLATE}
 
 
 def format_prompt(input: str) -> str:

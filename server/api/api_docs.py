@@ -33,6 +33,22 @@ WHY = {
     503: "Starting (backbone not loaded yet) or shutting down",
     504: "The generation did not finish within POLYSERVE_REQUEST_TIMEOUT_SECONDS",
 }
+# what each generating route does by default, and whether it wraps the input in the task's format
+ROUTE_DESCRIPTIONS = {
+    "generate": "polyserve's own route. Greedy by default (temperature 0; set temperature, top_p, top_k, seed "
+                "to sample). The prompt is the task's input: it is wrapped in the prompt format the task was "
+                "trained with (the task's `prompt_template`, e.g. `Input: {input}\nOutput:`) and the answer "
+                "comes back without the separator. `base` gets the same wrapping.",
+    "completions": "OpenAI-compatible. Samples at temperature 1 by default, as OpenAI does (send temperature 0 "
+                   "for the greedy answer /v1/generate gives). The prompt is sent raw, as vLLM does for a LoRA "
+                   "(lm-eval and vLLM's benchmarks rely on it): the task's prompt format is not added, so to ask "
+                   "a task as it was trained, format the input with its `prompt_template` (GET /v1/models/{model} "
+                   "or /v1/tasks/{task}).",
+    "chat": "OpenAI-compatible. Samples at temperature 1 by default, as OpenAI does. For a task, the last user "
+            "message is its input, wrapped in the task's trained prompt format as /v1/generate does (other "
+            "messages are not shown to it); for `base`, the backbone's chat template renders the conversation.",
+}
+
 OPENAI_WHY = {**WHY, 400: "Bad request (OpenAI's status for invalid fields, `param` names the field), "
               "or a prompt over the context limit (`code` context_length_exceeded)"}
 

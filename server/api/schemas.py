@@ -6,9 +6,15 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
+from adapters_store.backbone.prompt import PROMPT_TEMPLATES
 from adapters_store.lora.mix import MAX_MIX_CHARS, MIX_SCHEMA_EXTRA, MODEL_ID_PATTERN
 from adapters_store.store.records import TaskRecord
 from server.api.wire import Bool, Number
+
+PROMPT_FORMAT_DOC = "the name of the prompt format the task was trained with (null for `base`)"
+PROMPT_TEMPLATE_DOC = ("that format's text: `{input}` is replaced by the input and the model answers after one "
+                       "space. /v1/generate and chat add it; /v1/completions sends the prompt raw, so a raw "
+                       "caller formats the input with it")
 
 
 class Usage(BaseModel):
@@ -59,6 +65,8 @@ class TaskOut(BaseModel):
     job_id: str | None = None
     error: str | None = None
     metrics: dict[str, Any] = Field(default_factory=dict)
+    prompt_format: str | None = Field(default=None, description=PROMPT_FORMAT_DOC)
+    prompt_template: str | None = Field(default=None, description=PROMPT_TEMPLATE_DOC)
 
 
 class TaskList(BaseModel):
@@ -96,6 +104,8 @@ class ModelOut(BaseModel):
     owned_by: str
     root: str | None = Field(default=None, description="the backbone")
     parent: str | None = Field(default=None, description="`base` for a task")
+    prompt_format: str | None = Field(default=None, description=PROMPT_FORMAT_DOC)
+    prompt_template: str | None = Field(default=None, description=PROMPT_TEMPLATE_DOC)
 
 
 class ModelList(BaseModel):
@@ -108,5 +118,10 @@ def task_out(record: TaskRecord) -> TaskOut:
         id=record.id, status=record.status, method=record.method, version=record.version,
         created_at=record.created_at, updated_at=record.updated_at, params=record.params, kind=record.kind,
         inventory_version=record.inventory_version, job_id=record.job_id, error=record.error,
-        metrics=record.metrics,
+        metrics=record.metrics, **prompt_fields(record),
     )
+
+
+def prompt_fields(record: TaskRecord) -> dict[str, str | None]:
+    """A task's prompt format, by name and as text (the text None for a format this server does not know)."""
+    return {"prompt_format": record.prompt_format, "prompt_template": PROMPT_TEMPLATES.get(record.prompt_format)}

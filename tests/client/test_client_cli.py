@@ -243,3 +243,12 @@ def test_tasks_show_prints_every_field_the_server_sends(fake: FakeServer) -> Non
     out = invoke(cli.jobs, "show", "job_123").stdout
     assert "live_version:" in out and "brand_new:" in out and "yes" in out
     assert "updated_at:" in out and "1970-01-01 00:00:00Z" in out
+
+
+def test_tasks_show_prints_the_prompt_template_on_one_line(fake: FakeServer) -> None:
+    task = {**TASK, "prompt_format": "input-output", "prompt_template": "Input: {input}\nOutput:"}
+    fake.on("GET", "/v1/tasks/reverse", ok(task))
+    out = invoke(cli.tasks, "show", "reverse").stdout
+    assert "prompt_format:" in out and "input-output" in out
+    (line,) = [x for x in out.splitlines() if x.startswith("prompt_template:")]
+    assert line.endswith('"Input: {input}\\nOutput:"'), line  # the newline as \n, a raw caller can copy it

@@ -25,7 +25,7 @@ from fastapi import APIRouter, Request
 from adapters_store.backbone.prompt import strip_separator
 from adapters_store.store.records import TaskRecord
 from server.api import generation
-from server.api.api_docs import OPENAI_ERRORS, SSE_200
+from server.api.api_docs import OPENAI_ERRORS, ROUTE_DESCRIPTIONS, SSE_200
 from server.api.deps import ApiKey, RuntimeDep
 from server.api.errors import ApiError
 from server.api.openai import chat
@@ -39,7 +39,7 @@ from server.api.openai.schemas import (
     effective_temperature,
     effective_top_p,
 )
-from server.api.schemas import ModelList, ModelOut
+from server.api.schemas import ModelList, ModelOut, prompt_fields
 from server.engines.request import FinalEvent, SamplingParams
 from server.registry.tasks import BASE
 from server.tenancy import tenants
@@ -73,7 +73,8 @@ def vllm_extensions(body: CompletionRequest | ChatRequest, max_tokens: int, limi
             "skip_special_tokens": body.skip_special_tokens, "min_p": body.min_p}
 
 
-@router.post("/completions", responses={**SSE_200, **OPENAI_ERRORS["generate"]})
+@router.post("/completions", responses={**SSE_200, **OPENAI_ERRORS["generate"]},
+             description=ROUTE_DESCRIPTIONS["completions"])
 async def completions(body: CompletionRequest, request: Request, rt: RuntimeDep):
     names = COMPLETION_NAMES
     if body.stream and body.echo and body.logprobs is not None:
@@ -99,7 +100,8 @@ def _render_chat(rt: Runtime, body: ChatRequest):
     return render
 
 
-@router.post("/chat/completions", responses={**SSE_200, **OPENAI_ERRORS["generate"]})
+@router.post("/chat/completions", responses={**SSE_200, **OPENAI_ERRORS["generate"]},
+             description=ROUTE_DESCRIPTIONS["chat"])
 async def chat_completions(body: ChatRequest, request: Request, rt: RuntimeDep):
     for name in ("max_tokens", "max_completion_tokens"):  # both are checked, whichever is used
         value = getattr(body, name)
@@ -162,7 +164,7 @@ def _model(rt: Runtime, record: TaskRecord | None = None) -> ModelOut:
     if record is None:
         return ModelOut(id=BASE, created=int(rt.started_at), owned_by="polyserve", root=rt.backbone.name)
     return ModelOut(id=record.id, created=int(record.created_at), owned_by="polyserve", root=rt.backbone.name,
-                    parent=BASE)
+                    parent=BASE, **prompt_fields(record))
 
 
 @router.get("/models", response_model=ModelList, responses=OPENAI_ERRORS["read"])

@@ -15,7 +15,7 @@ from fastapi import APIRouter, Request
 
 from adapters_store.backbone.prompt import format_prompt_as, strip_separator
 from server.api import generation
-from server.api.api_docs import ERRORS, SSE_200
+from server.api.api_docs import ERRORS, ROUTE_DESCRIPTIONS, SSE_200
 from server.api.deps import ApiKey, RuntimeDep
 from server.api.openai.schemas import effective_seed, effective_temperature, effective_top_p
 from server.api.schemas import GenerateRequest, GenerateResponse, Usage
@@ -24,7 +24,8 @@ from server.engines.request import FinalEvent
 router = APIRouter(prefix="/v1", tags=["generate"], dependencies=[ApiKey])
 
 
-@router.post("/generate", response_model=GenerateResponse, responses={**SSE_200, **ERRORS["generate"]})
+@router.post("/generate", response_model=GenerateResponse, responses={**SSE_200, **ERRORS["generate"]},
+             description=ROUTE_DESCRIPTIONS["generate"])
 async def generate(body: GenerateRequest, request: Request, rt: RuntimeDep):
     """temperature below 1e-5 is greedy, one in [1e-5, 0.01) is raised to 0.01, a top_p below
     1e-6 to 1e-6 (as on the OpenAI routes: server.api.openai.schemas)."""
