@@ -17,8 +17,10 @@ ACCEPTED = {401, 403, 404, 409, 413, 429}
 # refusals no JSON Schema can state, each with its own code: a JSON Schema in response_format that
 # does not compile (or a field that conflicts with it), a LoRA's bytes that are not a servable LoRA,
 # a mix that names a task twice or names `base` (the document states this one as a `not` pattern),
-# a chat whose input message (a task's: the last user message) is empty
-SEMANTIC_CODES = {"invalid_response_format", "invalid_adapter", "invalid_mix", "empty_input"}
+# a chat whose input message (a task's: the last user message) is empty, tools whose schemas do not
+# compile or a conversation whose tool messages answer no call, a combination of vLLM's extensions
+SEMANTIC_CODES = {"invalid_response_format", "invalid_adapter", "invalid_mix", "empty_input", "invalid_tools",
+                  "invalid_extension"}
 
 
 @schemathesis.check

@@ -28,7 +28,8 @@ from starlette.requests import Request
 
 from server.api import generation
 from server.api.errors import ApiError
-from server.api.openai.format import TokenText, completion_logprobs, finish_reason, merge_completion_logprobs
+from server.api.openai import extensions
+from server.api.openai.format import completion_logprobs, finish_reason, merge_completion_logprobs
 from server.api.openai.schemas import CompletionRequest
 from server.engines.request import FinalEvent, SamplingParams, TokenEvent
 from server.wiring.runtime import Runtime
@@ -51,10 +52,18 @@ async def prepare_all(rt: Runtime, body: CompletionRequest, params: SamplingPara
         raise ApiError(422, "validation_error", f"prompt: at most {limit} prompts per request "
                        "(POLYSERVE_MAX_PROMPTS_PER_REQUEST)", param="prompt")
     special = True if body.add_special_tokens is None else body.add_special_tokens
+
+    def render(prompt: str | list[int]) -> str | list[int]:
+        if body.truncate_prompt_tokens is None:
+            return prompt
+        ids = rt.tokenizer(prompt, add_special_tokens=special).input_ids if isinstance(prompt, str) else prompt
+        return extensions.truncated(list(ids), body, rt.settings.max_prompt_tokens)
+
     calls = []
     for prompt in prompts:
-        calls.append(await generation.prepare(rt, body.model, lambda _fmt, p=prompt: p, params,  # type: ignore[misc]
-                                              id_prefix="cmpl", names=names, special_tokens=special))
+        calls.append(await generation.prepare(rt, body.model, lambda _fmt, p=prompt: render(p), params,  # type: ignore[misc]
+                                              id_prefix="cmpl", names=names, special_tokens=special,
+                                              cache_salt=body.cache_salt))
     return calls
 
 
@@ -142,8 +151,9 @@ async def respond(body: CompletionRequest, request: Request, rt: Runtime, params
     scoring = body.max_tokens == 0
     calls = await prepare_all(rt, body, params, names)
     submit_all(rt, calls)
-    text_of = TokenText(rt.tokenizer)
+    text_of = extensions.token_text(rt.tokenizer, body)
     base = {"id": calls[0].req.id, "object": "text_completion", "created": int(time.time()), "model": body.model}
+    ids_out = bool(body.return_token_ids)
     n = body.n
     if not body.stream:
         results = await collect(request, calls)
@@ -162,16 +172,42 @@ async def respond(body: CompletionRequest, request: Request, rt: Runtime, params
                     if not scoring:
                         parts.append(completion_logprobs(text_of, c.logprobs, [e.token_id for e in c.logprobs], offset)[0])
                     logprobs = parts[0] if len(parts) == 1 else merge_completion_logprobs(*parts)
-                out.append({"index": i * n + c.index, "text": prefix + ("" if scoring else c.text),
-                            "logprobs": logprobs,
-                            "finish_reason": "length" if scoring else finish_reason(c.final.finish_reason)})
+                choice = {"index": i * n + c.index, "text": prefix + ("" if scoring else c.text),
+                          "logprobs": logprobs,
+                          "finish_reason": "length" if scoring else finish_reason(c.final.finish_reason)}
+                if ids_out:
+                    choice["token_ids"] = [] if scoring else [e.token_id for e in c.logprobs]
+                    choice["prompt_token_ids"] = list(call.req.prompt_ids)
+                if body.prompt_logprobs is not None:
+                    choice["prompt_logprobs"] = extensions.prompt_logprobs(
+                        text_of, _prompt_entries(call, finals), call.req.prompt_ids)
+                if body.return_prompt_text:
+                    choice["prompt_text"] = call.prompt_text
+                out.append(choice)
         usage = batch_usage([[c.final for c in choices if c.final is not None] for choices in results], scoring)
         return {**base, "choices": out, "usage": usage}
     include_usage = bool(body.stream_options and body.stream_options.include_usage)
 
-    def chunk(index: int, text: str, logprobs: Any, reason: str | None) -> bytes:
-        return generation.sse(json.dumps({**base, "choices": [
-            {"index": index, "text": text, "logprobs": logprobs, "finish_reason": reason}]}))
+    continuous = extensions.continuous(body)
+    counts = [0] * (len(calls) * n)  # completion tokens so far, per choice (continuous usage)
+    first = [True] * (len(calls) * n)
+    pending: list[list[int]] = [[] for _ in counts]  # token ids not sent yet, per choice
+    sent_ids = [0] * len(counts)
+
+    def chunk(index: int, text: str, logprobs: Any, reason: str | None, token_ids: list[int] | None = None) -> bytes:
+        choice: dict[str, Any] = {"index": index, "text": text, "logprobs": logprobs, "finish_reason": reason}
+        call = calls[index // n]
+        if ids_out:
+            choice["token_ids"] = token_ids or []
+            if first[index]:
+                choice["prompt_token_ids"] = list(call.req.prompt_ids)
+        if body.return_prompt_text and first[index]:
+            choice["prompt_text"] = call.prompt_text
+        first[index] = False
+        out: dict[str, Any] = {**base, "choices": [choice]}
+        if continuous:
+            out["usage"] = extensions.running_usage(len(call.req.prompt_ids), counts[index])
+        return generation.sse(json.dumps(out))
 
     async def stream() -> AsyncIterator[bytes]:
         offsets = [0] * (len(calls) * n)
@@ -188,15 +224,19 @@ async def respond(body: CompletionRequest, request: Request, rt: Runtime, params
                     finals[i].append(event)
                     yield chunk(index, "", None, "length")
                 continue
-            if not (event.text or event.logprobs or final):
+            pending[index].extend(e.token_id for e in event.logprobs or ())
+            counts[index] = len(pending[index]) + sent_ids[index]
+            if not (event.text or (event.logprobs and body.logprobs is not None) or final):
                 continue
+            new_ids, pending[index] = pending[index], []
+            sent_ids[index] += len(new_ids)
             logprobs = None
             if body.logprobs is not None:
                 entries = event.logprobs or []
                 logprobs, offsets[index] = completion_logprobs(text_of, entries, [e.token_id for e in entries],
                                                                offsets[index])
             reason = finish_reason(event.finish_reason) if isinstance(event, FinalEvent) else None
-            yield chunk(index, event.text, logprobs, reason)
+            yield chunk(index, event.text, logprobs, reason, new_ids)
             if isinstance(event, FinalEvent):
                 finals[i].append(event)
         if include_usage:

@@ -22,15 +22,14 @@ from typing import Any
 
 from fastapi import APIRouter, Request
 
-from adapters_store.backbone.prompt import strip_separator
 from adapters_store.store.records import TaskRecord
 from server.api import generation
 from server.api.api_docs import OPENAI_ERRORS, ROUTE_DESCRIPTIONS, SSE_200
 from server.api.deps import ApiKey, RuntimeDep
 from server.api.errors import ApiError
-from server.api.openai import chat
+from server.api.openai import chat_run, extensions, tools
 from server.api.openai import completions as openai_completions
-from server.api.openai.format import TokenText, chat_logprobs, finish_reason, usage
+from server.api.openai.format import usage
 from server.api.openai.response_format import format_spec
 from server.api.openai.schemas import (
     ChatRequest,
@@ -40,7 +39,7 @@ from server.api.openai.schemas import (
     effective_top_p,
 )
 from server.api.schemas import ModelList, ModelOut, prompt_fields
-from server.engines.request import FinalEvent, SamplingParams
+from server.engines.request import SamplingParams
 from server.registry.tasks import BASE
 from server.tenancy import tenants
 from server.wiring.runtime import Runtime
@@ -80,81 +79,96 @@ async def completions(body: CompletionRequest, request: Request, rt: RuntimeDep)
     if body.stream and body.echo and body.logprobs is not None:
         raise ApiError(400, "invalid_request", "echo: echo with logprobs is not supported when streaming",
                        param="echo")
+    extensions.check(body)
     echo_logprobs = body.logprobs if body.echo and body.logprobs is not None else None
+    if body.prompt_logprobs is not None:  # vLLM's extension: the prompt's logprobs without echo
+        names = {**names, "prompt_logprobs": "prompt_logprobs"}
+        echo_logprobs = max(echo_logprobs or 0, body.prompt_logprobs)
     max_tokens = min(16, rt.settings.max_new_tokens) if body.max_tokens is None else body.max_tokens
     if "max_tokens" not in body.model_fields_set:  # the default never exceeds the server's limit
         max_tokens = min(max_tokens, rt.settings.max_new_tokens)
-    params = _params(rt, body, max(max_tokens, 1), names, logprobs=body.logprobs, prompt_logprobs=echo_logprobs,
+    logprobs = 0 if body.logprobs is None and extensions.needs_tokens(body) else body.logprobs
+    params = _params(rt, body, max(max_tokens, 1), names, logprobs=logprobs, prompt_logprobs=echo_logprobs,
                      response_format=await format_spec(body.response_format, rt.tokenizer, stop=body.stop_list()))
     if max_tokens == 0:  # scoring: the one token the engine makes is dropped (openai_completions)
         params = dataclasses.replace(params, min_tokens=0)
     return await openai_completions.respond(body, request, rt, params, names)
 
 
-def _render_chat(rt: Runtime, body: ChatRequest):
-    def render(prompt_format: str) -> str:
-        if body.model == BASE:
-            return chat.render_with_template(rt.tokenizer, body.messages)
-        return chat.render_for_task(body.messages, prompt_format)
-
-    return render
+async def start_chat(rt: Runtime, body: ChatRequest, id_prefix: str = "chatcmpl") -> tuple[chat_run.ChatRun, generation.Call]:
+    """Check, plan (tools), render, tokenise and submit a chat request (also /v1/responses')."""
+    for name in ("max_tokens", "max_completion_tokens"):  # both are checked, whichever is used
+        value = getattr(body, name)
+        if value is not None and value > rt.settings.max_new_tokens:
+            raise ApiError(422, "validation_error", f"{name}: must be <= {rt.settings.max_new_tokens}", param=name)
+    extensions.check(body)
+    tools.check_messages(body.messages, body.continue_final_message)
+    template_kwargs = tools.check_template_kwargs(body.chat_template_kwargs)
+    max_tokens = body.max_completion_tokens or body.max_tokens or min(rt.settings.max_new_tokens, 512)
+    names = {**CHAT_NAMES, "max_new_tokens": "max_completion_tokens" if body.max_completion_tokens else "max_tokens",
+             "logprobs": "top_logprobs" if body.top_logprobs else "logprobs"}
+    if body.prompt_logprobs is not None:
+        names["prompt_logprobs"] = "prompt_logprobs"
+    k = body.top_logprobs or 0
+    json_format = await format_spec(body.response_format, rt.tokenizer, stop=body.stop_list())
+    plan = await tools.plan(body.tools, body.tool_choice, body.parallel_tool_calls, rt.tokenizer,
+                            stop=body.stop_list(), json_format=json_format is not None)
+    logprobs = k if body.logprobs else (0 if extensions.needs_tokens(body) else None)
+    params = _params(rt, body, max_tokens, names, logprobs=logprobs, prompt_logprobs=body.prompt_logprobs,
+                     response_format=plan.response_format or json_format)
+    task_chat = body.model != BASE and not plan.active  # with tools a task is rendered as base (chat_run)
+    special = task_chat if body.add_special_tokens is None else body.add_special_tokens
+    call = await generation.prepare(rt, body.model, chat_run.render_fn(rt, body, plan, special, template_kwargs),
+                                    params, id_prefix=id_prefix, names=names, prompt_field="messages",
+                                    special_tokens=special,
+                                    cache_salt=body.cache_salt)
+    generation.submit(rt, call)
+    run = chat_run.ChatRun(body, plan, task_chat, k, extensions.token_text(rt.tokenizer, body),
+                           chat_run.echo_prefix(body))
+    return run, call
 
 
 @router.post("/chat/completions", responses={**SSE_200, **OPENAI_ERRORS["generate"]},
              description=ROUTE_DESCRIPTIONS["chat"])
 async def chat_completions(body: ChatRequest, request: Request, rt: RuntimeDep):
-    for name in ("max_tokens", "max_completion_tokens"):  # both are checked, whichever is used
-        value = getattr(body, name)
-        if value is not None and value > rt.settings.max_new_tokens:
-            raise ApiError(422, "validation_error", f"{name}: must be <= {rt.settings.max_new_tokens}", param=name)
-    max_tokens = body.max_completion_tokens or body.max_tokens or min(rt.settings.max_new_tokens, 512)
-    names = {**CHAT_NAMES, "max_new_tokens": "max_completion_tokens" if body.max_completion_tokens else "max_tokens",
-             "logprobs": "top_logprobs" if body.top_logprobs else "logprobs"}
-    k = body.top_logprobs or 0
-    params = _params(rt, body, max_tokens, names, logprobs=k if body.logprobs else None,
-                     response_format=await format_spec(body.response_format, rt.tokenizer, stop=body.stop_list()))
-    task_chat = body.model != BASE
-    special = task_chat if body.add_special_tokens is None else body.add_special_tokens
-    call = await generation.prepare(rt, body.model, _render_chat(rt, body), params, id_prefix="chatcmpl",
-                                    names=names, prompt_field="messages", special_tokens=special)
-    generation.submit(rt, call)
-    text_of = TokenText(rt.tokenizer)
+    run, call = await start_chat(rt, body)
     created = int(time.time())
+    prompt_ids = list(call.req.prompt_ids)
     if not body.stream:
-        choices = await generation.collect(request, call)
-        out = []
-        for c in choices:
-            assert c.final is not None
-            text = strip_separator(c.text) if task_chat else c.text
-            out.append({"index": c.index, "message": {"role": "assistant", "content": text, "refusal": None},
-                        "logprobs": chat_logprobs(text_of, c.logprobs, k) if body.logprobs else None,
-                        "finish_reason": finish_reason(c.final.finish_reason)})
-        return {"id": call.req.id, "object": "chat.completion", "created": created, "model": body.model,
-                "choices": out, "usage": usage([c.final for c in choices if c.final is not None])}
+        choices = chat_run.whole(run, await generation.collect(request, call))
+        out: dict[str, Any] = {"id": call.req.id, "object": "chat.completion", "created": created, "model": body.model,
+                               "choices": choices, "usage": usage(run.finals)}
+        if body.return_token_ids:
+            out["prompt_token_ids"] = prompt_ids
+        if body.prompt_logprobs is not None:
+            entries = next((f.prompt_logprobs for f in run.finals if f.prompt_logprobs is not None), None)
+            out["prompt_logprobs"] = extensions.prompt_logprobs(run.text_of, entries, prompt_ids)
+        if body.return_prompt_text:
+            out["prompt_text"] = call.prompt_text
+        return out
     base = {"id": call.req.id, "object": "chat.completion.chunk", "created": created, "model": body.model}
     include_usage = bool(body.stream_options and body.stream_options.include_usage)
-
-    def chunk(index: int, delta: dict[str, Any], finish: str | None, logprobs: Any = None) -> bytes:
-        choice = {"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish}
-        return generation.sse(json.dumps({**base, "choices": [choice]}))
+    continuous = extensions.continuous(body)
+    counts = [0] * body.n
 
     async def stream() -> AsyncIterator[bytes]:
-        for i in range(body.n):
-            yield chunk(i, {"role": "assistant", "content": ""}, None)
-        leading = [task_chat] * body.n  # the separator can only lead a choice's first text
-        finals: list[FinalEvent] = []
-        async for event in generation.events(request, call):
-            text = event.text
-            if leading[event.index] and text:
-                text, leading[event.index] = strip_separator(text), False
-            logprobs = chat_logprobs(text_of, event.logprobs, k) if body.logprobs and event.logprobs else None
-            if text or logprobs:
-                yield chunk(event.index, {"content": text}, None, logprobs)
-            if isinstance(event, FinalEvent):
-                finals.append(event)
-                yield chunk(event.index, {}, finish_reason(event.finish_reason))
+        first = True
+        async for index, delta, finish, logprobs, ids in chat_run.deltas(request, run, call):
+            counts[index] += len(ids)
+            choice: dict[str, Any] = {"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish}
+            if body.return_token_ids:
+                choice["token_ids"] = ids
+            chunk: dict[str, Any] = {**base, "choices": [choice]}
+            if first and body.return_token_ids:
+                chunk["prompt_token_ids"] = prompt_ids
+            if first and body.return_prompt_text:
+                chunk["prompt_text"] = call.prompt_text
+            if continuous:
+                chunk["usage"] = extensions.running_usage(len(prompt_ids), counts[index])
+            first = False
+            yield generation.sse(json.dumps(chunk))
         if include_usage:
-            yield generation.sse(json.dumps({**base, "choices": [], "usage": usage(finals)}))
+            yield generation.sse(json.dumps({**base, "choices": [], "usage": usage(run.finals)}))
         yield generation.sse("[DONE]")
 
     return generation.stream_response(request, stream())

@@ -32,6 +32,14 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from adapters_store.lora.mix import MAX_MIX_CHARS, MIX_SCHEMA_EXTRA, MODEL_ID_PATTERN
 from server.api.openai.response_format import ResponseFormat
+from server.api.openai.tool_schemas import (
+    MAX_CALL_ID,
+    MAX_TOOL_CALLS,
+    MAX_TOOLS,
+    NamedToolChoice,
+    Tool,
+    ToolCall,
+)
 from server.api.wire import Bool, Number
 from server.engines.request import GREEDY_TEMPERATURE
 
@@ -76,6 +84,8 @@ class StreamOptions(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
     include_usage: Bool = False
+    continuous_usage_stats: Bool = Field(default=False, description="extension (vLLM): with include_usage, every "
+                                         "chunk carries the usage so far")
 
 
 class _Common(BaseModel):
@@ -120,6 +130,44 @@ class _Common(BaseModel):
     add_special_tokens: Bool | None = Field(
         default=None, description="extension (vLLM): add the tokenizer's specials (BOS...) to the prompt; "
         "default: completions and chat with a task yes, chat with base no (its template has them)")
+    # vLLM's request extensions (server.api.openai.extensions says what each does here)
+    truncate_prompt_tokens: Annotated[int, Field(ge=-1), Number] | None = Field(
+        default=None, description="extension (vLLM): keep only this many prompt tokens (-1: the server's limit)")
+    truncation_side: Literal["left", "right"] | None = Field(
+        default=None, description="extension (vLLM): left (default) keeps the last tokens, right the first")
+    prompt_logprobs: Annotated[int, Field(ge=0, le=MAX_LOGPROBS), Number] | None = Field(
+        default=None, description="extension (vLLM): each prompt token's logprob and the k most likely")
+    return_token_ids: Bool | None = Field(default=None, description="extension (vLLM): token ids of the prompt "
+                                          "and of each choice")
+    return_tokens_as_token_ids: Bool | None = Field(default=None, description="extension (vLLM): logprob tokens "
+                                                    "written token_id:N")
+    return_prompt_text: Bool | None = Field(default=None, description="extension (vLLM): the rendered prompt")
+    priority: Annotated[int, Field(ge=0, le=0), Number] = Field(
+        default=0, description="extension (vLLM): only 0 (no priority scheduling here, as vLLM's default)")
+    use_beam_search: Literal[False] = Field(default=False, description="extension (vLLM): only false")
+    allowed_token_ids: list[TokenId] | None = Field(default=None, max_length=0, description="refused unless empty")
+    bad_words: list[str] | None = Field(default=None, max_length=0, description="refused unless empty")
+    logprob_token_ids: list[TokenId] | None = Field(default=None, max_length=0, description="refused unless empty")
+    structured_outputs: None = Field(default=None, description="refused: use response_format")
+    repetition_detection: None = Field(default=None, description="refused")
+    # vLLM's extensions that change nothing here (ignored, as vLLM ignores them in this configuration)
+    spaces_between_special_tokens: Bool = Field(default=True, description="ignored (fast tokenizers)")
+    length_penalty: Annotated[float, Number] = Field(default=1.0, description="ignored (beam search only)")
+    watermarking: Bool | None = Field(default=None, description="ignored (no watermark configured)")
+    request_id: str | None = Field(default=None, max_length=256, description="ignored (the server names requests)")
+    session_id: str | None = Field(default=None, max_length=256, description="ignored")
+    stream_interval: Annotated[int, Field(ge=1), Number] | None = Field(default=None, description="ignored")
+    return_token_offsets: Bool | None = Field(default=None, description="ignored (render routes only)")
+    routed_experts_prompt_start: Annotated[int, Field(ge=0), Number] = Field(default=0, description="ignored")
+    mm_payload: Literal["tensors", "none"] = Field(default="tensors", description="ignored (render routes only)")
+    return_mm_kwargs: Bool | None = Field(default=None, description="ignored")
+    kv_transfer_params: dict[str, Any] | None = Field(default=None, max_length=64, description="ignored "
+                                                      "(no KV transfer)")
+    ec_transfer_params: dict[str, Any] | None = Field(default=None, max_length=64, description="ignored")
+    vllm_xargs: dict[str, Any] | None = Field(default=None, max_length=64, description="ignored (no custom "
+                                              "extension reads them)")
+    thinking_token_budget: Annotated[int, Number] | None = Field(default=None, description="ignored (no reasoning "
+                                                                 "parser)")
 
     def stop_list(self) -> list[str]:
         if self.stop is None:
@@ -142,6 +190,7 @@ class CompletionRequest(_Common):
     logprobs: Annotated[int, Field(ge=0, le=MAX_LOGPROBS), Number] | None = None
     best_of: Annotated[int, Field(ge=1, le=1), Number] | None = Field(default=None, description="only 1 (or null): no server-side ranking")
     suffix: str | None = Field(default=None, max_length=0, description="refused unless null or empty")
+    prompt_embeds: None = Field(default=None, description="refused (extension (vLLM): token ids or text only)")
     response_format: ResponseFormat | None = Field(default=None, description="text, json_object or json_schema")
 
     model_config = ConfigDict(json_schema_extra={"allOf": [
@@ -181,17 +230,46 @@ class TextPart(BaseModel):
     text: str
 
 
-class ChatMessage(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+NOT_NULL = {"not": {"type": "null"}}
 
-    role: Literal["system", "user", "assistant", "developer"]
-    content: str | list[TextPart]
+
+class ChatMessage(BaseModel):
+    model_config = ConfigDict(extra="forbid", json_schema_extra={"allOf": [  # what _shape checks
+        {"if": {"properties": {"role": {"const": "tool"}}},
+         "then": {"required": ["tool_call_id"], "properties": {"tool_call_id": {"type": "string"}}},
+         "else": {"properties": {"tool_call_id": {"type": "null"}}}},
+        {"if": {"properties": {"role": {"const": "assistant"}}},
+         "then": {"anyOf": [{"required": ["content"], "properties": {"content": NOT_NULL}},
+                            {"required": ["tool_calls"], "properties": {"tool_calls": {"type": "array", "minItems": 1}}}]},
+         "else": {"required": ["content"], "properties": {"content": NOT_NULL, "tool_calls": {"type": "null"}}}},
+    ]})
+
+    role: Literal["system", "user", "assistant", "developer", "tool"]
+    content: str | list[TextPart] | None = Field(default=None, description="null only on an assistant message "
+                                                 "with tool_calls")
     name: str | None = Field(default=None, max_length=64, description="ignored")
+    tool_calls: list[ToolCall] | None = Field(default=None, max_length=MAX_TOOL_CALLS,
+                                              description="an assistant message's calls")
+    tool_call_id: str | None = Field(default=None, min_length=1, max_length=MAX_CALL_ID,
+                                     description="a tool message: the call it answers")
+    refusal: str | None = Field(default=None, description="ignored")
 
     def text(self) -> str:
+        if self.content is None:
+            return ""
         if isinstance(self.content, str):
             return self.content
         return "".join(part.text for part in self.content)
+
+    @model_validator(mode="after")
+    def _shape(self) -> ChatMessage:
+        if self.content is None and not (self.role == "assistant" and self.tool_calls):
+            raise ValueError("content: required (null only on an assistant message with tool_calls)")
+        if self.tool_calls is not None and self.role != "assistant":
+            raise ValueError("tool_calls: only on an assistant message")
+        if (self.tool_call_id is None) == (self.role == "tool"):
+            raise ValueError("tool_call_id: required on a tool message, and only there")
+        return self
 
 
 class ChatRequest(_Common):
@@ -201,11 +279,28 @@ class ChatRequest(_Common):
     logprobs: Bool = False
     top_logprobs: Annotated[int, Field(ge=0, le=MAX_LOGPROBS), Number] | None = None
     response_format: ResponseFormat | None = None
-    tools: list[Any] | None = Field(default=None, max_length=0, description="refused unless empty")
-    functions: list[Any] | None = Field(default=None, max_length=0, description="refused unless empty")
-    tool_choice: Literal["none"] | None = Field(default=None, description="only \"none\"")
-    function_call: Literal["none"] | None = Field(default=None, description="only \"none\"")
-    parallel_tool_calls: Bool | None = Field(default=None, description="ignored")
+    tools: list[Tool] | None = Field(default=None, max_length=MAX_TOOLS, description="function tools "
+                                     "(server.api.openai.tools)")
+    functions: list[Any] | None = Field(default=None, max_length=0, description="refused unless empty (use tools)")
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = Field(
+        default=None, description="default: auto with tools, none without")
+    function_call: Literal["none"] | None = Field(default=None, description="only \"none\" (use tool_choice)")
+    parallel_tool_calls: Bool | None = Field(default=None, description="false: at most one call (default true)")
+    # vLLM's chat extensions (server.api.openai.extensions)
+    echo: Bool = Field(default=False, description="extension (vLLM): the answer starts with the last message's "
+                       "content when that is an assistant message")
+    add_generation_prompt: Bool = Field(default=True, description="extension (vLLM)")
+    continue_final_message: Bool = Field(default=False, description="extension (vLLM): continue the last "
+                                         "(assistant) message instead of starting a new one")
+    chat_template_kwargs: dict[str, Any] | None = Field(default=None, max_length=32,
+                                                        description="extension (vLLM): variables for the template")
+    documents: list[dict[str, str]] | None = Field(default=None, max_length=64,
+                                                   description="extension (vLLM): for a template that uses them")
+    chat_template: None = Field(default=None, description="refused: the backbone's own template is used")
+    reasoning_effort: str | None = Field(default=None, max_length=16, description="ignored (no reasoning model)")
+    include_reasoning: Bool = Field(default=True, description="ignored (no reasoning model)")
+    media_io_kwargs: dict[str, Any] | None = Field(default=None, max_length=16, description="ignored (text only)")
+    mm_processor_kwargs: dict[str, Any] | None = Field(default=None, max_length=16, description="ignored (text only)")
 
     model_config = ConfigDict(json_schema_extra={"allOf": [
         {  # top_logprobs needs logprobs: true
@@ -221,4 +316,6 @@ class ChatRequest(_Common):
     def _top_logprobs(self) -> ChatRequest:
         if self.top_logprobs is not None and not self.logprobs:
             raise ValueError("top_logprobs: needs logprobs: true")
+        if self.continue_final_message and self.add_generation_prompt:
+            raise ValueError("continue_final_message: needs add_generation_prompt: false")
         return self

@@ -82,13 +82,15 @@ REFUSED = [
     ("completions", {"max_tokens": 65}, "max_tokens"),
     ("completions", {"model": ""}, "model"),
     ("completions", {"prompt": [1, 2, 100000]}, "prompt"),
-    ("chat", {"tools": [{"type": "function", "function": {"name": "f"}}]}, "tools"),
+    ("chat", {"tools": [{"type": "function", "function": {"name": "f", "parameters": {"type": "nonsense"}}}]},
+     "tools.0.function.parameters"),
     ("chat", {"tool_choice": "auto"}, "tool_choice"),
     ("chat", {"functions": [{"name": "f"}]}, "functions"),
     ("chat", {"response_format": {"type": "xml"}}, "response_format.type"),
     ("chat", {"top_logprobs": 2}, "top_logprobs"),
     ("chat", {"top_logprobs": 21, "logprobs": True}, "top_logprobs"),
-    ("chat", {"messages": [{"role": "tool", "content": "x", "tool_call_id": "1"}]}, "messages.0.role"),
+    ("chat", {"messages": [{"role": "user", "content": "x"}, {"role": "tool", "content": "x", "tool_call_id": "1"}]},
+     "messages.1.tool_call_id"),  # answers no earlier call
     ("chat", {"messages": []}, "messages"),
     ("chat", {"messages": [{"role": "system", "content": "hi"}, {"role": "assistant", "content": "yo"}]},
      "messages"),  # chat to a task needs a user message

@@ -1,0 +1,259 @@
+"""Tool calling on /v1/chat/completions with the official `openai` client against a live server
+(tiny random backbone): required and named calls always parse and validate (the grammar), streamed
+tool-call deltas add up to the whole answer, a tool round trip, the default format's rendering, the
+auto parser, and 400s naming the field for bad tools (nothing reaches the engine)."""
+
+from __future__ import annotations
+
+import json
+
+import httpx
+import pytest
+
+from adapters_store.backbone.tiny import tiny_tokenizer
+from server.api.openai import tools
+from server.api.openai.schemas import ChatMessage
+from server.api.openai.tool_schemas import Tool
+from tests.support.server_fixtures import build_store, live_server, settings_for, tiny_backbone
+
+openai = pytest.importorskip("openai")
+jsonschema_rs = pytest.importorskip("jsonschema_rs")
+
+WEATHER = {"type": "object", "properties": {"city": {"type": "string", "maxLength": 12},
+                                            "unit": {"enum": ["c", "f"]}},
+           "required": ["city", "unit"], "additionalProperties": False}
+ADD = {"type": "object", "properties": {"a": {"type": "integer", "minimum": 0, "maximum": 99},
+                                        "b": {"type": "integer", "minimum": 0, "maximum": 99}},
+       "required": ["a", "b"], "additionalProperties": False}
+TOOLS = [{"type": "function", "function": {"name": "weather", "description": "the weather", "parameters": WEATHER}},
+         {"type": "function", "function": {"name": "add", "parameters": ADD}}]
+SCHEMAS = {"weather": WEATHER, "add": ADD}
+MSGS = [{"role": "user", "content": "what is the weather in Paris?"}]
+
+
+def valid_call(call) -> bool:
+    return jsonschema_rs.validator_for(SCHEMAS[call.function.name]).is_valid(json.loads(call.function.arguments))
+
+
+def long_backbone():
+    """The tiny backbone with room for the tools' listing (a byte per token)."""
+    backbone = tiny_backbone()
+    backbone.model.config.max_position_embeddings = 2048
+    return backbone
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory):
+    root = tmp_path_factory.mktemp("tools")
+    build_store(root / "store")
+    with live_server(settings_for(root, max_new_tokens=96, max_n=4, max_prompt_tokens=1800), long_backbone()) as srv:
+        yield srv
+
+
+@pytest.fixture(scope="module")
+def oc(server):
+    return openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0)
+
+
+@pytest.fixture
+def http(server):
+    with httpx.Client(base_url=server.url, timeout=60) as c:
+        yield c
+
+
+# -- required and named: the grammar ---------------------------------------------------------------
+@pytest.mark.parametrize("model", ["base", "alpha", "mix:alpha=0.5,beta=0.5"])
+def test_named_calls_parse_and_validate(oc, model):
+    for temperature in (0.0, 1.0):
+        r = oc.chat.completions.create(model=model, messages=MSGS, tools=TOOLS, max_tokens=80, n=2, seed=3,
+                                       temperature=temperature,
+                                       tool_choice={"type": "function", "function": {"name": "weather"}})
+        for choice in r.choices:
+            assert choice.finish_reason == "stop", choice
+            assert choice.message.content is None
+            (call,) = choice.message.tool_calls
+            assert call.type == "function" and call.function.name == "weather" and call.id.startswith("call_")
+            assert valid_call(call), call.function.arguments
+
+
+def test_required_calls_parse_and_validate(oc):
+    seen = set()
+    for seed in range(4):
+        r = oc.chat.completions.create(model="base", messages=MSGS, tools=TOOLS, tool_choice="required",
+                                       max_tokens=96, temperature=1.0, seed=seed)
+        choice = r.choices[0]
+        if choice.finish_reason == "length":  # a list of calls can run past max_tokens: then no call
+            assert not choice.message.tool_calls and choice.message.content
+            continue
+        assert choice.finish_reason == "tool_calls"
+        assert choice.message.tool_calls and all(valid_call(c) for c in choice.message.tool_calls)
+        seen.update(c.function.name for c in choice.message.tool_calls)
+    assert seen  # at least one finished within the budget
+    one = oc.chat.completions.create(model="base", messages=MSGS, tools=TOOLS, tool_choice="required",
+                                     parallel_tool_calls=False, max_tokens=96, temperature=0)
+    assert one.choices[0].finish_reason == "tool_calls" and len(one.choices[0].message.tool_calls) == 1
+
+
+def test_cut_short_call_is_length_and_no_call(oc):
+    r = oc.chat.completions.create(model="base", messages=MSGS, tools=TOOLS, max_tokens=3, temperature=0,
+                                   tool_choice={"type": "function", "function": {"name": "add"}})
+    choice = r.choices[0]
+    assert choice.finish_reason == "length" and not choice.message.tool_calls
+
+
+@pytest.mark.parametrize("choice", ["required", {"type": "function", "function": {"name": "add"}}],
+                         ids=["required", "named"])
+def test_streamed_calls_add_up_to_the_whole_answer(oc, choice):
+    # one call (a random model's list of calls may run past max_tokens)
+    args = {"model": "base", "messages": MSGS, "tools": TOOLS, "tool_choice": choice, "max_tokens": 96,
+            "temperature": 0, "parallel_tool_calls": False}
+    whole = oc.chat.completions.create(**args)
+    chunks = list(oc.chat.completions.create(**args, stream=True, stream_options={"include_usage": True}))
+    calls: dict[int, dict] = {}
+    for c in chunks:
+        for d in (c.choices[0].delta.tool_calls or []) if c.choices else []:
+            entry = calls.setdefault(d.index, {"id": d.id, "name": "", "arguments": ""})
+            entry["name"] += d.function.name or ""
+            entry["arguments"] += d.function.arguments or ""
+    want = whole.choices[0].message.tool_calls
+    assert [(e["name"], e["arguments"]) for e in calls.values()] == [(w.function.name, w.function.arguments)
+                                                                      for w in want]
+    assert all(e["id"] and e["id"].startswith("call_") for e in calls.values())
+    reasons = [c.choices[0].finish_reason for c in chunks if c.choices and c.choices[0].finish_reason]
+    assert reasons == [whole.choices[0].finish_reason]
+    assert chunks[-1].usage.completion_tokens == whole.usage.completion_tokens
+
+
+def test_the_clients_stream_helper_assembles_the_call(oc):
+    with oc.chat.completions.stream(model="base", messages=MSGS, tools=TOOLS, max_tokens=80, temperature=0,
+                                    tool_choice={"type": "function", "function": {"name": "weather"}}) as stream:
+        final = stream.get_final_completion()
+    (call,) = final.choices[0].message.tool_calls
+    assert call.function.name == "weather" and valid_call(call)
+
+
+def test_a_tool_round_trip(oc):
+    first = oc.chat.completions.create(model="base", messages=MSGS, tools=TOOLS, max_tokens=80, temperature=0,
+                                       tool_choice={"type": "function", "function": {"name": "weather"}})
+    call = first.choices[0].message.tool_calls[0]
+    history = [*MSGS, first.choices[0].message.model_dump(exclude_none=True),
+               {"role": "tool", "tool_call_id": call.id, "content": '{"temp": 21}'}]
+    second = oc.chat.completions.create(model="base", messages=history, tools=TOOLS, max_tokens=8, temperature=0)
+    assert second.choices[0].finish_reason in ("stop", "length", "tool_calls")
+    none = oc.chat.completions.create(model="base", messages=history, tools=TOOLS, tool_choice="none", max_tokens=8,
+                                      temperature=0)
+    assert none.choices[0].message.tool_calls is None and none.choices[0].finish_reason in ("stop", "length")
+
+
+# -- rendering -------------------------------------------------------------------------------------
+def _msgs(raw: list[dict]) -> list[ChatMessage]:
+    return [ChatMessage.model_validate(m) for m in raw]
+
+
+def test_default_format_lists_tools_and_writes_calls_and_results():
+    tok = tiny_tokenizer()
+    assert not tools.template_has_tools(tok)
+    raw = [{"role": "system", "content": "be brief"}, *MSGS,
+           {"role": "assistant", "content": None, "tool_calls": [
+               {"id": "c1", "type": "function", "function": {"name": "weather", "arguments": '{"city": "Paris"}'}}]},
+           {"role": "tool", "tool_call_id": "c1", "content": "sunny"},
+           {"role": "tool", "tool_call_id": "c1", "content": "warm"}]
+    text = tools.render(tok, _msgs(raw), [Tool.model_validate(t) for t in TOOLS])
+    assert text.startswith("<|im_start|>system\nbe brief\n\nYou can call functions")
+    assert '"name":"weather"' in text and '"name":"add"' in text  # both signatures
+    assert '<|im_start|>assistant\n<tool_call>\n{"name":"weather","arguments":{"city":"Paris"}}\n</tool_call>' in text
+    # consecutive results are one user turn
+    assert "<|im_start|>user\n<tool_response>\nsunny\n</tool_response>\n<tool_response>\nwarm\n</tool_response>" in text
+    assert text.endswith("<|im_start|>assistant\n")
+
+
+def test_a_template_with_a_tools_section_gets_them_itself():
+    tok = tiny_tokenizer()
+    tok.chat_template = ("{% if tools %}TOOLS:{% for t in tools %}{{ t.function.name }};{% endfor %}|{% endif %}"
+                         "{% for m in messages %}{{ m.role }}:{{ m.content }}"
+                         "{% if m.tool_calls %}{% for c in m.tool_calls %}[{{ c.function.name }}"
+                         "({{ c.function.arguments.city }})]{% endfor %}{% endif %}|{% endfor %}")
+    assert tools.template_has_tools(tok)
+    raw = [*MSGS, {"role": "assistant", "content": "", "tool_calls": [
+        {"id": "c1", "type": "function", "function": {"name": "weather", "arguments": '{"city": "Oslo"}'}}]},
+        {"role": "tool", "tool_call_id": "c1", "content": "cold"}]
+    text = tools.render(tok, _msgs(raw), [Tool.model_validate(t) for t in TOOLS], add_generation_prompt=False)
+    assert text == "TOOLS:weather;add;|user:what is the weather in Paris?|assistant:[weather(Oslo)]|tool:cold|"
+
+
+# -- auto: the parser --------------------------------------------------------------------------------
+NAMES = {"weather", "add"}
+
+
+@pytest.mark.parametrize(("text", "content", "calls"), [
+    ("just text", "just text", []),
+    ('<tool_call>\n{"name": "add", "arguments": {"a": 1, "b": 2}}\n</tool_call>', None, [("add", '{"a":1,"b":2}')]),
+    (('let me see <tool_call>{"name":"weather","arguments":{"city":"x"}}</tool_call>'
+     '<tool_call>{"name":"add","arguments":{}}</tool_call>'), "let me see",
+     [("weather", '{"city":"x"}'), ("add", "{}")]),
+    ('<tool_call>{"name": "add", "arguments": {"a": 1}}', None, [("add", '{"a":1}')]),  # ended by EOS before the tag
+    ('<tool_call>{"name": "nope", "arguments": {}}</tool_call>', None, None),  # unknown tool: text
+    ('<tool_call>{"name": "add", "arguments": {</tool_call>', None, None),  # not JSON: text
+], ids=["text", "one", "two", "unclosed", "unknown", "broken"])
+def test_auto_parser(text, content, calls):
+    parsed = tools.parse_auto(text, NAMES)
+    if calls is None:
+        assert parsed.content == text and parsed.calls == []
+        return
+    assert parsed.content == content
+    assert [(c["function"]["name"], c["function"]["arguments"]) for c in parsed.calls] == calls
+    assert len({c["id"] for c in parsed.calls}) == len(calls)
+    if len(calls) > 1:
+        assert len(tools.parse_auto(text, NAMES, parallel=False).calls) == 1
+
+
+def test_stream_splitter_passes_text_and_holds_calls():
+    s = tools.StreamSplitter()
+    pieces = ["Hello <", "to", "ol_call>{", '"name":"add"}', "</tool_call>"]
+    out = [s.feed(p) for p in pieces]
+    assert out == ["Hello ", "", "", "", ""]
+    assert s.rest() == '<tool_call>{"name":"add"}</tool_call>'
+    s = tools.StreamSplitter()
+    assert [s.feed(p) for p in ["a <", "b", " <tool"]] == ["a ", "<b", " "]
+    assert s.rest() == "<tool"
+
+
+# -- refusals: 400 naming the field, before the engine ------------------------------------------------
+def _tool(name="f", parameters=None):
+    fn = {"name": name} if parameters is None else {"name": name, "parameters": parameters}
+    return {"type": "function", "function": fn}
+
+
+BAD = [
+    ({"tools": [_tool(parameters={"type": "object", "properties": {"a": {"type": "nonsense"}}})]},
+     "tools.0.function.parameters"),
+    ({"tools": [_tool(parameters={"type": "string"})]}, "tools.0.function.parameters"),
+    ({"tools": [_tool(), _tool()]}, "tools.1.function.name"),
+    ({"tools": [_tool(name="bad name")]}, "tools.0.function.name"),
+    ({"tools": [{"type": "code_interpreter"}]}, "tools.0.type"),
+    ({"tools": [_tool()] * 129}, "tools"),
+    ({"tools": [_tool()], "tool_choice": {"type": "function", "function": {"name": "g"}}},
+     "tool_choice.function.name"),
+    ({"tool_choice": "required"}, "tool_choice"),
+    ({"tools": [_tool()], "tool_choice": "required", "stop": ["x"]}, "stop"),
+    ({"tools": [_tool()], "response_format": {"type": "json_object"}}, "tool_choice"),
+    ({"messages": [*MSGS, {"role": "tool", "tool_call_id": "nope", "content": "x"}]}, "messages.1.tool_call_id"),
+    ({"messages": [*MSGS, {"role": "assistant", "tool_calls": [
+        {"id": "c", "type": "function", "function": {"name": "f", "arguments": "not json"}}]}]},
+     "messages.1.tool_calls.0.function.arguments"),
+    ({"messages": [{"role": "user", "content": None}]}, "messages.0"),
+    ({"messages": [{"role": "tool", "content": "x"}]}, "messages.0"),
+]
+
+
+@pytest.mark.parametrize(("extra", "param"), BAD, ids=[p for _, p in BAD])
+def test_bad_tools_are_400_naming_the_field_and_reach_no_engine(server, http, monkeypatch, extra, param):
+    submitted = []
+    engine = server.runtime.engine
+    real = engine.submit
+    monkeypatch.setattr(engine, "submit", lambda req: (submitted.append(req), real(req))[1])
+    body = {"model": "base", "messages": MSGS, "max_tokens": 4, **extra}
+    r = http.post("/v1/chat/completions", json=body)
+    assert r.status_code == 400, r.text
+    assert r.json()["error"]["param"] == param, r.text
+    assert submitted == []
