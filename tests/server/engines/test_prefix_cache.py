@@ -133,14 +133,18 @@ def prompt(bb, shared: int, own: int, seed: int) -> list[int]:
     return head + torch.randint(3, vocab, (own,), generator=gen).tolist()
 
 
-def serve(engine, jobs, params) -> list[list]:
+def serve(engine, jobs, params, together: bool = False) -> list[list]:
     """jobs: (prompt ids, adapter, tenant, salt); the choices of each, submitted one after another
-    so that each finds what the ones before it left in the cache."""
-    out = []
-    for ids, adapter, tenant, salt in jobs:
-        req = GenRequest(list(ids), params, adapter, getattr(adapter, "task", "base"), tenant=tenant, cache_salt=salt)
-        out.append(wait_all([engine.submit(req)], timeout=120)[0])
-    return out
+    so that each finds what the ones before it left in the cache (together: all at once, in one
+    mixed batch)."""
+    reqs = [GenRequest(list(ids), params, adapter, getattr(adapter, "task", "base"), tenant=tenant, cache_salt=salt)
+            for ids, adapter, tenant, salt in jobs]
+    if together:
+        with engine._cond:  # the engine admits nothing until all are queued: the same batches every run
+            for r in reqs:
+                engine.submit(r)
+        return wait_all(reqs, timeout=120)
+    return [wait_all([engine.submit(r)], timeout=120)[0] for r in reqs]
 
 
 def finals(choices) -> list[FinalEvent]:
@@ -155,7 +159,7 @@ def test_a_cached_run_equals_an_uncached_one(setup, dtype, static_decode, one_th
     params = SamplingParams(max_new_tokens=12, ignore_eos=True, logprobs=2, n=2, temperature=0.8, seed=5)
     greedy = SamplingParams(max_new_tokens=12, ignore_eos=True, logprobs=2)
     # every task twice with a 70-token prefix of its own (a chunked prefill: max_step_tokens 40),
-    # the second time with another question after it
+    # one request after another; then every task again with another question, all in one batch
     jobs = [(prompt(bb, 70, 5 + i % 3, seed=i), adapters[i % len(adapters)], "default", None) for i in range(10)]
     jobs += [(prompt(bb, 70, 4, seed=100 + i), adapters[i % len(adapters)], "default", None) for i in range(10)]
     runs = {}
@@ -163,7 +167,8 @@ def test_a_cached_run_equals_an_uncached_one(setup, dtype, static_decode, one_th
         engine = engine_for(setup, dtype=dtype, static_decode=static_decode, max_step_tokens=40, max_batch_rows=8,
                             prefix_cache_tokens=budget)
         try:
-            runs[budget] = (serve(engine, jobs, greedy), serve(engine, jobs[:4], params))
+            runs[budget] = (serve(engine, jobs[:10], greedy) + serve(engine, jobs[10:], greedy, together=True),
+                            serve(engine, jobs[:4], params, together=True))
         finally:
             engine.stop()
     (plain, plain_n), (cached, cached_n) = runs[0], runs[4096]
