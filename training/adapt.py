@@ -44,6 +44,7 @@ from adapters_store.store.records import InventoryInfo
 from training.adapt_config import AdaptConfig
 from training.batching import collate, encode_all, within_tokens
 from training.data import Example, split_examples
+from training.estimate import exact_estimate
 from training.loss import per_example_exact, per_example_loss, target_logits, token_loss
 from training.precision import FrozenBf16Weights, resolve_autocast
 from training.routing_table import INIT, row_weights
@@ -121,6 +122,7 @@ class Adaptation:
         self.frozen_layers = L - max(1, round(L * config.trained_share))
 
         self.row: torch.Tensor | None = None
+        self.from_init_row = init_row is not None  # training starts from a given row (else μ's, or the skills')
         self.A: list[torch.Tensor] = []
         self.B: list[torch.Tensor] = []
         groups: list[dict[str, Any]] = []
@@ -343,14 +345,16 @@ class Adaptation:
         if not self.finished:
             raise RuntimeError("adaptation is still running; step() until it returns False (or cancel())")
         tensors = self.best if self.best is not None else self._snapshot()
+        exact = self.best_exact if self.held and self.best_exact >= 0 else None
         metrics = {
             "method": self.method, "steps_run": self.step_count, "steps": self.steps, "max_steps": self.max_steps,
             "best_step": self.best_step,
             "train_loss": _finite(self.last_loss), "eval_loss": _finite(self.best_loss) if self.held else None,
-            "eval_exact": self.best_exact if self.held and self.best_exact >= 0 else None, "select": self.select,
+            "eval_exact": exact, "select": self.select,
             "initial_eval_loss": self.initial_eval_loss, "n_train": self.n_train, "n_held": self.n_held,
             "seconds": round(time.perf_counter() - self.started, 3), "cancelled": self.cancelled,
             "stored_params": sum(t.numel() for t in tensors.values()),
+            **exact_estimate(exact, self.n_held),  # its n, an interval, a note below the floor
         }
         kind: Literal["routing", "lora"] = "routing" if self.method == "routing" else "lora"
         return AdaptResult(kind, tensors, metrics, self.params)

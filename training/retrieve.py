@@ -33,6 +33,7 @@ from training.adapt import AdaptResult, KnownEval
 from training.adapt_config import HOLDOUT
 from training.batching import FEW_SHOT_MAX_LENGTH, Encoded, collate, encode_all, within_tokens
 from training.data import Example, split_examples
+from training.estimate import exact_estimate
 from training.loss import per_example_exact, per_example_loss, target_logits
 from training.precision import resolve_autocast
 from training.routing_table import row_weights
@@ -245,6 +246,7 @@ class Retrieval:
         if self.chosen is None:
             raise RuntimeError("retrieval was cancelled before it chose a row")
         k = self._k(self.chosen)
+        exact = self.held_exact[self.chosen] if self.n_held else None  # else it scored the training examples
         metrics = {
             "method": "retrieve", "k": k, "retrieved": [self.names[i] for i in self.ranked[:k]],
             "ranked": [self.names[i] for i in self.ranked[:8]], "candidates": len(self.names),
@@ -253,7 +255,11 @@ class Retrieval:
             "mu_train_loss": self.mu_train_loss if self.names else None,
             "n_train": self.n_train, "n_held": self.n_held, "n_screened": len(self.train), "forwards": self.forwards,
             "seconds": round(time.perf_counter() - self.started, 3),
+            "eval_exact": exact, **exact_estimate(exact, self.n_held),
         }
+        if not k:  # what the row is, where `retrieved` is empty
+            metrics["retrieve_note"] = ("no other task to retrieve from: μ (the uniform routing)" if not self.names
+                                        else "no retrieved row beat μ (the uniform routing) on the held-out loss")
         return AdaptResult("routing", {"logits": self.choices[self.chosen].clone()}, metrics, params=0)
 
     def known_eval(self) -> KnownEval | None:
@@ -329,7 +335,15 @@ class RetrievedAdaptation:
         res = self.adaptation.result()
         assert self.retrieved is not None
         r = self.retrieved.metrics
-        res.metrics.update({"init": "retrieve", "retrieve_k": r["k"], "retrieved": r["retrieved"],
+        # init: where training started: "retrieve" from the retrieved row; "mu" where the retrieval
+        # kept μ (`retrieved` empty) or the method does not train a row (mu: the row was only served early)
+        if not getattr(self.adaptation, "from_init_row", True):
+            init = {"init": "mu", "init_note": "training started from μ; the retrieved row was only served early"}
+        elif r["retrieved"]:
+            init = {"init": "retrieve"}
+        else:
+            init = {"init": "mu", "init_note": r.get("retrieve_note")}
+        res.metrics.update({**init, "retrieve_k": r["k"], "retrieved": r["retrieved"],
                             "retrieve_eval_loss": r["eval_loss"], "mu_eval_loss": r["mu_eval_loss"],
                             "retrieve_seconds": r["seconds"],
                             "seconds": round(r["seconds"] + res.metrics.get("seconds", 0.0), 3)})

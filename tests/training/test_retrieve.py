@@ -249,3 +249,46 @@ def test_the_screen_takes_as_many_training_examples_as_screen_tokens_hold(invent
         hook.remove()
     with pytest.raises(ValueError, match=r"screen_tokens must be >= 0"):
         Retrieval(rm, info, library, long, tokenizer, screen_tokens=-1)
+
+
+def test_a_held_out_estimate_comes_with_its_n_and_interval(inventory, tokenizer, library):
+    rm, info, skills = inventory
+    exs = few("upper", seed=7)  # 16 examples: 4 held out, below the floor
+    res = retrieve(rm, info, library, exs, tokenizer)
+    m = res.metrics
+    assert m["n_held"] == 4 and m["eval_exact_n"] == 4 and m["eval_exact"] is not None
+    assert m["eval_exact_low"] <= m["eval_exact"] <= m["eval_exact_high"]
+    assert m["eval_note"].startswith("too few held-out examples")
+    trained = adapt(rm, info, skills, exs, tokenizer, AdaptConfig(steps=3, seed=0)).metrics
+    assert trained["eval_exact_n"] == trained["n_held"] == 4 and "too few" in trained["eval_note"]
+
+
+def test_init_says_mu_where_nothing_was_retrieved(inventory, tokenizer):
+    """No candidate (or none better than μ): `retrieved` is empty, and init no longer says retrieve."""
+    rm, info, skills = inventory
+    exs = few("upper", seed=7)
+    alone = retrieve(rm, info, {}, exs, tokenizer)
+    assert alone.metrics["retrieved"] == [] and "no other task" in alone.metrics["retrieve_note"]
+    staged = RetrievedAdaptation(
+        Retrieval(rm, info, {}, exs, tokenizer, seed=0),
+        lambda row, known: Adaptation(rm, info, skills, exs, tokenizer, AdaptConfig(steps=2, seed=0),
+                                      init_row=row, init_eval=known),
+    )
+    while staged.step():
+        pass
+    m = staged.result().metrics
+    assert m["retrieved"] == [] and m["init"] == "mu" and "no other task" in m["init_note"]
+
+
+def test_init_says_mu_where_training_did_not_start_from_the_row(inventory, tokenizer, library):
+    """serve_early with method mu: the retrieved row is served first, but mu trains from the skills."""
+    rm, info, skills = inventory
+    exs = few("upper", seed=7)
+    staged = RetrievedAdaptation(
+        Retrieval(rm, info, library, exs, tokenizer, seed=0),
+        lambda row, known: Adaptation(rm, info, skills, exs, tokenizer, AdaptConfig(method="mu", steps=2, seed=0)),
+    )
+    while staged.step():
+        pass
+    m = staged.result().metrics
+    assert m["retrieved"] and m["init"] == "mu" and "served early" in m["init_note"]

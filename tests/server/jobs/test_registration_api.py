@@ -67,6 +67,11 @@ def test_register_poll_succeed_generate(client):
     assert done["status"] == "succeeded", done
     assert done["progress"] == 1.0 and done["finished_at"] >= done["started_at"] >= done["created_at"]
     assert "eval_loss" in done["metrics"]
+    # the estimate with its n and interval; 12 examples hold 3 out, below the floor: said so
+    m = done["metrics"]
+    assert m["eval_exact_n"] == m["n_held"] == 3 and m["eval_exact_level"] == 0.9
+    assert 0.0 <= m["eval_exact_low"] <= m["eval_exact"] <= m["eval_exact_high"] <= 1.0
+    assert m["eval_note"].startswith("too few held-out examples")
     task = client.get("/v1/tasks/swap-two").json()
     assert task["status"] == "ready" and task["method"] == "routing" and task["job_id"] == job["id"]
     assert task["params"] > 0
