@@ -303,8 +303,8 @@ class ChatRequest(_Common):
     mm_processor_kwargs: dict[str, Any] | None = Field(default=None, max_length=16, description="ignored (text only)")
 
     model_config = ConfigDict(json_schema_extra={"allOf": [
-        {  # top_logprobs needs logprobs: true
-            "if": {"properties": {"top_logprobs": {"type": "integer"}}, "required": ["top_logprobs"]},
+        {  # top_logprobs above 0 needs logprobs: true (0 is vLLM's default)
+            "if": {"properties": {"top_logprobs": {"type": "integer", "minimum": 1}}, "required": ["top_logprobs"]},
             "then": {"properties": {"logprobs": {"const": True}}, "required": ["logprobs"]}},
         {  # a task answers the last user message (server.api.openai.chat): there must be one
             "if": {"properties": {"model": {"not": {"const": "base"}}}},
@@ -314,7 +314,7 @@ class ChatRequest(_Common):
 
     @model_validator(mode="after")
     def _top_logprobs(self) -> ChatRequest:
-        if self.top_logprobs is not None and not self.logprobs:
+        if self.top_logprobs and not self.logprobs:
             raise ValueError("top_logprobs: needs logprobs: true")
         if self.continue_final_message and self.add_generation_prompt:
             raise ValueError("continue_final_message: needs add_generation_prompt: false")
