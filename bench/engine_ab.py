@@ -12,6 +12,7 @@ a warm-up (oneDNN builds its primitives per new shape) and is not timed.
     .venv/bin/python -m bench.engine_ab --field lora_kernel --values auto --threads 1   # this checkout
     .venv/bin/python -m bench.engine_ab --field dtype --values float32 bfloat16 --threads 1
     .venv/bin/python -m bench.engine_ab --field weight_build --values native avx2 --threads 1
+    .venv/bin/python -m bench.engine_ab --field prefix_cache_tokens --values 0 16384 --threads 2
 
 `--field dtype` takes the serving dtypes as POLYSERVE_DTYPE spells them; the other settings stay
 `auto`, so each dtype runs as the server would serve it (float32 on the GGUF blocks where the
@@ -55,7 +56,10 @@ def routed_workload(backbone: str, tasks: int, requests: int, out_min: int, out_
 
 
 def run_once(engine: NativeEngine, tok, jobs, adapters) -> tuple[int, float, float]:
-    """(tokens, wall s, this thread's CPU s) of serving every job to the end."""
+    """(tokens, wall s, this thread's CPU s) of serving every job to the end. Each run starts
+    with an empty prefix cache: the same prompts again would be hits, not the workload."""
+    if engine.prefix is not None:
+        engine.prefix.clear()
     reqs = [engine.submit(GenRequest(tok(prompt, add_special_tokens=False).input_ids,
                                      SamplingParams(max_new_tokens=n, ignore_eos=True), adapters[task], task,
                                      handle=RequestHandle(None)))
@@ -70,7 +74,8 @@ def run_once(engine: NativeEngine, tok, jobs, adapters) -> tuple[int, float, flo
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--field", required=True,
-                    help="an EngineConfig field set by a word, e.g. elementwise_kernel; or dtype, or weight_build")
+                    help="an EngineConfig field set by a word, e.g. elementwise_kernel; or dtype, weight_build, "
+                    "prefix_cache_tokens")
     ap.add_argument("--values", nargs="+", required=True, help="its values, as the setting spells them")
     ap.add_argument("--backbone", default="default")
     ap.add_argument("--tasks", type=int, default=48)
@@ -84,10 +89,11 @@ def main(argv: list[str] | None = None) -> None:
                     "--field dtype, the values' instead)")
     ap.add_argument("--seed", type=int, default=0)
     args = ap.parse_args(argv)
-    fields = {f.name for f in dataclasses.fields(EngineConfig) if isinstance(f.default, str)} | {"dtype",
-                                                                                                "weight_build"}
+    fields = {f.name for f in dataclasses.fields(EngineConfig) if isinstance(f.default, str)} | {
+        "dtype", "weight_build", "prefix_cache_tokens"}
     if args.field not in fields:
-        raise SystemExit(f"--field must be an EngineConfig field set by a word: {', '.join(sorted(fields))}")
+        raise SystemExit(f"--field must be an EngineConfig field set by a word or prefix_cache_tokens: "
+                         f"{', '.join(sorted(fields))}")
     if args.field == "weight_build" and not set(args.values) <= set(quant_linear.BUILDS):
         raise SystemExit(f"--field weight_build takes {', '.join(sorted(quant_linear.BUILDS))}")
     torch.set_num_threads(args.threads)
@@ -98,7 +104,8 @@ def main(argv: list[str] | None = None) -> None:
     engines = {}
     for value in args.values:
         setting = ({"dtype": serving_dtype("cpu", value)} if args.field == "dtype"
-                   else {"dtype": dtype} if args.field == "weight_build" else {"dtype": dtype, args.field: value})
+                   else {"dtype": dtype} if args.field == "weight_build"
+                   else {"dtype": dtype, args.field: int(value) if value.isdigit() else value})
         cfg = EngineConfig(max_batch_rows=args.batch, max_batch_tokens=1 << 20, max_prefill_rows=args.batch,
                            max_queue=1 << 16, **setting)
         native = quant_linear.KERNEL

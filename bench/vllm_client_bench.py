@@ -79,7 +79,8 @@ def start(kind: str, args: argparse.Namespace, out: Path, env: dict[str, str], m
         cmd = [str(args.vllm_python), "-m", "vllm.entrypoints.openai.api_server", "--host", "127.0.0.1",
                "--port", str(port), "--model", str(model_dir), "--enable-lora", "--max-lora-rank", "8",
                "--max-loras", str(min(args.max_concurrency, args.tasks)), "--max-cpu-loras", str(max(64, args.tasks)),
-               "--max-num-seqs", str(args.max_concurrency), "--dtype", args.vllm_dtype, "--max-model-len", "1024"]
+               "--max-num-seqs", str(args.max_concurrency), "--dtype", args.vllm_dtype, "--max-model-len", "1024",
+               *getattr(args, "vllm_args", [])]
         ready = "/health"
     handle = open(log, "w")  # noqa: SIM115 - closed in stop()
     proc = subprocess.Popen(cmd, env=server_env, cwd=ROOT, stdout=handle, stderr=subprocess.STDOUT)
