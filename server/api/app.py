@@ -16,6 +16,7 @@ from fastapi import FastAPI
 from server.api import api_docs
 from server.api.errors import install_handlers
 from server.api.middleware import BodyLimit, RequestMetrics
+from server.api.openai import responses as openai_responses
 from server.api.openai import routes as openai
 from server.api.openai import tokenize_routes as tokenize
 from server.api.routes import generate, health, jobs, metrics, similar, tasks, usage
@@ -60,7 +61,7 @@ def create_app(settings: Settings | None = None, *, backbone: Any = None) -> Fas
     api_docs.install(app, settings)
     if settings.admin_keys and not settings.api_keys:
         log.warning("POLYSERVE_ADMIN_KEYS without POLYSERVE_API_KEYS: inference routes are open")
-    for module in (health, metrics, generate, openai, tasks, similar, jobs, usage, tokenize):
+    for module in (health, metrics, generate, openai, openai_responses, tasks, similar, jobs, usage, tokenize):
         app.include_router(module.router)
     app.add_middleware(BodyLimit, max_bytes=settings.max_body_bytes)
     app.add_middleware(RequestMetrics, metrics=metrics_)

@@ -89,7 +89,8 @@ TYPES = {400: "invalid_request", 401: "unauthorized", 403: "forbidden", 404: "no
          409: "conflict", 413: "too_large", 422: "validation_error", 429: "overloaded", 500: "internal_error",
          503: "unavailable", 504: "timeout"}
 
-OPENAI_PATHS = ("/v1/completions", "/v1/chat/completions", "/v1/models", "/tokenize", "/detokenize", "/version")
+OPENAI_PATHS = ("/v1/completions", "/v1/chat/completions", "/v1/responses", "/v1/models", "/tokenize", "/detokenize",
+                "/version")
 OPENAI_TYPES = {401: "authentication_error", 403: "permission_error", 429: "rate_limit_error"}
 # polyserve type -> OpenAI code, where OpenAI has a name for it
 OPENAI_CODES = {"not_found": "model_not_found", "unauthorized": "invalid_api_key"}

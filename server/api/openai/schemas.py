@@ -28,7 +28,8 @@ from __future__ import annotations
 
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, model_validator
+from pydantic_core import PydanticCustomError
 
 from adapters_store.lora.mix import MAX_MIX_CHARS, MIX_SCHEMA_EXTRA, MODEL_ID_PATTERN
 from server.api.openai.response_format import ResponseFormat
@@ -51,6 +52,15 @@ MAX_STOP_CHARS = 256
 MAX_LOGIT_BIAS = 300
 
 NonEmpty = Annotated[str, Field(min_length=1)]
+
+
+def _boolean(value: Any) -> Any:
+    if not isinstance(value, bool):  # Literal[False] alone takes 0
+        raise PydanticCustomError("bool_type", "Input should be a valid boolean")
+    return value
+
+
+OnlyFalse = Annotated[Literal[False], BeforeValidator(_boolean)]
 StopString = Annotated[str, Field(min_length=1, max_length=MAX_STOP_CHARS)]
 TokenId = Annotated[int, Field(ge=0), Number]
 TokenIds = Annotated[list[TokenId], Field(min_length=1)]
@@ -144,7 +154,7 @@ class _Common(BaseModel):
     return_prompt_text: Bool | None = Field(default=None, description="extension (vLLM): the rendered prompt")
     priority: Annotated[int, Field(ge=0, le=0), Number] = Field(
         default=0, description="extension (vLLM): only 0 (no priority scheduling here, as vLLM's default)")
-    use_beam_search: Literal[False] = Field(default=False, description="extension (vLLM): only false")
+    use_beam_search: OnlyFalse = Field(default=False, description="extension (vLLM): only false")
     allowed_token_ids: list[TokenId] | None = Field(default=None, max_length=0, description="refused unless empty")
     bad_words: list[str] | None = Field(default=None, max_length=0, description="refused unless empty")
     logprob_token_ids: list[TokenId] | None = Field(default=None, max_length=0, description="refused unless empty")
