@@ -215,9 +215,10 @@ def register_request(
     seed: int | None,
     serve_early: bool = False,
     shared: bool = False,
+    description: str | None = None,
 ) -> RequestSpec:
-    """``serve_early`` and ``shared`` are sent only when set, so a server that predates them
-    still accepts the default request."""
+    """``serve_early``, ``shared`` and ``description`` are sent only when set, so a server that
+    predates them still accepts the default request."""
     check_task_id(task)
     if (examples is None) == (jsonl_path is None):
         raise InvalidInput("pass exactly one of examples= or jsonl_path=")
@@ -230,7 +231,10 @@ def register_request(
     if serve_early and method == "retrieve":
         raise InvalidInput("serve_early needs a trained method (routing, mu, full): retrieve is ready at once")
     body = {"task": task, "examples": validate_examples(rows, task), "method": method}
-    flags = {"serve_early": True if serve_early else None, "shared": True if shared else None}
+    if description is not None and not (isinstance(description, str) and description.strip()):
+        raise InvalidInput("description must be a non-empty string")
+    flags = {"serve_early": True if serve_early else None, "shared": True if shared else None,
+             "description": description}
     return RequestSpec("POST", "/v1/tasks", {**body, **_drop_none({"steps": steps, "seed": seed, **flags})})
 
 

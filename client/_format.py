@@ -52,8 +52,15 @@ def key_values(pairs: Mapping[str, Any], indent: str = "") -> str:
 
 
 def tasks_table(tasks: Sequence[Task]) -> str:
-    rows = [(t.id, t.status, t.method, t.version, t.params, fmt_time(t.created_at)) for t in tasks]
-    return table(["id", "status", "method", "version", "params", "created"], rows)
+    """One line a task; its description last (on that line, however long)."""
+    rows = [(t.id, t.status, t.method, t.version, t.params, fmt_time(t.created_at), one_line(t.description))
+            for t in tasks]
+    return table(["id", "status", "method", "version", "params", "created", "description"], rows)
+
+
+def one_line(text: str | None) -> str | None:
+    """A description on one line (its whitespace runs, newlines included, as single spaces)."""
+    return " ".join(text.split()) if text else None
 
 
 def readable(key: str, value: Any) -> Any:

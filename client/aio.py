@@ -140,8 +140,10 @@ class AsyncPolyserveClient:
 
     # ---- tasks and jobs -------------------------------------------------------------------------
 
-    async def list_tasks(self) -> list[Task]:
-        return _core.parse_tasks(await self._json(RequestSpec("GET", "/v1/tasks")))
+    async def list_tasks(self, search: str | None = None) -> list[Task]:
+        """Every task; with ``search``, those whose id or description holds each of its words."""
+        params = {"search": search} if search else {}
+        return _core.parse_tasks(await self._json(RequestSpec("GET", "/v1/tasks", params=params)))
 
     async def get_task(self, task: str) -> Task:
         return Task.from_json(await self._json(RequestSpec("GET", _core.task_path(task))))
@@ -169,9 +171,11 @@ class AsyncPolyserveClient:
         seed: int | None = None,
         serve_early: bool = False,
         shared: bool = False,
+        description: str | None = None,
     ) -> Job:
         """``POST /v1/tasks`` (examples validated locally first); returns the queued job."""
-        spec = _core.register_request(task, examples, jsonl_path, method, steps, seed, serve_early, shared)
+        spec = _core.register_request(task, examples, jsonl_path, method, steps, seed, serve_early, shared,
+                                      description)
         return _core.parse_job(await self._json(spec))
 
     async def import_lora(

@@ -158,6 +158,7 @@ def generate(
     help="Serve the retrieved starting routing at once while training goes on (not with retrieve).",
 )
 @click.option("--shared", is_flag=True, help="Every tenant may use the task (admin keys).")
+@click.option("--description", default=None, help="What the task does, in words (shown by `tasks list`).")
 @click.option(
     "--wait/--no-wait",
     default=False,
@@ -180,6 +181,7 @@ def register(
     seed: int | None,
     serve_early: bool,
     shared: bool,
+    description: str | None,
     wait: bool,
     poll_interval: float,
     url: str,
@@ -196,6 +198,7 @@ def register(
             seed=seed,
             serve_early=serve_early,
             shared=shared,
+            description=description,
         )
         if not wait:
             if as_json:
@@ -251,11 +254,12 @@ def tasks() -> None:
 
 
 @tasks.command("list")
+@click.option("--search", default=None, help="Only tasks whose id or description holds each word of it.")
 @_common
-def tasks_list(url: str, api_key: str | None, as_json: bool) -> None:
-    """List the tasks the server knows."""
+def tasks_list(url: str, api_key: str | None, as_json: bool, search: str | None) -> None:
+    """List the tasks the server knows, one a line with its description."""
     with _session(url, api_key) as client:
-        found = client.list_tasks()
+        found = client.list_tasks(search=search)
     if as_json:
         _echo_json([t.raw for t in found])
     else:

@@ -142,8 +142,10 @@ class PolyserveClient:
 
     # ---- tasks and jobs -------------------------------------------------------------------------
 
-    def list_tasks(self) -> list[Task]:
-        return _core.parse_tasks(self._json(RequestSpec("GET", "/v1/tasks")))
+    def list_tasks(self, search: str | None = None) -> list[Task]:
+        """Every task; with ``search``, those whose id or description holds each of its words."""
+        params = {"search": search} if search else {}
+        return _core.parse_tasks(self._json(RequestSpec("GET", "/v1/tasks", params=params)))
 
     def get_task(self, task: str) -> Task:
         return Task.from_json(self._json(RequestSpec("GET", _core.task_path(task))))
@@ -171,15 +173,18 @@ class PolyserveClient:
         seed: int | None = None,
         serve_early: bool = False,
         shared: bool = False,
+        description: str | None = None,
     ) -> Job:
         """``POST /v1/tasks``: start a job that trains ``task`` from examples (a list or a JSONL file).
 
         Examples are validated locally first (non-empty; ``input`` and ``output`` are strings).
         ``method``: routing, retrieve (no training, ready in seconds), mu or full. ``serve_early``:
         serve the retrieved starting routing while training goes on. ``shared`` (admin keys): the
-        task is usable by every tenant.
+        task is usable by every tenant. ``description``: what the task does, in words (shown in
+        listings and searched by ``list_tasks(search=...)``).
         """
-        spec = _core.register_request(task, examples, jsonl_path, method, steps, seed, serve_early, shared)
+        spec = _core.register_request(task, examples, jsonl_path, method, steps, seed, serve_early, shared,
+                                      description)
         return _core.parse_job(self._json(spec))
 
     def import_lora(

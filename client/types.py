@@ -181,6 +181,7 @@ class Task:
     updated_at: float | None = None
     kind: str | None = None
     job_id: str | None = None
+    description: str | None = None
     raw: dict[str, Any] = field(default_factory=dict, repr=False, compare=False)
 
     @property
@@ -202,6 +203,7 @@ class Task:
             updated_at=timestamp(data.get("updated_at")),
             kind=_opt_str(data.get("kind")),
             job_id=_opt_str(data.get("job_id")),
+            description=_opt_str(data.get("description")),
             raw=data,
         )
 
@@ -286,6 +288,7 @@ class Model:
     created: float | None = None
     owned_by: str | None = None
     parent: str | None = None
+    description: str | None = None
     raw: dict[str, Any] = field(default_factory=dict, repr=False, compare=False)
 
     @classmethod
@@ -296,6 +299,7 @@ class Model:
             created=timestamp(data.get("created")),
             owned_by=_opt_str(data.get("owned_by")),
             parent=_opt_str(data.get("parent")),
+            description=_opt_str(data.get("description")),
             raw=data,
         )
 

@@ -5,7 +5,9 @@
 
 (the store layout, with the training tasks' routing rows). `install_default_inventory(store)`
 copies it into a working store (any backend) that has no inventory; nothing is ever written into the
-package directory at run time. `python -m training.shipped_inventory --from-store DIR` refreshes
+package directory at run time. A shipped task's record carries the suite's description of it and a
+few examples (`describe`; `describe_shipped(store)` adds them to a store installed without).
+`python -m training.shipped_inventory --from-store DIR` refreshes
 the package data from a freshly trained store (a development step, see
 scripts/train_default_inventory.sh).
 """
@@ -15,13 +17,15 @@ from __future__ import annotations
 import argparse
 import json
 import shutil
+from dataclasses import replace
 from pathlib import Path
 
 from adapters_store.store.atomic import read_json
 from adapters_store.store.contract import AdapterStore
 from adapters_store.store.directory import DirectoryStore
+from adapters_store.store.errors import TaskNotFound
 from adapters_store.store.ids import validate_task_id
-from adapters_store.store.records import InventoryInfo, TaskRecord
+from adapters_store.store.records import MAX_RECORD_EXAMPLES, InventoryInfo, TaskRecord
 
 PACKAGE_DIR = Path(__file__).resolve().parent / "default_inventory"
 WORDS_DIR = Path(__file__).resolve().parent / "words"
@@ -58,6 +62,57 @@ def install_default_inventory(store: AdapterStore, source: Path | None = None) -
     return store.install_once(lambda target: _install(target, src))
 
 
+def suite_description(task: str) -> str | None:
+    """What a suite task does, from its primitives' definitions (training/suite.py); None for an
+    id that is no composition of them.
+
+    >>> suite_description("rev-words.upper")
+    'Reverse the order of the tokens; then uppercase every letter.'
+    """
+    from training.suite import PRIMITIVES, parse_task
+
+    try:
+        spec = parse_task(task)
+    except ValueError:
+        return None
+    parts = [(PRIMITIVES[p].__doc__ or p).split(". ")[0].replace("``", '"').removesuffix(" (terminal)")
+             for p in spec.primitives]
+    return parts[0] + "".join(f"; then {q[:1].lower()}{q[1:]}" for q in parts[1:]) + "."
+
+
+def describe(record: TaskRecord) -> TaskRecord:
+    """`record` with the suite's description and examples where it has none (a shipped task)."""
+    if record.description is not None:
+        return record
+    text = suite_description(record.id)
+    if text is None:
+        return record
+    from training.suite import examples, parse_task
+
+    shown = [{"input": e.input, "output": e.output} for e in examples(parse_task(record.id), MAX_RECORD_EXAMPLES, 0)]
+    return replace(record, description=text, examples=record.examples or shown)
+
+
+def describe_shipped(store: AdapterStore) -> int:
+    """Add the suite's description and examples to the shipped tasks of `store` that have none
+    (a store installed before records carried them); returns how many it wrote."""
+    written = 0
+    for record in store.list_tasks():
+        if record.description is not None or record.owner is not None or record.source.get("kind") != "pretraining":
+            continue
+        if suite_description(record.id) is None:
+            continue
+        with store.task_lock(record.id):
+            try:
+                current = store.get_task(record.id)
+            except TaskNotFound:
+                continue
+            if current.description is None and current.digest == record.digest:
+                store.put_record(describe(current))
+                written += 1
+    return written
+
+
 def _install(store: AdapterStore, src: Path) -> bool:
     for task_dir in _task_dirs(src):
         task = validate_task_id(task_dir.name)
@@ -66,7 +121,7 @@ def _install(store: AdapterStore, src: Path) -> bool:
         data = read_json(task_dir / "task.json")
         if data.get("id") != task or not data.get("file"):
             raise ValueError(f"{task_dir}/task.json does not describe task {task!r}")
-        record = TaskRecord.from_json(data)
+        record = describe(TaskRecord.from_json(data))
         store.import_task(record, (task_dir / Path(str(record.file)).name).read_bytes())
     # The inventory last: a crash before this leaves a store that installs again on next start.
     info = InventoryInfo.from_json(read_json(src / "inventory" / "inventory.json"))

@@ -349,8 +349,11 @@ class AdapterStore(ABC):
                 params=sum(t.numel() for t in tensors.values()),
                 source=source or {}, metrics=metrics or {}, job_id=job_id,
                 inventory_version=inv["version"] if inv else None,
-                # a new version keeps its owner (set by the registration's placeholder record)
+                # a new version keeps its owner and what it says of itself (set by the registration's
+                # placeholder record)
                 owner=previous.owner if previous else None, shared=previous.shared if previous else False,
+                description=previous.description if previous else None,
+                examples=list(previous.examples) if previous else [],
             )
             self._commit_task(record, blob, previous)
         return record

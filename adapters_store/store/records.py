@@ -12,6 +12,10 @@ AdapterKind = Literal["routing", "lora"]
 # adapters_store.backbone.prompt.PROMPT_FORMAT: the format every task so far was trained with (and the default
 # for records written before the field existed)
 DEFAULT_PROMPT_FORMAT = "input-output"
+# a task record's `examples`: a few input/output pairs that show what it does (the first ones a
+# registration sent, or the suite's for a shipped task), not its training data
+MAX_RECORD_EXAMPLES = 3
+MAX_DESCRIPTION_CHARS = 500
 
 
 @dataclass(frozen=True)
@@ -77,6 +81,8 @@ class TaskRecord:
     prompt_format: str = DEFAULT_PROMPT_FORMAT  # how the task's inputs were rendered in training
     owner: str | None = None  # the tenant that registered it (None: shipped / before tenants = shared)
     shared: bool = False  # every tenant may see and use it (server/registry/ownership.py)
+    description: str | None = None  # what the task does, in words (a registration's, or the suite's)
+    examples: list[dict[str, str]] = field(default_factory=list)  # at most MAX_RECORD_EXAMPLES pairs
 
     def to_json(self) -> dict[str, Any]:
         return asdict(self)

@@ -4,9 +4,10 @@ from __future__ import annotations
 
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from adapters_store.store.ids import TASK_ID_PATTERN
+from adapters_store.store.records import MAX_DESCRIPTION_CHARS, MAX_RECORD_EXAMPLES
 from server.api.wire import Bool, Number
 
 MAX_FIELD_CHARS = 4096
@@ -39,7 +40,12 @@ class RegisterRequest(BaseModel):
 
     task: str = Field(pattern=TASK_ID_PATTERN, max_length=64, json_schema_extra={"not": {"enum": ["base"]}},
                       description="a new task id (`base` is reserved)")
-    examples: list[ExampleIn] | None = Field(default=None, min_length=1, description="required, except with lora")
+    examples: list[ExampleIn] | None = Field(default=None, min_length=1, description="required, except with lora; "
+                                             f"the first {MAX_RECORD_EXAMPLES} are shown with the task")
+    description: str | None = Field(default=None, min_length=1, max_length=MAX_DESCRIPTION_CHARS,
+                                    json_schema_extra={"pattern": r"\S"},
+                                    description="what the task does, in words: shown by GET /v1/tasks and "
+                                    "/v1/models, and searched by GET /v1/tasks?search=")
     method: Literal["routing", "retrieve", "mu", "full", "lora"] = Field(
         "routing", description="routing: retrieve a starting row from the existing tasks, then train it; "
         "retrieve: the retrieved row alone (no training, ready in seconds); mu / full: train a plain LoRA; "
@@ -60,6 +66,14 @@ class RegisterRequest(BaseModel):
                               "`retrieve` is served as soon as it is done either way")
     shared: Bool = Field(False, description="every tenant may see and use the task (admin keys only; "
                          "otherwise a task is its registering tenant's)")
+
+
+    @field_validator("description")
+    @classmethod
+    def _description_not_blank(cls, value: str | None) -> str | None:
+        if value is not None and not value.strip():
+            raise ValueError("must not be empty or only whitespace")
+        return value.strip() if value is not None else None
 
 
 class JobError(BaseModel):

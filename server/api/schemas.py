@@ -11,6 +11,8 @@ from adapters_store.lora.mix import MAX_MIX_CHARS, MIX_SCHEMA_EXTRA, MODEL_ID_PA
 from adapters_store.store.records import TaskRecord
 from server.api.wire import Bool, Number
 
+DESCRIPTION_DOC = "what the task does, in words (the registration's, or the suite's for a shipped task)"
+EXAMPLES_DOC = "a few input/output pairs that show it (the first ones its registration sent)"
 PROMPT_FORMAT_DOC = "the name of the prompt format the task was trained with (null for `base`)"
 PROMPT_TEMPLATE_DOC = ("that format's text: `{input}` is replaced by the input and the model answers after one "
                        "space. /v1/generate and chat add it; /v1/completions sends the prompt raw, so a raw "
@@ -52,6 +54,11 @@ class GenerateResponse(BaseModel):
     usage: Usage
 
 
+class ExampleOut(BaseModel):
+    input: str
+    output: str
+
+
 class TaskOut(BaseModel):
     id: str
     status: Literal["ready", "training", "failed"]
@@ -67,6 +74,8 @@ class TaskOut(BaseModel):
     metrics: dict[str, Any] = Field(default_factory=dict)
     prompt_format: str | None = Field(default=None, description=PROMPT_FORMAT_DOC)
     prompt_template: str | None = Field(default=None, description=PROMPT_TEMPLATE_DOC)
+    description: str | None = Field(default=None, description=DESCRIPTION_DOC)
+    examples: list[ExampleOut] = Field(default_factory=list, description=EXAMPLES_DOC)
 
 
 class TaskList(BaseModel):
@@ -104,6 +113,7 @@ class ModelOut(BaseModel):
     owned_by: str
     root: str | None = Field(default=None, description="the backbone")
     parent: str | None = Field(default=None, description="`base` for a task")
+    description: str | None = Field(default=None, description=DESCRIPTION_DOC)
     prompt_format: str | None = Field(default=None, description=PROMPT_FORMAT_DOC)
     prompt_template: str | None = Field(default=None, description=PROMPT_TEMPLATE_DOC)
 
@@ -118,8 +128,16 @@ def task_out(record: TaskRecord) -> TaskOut:
         id=record.id, status=record.status, method=record.method, version=record.version,
         created_at=record.created_at, updated_at=record.updated_at, params=record.params, kind=record.kind,
         inventory_version=record.inventory_version, job_id=record.job_id, error=record.error,
-        metrics=record.metrics, **prompt_fields(record),
+        metrics=record.metrics, **prompt_fields(record), description=record.description,
+        examples=[ExampleOut(input=e["input"], output=e["output"]) for e in record.examples
+                  if isinstance(e, dict) and isinstance(e.get("input"), str) and isinstance(e.get("output"), str)],
     )
+
+
+def matches(record: TaskRecord, search: str) -> bool:
+    """GET /v1/tasks?search=: every word of `search` in the task's id or description (any case)."""
+    text = f"{record.id} {record.description or ''}".casefold()
+    return all(word in text for word in search.casefold().split())
 
 
 def prompt_fields(record: TaskRecord) -> dict[str, str | None]:

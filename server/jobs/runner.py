@@ -41,7 +41,7 @@ from typing import Any
 from adapters_store.store.contract import AdapterStore
 from adapters_store.store.errors import JobNotFound, StoreUnavailable
 from adapters_store.store.job_queue import JobLease
-from adapters_store.store.records import TaskRecord
+from adapters_store.store.records import MAX_RECORD_EXAMPLES, TaskRecord
 from server.infra import openmp
 from server.jobs.cancels import CancelPoll
 from server.jobs.contract import AdaptationFactory, AdaptationLike, AdaptationResult
@@ -127,11 +127,12 @@ class JobRunner:
     # -- API ----------------------------------------------------------------------------------
     def submit(
         self, task: str, examples: list[dict[str, str]], *, method: str, steps: int | None, seed: int | None,
-        serve_early: bool = False, tenant: str | None = None, shared: bool = False,
+        serve_early: bool = False, tenant: str | None = None, shared: bool = False, description: str | None = None,
     ) -> Job:
         """Persist the job and a "training" registry entry, then queue it. The caller has
         validated the examples and checked that the task id is free. tenant / shared: the task's
-        owner and whether every tenant may use it (server/registry/ownership.py)."""
+        owner and whether every tenant may use it (server/registry/ownership.py); description and the
+        first examples are what the task says of itself (its record keeps them through versions)."""
         job = Job(id=new_job_id(), task=task, method=method, steps=steps, seed=seed,
                   n_examples=len(examples), owner=self.replica_id, serve_early=serve_early, tenant=tenant)
         job.add_event("status", f"job queued: {len(examples)} examples, method {method}"
@@ -144,7 +145,9 @@ class JobRunner:
         now = time.time()
         self.store.put_record(TaskRecord(id=task, method=method, status="training", version=0,
                                          created_at=now, updated_at=now, job_id=job.id, owner=tenant,
-                                         shared=shared))
+                                         shared=shared, description=description,
+                                         examples=[{"input": e["input"], "output": e["output"]}
+                                                   for e in examples[:MAX_RECORD_EXAMPLES]]))
         if not self.run_here:  # last: a worker that claims it finds its examples and placeholder
             self.store.enqueue_job(job.id)
             with self.state.lock:

@@ -131,7 +131,7 @@ class Registration:
     # -- HTTP-facing ----------------------------------------------------------------------------
     def submit(self, task: str, examples: list[dict[str, str]], method: str, steps: int | None,
                seed: int | None, *, serve_early: bool = False, tenant: Tenant | None = None,
-               shared: bool = False) -> Job:
+               shared: bool = False, description: str | None = None) -> Job:
         """Raises ValueError (bad / reserved id), TaskExists (409), RuntimeError (no inventory),
         JobsBusy (POLYSERVE_MAX_QUEUED_JOBS unfinished here), TenantJobLimit (the tenant's own
         jobs), TaskLimit (POLYSERVE_MAX_TASKS) or TenantTaskLimit (the tasks it owns); the limits
@@ -159,13 +159,15 @@ class Registration:
                                          f"running, its limit (POLYSERVE_TENANT_MAX_JOBS: {quota}); retry when "
                                          "one finishes")
             with self.rt.store.task_lock(task):
-                job = self._submit_locked(task, examples, method, steps, seed, serve_early, tenant, shared)
+                job = self._submit_locked(task, examples, method, steps, seed, serve_early, tenant, shared,
+                                          description)
         if self.runner.run_here:  # POLYSERVE_JOBS=off: a worker claims it from the store's queue
             self.rt.engine.add_background_task(self.runner.step)
         return job
 
     def _submit_locked(self, task: str, examples: list[dict[str, str]], method: str, steps: int | None,
-                       seed: int | None, serve_early: bool, tenant: Tenant | None, shared: bool) -> Job:
+                       seed: int | None, serve_early: bool, tenant: Tenant | None, shared: bool,
+                       description: str | None = None) -> Job:
         exists = self.rt.store.has_task(task)
         if exists:
             record = self.rt.store.get_task(task)
@@ -182,7 +184,7 @@ class Registration:
             self.check_task_quota(tenant)
         return self.runner.submit(task, examples, method=method, steps=steps, seed=seed,
                                   serve_early=serve_early and method != "retrieve",
-                                  tenant=owner_of_new_task(tenant), shared=shared)
+                                  tenant=owner_of_new_task(tenant), shared=shared, description=description)
 
     # -- per-tenant quotas -------------------------------------------------------------------------
     def tenant_job_limit(self, tenant: Tenant | None) -> int | None:

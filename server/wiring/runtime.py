@@ -56,6 +56,19 @@ def _maybe_install_default_inventory(store: AdapterStore, backbone_spec: str) ->
         log.info("installed the default inventory into %s", store.location)
     return installed
 
+
+def _describe_shipped_tasks(store: AdapterStore, backbone_spec: str) -> None:
+    """A store installed before task records carried a description: the shipped tasks get theirs."""
+    if backbone_spec != "default" or not store.has_inventory():
+        return
+    try:
+        from training.shipped_inventory import describe_shipped  # type: ignore[import-not-found]
+    except ImportError:
+        return
+    written = describe_shipped(store)
+    if written:
+        log.info("added the suite's descriptions to %d shipped tasks", written)
+
 @dataclass
 class Runtime:
     settings: Settings
@@ -87,6 +100,7 @@ class Runtime:
         bb = backbone or load_backbone(settings.backbone, device=settings.device, dtype=dtype_name(backbone_dtype(settings.device, settings.dtype)))
         store = open_store(settings.store_location, cache_dir=settings.home.expanduser() / "inventories")
         _maybe_install_default_inventory(store, settings.backbone)
+        _describe_shipped_tasks(store, settings.backbone)
         routed, cache, l2 = None, None, None
         if store.has_inventory():
             try:

@@ -83,7 +83,7 @@ def test_tasks_list_and_show(fake: FakeServer) -> None:
     fake.on("GET", "/v1/tasks/reverse", ok(TASK))
     result = invoke(cli.tasks, "list")
     header, *rows = result.stdout.splitlines()
-    assert header.split() == ["ID", "STATUS", "METHOD", "VERSION", "PARAMS", "CREATED"]
+    assert header.split() == ["ID", "STATUS", "METHOD", "VERSION", "PARAMS", "CREATED", "DESCRIPTION"]
     assert rows[0].split()[:5] == ["reverse", "ready", "routing", "2", "4096"]
     assert "2024-05-01 12:00:00Z" in rows[0] and rows[1].split()[:3] == ["other", "training", "-"]
     assert [t["id"] for t in json.loads(invoke(cli.tasks, "list", "--json").stdout)] == ["reverse", "other"]
@@ -252,3 +252,32 @@ def test_tasks_show_prints_the_prompt_template_on_one_line(fake: FakeServer) -> 
     assert "prompt_format:" in out and "input-output" in out
     (line,) = [x for x in out.splitlines() if x.startswith("prompt_template:")]
     assert line.endswith('"Input: {input}\\nOutput:"'), line  # the newline as \n, a raw caller can copy it
+
+
+def test_tasks_list_is_one_line_a_task_with_its_description(fake: FakeServer) -> None:
+    said = {**TASK, "description": "Reverse the order of the tokens;\nthen  uppercase."}
+    fake.on("GET", "/v1/tasks", ok({"data": [said, {"id": "other", "status": "training"}]}))
+    header, *rows = invoke(cli.tasks, "list").stdout.splitlines()
+    assert len(rows) == 2 and header.split()[-1] == "DESCRIPTION"
+    assert rows[0].startswith("reverse") and rows[0].endswith("Reverse the order of the tokens; then uppercase.")
+    assert rows[1].split()[-1] == "-"  # none given
+
+
+def test_tasks_list_search_is_sent_to_the_server(fake: FakeServer) -> None:
+    fake.on("GET", "/v1/tasks", ok({"data": [TASK]}))
+    assert invoke(cli.tasks, "list", "--search", "reverse words").exit_code == 0
+    assert fake.last.params == {"search": "reverse words"}
+    invoke(cli.tasks, "list")
+    assert "search" not in fake.last.params
+
+
+def test_register_sends_a_description_only_when_given(fake: FakeServer, examples: Path) -> None:
+    fake.on("POST", "/v1/tasks", ok(job(), status=202))
+    said = "Reverse the letters."
+    assert invoke(cli.register, "--task", "reverse", "--examples", str(examples), "--description", said).exit_code == 0
+    assert fake.last.body["description"] == said
+    invoke(cli.register, "--task", "reverse", "--examples", str(examples))
+    assert "description" not in fake.last.body
+    bad = invoke(cli.register, "--task", "reverse", "--examples", str(examples), "--description", "  ")
+    assert bad.exit_code != 0 and "description" in bad.output
+    assert "description" not in fake.last.body  # refused before anything was sent

@@ -43,6 +43,7 @@ class Seen:
     path: str
     body: Any
     headers: httpx.Headers
+    params: dict[str, str] = field(default_factory=dict)
 
 
 @dataclass
@@ -59,7 +60,7 @@ class FakeServer:
     def handle(self, request: httpx.Request) -> httpx.Response:
         path = request.url.raw_path.decode().split("?")[0]
         body = json.loads(request.content) if request.content else None
-        self.requests.append(Seen(request.method, path, body, request.headers))
+        self.requests.append(Seen(request.method, path, body, request.headers, dict(request.url.params)))
         queue = self.routes.get((request.method, path))
         if not queue:
             return err(404, "not_found", f"no route {request.method} {path}")

@@ -178,7 +178,7 @@ def _model(rt: Runtime, record: TaskRecord | None = None) -> ModelOut:
     if record is None:
         return ModelOut(id=BASE, created=int(rt.started_at), owned_by="polyserve", root=rt.backbone.name)
     return ModelOut(id=record.id, created=int(record.created_at), owned_by="polyserve", root=rt.backbone.name,
-                    parent=BASE, **prompt_fields(record))
+                    parent=BASE, **prompt_fields(record), description=record.description)
 
 
 @router.get("/models", response_model=ModelList, responses=OPENAI_ERRORS["read"])

@@ -3,8 +3,9 @@
 from __future__ import annotations
 
 import asyncio
+from typing import Annotated
 
-from fastapi import APIRouter, Request, Response
+from fastapi import APIRouter, Query, Request, Response
 
 from adapters_store.store.ids import RESERVED_TASK_IDS, validate_task_id
 from server.api.api_docs import ERRORS
@@ -13,7 +14,7 @@ from server.api.errors import ApiError
 from server.api.job_schemas import JobOut, RegisterRequest
 from server.api.lora_tasks import import_lora_task
 from server.api.routes.jobs import job_out
-from server.api.schemas import TaskList, TaskOut, task_out
+from server.api.schemas import TaskList, TaskOut, matches, task_out
 from server.registry.tasks import BASE
 from server.tenancy import tenants
 
@@ -27,8 +28,12 @@ def base_out(rt) -> TaskOut:
 
 
 @router.get("/tasks", response_model=TaskList, responses=ERRORS["read"])
-async def list_tasks(rt: RuntimeDep) -> TaskList:
+async def list_tasks(rt: RuntimeDep, search: Annotated[str | None, Query(
+        max_length=200, description="only the tasks whose id or description holds every word of it (any case)")] = None,
+) -> TaskList:
     records = await asyncio.to_thread(rt.registry.list, tenants.current())
+    if search is not None and search.strip():
+        records = [r for r in records if matches(r, search)]
     return TaskList(data=[task_out(r) for r in records])
 
 
@@ -77,7 +82,8 @@ async def register_task(body: RegisterRequest, request: Request, rt: RuntimeDep,
     examples = [e.model_dump() for e in body.examples]
     try:
         job = await asyncio.to_thread(rt.registration.submit, body.task, examples, body.method, body.steps, body.seed,
-                                      serve_early=body.serve_early, tenant=caller, shared=body.shared)
+                                      serve_early=body.serve_early, tenant=caller, shared=body.shared,
+                                      description=body.description)
     except RuntimeError as err:
         raise ApiError(409, "conflict", str(err)) from None
     return job_out(job)

@@ -191,6 +191,22 @@ def test_routing_rows_newest_first_current_inventory_only(store):
     assert store.routing_rows(limit=10) == {}  # rows made for another inventory are not candidates
 
 
+def test_a_description_and_examples_round_trip_and_survive_new_versions(store):
+    examples = [{"input": "cat dog", "output": "dog cat"}, {"input": "ünï cödé", "output": "cödé ünï"}]
+    now = time.time()
+    store.put_record(TaskRecord(id="said", method="routing", status="training", version=0, created_at=now,
+                                updated_at=now, description="Reverse the order of the words.", examples=examples))
+    placeholder = store.get_task("said")
+    assert placeholder.description == "Reverse the order of the words." and placeholder.examples == examples
+    ready = store.put_routing("said", torch.randn(2, 2, 3))  # the job's result: a new version says the same
+    assert ready.description == placeholder.description and ready.examples == examples
+    again = store.put_routing("said", torch.randn(2, 2, 3))
+    assert store.get_task("said") == again and again.description == placeholder.description
+    assert next(r for r in store.list_tasks() if r.id == "said").examples == examples
+    plain = store.put_routing("quiet", torch.randn(2, 2, 3))  # none given: none
+    assert plain.description is None and plain.examples == [] and store.get_task("quiet") == plain
+
+
 def test_import_task_keeps_the_record_and_checks_the_digest(store, tmp_path):
     rec = store.put_routing("a", torch.randn(2, 2, 3))
     blob = store.weights_bytes(rec)

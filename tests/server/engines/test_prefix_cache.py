@@ -289,3 +289,12 @@ def test_cached_prompt_tokens_take_no_room_in_a_step(setup, one_thread):
     reqs = [engine.submit(GenRequest([*ids, 6 + i], SamplingParams(max_new_tokens=4))) for i in range(4)]
     engine.step()
     assert len(engine.rows) == 4 and [r.cached_tokens for r in reqs] == [96] * 4
+
+
+def test_the_start_up_log_states_the_budget(setup, caplog):
+    bb, rm, _, _ = setup
+    with caplog.at_level("INFO", logger="polyserve.engine"):
+        NativeEngine(bb.model, bb.tokenizer, rm, EngineConfig(prefix_cache_tokens=100))
+        NativeEngine(bb.model, bb.tokenizer, rm, EngineConfig(prefix_cache_tokens=0))
+    lines = [r.getMessage() for r in caplog.records if "prefix cache" in r.getMessage()]
+    assert lines[0].startswith("prefix cache: up to 96 prompt tokens") and lines[1] == "prefix cache: off"
