@@ -55,6 +55,7 @@ OPENAI_WHY = {**WHY, 400: "Bad request (OpenAI's status for invalid fields, `par
 _KINDS: dict[str, tuple[int, ...]] = {
     "generate": (400, 401, 404, 409, 413, 422, 429, 503, 504),
     "read": (401, 503),
+    "search": (401, 422, 503),  # a read with a bounded query parameter
     "lookup": (401, 404, 503),
     "register": (400, 401, 403, 409, 413, 422, 429, 503),
     "delete": (401, 403, 404, 409, 503),

@@ -27,7 +27,7 @@ def base_out(rt) -> TaskOut:
                    updated_at=rt.started_at, params=0, kind=None)
 
 
-@router.get("/tasks", response_model=TaskList, responses=ERRORS["read"])
+@router.get("/tasks", response_model=TaskList, responses=ERRORS["search"])
 async def list_tasks(rt: RuntimeDep, search: Annotated[str | None, Query(
         max_length=200, description="only the tasks whose id or description holds every word of it (any case)")] = None,
 ) -> TaskList:
