@@ -84,8 +84,8 @@ def task_details(task: Task) -> str:
 
 
 def models_table(models: Sequence[Model]) -> str:
-    rows = [(m.id, m.parent, m.owned_by, fmt_time(m.created)) for m in models]
-    return table(["id", "parent", "owned_by", "created"], rows)
+    rows = [(m.id, m.parent, m.owned_by, fmt_time(m.created), one_line(m.description)) for m in models]
+    return table(["id", "parent", "owned_by", "created", "description"], rows)
 
 
 def usage_table(rows: Sequence[UsageRow]) -> str:

@@ -281,3 +281,14 @@ def test_register_sends_a_description_only_when_given(fake: FakeServer, examples
     bad = invoke(cli.register, "--task", "reverse", "--examples", str(examples), "--description", "  ")
     assert bad.exit_code != 0 and "description" in bad.output
     assert "description" not in fake.last.body  # refused before anything was sent
+
+
+def test_models_list_shows_each_models_description(fake: FakeServer) -> None:
+    data = [{"id": "base", "object": "model", "created": 0, "owned_by": "polyserve"},
+            {"id": "reverse", "object": "model", "created": 0, "owned_by": "polyserve", "parent": "base",
+             "description": "Reverse the order of the tokens."}]
+    fake.on("GET", "/v1/models", ok({"object": "list", "data": data}))
+    header, *rows = invoke(cli.models, "list").stdout.splitlines()
+    assert header.split()[-1] == "DESCRIPTION" and len(rows) == 2
+    assert rows[1].startswith("reverse") and rows[1].endswith("Reverse the order of the tokens.")
+    assert rows[0].split()[-1] == "-"
