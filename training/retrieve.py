@@ -337,6 +337,7 @@ class RetrievedAdaptation:
         r = self.retrieved.metrics
         # init: where training started: "retrieve" from the retrieved row; "mu" where the retrieval
         # kept μ (`retrieved` empty) or the method does not train a row (mu: the row was only served early)
+        init: dict[str, Any]
         if not getattr(self.adaptation, "from_init_row", True):
             init = {"init": "mu", "init_note": "training started from μ; the retrieved row was only served early"}
         elif r["retrieved"]:

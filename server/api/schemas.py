@@ -140,6 +140,6 @@ def matches(record: TaskRecord, search: str) -> bool:
     return all(word in text for word in search.casefold().split())
 
 
-def prompt_fields(record: TaskRecord) -> dict[str, str | None]:
+def prompt_fields(record: TaskRecord) -> dict[str, Any]:
     """A task's prompt format, by name and as text (the text None for a format this server does not know)."""
     return {"prompt_format": record.prompt_format, "prompt_template": PROMPT_TEMPLATES.get(record.prompt_format)}
