@@ -32,7 +32,7 @@ import json
 import secrets
 import time
 from collections.abc import AsyncIterator
-from typing import Annotated, Any, Literal
+from typing import Annotated, Any, Literal, cast
 
 from fastapi import APIRouter, Request
 from pydantic import BaseModel, ConfigDict, Field
@@ -320,7 +320,7 @@ async def responses(body: ResponsesRequest, request: Request, rt: RuntimeDep):
         yield event("response.in_progress", response=envelope)
         output: list[dict[str, Any]] = []
         text_at: int | None = None  # the message item's output index
-        text, text_logprobs = "", []
+        text, text_logprobs = "", cast(list[dict[str, Any]], [])
         calls: dict[int, int] = {}  # chat tool-call index -> output index
         finish = None
         async for _, delta, reason, logprobs, _ids in chat_run.deltas(request, run, call):

@@ -240,7 +240,7 @@ class TextPart(BaseModel):
     text: str
 
 
-NOT_NULL = {"not": {"type": "null"}}
+NOT_NULL: dict[str, Any] = {"not": {"type": "null"}}
 
 
 class ChatMessage(BaseModel):

@@ -32,8 +32,8 @@ def leaf(rng: random.Random) -> dict[str, Any]:
         low = rng.randint(-1000, 1000)
         return {"type": "integer", "minimum": low, "maximum": low + rng.randint(0, 500)}
     if kind == "number":
-        low = rng.uniform(-10, 10)
-        return {"type": "number", "minimum": round(low, 2), "maximum": round(low + rng.uniform(0, 5), 2)}
+        start = rng.uniform(-10, 10)
+        return {"type": "number", "minimum": round(start, 2), "maximum": round(start + rng.uniform(0, 5), 2)}
     if kind == "boolean":
         return {"type": "boolean"}
     return {"const": rng.choice(["on", 3, True])}

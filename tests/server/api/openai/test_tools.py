@@ -257,3 +257,33 @@ def test_bad_tools_are_400_naming_the_field_and_reach_no_engine(server, http, mo
     assert r.status_code == 400, r.text
     assert r.json()["error"]["param"] == param, r.text
     assert submitted == []
+
+
+# -- the real default backbone ---------------------------------------------------------------------
+@pytest.mark.slow
+def test_default_backbone_calls_tools(tmp_path):
+    """SmolLM2-135M (its template has no tools section: the default format): named and required
+    calls validate; auto answers text or calls that parse; a round trip renders the result."""
+    with live_server(settings_for(tmp_path, backbone="default", max_batch_rows=8)) as srv:
+        assert not tools.template_has_tools(srv.runtime.tokenizer)
+        oc = openai.OpenAI(base_url=srv.url + "/v1", api_key="unused", max_retries=0)
+        msgs = [{"role": "user", "content": "What is the weather in Paris, in celsius?"}]
+        named = oc.chat.completions.create(model="base", messages=msgs, tools=TOOLS, max_tokens=64, temperature=0,
+                                           tool_choice={"type": "function", "function": {"name": "weather"}})
+        (call,) = named.choices[0].message.tool_calls
+        assert valid_call(call)
+        required = oc.chat.completions.create(model="base", messages=msgs, tools=TOOLS, tool_choice="required",
+                                              max_tokens=96, temperature=0)
+        assert required.choices[0].finish_reason == "tool_calls"
+        assert all(valid_call(c) for c in required.choices[0].message.tool_calls)
+        auto = oc.chat.completions.create(model="base", messages=msgs, tools=TOOLS, max_tokens=96, temperature=0)
+        choice = auto.choices[0]
+        assert choice.message.content or choice.message.tool_calls
+        assert all(c.function.name in SCHEMAS for c in choice.message.tool_calls or ())
+        history = [*msgs, named.choices[0].message.model_dump(exclude_none=True),
+                   {"role": "tool", "tool_call_id": call.id, "content": "21 C, sunny"}]
+        final = oc.chat.completions.create(model="base", messages=history, tools=TOOLS, tool_choice="none",
+                                           max_tokens=32, temperature=0, extra_body={"return_prompt_text": True})
+        assert final.choices[0].message.content
+        prompt = final.model_extra["prompt_text"]
+        assert "<tool_call>" in prompt and "<tool_response>\n21 C, sunny\n</tool_response>" in prompt
