@@ -111,3 +111,10 @@ def test_refusals_name_the_field(server, extra, param):
     r = httpx.post(server.url + "/v1/responses", json=body, timeout=30)
     assert r.status_code == 400, r.text
     assert r.json()["error"]["param"].startswith(param), r.text
+
+
+def test_top_logprobs_come_with_the_text(oc):
+    r = oc.responses.create(model="base", input="hello", max_output_tokens=4, temperature=0, top_logprobs=2)
+    (part,) = next(item for item in r.output if item.type == "message").content
+    assert len(part.logprobs) == r.usage.output_tokens or part.text == ""
+    assert all(len(lp.top_logprobs) == 2 and lp.logprob <= 0 for lp in part.logprobs)

@@ -145,6 +145,23 @@ def test_a_tool_round_trip(oc):
     assert none.choices[0].message.tool_calls is None and none.choices[0].finish_reason in ("stop", "length")
 
 
+def test_what_the_model_sees(http):
+    """none hides the tools; auto shows them; a task with tools is rendered as base (the template)."""
+    def prompt(**extra):
+        body = {"model": "base", "messages": MSGS, "tools": TOOLS, "max_tokens": 2, "return_prompt_text": True, **extra}
+        r = http.post("/v1/chat/completions", json=body)
+        assert r.status_code == 200, r.text
+        return r.json()["prompt_text"]
+
+    assert "<tools>" in prompt() and '"name":"add"' in prompt()
+    assert "<tools>" not in prompt(tool_choice="none")
+    task = prompt(model="alpha", tool_choice="required")
+    assert task.startswith("<|im_start|>system\nYou can call functions") and "<tools>" in task
+    plain = http.post("/v1/chat/completions", json={"model": "alpha", "messages": MSGS, "max_tokens": 2,
+                                                    "return_prompt_text": True}).json()["prompt_text"]
+    assert "<|im_start|>" not in plain  # a task alone: its own prompt format
+
+
 # -- rendering -------------------------------------------------------------------------------------
 def _msgs(raw: list[dict]) -> list[ChatMessage]:
     return [ChatMessage.model_validate(m) for m in raw]
