@@ -26,6 +26,7 @@ min_tokens above the request's max tokens is that many (every token is generated
 
 from __future__ import annotations
 
+import json
 from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, model_validator
@@ -98,6 +99,41 @@ class StreamOptions(BaseModel):
                                          "chunk carries the usage so far")
 
 
+class StructuredOutputs(BaseModel):
+    """vLLM's structured_outputs, the JSON part: the same as response_format (json -> json_schema,
+    json_object -> json_object); regex, choice, grammar and structural tags are refused."""
+
+    model_config = ConfigDict(extra="forbid", populate_by_name=True)
+
+    json_schema: dict[str, Any] | str | None = Field(default=None, alias="json", description="a JSON Schema (or its text)")
+    json_object: Bool | None = None
+    disable_any_whitespace: Bool = Field(default=False, description="ignored: the JSON is always compact")
+    disable_additional_properties: Bool = Field(default=False, description="only false")
+    regex: None = Field(default=None, description="refused")
+    choice: None = Field(default=None, description="refused")
+    grammar: None = Field(default=None, description="refused")
+    whitespace_pattern: None = Field(default=None, description="refused")
+    structural_tag: None = Field(default=None, description="refused")
+
+    def as_response_format(self) -> ResponseFormat:
+        if self.disable_additional_properties:
+            raise ValueError("structured_outputs.disable_additional_properties: only false")
+        if (self.json_schema is None) == (not self.json_object):
+            raise ValueError("structured_outputs: give one of json and json_object")
+        if self.json_object:
+            return ResponseFormat(type="json_object")
+        schema = self.json_schema
+        if isinstance(schema, str):
+            try:
+                schema = json.loads(schema)
+            except ValueError:
+                raise ValueError("structured_outputs.json: not valid JSON") from None
+            if not isinstance(schema, dict):
+                raise ValueError("structured_outputs.json: must be a JSON Schema object")  # noqa: TRY004 (pydantic reports ValueErrors)
+        return ResponseFormat.model_validate({"type": "json_schema", "json_schema": {"name": "structured_outputs",
+                                                                                    "schema": schema}})
+
+
 class _Common(BaseModel):
     # numbers and booleans as JSON Schema says (server.api.wire): "5" is not an integer
     model_config = ConfigDict(extra="forbid")
@@ -158,7 +194,8 @@ class _Common(BaseModel):
     allowed_token_ids: list[TokenId] | None = Field(default=None, max_length=0, description="refused unless empty")
     bad_words: list[str] | None = Field(default=None, max_length=0, description="refused unless empty")
     logprob_token_ids: list[TokenId] | None = Field(default=None, max_length=0, description="refused unless empty")
-    structured_outputs: None = Field(default=None, description="refused: use response_format")
+    structured_outputs: StructuredOutputs | None = Field(default=None, description="extension (vLLM): json or "
+                                                         "json_object, as response_format")
     repetition_detection: None = Field(default=None, description="refused")
     # vLLM's extensions that change nothing here (ignored, as vLLM ignores them in this configuration)
     spaces_between_special_tokens: Bool = Field(default=True, description="ignored (fast tokenizers)")
@@ -178,6 +215,15 @@ class _Common(BaseModel):
                                               "extension reads them)")
     thinking_token_budget: Annotated[int, Number] | None = Field(default=None, description="ignored (no reasoning "
                                                                  "parser)")
+
+    @model_validator(mode="after")
+    def _structured_outputs(self) -> _Common:
+        """vLLM's structured_outputs becomes the request's response_format (one or the other)."""
+        if self.structured_outputs is not None:
+            if getattr(self, "response_format", None) is not None:
+                raise ValueError("structured_outputs: not together with response_format")
+            self.__dict__["response_format"] = self.structured_outputs.as_response_format()  # both subclasses have it
+        return self
 
     def stop_list(self) -> list[str]:
         if self.stop is None:

@@ -214,10 +214,27 @@ def test_chat_template_extensions(http):
     assert kwargs.status_code == 200, kwargs.text
 
 
+def test_structured_outputs_is_response_format(http):
+    schema = {"type": "object", "properties": {"ok": {"type": "boolean"}}, "required": ["ok"], "additionalProperties": False}
+    for so in ({"json": schema}, {"json": json.dumps(schema)}, {"json_object": True}):
+        for route, extra in (("/v1/chat/completions", {"messages": MSGS}), ("/v1/completions", {"prompt": "x"})):
+            r = http.post(route, json={"model": "base", "max_tokens": 32, "temperature": 0, "structured_outputs": so,
+                                       **extra})
+            assert r.status_code == 200, r.text
+            choice = r.json()["choices"][0]
+            text = choice["message"]["content"] if "message" in choice else choice["text"]
+            if choice["finish_reason"] == "stop":
+                value = json.loads(text)
+                assert isinstance(value, dict) and ("json" not in so or set(value) == {"ok"})
+
+
 REFUSED = [
     ({"priority": 1}, "priority"), ({"use_beam_search": True}, "use_beam_search"),
     ({"allowed_token_ids": [1]}, "allowed_token_ids"), ({"bad_words": ["x"]}, "bad_words"),
-    ({"structured_outputs": {"json": {}}}, "structured_outputs"), ({"chat_template": "{{ x }}"}, "chat_template"),
+    ({"structured_outputs": {"regex": "a+"}}, "structured_outputs.regex"), ({"chat_template": "{{ x }}"}, "chat_template"),
+    ({"structured_outputs": {"json": {}, "json_object": True}}, "structured_outputs"),
+    ({"structured_outputs": {"json": "{"}}, "structured_outputs.json"),
+    ({"structured_outputs": {"json_object": True}, "response_format": {"type": "json_object"}}, "structured_outputs"),
     ({"chat_template_kwargs": {"tools": []}}, "chat_template_kwargs"),
     ({"continue_final_message": True}, "continue_final_message"),  # with add_generation_prompt (the default)
     ({"continue_final_message": True, "add_generation_prompt": False}, "messages"),  # the last message is the user's
