@@ -53,6 +53,8 @@ MODULES: dict[str, tuple[str, list[str]]] = {
     # the slot tables' unit tests and both runners against the routed model (compaction included)
     "slot_lora": ("server/engines/native/slot_lora.py", ["tests/server/engines/test_slots.py", "tests/server/engines/test_model_runner.py"]),
     # the sampler: a wrong filter or draw changes every sampled token's distribution silently
+    # the prefix cache: a wrong key or copy serves another prompt's (or tenant's) KV silently
+    "prefix_cache": ("server/engines/native/prefix_cache.py", ["tests/server/engines/test_prefix_cache.py"]),
     "sampling": ("server/engines/native/sampling.py", ["tests/server/engines/test_sampling_units.py"]),
     "rows": ("server/engines/native/rows.py", ["tests/server/engines/test_sampling_units.py", "tests/server/engines/test_engine_features.py"]),
     "isolate": ("server/engines/native/isolate.py", ["tests/server/engines/test_sampling_units.py", "tests/server/engines/test_engine_faults.py"]),

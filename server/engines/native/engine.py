@@ -388,7 +388,7 @@ class NativeEngine:
         assert self.prefix is not None
         full = min(len(prefill.hashes), prefill.done // BLOCK)
         if full > prefill.stored:
-            self.prefix.store(prefill.hashes[:full], self.runner.kv, prefill.slots[0], prefill.stored)
+            self.prefix.store(prefill.hashes[:full], self.runner.kv, prefill.slots[0])
             prefill.stored = full
 
     # -- one step ------------------------------------------------------------------------------

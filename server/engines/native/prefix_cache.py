@@ -68,9 +68,6 @@ def namespace(adapter_key: str | None, tenant: str, salt: str | None) -> str:
 
 @dataclass
 class CacheStats:
-    queried: int = 0  # prompt tokens looked up
-    hit: int = 0  # of which found
-    stored: int = 0  # blocks written
     evicted: int = 0  # blocks dropped for room
 
 
@@ -116,11 +113,9 @@ class PrefixCache:
         return found
 
     def match(self, hashes: Sequence[bytes], prompt_tokens: int) -> list[int]:
-        """`peek`, touched as used (the chain's first block most recent) and counted."""
+        """`peek`, touched as used (the chain's first block most recent)."""
         found = self.peek(hashes, prompt_tokens)
         self._touch(hashes[: len(found)])
-        self.stats.queried += prompt_tokens
-        self.stats.hit += len(found) * BLOCK
         return found
 
     def load(self, rows: list[int], kv: SlotKV, slot: int) -> int:
@@ -136,10 +131,10 @@ class PrefixCache:
                 dst.copy_(got[:, 2 * layer + which].transpose(0, 1))
         return n * BLOCK
 
-    def store(self, hashes: Sequence[bytes], kv: SlotKV, slot: int, start: int = 0) -> int:
-        """The slot holds the KV of the blocks `hashes` names: copy those from block `start` on that
-        the cache lacks (evicting the least recently used when full); returns how many it copied."""
-        new = [i for i in range(start, len(hashes)) if hashes[i] not in self.blocks]
+    def store(self, hashes: Sequence[bytes], kv: SlotKV, slot: int) -> int:
+        """The slot holds the KV of the blocks `hashes` names: copy those the cache lacks (evicting
+        the least recently used when full); returns how many it copied."""
+        new = [i for i in range(len(hashes)) if hashes[i] not in self.blocks]
         held = sum(h in self.blocks for h in hashes)  # this chain's cached blocks: never evicted for it
         new = new[: self.max_blocks - held]  # a prompt longer than the whole cache keeps its first blocks
         if new:
@@ -154,7 +149,6 @@ class PrefixCache:
                     self.data[index, 2 * layer + which] = src.index_select(0, picks)
             for i, row in zip(new, rows, strict=True):
                 self.blocks[hashes[i]] = row
-            self.stats.stored += len(new)
         self._touch(hashes)
         return len(new)
 

@@ -14,7 +14,7 @@ from server.adapter_cache.cache import AdapterCache
 from server.adapter_cache.l1 import L1Cache
 from server.engines.native.config import EngineConfig
 from server.engines.native.engine import NativeEngine
-from server.engines.native.prefix_cache import BLOCK, PrefixCache, chain, namespace
+from server.engines.native.prefix_cache import BLOCK, FIRST_BLOCKS, PrefixCache, chain, namespace
 from server.engines.native.slots import SlotKV
 from server.engines.request import FinalEvent, GenRequest, SamplingParams
 from server.infra.metrics import Metrics
@@ -38,6 +38,7 @@ def test_a_block_is_named_by_its_namespace_and_every_token_before_it():
     hashes = chain(NS, tokens)
     assert len(hashes) == 3 and chain(NS, tokens) == hashes
     assert chain(NS, tokens, 2) == hashes[:2] and chain(NS, tokens, hashes=hashes[:1]) == hashes
+    assert chain(NS, tokens, 10) == hashes  # never more than the full blocks
     changed = tokens.copy()
     changed[BLOCK + 1] += 1  # a token of block 1: blocks 1 and 2 change, block 0 does not
     assert chain(NS, changed)[0] == hashes[0] and set(chain(NS, changed)[1:]).isdisjoint(hashes)
@@ -58,6 +59,28 @@ def test_stored_blocks_load_back_into_another_slot_bit_for_bit():
     assert cache.load(found, kv, slot=2) == 3 * BLOCK
     for t in (*kv.k, *kv.v):
         assert torch.equal(t[2, :, : 3 * BLOCK], t[1, :, : 3 * BLOCK])
+
+
+def test_a_slot_filled_to_its_capacity_stores_and_loads(one_thread):
+    kv = kv_with(3 * BLOCK)  # the slot holds exactly the three blocks
+    cache = PrefixCache.like(kv, budget_tokens=BLOCK)  # the smallest cache: one block
+    tokens = list(range(3 * BLOCK))
+    assert cache.store(chain(NS, tokens), kv, slot=0) == 1 and cache.load([], kv, 1) == 0
+    big = PrefixCache.like(kv, budget_tokens=1 << 20)
+    assert big.store(chain(NS, tokens), kv, slot=0) == 3
+    assert big.load(big.match(chain(NS, tokens + [1]), 3 * BLOCK + 1), kv, slot=1) == 3 * BLOCK
+    assert torch.equal(kv.k[1][1], kv.k[1][0]) and torch.equal(kv.v[0][1], kv.v[0][0])
+    with pytest.raises(ValueError, match="one block of 16 tokens"):
+        PrefixCache.like(kv, budget_tokens=BLOCK - 1)
+
+
+def test_the_storage_grows_by_doubling_only_when_full():
+    cache = PrefixCache.like(kv_with(16), budget_tokens=1 << 20)
+    one = kv_with(FIRST_BLOCKS * BLOCK)
+    cache.store(chain(NS, list(range(FIRST_BLOCKS * BLOCK))), one, slot=0)
+    assert cache.data.shape[0] == FIRST_BLOCKS
+    cache.store(chain(NS, [7] * BLOCK), one, slot=0)
+    assert cache.data.shape[0] == 2 * FIRST_BLOCKS and len(cache) == FIRST_BLOCKS + 1
 
 
 def test_a_match_leaves_the_prompts_last_token_to_compute():
@@ -89,6 +112,7 @@ def test_eviction_holds_the_budget_and_drops_the_least_recently_used():
     assert cache.nbytes <= 4 * cache.block_bytes  # the storage never outgrows the budget
     long = list(range(10 * BLOCK))  # longer than the whole cache: its first blocks are kept
     kv_long = kv_with(10 * BLOCK)
+    cache.store(chain(NS, long[: 2 * BLOCK]), kv_long, slot=0)  # its start is cached already
     cache.store(chain(NS, long), kv_long, slot=0)
     assert len(cache) == 4 and len(cache.match(chain(NS, long), len(long))) == 4
 
