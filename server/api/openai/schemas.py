@@ -26,7 +26,6 @@ min_tokens above the request's max tokens is that many (every token is generated
 
 from __future__ import annotations
 
-import json
 from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, model_validator
@@ -99,16 +98,21 @@ class StreamOptions(BaseModel):
                                          "chunk carries the usage so far")
 
 
+NOT_NULL: dict[str, Any] = {"not": {"type": "null"}}
+
+
 class StructuredOutputs(BaseModel):
     """vLLM's structured_outputs, the JSON part: the same as response_format (json -> json_schema,
     json_object -> json_object); regex, choice, grammar and structural tags are refused."""
 
-    model_config = ConfigDict(extra="forbid", populate_by_name=True)
+    model_config = ConfigDict(extra="forbid", populate_by_name=True, json_schema_extra={"anyOf": [  # one of the two
+        {"required": ["json"], "properties": {"json": NOT_NULL, "json_object": {"not": {"const": True}}}},
+        {"required": ["json_object"], "properties": {"json_object": {"const": True}, "json": {"type": "null"}}}]})
 
-    json_schema: dict[str, Any] | str | None = Field(default=None, alias="json", description="a JSON Schema (or its text)")
+    json_schema: dict[str, Any] | None = Field(default=None, alias="json", description="a JSON Schema (an object)")
     json_object: Bool | None = None
     disable_any_whitespace: Bool = Field(default=False, description="ignored: the JSON is always compact")
-    disable_additional_properties: Bool = Field(default=False, description="only false")
+    disable_additional_properties: OnlyFalse = Field(default=False, description="only false")
     regex: None = Field(default=None, description="refused")
     choice: None = Field(default=None, description="refused")
     grammar: None = Field(default=None, description="refused")
@@ -116,22 +120,12 @@ class StructuredOutputs(BaseModel):
     structural_tag: None = Field(default=None, description="refused")
 
     def as_response_format(self) -> ResponseFormat:
-        if self.disable_additional_properties:
-            raise ValueError("structured_outputs.disable_additional_properties: only false")
         if (self.json_schema is None) == (not self.json_object):
             raise ValueError("structured_outputs: give one of json and json_object")
         if self.json_object:
             return ResponseFormat(type="json_object")
-        schema = self.json_schema
-        if isinstance(schema, str):
-            try:
-                schema = json.loads(schema)
-            except ValueError:
-                raise ValueError("structured_outputs.json: not valid JSON") from None
-            if not isinstance(schema, dict):
-                raise ValueError("structured_outputs.json: must be a JSON Schema object")  # noqa: TRY004 (pydantic reports ValueErrors)
         return ResponseFormat.model_validate({"type": "json_schema", "json_schema": {"name": "structured_outputs",
-                                                                                    "schema": schema}})
+                                                                                    "schema": self.json_schema}})
 
 
 class _Common(BaseModel):
@@ -250,6 +244,9 @@ class CompletionRequest(_Common):
     response_format: ResponseFormat | None = Field(default=None, description="text, json_object or json_schema")
 
     model_config = ConfigDict(json_schema_extra={"allOf": [
+        {  # vLLM's structured_outputs is the response_format: not both
+            "if": {"properties": {"structured_outputs": {"type": "object"}}, "required": ["structured_outputs"]},
+            "then": {"properties": {"response_format": {"type": "null"}}}},
         {  # max_tokens 0 scores the prompt: it needs echo
             "if": {"properties": {"max_tokens": {"const": 0}}, "required": ["max_tokens"]},
             "then": {"properties": {"echo": {"const": True}}, "required": ["echo"]}},
@@ -286,7 +283,6 @@ class TextPart(BaseModel):
     text: str
 
 
-NOT_NULL: dict[str, Any] = {"not": {"type": "null"}}
 
 
 class ChatMessage(BaseModel):
@@ -347,7 +343,7 @@ class ChatRequest(_Common):
                        "content when that is an assistant message")
     add_generation_prompt: Bool = Field(default=True, description="extension (vLLM)")
     continue_final_message: Bool = Field(default=False, description="extension (vLLM): continue the last "
-                                         "(assistant) message instead of starting a new one")
+                                         "(assistant) message instead of starting a new one (no generation prompt)")
     chat_template_kwargs: dict[str, Any] | None = Field(default=None, max_length=32,
                                                         description="extension (vLLM): variables for the template")
     documents: list[dict[str, str]] | None = Field(default=None, max_length=64,
@@ -359,6 +355,9 @@ class ChatRequest(_Common):
     mm_processor_kwargs: dict[str, Any] | None = Field(default=None, max_length=16, description="ignored (text only)")
 
     model_config = ConfigDict(json_schema_extra={"allOf": [
+        {  # vLLM's structured_outputs is the response_format: not both
+            "if": {"properties": {"structured_outputs": {"type": "object"}}, "required": ["structured_outputs"]},
+            "then": {"properties": {"response_format": {"type": "null"}}}},
         {  # top_logprobs above 0 needs logprobs: true (0 is vLLM's default)
             "if": {"properties": {"top_logprobs": {"type": "integer", "minimum": 1}}, "required": ["top_logprobs"]},
             "then": {"properties": {"logprobs": {"const": True}}, "required": ["logprobs"]}},
@@ -372,6 +371,4 @@ class ChatRequest(_Common):
     def _top_logprobs(self) -> ChatRequest:
         if self.top_logprobs and not self.logprobs:
             raise ValueError("top_logprobs: needs logprobs: true")
-        if self.continue_final_message and self.add_generation_prompt:
-            raise ValueError("continue_final_message: needs add_generation_prompt: false")
         return self

@@ -204,6 +204,8 @@ def test_chat_template_extensions(http):
     cont = http.post("/v1/chat/completions", json={**base, "add_generation_prompt": False,
                                                    "continue_final_message": True, "echo": True}).json()
     assert cont["prompt_text"].endswith("<|im_start|>assistant\nHi, I am")
+    implied = http.post("/v1/chat/completions", json={**base, "continue_final_message": True}).json()
+    assert implied["prompt_text"] == cont["prompt_text"]  # continuing adds no generation prompt
     assert cont["choices"][0]["message"]["content"].startswith("Hi, I am")
     plain = http.post("/v1/chat/completions", json={**base, "add_generation_prompt": False}).json()
     assert plain["prompt_text"].endswith("Hi, I am<|im_end|>\n")
@@ -216,7 +218,7 @@ def test_chat_template_extensions(http):
 
 def test_structured_outputs_is_response_format(http):
     schema = {"type": "object", "properties": {"ok": {"type": "boolean"}}, "required": ["ok"], "additionalProperties": False}
-    for so in ({"json": schema}, {"json": json.dumps(schema)}, {"json_object": True}):
+    for so in ({"json": schema}, {"json_object": True}):
         for route, extra in (("/v1/chat/completions", {"messages": MSGS}), ("/v1/completions", {"prompt": "x"})):
             r = http.post(route, json={"model": "base", "max_tokens": 32, "temperature": 0, "structured_outputs": so,
                                        **extra})
@@ -233,11 +235,10 @@ REFUSED = [
     ({"allowed_token_ids": [1]}, "allowed_token_ids"), ({"bad_words": ["x"]}, "bad_words"),
     ({"structured_outputs": {"regex": "a+"}}, "structured_outputs.regex"), ({"chat_template": "{{ x }}"}, "chat_template"),
     ({"structured_outputs": {"json": {}, "json_object": True}}, "structured_outputs"),
-    ({"structured_outputs": {"json": "{"}}, "structured_outputs.json"),
+    ({"structured_outputs": {"json": "{}"}}, "structured_outputs.json"),
     ({"structured_outputs": {"json_object": True}, "response_format": {"type": "json_object"}}, "structured_outputs"),
     ({"chat_template_kwargs": {"tools": []}}, "chat_template_kwargs"),
-    ({"continue_final_message": True}, "continue_final_message"),  # with add_generation_prompt (the default)
-    ({"continue_final_message": True, "add_generation_prompt": False}, "messages"),  # the last message is the user's
+    ({"continue_final_message": True}, "messages"),  # the last message is the user's
     ({"truncate_prompt_tokens": 0}, "truncate_prompt_tokens"),
     ({"stream_options": {"include_usage": True, "bogus": 1}}, "stream_options.bogus"),
 ]
