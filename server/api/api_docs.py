@@ -124,6 +124,7 @@ def _bounds(settings: Settings) -> dict[str, dict[str, tuple[str, int]]]:
         "CompletionRequest": {"max_tokens": tokens, "stop": stop, "n": n, "min_tokens": tokens},
         "ChatRequest": {"max_tokens": tokens, "max_completion_tokens": tokens, "stop": stop, "n": n,
                         "min_tokens": tokens},
+        "ResponsesRequest": {"max_output_tokens": tokens},
         "RegisterRequest": {"examples": ("maxItems", settings.max_examples_per_task),
                             "steps": ("maximum", settings.max_job_steps)},
     }
