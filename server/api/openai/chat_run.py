@@ -8,8 +8,9 @@
                      asked for), a task -> its training format; truncate_prompt_tokens applied
     whole(...)       every choice's message (content, tool_calls), finish_reason, logprobs, ids
     deltas(...)      the stream as OpenAI chat deltas: (choice, delta, finish_reason, logprobs,
-                     token ids); a named call streams its arguments as they come, required and
-                     auto calls come whole when the choice ends (auto text streams up to a call)
+                     token ids); named and required calls stream their arguments as they come
+                     (tools.RequiredSplitter), auto calls come whole when the choice ends (its
+                     text streams up to a call)
 """
 
 from __future__ import annotations
@@ -113,6 +114,7 @@ async def deltas(request: Request, run: ChatRun, call: generation.Call) -> Async
     leading = [run.task_chat] * n  # the separator can only lead a choice's first text
     texts = [""] * n
     splitters = [tools.StreamSplitter() for _ in range(n)]
+    lists = [tools.RequiredSplitter() for _ in range(n)]
     call_ids = [tools.new_call_id() for _ in range(n)]
     pending: list[list[int]] = [[] for _ in range(n)]
     async for event in generation.events(request, call):
@@ -130,6 +132,10 @@ async def deltas(request: Request, run: ChatRun, call: generation.Call) -> Async
                                           "function": {"name": plan.name, "arguments": ""}}]}, None, None, []
             if text:
                 delta = {"tool_calls": [{"index": 0, "function": {"arguments": text}}]}
+        elif plan.mode == "required":
+            entries = lists[i].feed(text) if text else []
+            if entries:
+                delta = {"tool_calls": entries}
         elif plan.mode == "auto":
             out = splitters[i].feed(text)
             if out:
@@ -143,8 +149,13 @@ async def deltas(request: Request, run: ChatRun, call: generation.Call) -> Async
         if isinstance(event, FinalEvent):
             run.finals.append(event)
             parsed = tools.parse(plan, texts[i], event.finish_reason == "stop")
-            if plan.mode == "required":
-                yield i, _whole_calls(parsed.calls) if parsed.calls else {"content": texts[i]}, None, None, []
+            if plan.mode == "required":  # what did not stream: unexpected text, or a list cut short
+                done = lists[i].streamed
+                if parsed.calls[done:]:
+                    rest = [{"index": done + j, **c} for j, c in enumerate(parsed.calls[done:])]
+                    yield i, {"tool_calls": rest}, None, None, []
+                elif not parsed.calls and not lists[i].streamed and not lists[i].in_args:
+                    yield i, {"content": texts[i]}, None, None, []
             elif plan.mode == "auto":
                 if parsed.calls:
                     yield i, _whole_calls(parsed.calls), None, None, []

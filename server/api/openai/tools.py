@@ -348,3 +348,64 @@ class StreamSplitter:
     def rest(self) -> str:
         """The text not passed on yet."""
         return self.text[self.sent:]
+
+
+_ITEM = re.compile(r'(?:\[|\},)\{"name":("(?:[^"\\]|\\.)*"),"parameters":')
+
+
+class RequiredSplitter:
+    """One streamed choice of a required request: the grammar writes compact JSON,
+    [{"name":N,"parameters":{...}},...], so each call's name is known once its header is
+    whole, and its arguments stream as they come (a string-aware brace count ends them).
+    feed(piece) -> OpenAI delta entries; anything unexpected stops the streaming (the calls
+    then come whole at the end, from the parsed answer: `streamed` says how many did not)."""
+
+    def __init__(self) -> None:
+        self.text, self.pos, self.streamed = "", 0, 0
+        self.in_args, self.depth, self.in_str, self.escaped = False, 0, False, False
+        self.ok = True
+
+    def feed(self, piece: str) -> list[dict[str, Any]]:
+        self.text += piece
+        out: list[dict[str, Any]] = []
+        while self.ok:
+            if not self.in_args:
+                head = self.text.find('"parameters":', self.pos)
+                if head < 0:
+                    break
+                m = _ITEM.match(self.text, self.pos)
+                if m is None or m.end() != head + len('"parameters":'):
+                    self.ok = False
+                    break
+                out.append({"index": self.streamed, "id": new_call_id(), "type": "function",
+                            "function": {"name": json.loads(m.group(1)), "arguments": ""}})
+                self.in_args, self.pos, self.depth = True, m.end(), 0
+                continue
+            start, end = self.pos, self.pos
+            while end < len(self.text):
+                ch = self.text[end]
+                end += 1
+                if self.in_str:
+                    if self.escaped:
+                        self.escaped = False
+                    elif ch == "\\":
+                        self.escaped = True
+                    elif ch == '"':
+                        self.in_str = False
+                    continue
+                if ch == '"':
+                    self.in_str = True
+                elif ch in "{[":
+                    self.depth += 1
+                elif ch in "}]":
+                    self.depth -= 1
+                    if self.depth == 0:
+                        break
+            if end > start:
+                out.append({"index": self.streamed, "function": {"arguments": self.text[start:end]}})
+            self.pos = end
+            if self.depth == 0 and end > start and self.text[end - 1] in "}]":
+                self.in_args, self.streamed = False, self.streamed + 1
+                continue
+            break
+        return out

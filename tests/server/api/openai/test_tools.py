@@ -118,6 +118,8 @@ def test_streamed_calls_add_up_to_the_whole_answer(oc, choice):
     want = whole.choices[0].message.tool_calls
     assert [(e["name"], e["arguments"]) for e in calls.values()] == [(w.function.name, w.function.arguments)
                                                                       for w in want]
+    pieces = [d for c in chunks if c.choices for d in c.choices[0].delta.tool_calls or []]
+    assert len(pieces) > 2  # the arguments come in fragments, as they are generated
     assert all(e["id"] and e["id"].startswith("call_") for e in calls.values())
     reasons = [c.choices[0].finish_reason for c in chunks if c.choices and c.choices[0].finish_reason]
     assert reasons == [whole.choices[0].finish_reason]
@@ -233,6 +235,24 @@ def test_stream_splitter_passes_text_and_holds_calls():
     s = tools.StreamSplitter()
     assert [s.feed(p) for p in ["a <", "b", " <tool"]] == ["a ", "<b", " "]
     assert s.rest() == "<tool"
+
+
+@pytest.mark.parametrize("step", [1, 3, 1000])
+def test_required_splitter_streams_each_calls_arguments(step):
+    calls = [("add", {"a": 1, "b": [2, {"c": "}]"}]}), ("weather", {"city": 'say "{hi}" \\'}), ("add", {})]
+    text = json.dumps([{"name": n, "parameters": a} for n, a in calls], separators=(",", ":"))
+    s = tools.RequiredSplitter()
+    got: dict[int, dict] = {}
+    for k in range(0, len(text), step):
+        for entry in s.feed(text[k:k + step]):
+            e = got.setdefault(entry["index"], {"name": "", "arguments": "", "id": entry.get("id")})
+            e["name"] += entry["function"].get("name", "")
+            e["arguments"] += entry["function"]["arguments"]
+    assert s.ok and s.streamed == 3
+    assert [(e["name"], json.loads(e["arguments"])) for e in got.values()] == calls
+    assert all(e["id"].startswith("call_") for e in got.values())
+    other = tools.RequiredSplitter()  # keys in another order: nothing streams, the calls come whole at the end
+    assert other.feed('[{"parameters":{},"name":"add"}]') == [] and not other.ok
 
 
 # -- refusals: 400 naming the field, before the engine ------------------------------------------------
