@@ -115,7 +115,7 @@ class FunctionTool(_Strict):
     type: Literal["function"] = Field(description="only function tools")
     name: str = Field(pattern=TOOL_NAME)
     description: str | None = Field(default=None, max_length=4096)
-    parameters: dict[str, Any] | None = None
+    parameters: dict[str, Any] | None = Field(default=None, description="as chat's tools[].function.parameters")
     strict: Bool | None = None
 
 

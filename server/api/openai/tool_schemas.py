@@ -7,9 +7,11 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from server.api.openai.response_format import MAX_SCHEMA_CHARS
 from server.api.wire import Bool
 
 MAX_TOOLS = 128  # OpenAI's bound
+MAX_TOOLS_CHARS = 4 * MAX_SCHEMA_CHARS  # every tool's schema together (the required grammar holds them all)
 MAX_TOOL_CALLS = 64  # calls in one assistant message
 MAX_CALL_ID = 128
 MAX_ARGUMENT_CHARS = 65536
@@ -22,7 +24,8 @@ class FunctionDef(BaseModel):
     name: str = Field(pattern=TOOL_NAME, description="letters, digits, _ . - (at most 64)")
     description: str | None = Field(default=None, max_length=4096)
     parameters: dict[str, Any] | None = Field(default=None, description="a JSON Schema of the arguments "
-                                              "(an object); none: no arguments")
+                                              f"(an object; at most {MAX_SCHEMA_CHARS} characters as compact JSON, "
+                                              f"{MAX_TOOLS_CHARS} for all the tools together); none: no arguments")
     strict: Bool | None = Field(default=None, description="accepted; required and named calls always follow "
                                 "the schema")
 

@@ -40,10 +40,9 @@ import jinja2
 from server.api.errors import ApiError
 from server.api.openai.response_format import MAX_SCHEMA_CHARS
 from server.api.openai.schemas import ChatMessage
-from server.api.openai.tool_schemas import NamedToolChoice, Tool
+from server.api.openai.tool_schemas import MAX_TOOLS_CHARS, NamedToolChoice, Tool
 from server.engines.grammar import check_format
 
-MAX_TOOLS_CHARS = 4 * MAX_SCHEMA_CHARS  # every tool's schema together (the required grammar holds them all)
 NO_ARGUMENTS: dict[str, Any] = {"type": "object", "properties": {}, "additionalProperties": False}  # a tool without parameters
 CALL_OPEN, CALL_CLOSE = "<tool_call>", "</tool_call>"
 _CALL = re.compile(r"<tool_call>\s*(.*?)\s*(?:</tool_call>|$)", re.DOTALL)
