@@ -2,6 +2,7 @@
 
     SamplingParams.response_format = ("json_object", "")            any JSON object
                                    | ("json_schema", SCHEMA_JSON)   JSON valid against the schema
+                                   | ("tool_calls", TOOLS_JSON)     text or strict tool calls (auto)
     grammar_text(fmt)         the llguidance grammar (JSON compiled without free whitespace: the
                               answer is compact JSON, and a model cannot loop on blanks)
     check_format(fmt, tok)    None, or why the grammar is unusable (an invalid schema)
@@ -34,9 +35,28 @@ def schema_of(fmt: ResponseFormat) -> dict[str, Any]:
     raise ValueError(f"response_format: unknown type {kind!r}")
 
 
+def tool_calls_grammar(tools: list[dict[str, Any]]) -> str:
+    """tool_choice auto with strict tools (server.api.openai.tools): free text that never contains
+    "<tool_call>", or text then one or more calls <tool_call>\n{"name": N, "arguments": ARGS}\n</tool_call>,
+    ARGS valid for N's schema. tools: [{"name", "parameters"}] (a Lark grammar for llguidance)."""
+    calls = [{"type": "object", "properties": {"name": {"const": t["name"]}, "arguments": t["parameters"]},
+              "required": ["name", "arguments"], "additionalProperties": False} for t in tools]
+    schema = calls[0] if len(calls) == 1 else {"anyOf": calls}
+    return "\n".join([  # OPEN: any text up to the first "<tool_call>\n" (a lexeme cannot stop short of it)
+        "start: TEXT | OPEN body CLOSE more*",
+        'more: "\\n"? "<tool_call>\\n" body CLOSE',
+        "TEXT: /(?s:.+)/ & ~/(?s:.*<tool_call>.*)/",
+        "OPEN: /(?s:.*)<tool_call>\\n/ & ~/(?s:.*<tool_call>.*<tool_call>.*)/",
+        'CLOSE: "\\n</tool_call>"',
+        f"body: %json {json.dumps(schema, separators=(',', ':'))}",
+    ])
+
+
 def grammar_text(fmt: ResponseFormat) -> str:
     from llguidance import LLMatcher
 
+    if fmt[0] == "tool_calls":
+        return tool_calls_grammar(json.loads(fmt[1]))
     return LLMatcher.grammar_from_json_schema(schema_of(fmt), overrides=_COMPILE)  # type: ignore[arg-type]
 
 

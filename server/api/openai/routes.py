@@ -112,7 +112,8 @@ async def start_chat(rt: Runtime, body: ChatRequest, id_prefix: str = "chatcmpl"
     k = body.top_logprobs or 0
     json_format = await format_spec(body.response_format, rt.tokenizer, stop=body.stop_list())
     plan = await tools.plan(body.tools, body.tool_choice, body.parallel_tool_calls, rt.tokenizer,
-                            stop=body.stop_list(), json_format=json_format is not None)
+                            stop=body.stop_list(), json_format=json_format is not None,
+                            strict_auto=rt.settings.engine == "native")
     logprobs = k if body.logprobs else (0 if extensions.needs_tokens(body) else None)
     params = _params(rt, body, max_tokens, names, logprobs=logprobs, prompt_logprobs=body.prompt_logprobs,
                      response_format=plan.response_format or json_format)

@@ -4,7 +4,9 @@
       none       the tools are not shown; the answer is text
       auto       the tools are shown; the model writes text, or calls in the default format
                  (below); the answer is parsed: calls that parse and name a tool become
-                 `tool_calls` (finish_reason "tool_calls"), anything else stays text
+                 `tool_calls` (finish_reason "tool_calls"), anything else stays text. With a
+                 `strict` tool (native engine) the grammar allows only text without
+                 "<tool_call>", or text then calls whose arguments follow their tool's schema
       required   constrained by the JSON-schema grammar (engines/grammar.py) to a list of one or
                  more calls [{"name": NAME, "parameters": ARGS}, ...] (one with
                  parallel_tool_calls false), ARGS valid for that tool's schema
@@ -132,9 +134,12 @@ def check_messages(messages: Sequence[ChatMessage], continue_final_message: bool
 
 
 async def plan(tools: list[Tool] | None, choice: str | NamedToolChoice | None, parallel: bool | None,
-               tokenizer: Any, *, stop: list[str], json_format: bool, field_prefix: str = "") -> ToolPlan:
+               tokenizer: Any, *, stop: list[str], json_format: bool, field_prefix: str = "",
+               strict_auto: bool = True) -> ToolPlan:
     """The request's ToolPlan, every schema compiled for the served tokenizer (off the event loop);
-    ApiError 400 naming the field. field_prefix: where the route's tool fields sit ("" on chat)."""
+    ApiError 400 naming the field. field_prefix: where the route's tool fields sit ("" on chat).
+    strict_auto: auto with a strict tool is constrained by the tool-calls grammar (the native
+    engine's; grammar.tool_calls_grammar)."""
     tools = list(tools or ())
     mode = choice if isinstance(choice, str) else ("named" if choice is not None else ("auto" if tools else "none"))
     name = choice.function.name if isinstance(choice, NamedToolChoice) else None
@@ -174,11 +179,18 @@ async def plan(tools: list[Tool] | None, choice: str | NamedToolChoice | None, p
         if error is not None:
             raise _bad(f"{field_prefix}tools: the calls' grammar does not compile: {error}", f"{field_prefix}tools")
         out.response_format = spec
+    elif mode == "auto" and strict_auto and any(t.function.strict for t in tools):
+        listed = [{"name": t.function.name, "parameters": parameters_of(t)} for t in tools]
+        spec = ("tool_calls", _compact(listed))
+        error = await asyncio.to_thread(check_format, spec, tokenizer)
+        if error is not None:
+            raise _bad(f"{field_prefix}tools: the calls' grammar does not compile: {error}", f"{field_prefix}tools")
+        out.response_format = spec
     if out.active and json_format:
         raise _bad(f"{param}: a JSON response_format with tools is not supported (use one or the other)", param)
     if out.response_format is not None and stop:
-        raise _bad("stop: not supported with required or named tool calls (a stop string would cut a call short)",
-                   "stop")
+        raise _bad("stop: not supported with required, named or strict tool calls (a stop string would cut a call "
+                   "short)", "stop")
     return out
 
 

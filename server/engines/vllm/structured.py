@@ -24,6 +24,7 @@ def structured_fields(p: SamplingParams) -> dict[str, Any]:
         return {"json_object": True}
     if kind == "json_schema":
         return {"json": json.loads(text)}
+    # "tool_calls" (strict tools in auto) is a llguidance grammar: the route leaves it to the native engine
     raise ValueError(f"response_format: unknown type {kind!r}")
 
 

@@ -164,6 +164,40 @@ def test_what_the_model_sees(http):
     assert "<|im_start|>" not in plain  # a task alone: its own prompt format
 
 
+STRICT = [{"type": "function", "function": {**t["function"], "strict": True}} for t in TOOLS]
+
+
+def test_strict_tools_in_auto_are_grammar_enforced():
+    """The grammar of auto with a strict tool: text without "<tool_call>", or text then valid calls."""
+    from server.engines.native.grammar_mask import RowGrammar
+
+    tok = tiny_tokenizer()
+    listed = [{"name": t["function"]["name"], "parameters": t["function"]["parameters"]} for t in STRICT]
+    fmt = ("tool_calls", json.dumps(listed))
+
+    def verdicts(text: str, end: bool = True) -> list[str]:
+        g = RowGrammar.build(fmt, tok)
+        out = [g.consume(t, False) for t in tok(text, add_special_tokens=False).input_ids]
+        return out + ([g.consume(tok.eos_token_id, True)] if end else [])
+
+    assert verdicts("no call here")[-1] == "done"
+    good = 'ok <tool_call>\n{"name":"add","arguments":{"a":3,"b":4}}\n</tool_call>'
+    assert set(verdicts(good)[:-1]) == {"go"} and verdicts(good)[-1] == "done"
+    assert "dead" in verdicts('<tool_call>\n{"name":"add","arguments":{"a":300,"b":4}}', end=False)  # maximum 99
+    assert "dead" in verdicts('<tool_call>\n{"name":"nope"', end=False)
+    assert verdicts('x <tool_call>\n{"name":"add"')[-1] == "dead"  # an unfinished call cannot end
+
+
+def test_strict_auto_answers_are_text_or_valid_calls(oc):
+    r = oc.chat.completions.create(model="base", messages=MSGS, tools=STRICT, max_tokens=64, n=4, seed=5,
+                                   temperature=1.0)
+    for choice in r.choices:
+        if choice.message.tool_calls:
+            assert choice.finish_reason == "tool_calls" and all(valid_call(c) for c in choice.message.tool_calls)
+        else:
+            assert "<tool_call>" not in (choice.message.content or "") or choice.finish_reason == "length"
+
+
 # -- rendering -------------------------------------------------------------------------------------
 def _msgs(raw: list[dict]) -> list[ChatMessage]:
     return [ChatMessage.model_validate(m) for m in raw]
