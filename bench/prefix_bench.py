@@ -11,7 +11,8 @@ Workloads (each request streams, so TTFT is the first chunk with text; EOS ignor
              4 shared system prompts, every earlier question and answer), --chat-out tokens a turn
 
 vLLM serves the tasks as LoRAs through polyserve's resolver plugin (the same store and task ids),
-in --vllm-dtype. Prints one JSON line per (server, workload) and a summary of ratios.
+in --vllm-dtype. Prints one JSON line per (server, workload) and a summary of ratios (of the
+medians, where --servers names a server more than once: `polyserve,vllm,polyserve,vllm`).
 
     make vllm-env
     .venv/bin/python -m bench.prefix_bench --threads 2            # both servers
@@ -157,7 +158,7 @@ def main() -> None:
     args.out_dir.mkdir(parents=True, exist_ok=True)
     env = {"POLYSERVE_STORE": str(store.root), "POLYSERVE_MAX_PROMPT_TOKENS": "2048"}
     extra = dict(kv.split("=", 1) for kv in args.polyserve_env)
-    results: dict[str, dict] = {}
+    results: dict[str, dict[str, list[dict]]] = {}
     for kind in args.servers.split(","):
         proc, handle, url = start(kind, args, args.out_dir, {**env, **(extra if kind == "polyserve" else {})},
                                   model_dir)
@@ -169,20 +170,27 @@ def main() -> None:
                 else:
                     row = asyncio.run(run_completions(url, completion_jobs(args, tasks, name == "shared"),
                                                       args.concurrency))
-                results.setdefault(kind, {})[name] = row
+                results.setdefault(kind, {}).setdefault(name, []).append(row)
                 print(json.dumps({"server": kind, "workload": name, **row}), flush=True)
         finally:
             stop(proc, handle)
+    print(json.dumps({"summary": summarise(results)}), flush=True)
+
+
+def summarise(results: dict[str, dict[str, list[dict]]]) -> dict:
+    """Ratios of the medians over the rounds (a server named twice in --servers ran twice)."""
+    med = {kind: {name: {k: statistics.median(r[k] for r in runs) for k in ("total_s", "ttft_p50_s")}
+                  for name, runs in rows.items()} for kind, rows in results.items()}
     summary: dict = {}
-    for kind, rows in results.items():
+    for kind, rows in med.items():
         if "shared" in rows and "unique" in rows:
             summary[f"{kind}_unique_over_shared"] = round(rows["unique"]["total_s"] / rows["shared"]["total_s"], 2)
-    if "polyserve" in results and "vllm" in results:
-        p, v = results["polyserve"], results["vllm"]
+    if "polyserve" in med and "vllm" in med:
+        p, v = med["polyserve"], med["vllm"]
         for name in p.keys() & v.keys():
             summary[f"{name}_speed_ratio"] = round(v[name]["total_s"] / p[name]["total_s"], 2)
             summary[f"{name}_ttft_p50_ratio"] = round(p[name]["ttft_p50_s"] / v[name]["ttft_p50_s"], 2)
-    print(json.dumps({"summary": summary}), flush=True)
+    return summary
 
 
 if __name__ == "__main__":
