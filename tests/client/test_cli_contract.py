@@ -37,6 +37,7 @@ ALLOWED_WITHOUT_COMMAND = {
     ("GET", "/metrics"): "Prometheus scrapes it; a person reads it in Prometheus or with curl",
     ("POST", "/v1/completions"): "OpenAI-compatible: the `openai` client is its CLI; `generate` covers generation",
     ("POST", "/v1/chat/completions"): "OpenAI-compatible: the `openai` client is its CLI",
+    ("POST", "/v1/responses"): "OpenAI's Responses API: the `openai` client and agent frameworks are its callers",
     ("POST", "/tokenize"): "vLLM-compatible utility route, for vLLM's clients and benchmarks",
     ("POST", "/detokenize"): "vLLM-compatible utility route, for vLLM's clients and benchmarks",
     ("GET", "/version"): "vLLM-compatible; `polyserve --version` prints the installed version",
