@@ -4,6 +4,7 @@ stream_options {include_usage, continuous_usage_stats}, vLLM's extension."""
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import shutil
 import subprocess
@@ -15,7 +16,10 @@ import pytest
 from adapters_store.backbone.tiny import tiny_tokenizer
 from tests.support.server_fixtures import build_store, live_server, settings_for, tiny_backbone
 
-pytest.importorskip("guidellm")
+# guidellm runs as its own command; importing it here would start a child process of its own in
+# the test process for the rest of the session
+if importlib.util.find_spec("guidellm") is None:
+    pytest.skip("guidellm is not installed", allow_module_level=True)
 GUIDELLM = Path(sys.executable).with_name("guidellm")
 
 
