@@ -233,6 +233,24 @@ def test_a_polyserve_server_on_the_vllm_engine(tmp_path):
             assert gone.status_code == 404
             register([{"input": e["input"], "output": e["input"].upper()} for e in examples])  # the same name again
             assert cached("swap-pair") == 0  # a new LoRA name: the old version's KV is never served
+
+            # tools on this engine: required and named calls through vLLM's structured outputs
+            tools = [{"type": "function", "function": {"name": "get_weather", "parameters": {
+                "type": "object", "properties": {"city": {"type": "string"},
+                                                 "unit": {"type": "string", "enum": ["c", "f"]}},
+                "required": ["city", "unit"]}}}]
+            for model, choice in (("base", "required"), ("upper", {"type": "function",
+                                                                   "function": {"name": "get_weather"}})):
+                r = c.post("/v1/chat/completions", json={
+                    "model": model, "messages": [{"role": "user", "content": "Weather in Paris?"}], "tools": tools,
+                    "tool_choice": choice, "max_tokens": 128, "temperature": 0})
+                assert r.status_code == 200, r.text
+                calls = r.json()["choices"][0]["message"].get("tool_calls")
+                assert calls, r.text  # required allows parallel calls: every one must be valid
+                for call in calls:
+                    got = json.loads(call["function"]["arguments"])
+                    assert call["function"]["name"] == "get_weather" and set(got) == {"city", "unit"}
+                    assert got["unit"] in ("c", "f") and isinstance(got["city"], str)
             metrics = c.get("/metrics").text
             assert "polyserve_requests_total" in metrics or "polyserve_" in metrics
     finally:
