@@ -5,10 +5,12 @@
         cancelled rows and prefills leave; their KV slots are freed
         admit waiting requests (scheduler.py: fair order; rows, KV-token and step-token budgets):
             each takes n KV slots and its adapter is written into the first slot's LoRA tables
-            (slot_lora.py)
+            (slot_lora.py); its prompt's longest cached prefix is copied into that slot, and
+            its chunks start after it (prefix_cache.py)
         one step = one forward (step.py) over what the scheduler plans:
             every decoding row (one token each)                           rows of all tasks
             + prompt chunks of admitted requests, within max_step_tokens  chunked prefill
+        a prompt chunk's full blocks go into the prefix cache
         a request whose prompt is complete forks its slot into its n choices, samples their
             first tokens; decoding rows sample their next token
         finished / cancelled rows free their slots at once (slots stay dense: slots.py)
