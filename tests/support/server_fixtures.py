@@ -49,6 +49,22 @@ def build_store(root: str | Path, tasks: tuple[str, ...] = TASKS, spec: Inventor
     return store
 
 
+def routed_engine_parts(root: str | Path):
+    """(backbone, RoutedModel with the store's skills, store, AdapterCache) on the tiny backbone:
+    what a test needs to drive the native engine with the store's tasks."""
+    from server.adapter_cache.cache import AdapterCache
+    from server.adapter_cache.l1 import L1Cache
+
+    store = build_store(root)
+    bb = tiny_backbone()
+    info, skills = store.load_inventory(bb.fingerprint)
+    rm = RoutedModel(bb.model, info.spec)
+    rm.load_skills(skills)
+    cache = AdapterCache(store, info, skills, fingerprint=bb.fingerprint, device=torch.device("cpu"),
+                         dtype=torch.float32, l1=L1Cache(1 << 30))
+    return bb, rm, store, cache
+
+
 def put_task(store: DirectoryStore, task: str, seed: int) -> None:
     """Write (or re-write: new version) one routing row."""
     info = store.inventory_info()

@@ -5,30 +5,19 @@ from __future__ import annotations
 import time
 
 import pytest
-import torch
 
-from server.adapter_cache.cache import AdapterCache
-from server.adapter_cache.l1 import L1Cache
 from server.engines.base import QueueFull
 from server.engines.native.config import EngineConfig
 from server.engines.native.engine import NativeEngine as Engine
 from server.engines.request import FinalEvent, GenRequest, SamplingParams, TokenEvent
-from tests.support.server_fixtures import TASKS, build_store, tiny_backbone
+from tests.support.server_fixtures import TASKS, routed_engine_parts
 
 PROMPTS = ["hello world", "a", "the quick brown fox jumps", "0123456789", "xyz", "polyserve!", "mixed tasks", "b c"]
 
 
 @pytest.fixture(scope="module")
 def setup(tmp_path_factory):
-    from adapters_store.lora.inject import RoutedModel
-
-    store = build_store(tmp_path_factory.mktemp("store"))
-    bb = tiny_backbone()
-    info, skills = store.load_inventory(bb.fingerprint)
-    rm = RoutedModel(bb.model, info.spec)
-    rm.load_skills(skills)
-    cache = AdapterCache(store, info, skills, fingerprint=bb.fingerprint, device=torch.device("cpu"),
-                         dtype=torch.float32, l1=L1Cache(1 << 30))
+    bb, rm, store, cache = routed_engine_parts(tmp_path_factory.mktemp("store"))
     adapters = {t: cache.get(store.get_task(t)) for t in TASKS}
     adapters["base"] = None
     return bb, rm, adapters

@@ -10,8 +10,6 @@ from __future__ import annotations
 import pytest
 import torch
 
-from server.adapter_cache.cache import AdapterCache
-from server.adapter_cache.l1 import L1Cache
 from server.engines.native.config import EngineConfig
 from server.engines.native.engine import NativeEngine
 from server.engines.native.prefix_cache import BLOCK, FIRST_BLOCKS, PrefixCache, chain, namespace
@@ -19,7 +17,7 @@ from server.engines.native.slots import SlotKV
 from server.engines.request import FinalEvent, GenRequest, SamplingParams
 from server.infra.metrics import Metrics
 from tests.support.engine_utils import wait_all
-from tests.support.server_fixtures import TASKS, build_store, put_task, tiny_backbone
+from tests.support.server_fixtures import TASKS, put_task, routed_engine_parts
 
 NS = namespace("task-key", "default", None)
 
@@ -130,16 +128,7 @@ def test_a_chain_is_evicted_from_its_end():
 # -- the engine ----------------------------------------------------------------------------------
 @pytest.fixture(scope="module")
 def setup(tmp_path_factory):
-    from adapters_store.lora.inject import RoutedModel
-
-    store = build_store(tmp_path_factory.mktemp("store"))
-    bb = tiny_backbone()
-    info, skills = store.load_inventory(bb.fingerprint)
-    rm = RoutedModel(bb.model, info.spec)
-    rm.load_skills(skills)
-    cache = AdapterCache(store, info, skills, fingerprint=bb.fingerprint, device=torch.device("cpu"),
-                         dtype=torch.float32, l1=L1Cache(1 << 30))
-    return bb, rm, store, cache
+    return routed_engine_parts(tmp_path_factory.mktemp("store"))
 
 
 def engine_for(setup, **config) -> NativeEngine:
