@@ -71,6 +71,16 @@ class JobHold(Protocol):
     def still_held(self) -> bool: ...
 
 
+def check_demonstrations(demonstrations: list[dict[str, str]]) -> list[dict[str, str]]:
+    """A record's demonstrations as stored: {"input", "output"} strings, nothing else."""
+    out = []
+    for d in demonstrations:
+        if set(d) != {"input", "output"} or not all(isinstance(v, str) and v for v in d.values()):
+            raise StoreError("a demonstration is {\"input\": str, \"output\": str}, both non-empty")
+        out.append({"input": d["input"], "output": d["output"]})
+    return out
+
+
 class AdapterStore(ABC):
     """Semantics shared by every backend; see the module docstring for the primitives."""
 
@@ -331,11 +341,14 @@ class AdapterStore(ABC):
     def _put_weights(
         self, task: str, kind: str, tensors: dict[str, torch.Tensor], method: str,
         source: dict[str, Any] | None, metrics: dict[str, Any] | None, job_id: str | None,
+        demonstrations: list[dict[str, str]] | None = None,
     ) -> TaskRecord:
         validate_task_id(task)
+        demonstrations = check_demonstrations(demonstrations or [])
         tensors = {k: v.detach().contiguous().cpu() for k, v in tensors.items()}
-        digest = tensors_digest(tensors)
-        blob = st_save(tensors, {"task": task})
+        weights = kind != "demos"  # a demos task is its demonstrations alone: no weights file
+        digest = tensors_digest(tensors) if weights else None
+        blob = st_save(tensors, {"task": task}) if weights else None
         inv = self._read_inventory_json()
         with self._transaction(task):
             data = self._read_record(task)
@@ -345,7 +358,8 @@ class AdapterStore(ABC):
             record = TaskRecord(
                 id=task, method=method, status="ready", version=version,
                 created_at=previous.created_at if previous else now, updated_at=now,
-                kind=kind, file=f"{kind}-{version}-{digest}.safetensors", digest=digest,  # type: ignore[arg-type]
+                kind=kind,  # type: ignore[arg-type]
+                file=f"{kind}-{version}-{digest}.safetensors" if weights else None, digest=digest,
                 params=sum(t.numel() for t in tensors.values()),
                 source=source or {}, metrics=metrics or {}, job_id=job_id,
                 inventory_version=inv["version"] if inv else None,
@@ -353,7 +367,7 @@ class AdapterStore(ABC):
                 # placeholder record)
                 owner=previous.owner if previous else None, shared=previous.shared if previous else False,
                 description=previous.description if previous else None,
-                examples=list(previous.examples) if previous else [],
+                examples=list(previous.examples) if previous else [], demonstrations=demonstrations,
             )
             self._commit_task(record, blob, previous)
         return record
@@ -361,6 +375,7 @@ class AdapterStore(ABC):
     def put_routing(
         self, task: str, logits: torch.Tensor, *, method: str = "routing",
         source: dict[str, Any] | None = None, metrics: dict[str, Any] | None = None, job_id: str | None = None,
+        demonstrations: list[dict[str, str]] | None = None,
     ) -> TaskRecord:
         """Store a task's routing row. logits: (L, h, S) in the inventory's layer order."""
         if self.has_inventory():
@@ -368,14 +383,24 @@ class AdapterStore(ABC):
             want = (len(info.layer_names), info.spec.n_heads, info.spec.n_skills)
             if tuple(logits.shape) != want:
                 raise StoreError(f"routing for {task!r} has shape {tuple(logits.shape)}, inventory needs {want}")
-        return self._put_weights(task, "routing", {"logits": logits}, method, source, metrics, job_id)
+        return self._put_weights(task, "routing", {"logits": logits}, method, source, metrics, job_id, demonstrations)
 
     def put_lora(
         self, task: str, lora: dict[str, torch.Tensor], *, method: str,
         source: dict[str, Any] | None = None, metrics: dict[str, Any] | None = None, job_id: str | None = None,
+        demonstrations: list[dict[str, str]] | None = None,
     ) -> TaskRecord:
         """Store a task's own plain LoRA: "<layer>.A" (d_in, r), "<layer>.B" (r, d_out)."""
-        return self._put_weights(task, "lora", lora, method, source, metrics, job_id)
+        return self._put_weights(task, "lora", lora, method, source, metrics, job_id, demonstrations)
+
+    def put_demonstrations(
+        self, task: str, demonstrations: list[dict[str, str]], *, method: str,
+        source: dict[str, Any] | None = None, metrics: dict[str, Any] | None = None, job_id: str | None = None,
+    ) -> TaskRecord:
+        """Store a task served as its demonstrations on the bare backbone (kind "demos", no weights)."""
+        if not demonstrations:
+            raise StoreError(f"task {task!r}: a task without weights needs at least one demonstration")
+        return self._put_weights(task, "demos", {}, method, source, metrics, job_id, demonstrations)
 
     def import_task(self, record: TaskRecord, blob: bytes | None) -> None:
         """Write a task exactly as another store holds it (its version, digest and times), e.g.

@@ -8,7 +8,7 @@ from typing import Any, Literal
 from adapters_store.lora.spec import InventorySpec
 
 TaskStatus = Literal["ready", "training", "failed"]
-AdapterKind = Literal["routing", "lora"]
+AdapterKind = Literal["routing", "lora", "demos"]  # demos: the demonstrations on the bare backbone
 # adapters_store.backbone.prompt.PROMPT_FORMAT: the format every task so far was trained with (and the default
 # for records written before the field existed)
 DEFAULT_PROMPT_FORMAT = "input-output"
@@ -83,6 +83,9 @@ class TaskRecord:
     shared: bool = False  # every tenant may see and use it (server/registry/ownership.py)
     description: str | None = None  # what the task does, in words (a registration's, or the suite's)
     examples: list[dict[str, str]] = field(default_factory=list)  # at most MAX_RECORD_EXAMPLES pairs
+    # served before every prompt of this version (training/demos.py), {"input", "output"} each; with
+    # kind "demos", on the bare backbone. The owner's data: seen only by whoever may see the task
+    demonstrations: list[dict[str, str]] = field(default_factory=list)
 
     def to_json(self) -> dict[str, Any]:
         return asdict(self)

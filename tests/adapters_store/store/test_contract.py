@@ -207,6 +207,29 @@ def test_a_description_and_examples_round_trip_and_survive_new_versions(store):
     assert plain.description is None and plain.examples == [] and store.get_task("quiet") == plain
 
 
+def test_demonstrations_are_part_of_a_version_with_or_without_weights(store, tmp_path):
+    demos = [{"input": "France", "output": "Paris"}, {"input": "ünï", "output": "cödé"}]
+    routed = store.put_routing("both", torch.randn(2, 2, 3), method="auto", demonstrations=demos)
+    assert store.get_task("both").demonstrations == demos and routed.kind == "routing"
+    alone = store.put_demonstrations("alone", demos, method="demos", metrics={"estimate": {"chosen": "demos"}})
+    got = store.get_task("alone")
+    assert got == alone and got.kind == "demos" and got.file is None and got.digest is None
+    assert got.demonstrations == demos and got.metrics["estimate"] == {"chosen": "demos"} and got.status == "ready"
+    assert "alone" not in store.routing_rows(limit=10)  # nothing to retrieve from
+    with pytest.raises(StoreError, match="no weights"):
+        store.weights_bytes(got)
+    retrained = store.put_routing("alone", torch.randn(2, 2, 3), method="routing")  # a new version: its own
+    assert retrained.version == 2 and retrained.demonstrations == []
+    other = open_store(tmp_path / "copy")  # a copy of the store keeps them (polyserve store copy)
+    other.import_task(alone, None)
+    assert other.get_task("alone").demonstrations == demos
+    with pytest.raises(StoreError, match="demonstration"):
+        store.put_demonstrations("none", [], method="demos")
+    with pytest.raises(StoreError, match="demonstration"):
+        store.put_routing("bad", torch.randn(2, 2, 3), demonstrations=[{"input": "x"}])
+    assert not store.has_task("none") and not store.has_task("bad")
+
+
 def test_import_task_keeps_the_record_and_checks_the_digest(store, tmp_path):
     rec = store.put_routing("a", torch.randn(2, 2, 3))
     blob = store.weights_bytes(rec)
