@@ -42,8 +42,9 @@ from adapters_store.lora.inject import RoutedModel
 from adapters_store.store.materialize import layers_from_weights, mu_weights
 from adapters_store.store.records import InventoryInfo
 from training.adapt_config import AdaptConfig
-from training.batching import collate, encode_all, within_tokens
+from training.batching import Encoded, collate, encode_all, encode_example, within_tokens
 from training.data import Example, split_examples
+from training.demos import as_pairs, context_for, demonstration_text
 from training.estimate import exact_estimate
 from training.loss import per_example_exact, per_example_loss, target_logits, token_loss
 from training.precision import FrozenBf16Weights, resolve_autocast
@@ -56,10 +57,13 @@ FULL_ROW_LR = 0.1
 
 @dataclass
 class AdaptResult:
-    kind: Literal["routing", "lora"]
-    tensors: dict[str, torch.Tensor]  # routing: {"logits": (L, h, S)}; lora: {"<layer>.A", "<layer>.B"}
+    kind: Literal["routing", "lora", "demos"]
+    # routing: {"logits": (L, h, S)}; lora: {"<layer>.A", "<layer>.B"}; demos: {} (the bare backbone)
+    tensors: dict[str, torch.Tensor]
     metrics: dict[str, Any] = field(default_factory=dict)
     params: int = 0  # numbers trained for this task
+    # the examples served before every prompt of the task (training/demos.py), as {"input", "output"}
+    demonstrations: list[dict[str, str]] = field(default_factory=list)
 
 
 @dataclass(frozen=True)
@@ -90,6 +94,7 @@ class Adaptation:
         progress: Callable[[dict], None] | None = None,
         init_row: torch.Tensor | None = None,
         init_eval: KnownEval | None = None,
+        demonstrations: list[Example] | None = None,
     ) -> None:
         config = config if config is not None else AdaptConfig()
         if not examples:
@@ -104,8 +109,11 @@ class Adaptation:
         self.progress, self.eval_every, self.patience = progress, max(1, config.eval_every), config.patience
         train, held = split_examples(list(examples), holdout, config.seed)
         self.n_train, self.n_held = len(train), len(held)
-        self.train = encode_all(tokenizer, train, config.max_length)
-        self.held = encode_all(tokenizer, held, config.max_length)
+        # demos+routing: every example trains and is scored after the task's demonstrations (but its
+        # own), so the row learns what they leave out; the served prompt carries them all
+        self.demonstrations = list(demonstrations or [])
+        self.train = self._encode(tokenizer, train, config.max_length)
+        self.held = self._encode(tokenizer, held, config.max_length)
         self.batch_size = max(1, min(config.resolved_batch_size, len(self.train)))
         self.step_tokens = config.resolved_step_tokens
         self.pad = int(tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id)
@@ -179,6 +187,12 @@ class Adaptation:
             # row trains from init_row plus the INIT noise, a logit change the loss does not see)
             self._record_eval(init_eval.loss, init_eval.exact)
             self._need_eval = False
+
+    def _encode(self, tokenizer: Any, examples: list[Example], max_length: int) -> list[Encoded]:
+        if not self.demonstrations:
+            return encode_all(tokenizer, examples, max_length)
+        room = max_length + len(tokenizer(demonstration_text(self.demonstrations)).input_ids)
+        return [encode_example(tokenizer, ex, room, context_for(ex, self.demonstrations)) for ex in examples]
 
     # -- the task's adapter as the RoutedModel reads it -----------------------------------------
     def _weights(self) -> torch.Tensor:
@@ -357,7 +371,9 @@ class Adaptation:
             **exact_estimate(exact, self.n_held),  # its n, an interval, a note below the floor
         }
         kind: Literal["routing", "lora"] = "routing" if self.method == "routing" else "lora"
-        return AdaptResult(kind, tensors, metrics, self.params)
+        if self.demonstrations:
+            metrics["demonstrations"] = len(self.demonstrations)
+        return AdaptResult(kind, tensors, metrics, self.params, as_pairs(self.demonstrations))
 
 
 def _finite(x: float) -> float | None:
@@ -376,10 +392,11 @@ def adapt(
     progress: Callable[[dict], None] | None = None,
     init_row: torch.Tensor | None = None,
     init_eval: KnownEval | None = None,
+    demonstrations: list[Example] | None = None,
 ) -> AdaptResult:
     """Run an Adaptation to the end and return its result."""
     job = Adaptation(rm, info, skills, examples, tokenizer, config, progress=progress, init_row=init_row,
-                     init_eval=init_eval)
+                     init_eval=init_eval, demonstrations=demonstrations)
     while job.step():
         pass
     return job.result()

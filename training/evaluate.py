@@ -268,10 +268,12 @@ def _summed(t: TargetLogits) -> list[float]:
 
 
 def score_rows(rm: RoutedModel, adapter: Adapter, tokenizer: Any, rows: Sequence[dict[str, Any]],
-               context: str = "", max_length: int = FEW_SHOT_MAX_LENGTH, batch_size: int = 16) -> dict[str, float]:
+               context: str = "", max_length: int = FEW_SHOT_MAX_LENGTH, batch_size: int = 16,
+               first_line: bool = False) -> dict[str, float]:
     """Suite rows with several right answers or choices (training.bigbench): {"exact_match": the greedy
     answer equals one of the row's targets, "ll_acc": the best-ranked choice is the answer (rows with
-    choices only), "loss"}. The RoutedModel's previous plan is restored afterwards."""
+    choices only), "loss"}. first_line: the answer ends at its first newline, as a server ends one
+    after a task's demonstrations (its stop string). The RoutedModel's previous plan is restored."""
     if not rows:
         raise ValueError("score_rows needs at least one row")
     examples = [Example(str(r.get("task", "")), r["input"], r["output"]) for r in rows]
@@ -282,6 +284,8 @@ def score_rows(rm: RoutedModel, adapter: Adapter, tokenizer: Any, rows: Sequence
         prefix = context_prefix(rm, adapter, tokenizer, [ex.input for ex in examples], context, max_length)
         preds = generate(rm, adapter, tokenizer, [ex.input for ex in examples], longest + 2, batch_size,
                          context, max_length, prefix)
+        if first_line:
+            preds = [p.split("\n", 1)[0] for p in preds]
         out = {"exact_match": sum(any(exact(p, a) for a in ans) for p, ans in zip(preds, answers, strict=True))
                / len(rows)}
         ranked = [r for r in rows if r.get("choices")]

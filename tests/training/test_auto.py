@@ -1,0 +1,199 @@
+"""Demonstrations and `auto` registration (training/demos.py, training/auto.py) on the tiny model:
+the demonstration budget, leave-one-out contexts that never hold an example's own answer, the
+cross-validation's folds, pruning, the choice and its estimate."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from adapters_store.lora.inject import RoutedModel
+from adapters_store.lora.spec import InventorySpec
+from adapters_store.store.records import InventoryInfo
+from training.adapt import Adaptation, AdaptResult
+from training.adapt_config import AdaptConfig
+from training.auto import AutoAdaptation, Candidate, folds_of
+from training.data import Example
+from training.demos import context_for, demonstration_text, majority_hits, select_demonstrations
+from training.estimate import wilson
+from training.suite import examples, parse_task
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+
+@pytest.fixture
+def inventory(tiny_model):
+    rm = RoutedModel(tiny_model, InventorySpec(n_skills=4, n_heads=2, rank=4))
+    rm.reset_skills(0)
+    gen = torch.Generator().manual_seed(1)
+    with torch.no_grad():
+        for layer in rm.layers:
+            layer.lora_B.normal_(0, 0.3, generator=gen)
+    info = InventoryInfo(rm.spec, tuple(rm.names), tuple(rm.layer_dims()), "fp", "tiny", "v1", 0.0)
+    return rm, info, {k: v.clone() for k, v in rm.skill_tensors().items()}
+
+
+def few(n=8, task="upper.inc", seed=0):
+    return examples(parse_task(task), n, seed=seed, split="train")
+
+
+def tokens(tokenizer, text):
+    return len(tokenizer(text, add_special_tokens=False).input_ids)
+
+
+def test_demonstrations_fill_the_budget_from_the_first_and_skip_what_does_not_fit(tokenizer):
+    exs = [Example("t", "a b", "A B"), Example("t", "x " * 200, "long"), Example("t", "c", "C")]
+    one = tokens(tokenizer, demonstration_text(exs[:1]))
+    both = tokens(tokenizer, demonstration_text([exs[0], exs[2]]))
+    assert select_demonstrations(exs, tokenizer, one) == exs[:1]
+    assert select_demonstrations(exs, tokenizer, both) == [exs[0], exs[2]]  # the long one skipped, not cut
+    smallest = min(tokens(tokenizer, demonstration_text([e])) for e in exs)
+    assert select_demonstrations(exs, tokenizer, smallest - 1) == []
+    assert select_demonstrations(exs, tokenizer, 0) == []
+    with pytest.raises(ValueError, match="budget_tokens"):
+        select_demonstrations(exs, tokenizer, -1)
+
+
+def test_an_example_never_sees_its_own_answer_in_its_context():
+    a, b = Example("t", "same", "A"), Example("t", "same", "A")  # one pair sent twice: two examples
+    c = Example("t", "other", "C")
+    demos = [a, b, c]
+    assert context_for(a, demos) == demonstration_text([b, c])
+    assert context_for(c, demos) == demonstration_text([a, b])
+    assert context_for(Example("t", "new", "N"), demos) == demonstration_text(demos)
+
+
+def test_majority_is_scored_leave_one_out():
+    exs = [Example("t", str(i), o) for i, o in enumerate("aaab")]
+    # each "a" against the others' majority ("a" twice, "b" once): right; "b" against "a a a": wrong
+    assert majority_hits(exs) == [True, True, True, False]
+    assert majority_hits([Example("t", "x", "a"), Example("t", "y", "b")]) == [False, False]
+
+
+@pytest.mark.parametrize("n, folds", [(16, 4), (5, 4), (3, 4), (10, 2)])
+def test_folds_cover_every_example_once(n, folds):
+    parts = folds_of(n, folds, seed=3)
+    assert sorted(i for p in parts for i in p) == list(range(n))
+    assert len(parts) == max(2, min(folds, n))
+    assert max(map(len, parts)) - min(map(len, parts)) <= 1
+
+
+def test_a_candidates_estimate_is_its_hits_with_a_wilson_interval():
+    c = Candidate("routing", {i: i < 5 for i in range(8)})
+    low, high = wilson(5, 8)
+    assert c.estimate(8) == {"exact": 0.625, "n": 8, "low": round(low, 4), "high": round(high, 4)}
+    c.stopped = True
+    assert "stopped after 8 of 8" in c.estimate(8)["stopped"]
+
+
+def test_demos_routing_trains_each_example_after_the_other_demonstrations(inventory, tokenizer):
+    rm, info, skills = inventory
+    exs = few(6)
+    demos = exs[:3]
+    run = Adaptation(rm, info, skills, exs, tokenizer, AdaptConfig(method="routing", steps=2, holdout_fraction=0.0),
+                     demonstrations=demos)
+    by_ids = {e.input_ids: e for e in run.train}
+    for ex in exs:
+        context = context_for(ex, demos)
+        want = tuple(tokenizer(context + f"Input: {ex.input}\nOutput:").input_ids)
+        assert any(ids[: len(want)] == want for ids in by_ids), ex
+    while run.step():
+        pass
+    res = run.result()
+    assert res.demonstrations == [{"input": d.input, "output": d.output} for d in demos]
+    assert res.metrics["demonstrations"] == 3
+
+
+def final_factory(rm, info, skills, exs, tokenizer, made):
+    def make(form, demos):
+        made.append((form, list(demos)))
+        method = "full" if form == "full" else "routing"
+        return Adaptation(rm, info, skills, exs, tokenizer, AdaptConfig(method=method, steps=2),
+                          demonstrations=demos or None)
+    return make
+
+
+def run_auto(auto):
+    while auto.step():
+        pass
+    return auto.result()
+
+
+def test_auto_scores_every_form_on_every_example_and_makes_the_best(inventory, tokenizer):
+    rm, info, skills = inventory
+    exs = few(8)
+    made: list = []
+    auto = AutoAdaptation(rm, info, skills, exs, tokenizer, final_factory(rm, info, skills, exs, tokenizer, made),
+                          demonstration_tokens=256, seed=0, folds=2, steps=2)
+    before = {k: v.clone() for k, v in rm.skill_tensors().items()}
+    res = run_auto(auto)
+    est = res.metrics["estimate"]
+    assert set(est["candidates"]) == {"demos", "routing", "demos+routing"}  # full only from 64 examples
+    for form, c in est["candidates"].items():
+        assert c["n"] == 8 or "stopped" in c, form
+    scores = {f: c["exact"] for f, c in est["candidates"].items() if "stopped" not in c}
+    order = ("demos", "routing", "demos+routing")
+    best = max(scores, key=lambda f: (scores[f], -order.index(f)))
+    assert est["chosen"] == res.metrics["chosen"] == best
+    assert est["majority"]["n"] == 8 and "note" in est  # 8 examples: too few for a figure alone
+    assert "eval_exact" not in res.metrics  # the final run's 2-example held-out figure is not the estimate
+    if best == "demos":
+        assert res.kind == "demos" and res.tensors == {} and not made
+    else:
+        assert made == [(best, select_demonstrations(exs, tokenizer, 256) if best == "demos+routing" else [])]
+    for k, v in rm.skill_tensors().items():
+        assert torch.equal(v, before[k]), k
+
+
+def test_a_form_that_cannot_win_stops_before_it_trains(inventory, tokenizer, monkeypatch):
+    rm, info, skills = inventory
+    exs = few(8)
+    made: list = []
+    auto = AutoAdaptation(rm, info, skills, exs, tokenizer, final_factory(rm, info, skills, exs, tokenizer, made),
+                          demonstration_tokens=256, folds=2, steps=2)
+
+    def perfect(rows, adapter):  # the demonstrations answer every example
+        yield {i: True for i, _ in rows}
+
+    monkeypatch.setattr(auto, "_score", perfect)
+    trained = []
+    monkeypatch.setattr("training.auto.Adaptation", lambda *a, **k: trained.append(a) or None)
+    res = run_auto(auto)
+    assert res.kind == "demos" and res.metrics["chosen"] == "demos" and not trained and not made
+    est = res.metrics["estimate"]
+    assert est["candidates"]["demos"]["exact"] == 1.0
+    assert all("stopped after 0 of 8" in est["candidates"][f]["stopped"] for f in ("routing", "demos+routing"))
+    assert len(res.demonstrations) == len(select_demonstrations(exs, tokenizer, 256))
+
+
+def test_demos_alone_is_scored_and_never_trained(inventory, tokenizer):
+    rm, info, skills = inventory
+    exs = few(6)
+    auto = AutoAdaptation(rm, info, skills, exs, tokenizer, lambda *_: pytest.fail("demos trains nothing"),
+                          demonstration_tokens=256, forms=("demos",))
+    res = run_auto(auto)
+    assert isinstance(res, AdaptResult) and res.kind == "demos"
+    assert res.metrics["estimate"]["candidates"]["demos"]["n"] == 6
+
+
+def test_without_room_for_a_demonstration_only_the_trained_forms_compete(inventory, tokenizer):
+    rm, info, skills = inventory
+    exs = few(4)
+    auto = AutoAdaptation(rm, info, skills, exs, tokenizer, final_factory(rm, info, skills, exs, tokenizer, []),
+                          demonstration_tokens=0, folds=2, steps=1)
+    assert auto.forms == ("routing",)
+    with pytest.raises(ValueError, match="demonstration budget"):
+        AutoAdaptation(rm, info, skills, exs, tokenizer, lambda *_: None, demonstration_tokens=0, forms=("demos",))
+
+
+def test_cancel_stops_auto_without_a_result(inventory, tokenizer):
+    rm, info, skills = inventory
+    exs = few(8)
+    auto = AutoAdaptation(rm, info, skills, exs, tokenizer, final_factory(rm, info, skills, exs, tokenizer, []),
+                          demonstration_tokens=256, folds=2, steps=2)
+    auto.step()
+    auto.cancel()
+    while auto.step():
+        pass
+    with pytest.raises(RuntimeError, match="cancelled"):
+        auto.result()
