@@ -17,9 +17,12 @@ is cancelled and the answer is 504 `timeout` (not streamed) or the stream's erro
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 import logging
 import re
+import threading
+from collections import OrderedDict
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field, fields
 from typing import Any
@@ -28,6 +31,7 @@ from fastapi.responses import StreamingResponse
 from starlette.requests import Request
 
 from server.api.errors import ApiError, api_error, error_payload
+from server.registry.tasks import ANSWER_END
 from server.api.validation import check_prompt_ids, check_rendered, check_sampling, task_errors, vocab_size
 from server.engines.base import EngineStopped, QueueFull
 from server.engines.fair import TenantLimit
@@ -57,7 +61,15 @@ class Call:
     deadline: float  # event-loop time
     prompt_text: str
     names: dict[str, str]  # SamplingParams field -> request field (for error messages)
+    # the task's demonstrations at the front of req.prompt_ids: prompt, counted in usage, but not
+    # the caller's text (an echo or prompt logprobs start after them)
+    demonstration_tokens: int = 0
     usage: Any = None  # server.tenancy.usage.UsageLedger, once submitted: completions are counted there
+
+    @property
+    def caller_ids(self) -> list[int]:
+        """The prompt's tokens after the task's demonstrations: what the caller sent, tokenised."""
+        return list(self.req.prompt_ids[self.demonstration_tokens:])
 
 
 @dataclass
@@ -104,28 +116,57 @@ async def prepare(
     check_sampling(params, s, vocab, names)
     tenant = tenants.current()
 
-    def work() -> tuple[object, list[int], str]:
+    def work() -> tuple[object, list[int], str, int]:
         # the prompt is checked before any work for it (adapter resolution, decoding, tokenising)
         with task_errors(names):
-            prompt_format = rt.registry.prompt_format(task, tenant)
+            prompt = rt.registry.prompt(task, tenant)
         try:
-            rendered = render(prompt_format)
+            rendered = render(prompt.prompt_format)
         except ValueError as err:  # unknown prompt format, unrenderable or empty messages
             raise ApiError(400, "invalid_request", str(err), param=prompt_field,
                            code=getattr(err, "code", None)) from None
         check_rendered(rendered, vocab, s.max_prompt_tokens, prompt_field)
         with task_errors(names):
             adapter = rt.registry.resolve(task, tenant)
+        # a task's demonstrations go first, tokenised on their own, so that every prompt of the task
+        # begins with the same tokens (the prefix cache holds them once) and the caller's part is
+        # tokenised as it would be alone
+        demos = demonstration_ids(rt.tokenizer, prompt.demonstration_text(), special_tokens) \
+            if prompt.demonstrations else []
         if isinstance(rendered, list):
-            return adapter, rendered, rt.tokenizer.decode(rendered)
-        ids = list(rt.tokenizer(rendered, add_special_tokens=special_tokens).input_ids)
-        return adapter, ids, rendered
+            return adapter, demos + rendered, rt.tokenizer.decode(rendered), len(demos)
+        ids = list(rt.tokenizer(rendered, add_special_tokens=special_tokens and not demos).input_ids)
+        return adapter, demos + ids, rendered, len(demos)
 
-    adapter, ids, text = await asyncio.to_thread(work)
+    adapter, ids, text, hidden = await asyncio.to_thread(work)
     check_prompt_ids(ids, vocab, s.max_prompt_tokens, prompt_field)
+    if hidden and ANSWER_END not in params.stop:
+        # after demonstrations an answer ends as theirs do, at a newline (training/demos.py)
+        params = dataclasses.replace(params, stop=(*params.stop, ANSWER_END))
     req = GenRequest(ids, params, adapter, task, id=new_request_id(id_prefix), handle=RequestHandle(loop),
                      tenant=tenant.name, cache_salt=cache_salt)
-    return Call(req, deadline, text, names)
+    return Call(req, deadline, text, names, demonstration_tokens=hidden)
+
+
+_DEMO_IDS: OrderedDict[tuple[int, bool, str], list[int]] = OrderedDict()
+_DEMO_IDS_HELD = 256  # tasks' demonstration texts kept tokenised
+_demo_lock = threading.Lock()
+
+
+def demonstration_ids(tokenizer: Any, text: str, special_tokens: bool) -> list[int]:
+    """The token ids of a task's demonstration text (tokenised once per text, LRU)."""
+    key = (id(tokenizer), special_tokens, text)
+    with _demo_lock:
+        ids = _DEMO_IDS.get(key)
+        if ids is not None:
+            _DEMO_IDS.move_to_end(key)
+            return list(ids)
+    ids = list(tokenizer(text, add_special_tokens=special_tokens).input_ids)
+    with _demo_lock:
+        _DEMO_IDS[key] = ids
+        while len(_DEMO_IDS) > _DEMO_IDS_HELD:
+            _DEMO_IDS.popitem(last=False)
+    return list(ids)
 
 
 def submit(rt: Runtime, call: Call) -> Call:

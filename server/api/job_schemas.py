@@ -46,8 +46,13 @@ class RegisterRequest(BaseModel):
                                     json_schema_extra={"pattern": r"\S"},
                                     description="what the task does, in words: shown by GET /v1/tasks and "
                                     "/v1/models, and searched by GET /v1/tasks?search=")
-    method: Literal["routing", "retrieve", "mu", "full", "lora"] = Field(
-        "routing", description="routing: retrieve a starting row from the existing tasks, then train it; "
+    method: Literal["auto", "routing", "retrieve", "demos", "demos+routing", "mu", "full", "lora"] = Field(
+        "auto", description="auto: cross-validate demos, routing, demos+routing (and full from 64 examples) on "
+        "the examples and keep the best (the job's `estimate` says how each scored); "
+        "demos: the first examples that fit POLYSERVE_MAX_DEMONSTRATION_TOKENS go before every prompt, on the "
+        "bare backbone (nothing trained); demos+routing: those demonstrations and a routing row trained with "
+        "them in its context; "
+        "routing: retrieve a starting row from the existing tasks, then train it; "
         "retrieve: the retrieved row alone (no training, ready in seconds); mu / full: train a plain LoRA; "
         "lora: import `adapter` + `adapter_config` (a PEFT LoRA) as a plain-LoRA task (server.api.lora_tasks)")
     # method lora (bring your own LoRA): adapter_model.safetensors as base64, and its adapter_config.json

@@ -76,6 +76,9 @@ class TaskOut(BaseModel):
     prompt_template: str | None = Field(default=None, description=PROMPT_TEMPLATE_DOC)
     description: str | None = Field(default=None, description=DESCRIPTION_DOC)
     examples: list[ExampleOut] = Field(default_factory=list, description=EXAMPLES_DOC)
+    demonstrations: list[ExampleOut] = Field(
+        default_factory=list, description="what this version puts before every prompt, in its prompt format "
+        "(methods auto, demos, demos+routing); counted in usage as prompt tokens, never echoed")
 
 
 class TaskList(BaseModel):
@@ -129,9 +132,13 @@ def task_out(record: TaskRecord) -> TaskOut:
         created_at=record.created_at, updated_at=record.updated_at, params=record.params, kind=record.kind,
         inventory_version=record.inventory_version, job_id=record.job_id, error=record.error,
         metrics=record.metrics, **prompt_fields(record), description=record.description,
-        examples=[ExampleOut(input=e["input"], output=e["output"]) for e in record.examples
-                  if isinstance(e, dict) and isinstance(e.get("input"), str) and isinstance(e.get("output"), str)],
+        examples=_pairs(record.examples), demonstrations=_pairs(record.demonstrations),
     )
+
+
+def _pairs(pairs: list[dict[str, str]]) -> list[ExampleOut]:
+    return [ExampleOut(input=e["input"], output=e["output"]) for e in pairs
+            if isinstance(e, dict) and isinstance(e.get("input"), str) and isinstance(e.get("output"), str)]
 
 
 def matches(record: TaskRecord, search: str) -> bool:

@@ -178,12 +178,18 @@ class Journal:
         try:
             metrics = dict(getattr(result, "metrics", {}) or {})
             source = {"job_id": job.id, "n_examples": job.n_examples, "method": job.method}
-            if result.kind == "routing":
+            demonstrations = list(getattr(result, "demonstrations", None) or [])
+            if result.kind == "demos":
+                record = self.store.put_demonstrations(job.task, demonstrations, method=job.method,
+                                                       source=source, metrics=metrics, job_id=job.id)
+            elif result.kind == "routing":
                 record = self.store.put_routing(job.task, result.tensors["logits"], method=job.method,
-                                                source=source, metrics=metrics, job_id=job.id)
+                                                source=source, metrics=metrics, job_id=job.id,
+                                                demonstrations=demonstrations)
             else:
                 record = self.store.put_lora(job.task, result.tensors, method=job.method,
-                                             source=source, metrics=metrics, job_id=job.id)
+                                             source=source, metrics=metrics, job_id=job.id,
+                                             demonstrations=demonstrations)
         except StoreUnavailable:
             raise  # the database is away: the slice retries the commit (the lease outlives a short outage)
         except Exception as err:
@@ -194,7 +200,8 @@ class Journal:
             return
         with self.state.lock:
             job.metrics.update({k: v for k, v in metrics.items()
-                                if isinstance(v, int | float | str) and not isinstance(v, bool)})
+                                if (isinstance(v, int | float | str) and not isinstance(v, bool))
+                                or k == "estimate"})  # auto's per-form estimate (training.auto), a dict
             job.live_version = record.version
             self.state.current = None
             self.finish(job, "succeeded")

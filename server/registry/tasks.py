@@ -9,7 +9,9 @@ from __future__ import annotations
 
 import threading
 from collections import OrderedDict
+from dataclasses import dataclass
 
+from adapters_store.backbone.prompt import format_prompt_as, format_target
 from adapters_store.lora.mix import is_mix
 from adapters_store.store.contract import AdapterStore
 from adapters_store.store.errors import StoreUnavailable, TaskNotFound
@@ -26,6 +28,21 @@ from server.registry.similar_index import RoutingIndex
 from server.tenancy.tenants import Tenant
 
 BASE = "base"
+# where an answer after demonstrations ends (training/demos.py ANSWER_END): served as a stop string
+ANSWER_END = "\n"
+
+
+@dataclass(frozen=True)
+class TaskPrompt:
+    """What a task puts around a request's input: its prompt format, and the demonstrations
+    (input, output) placed before every prompt, in that format (training/demos.py)."""
+
+    prompt_format: str
+    demonstrations: tuple[tuple[str, str], ...] = ()
+
+    def demonstration_text(self) -> str:
+        return "".join(format_prompt_as(self.prompt_format, i) + format_target(o) + "\n\n"
+                       for i, o in self.demonstrations)
 HELD_RECORDS = 4096  # records kept for serving through a store outage (a few hundred bytes each)
 
 
@@ -123,20 +140,27 @@ class TaskRegistry:
             raise TaskNotReady(task, "no skill inventory loaded")
         if record.inventory_version not in (None, self.inventory_version):
             raise TaskNotReady(task, f"trained on inventory {record.inventory_version}")
+        if record.kind == "demos":  # its demonstrations on the bare backbone (TaskPrompt)
+            return None
         return self.cache.get(record)
 
-    def prompt_format(self, task: str, tenant: Tenant | None = None) -> str:
-        """The prompt format `task` was trained with (`base`: the default one). Blocking.
-        Raises ValueError (malformed id), TaskNotFound (also: `tenant` may not see it)."""
-        if is_mix(task):
-            return mix_prompt_format(self, task, tenant)
+    def prompt(self, task: str, tenant: Tenant | None = None) -> TaskPrompt:
+        """How a request for `task` is rendered: the prompt format it was trained with (`base`: the
+        default one) and the demonstrations its version carries. Blocking. Raises ValueError
+        (malformed id), TaskNotFound (also: `tenant` may not see it)."""
+        if is_mix(task):  # a mix combines its members' adapters, not their demonstrations
+            return TaskPrompt(mix_prompt_format(self, task, tenant))
         validate_task_id(task)
         if task == BASE:
-            return DEFAULT_PROMPT_FORMAT
+            return TaskPrompt(DEFAULT_PROMPT_FORMAT)
         record = self._serving_record(task)
         if not can_see(record, tenant, isolated=self.isolated):
             raise TaskNotFound(task)
-        return record.prompt_format
+        return TaskPrompt(record.prompt_format, tuple((d["input"], d["output"]) for d in record.demonstrations))
+
+    def prompt_format(self, task: str, tenant: Tenant | None = None) -> str:
+        """The prompt format `task` was trained with (`base`: the default one)."""
+        return self.prompt(task, tenant).prompt_format
 
     def forget(self, task: str) -> int:
         """A task changed or went away: drop its cached adapters and refresh the gauge."""

@@ -140,10 +140,11 @@ async def collect(request: Request, calls: list[generation.Call]) -> list[list[g
 
 
 def _prompt_entries(call: generation.Call, finals: Sequence[FinalEvent]) -> list:
+    """The caller's prompt tokens' logprobs (a task's demonstrations before them are not echoed)."""
     for final in finals:
         if final.prompt_logprobs is not None:
-            return list(final.prompt_logprobs)
-    return [None] * len(call.req.prompt_ids)
+            return list(final.prompt_logprobs)[call.demonstration_tokens:]
+    return [None] * len(call.caller_ids)
 
 
 async def respond(body: CompletionRequest, request: Request, rt: Runtime, params: SamplingParams,
@@ -167,7 +168,7 @@ async def respond(body: CompletionRequest, request: Request, rt: Runtime, params
                 if body.logprobs is not None:
                     parts, offset = [], 0
                     if body.echo:
-                        echoed, offset = completion_logprobs(text_of, _prompt_entries(call, finals), call.req.prompt_ids)
+                        echoed, offset = completion_logprobs(text_of, _prompt_entries(call, finals), call.caller_ids)
                         parts.append(echoed)
                     if not scoring:
                         parts.append(completion_logprobs(text_of, c.logprobs, [e.token_id for e in c.logprobs], offset)[0])
@@ -177,10 +178,10 @@ async def respond(body: CompletionRequest, request: Request, rt: Runtime, params
                           "finish_reason": "length" if scoring else finish_reason(c.final.finish_reason)}
                 if ids_out:
                     choice["token_ids"] = [] if scoring else [e.token_id for e in c.logprobs]
-                    choice["prompt_token_ids"] = list(call.req.prompt_ids)
+                    choice["prompt_token_ids"] = list(call.caller_ids)
                 if body.prompt_logprobs is not None:
                     choice["prompt_logprobs"] = extensions.prompt_logprobs(
-                        text_of, _prompt_entries(call, finals), call.req.prompt_ids)
+                        text_of, _prompt_entries(call, finals), call.caller_ids)
                 if body.return_prompt_text:
                     choice["prompt_text"] = call.prompt_text
                 out.append(choice)
@@ -200,7 +201,7 @@ async def respond(body: CompletionRequest, request: Request, rt: Runtime, params
         if ids_out:
             choice["token_ids"] = token_ids or []
             if first[index]:
-                choice["prompt_token_ids"] = list(call.req.prompt_ids)
+                choice["prompt_token_ids"] = list(call.caller_ids)
         if body.return_prompt_text and first[index]:
             choice["prompt_text"] = call.prompt_text
         first[index] = False

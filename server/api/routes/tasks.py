@@ -71,8 +71,11 @@ async def register_task(body: RegisterRequest, request: Request, rt: RuntimeDep,
         raise ApiError(422, "validation_error",
                        f"examples: at most {settings.max_examples_per_task} examples per task, got {len(body.examples)}",
                        param="examples")
-    if body.steps is not None and body.method == "retrieve":
-        raise ApiError(422, "validation_error", "steps: retrieve takes no optimisation steps", param="steps")
+    if body.steps is not None and body.method in ("retrieve", "demos"):
+        raise ApiError(422, "validation_error", f"steps: {body.method} takes no optimisation steps", param="steps")
+    if body.serve_early and body.method not in ("routing", "mu", "full"):
+        raise ApiError(422, "validation_error", "serve_early: only with a method that retrieves a row before "
+                       f"training (routing, mu, full), not {body.method}", param="serve_early")
     if body.steps is not None and body.steps > settings.max_job_steps:
         raise ApiError(422, "validation_error", f"steps: at most {settings.max_job_steps}, got {body.steps}",
                        param="steps")
