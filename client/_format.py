@@ -79,8 +79,31 @@ def raw_details(raw: Mapping[str, Any]) -> str:
 
 
 def task_details(task: Task) -> str:
-    """All the fields the server sent for a task, timestamps made readable."""
-    return raw_details(task.raw or {"id": task.id, "status": task.status})
+    """All the fields the server sent for a task, timestamps made readable; a registration's
+    estimate (each form's cross-validated exact match) as a table after them."""
+    raw = dict(task.raw or {"id": task.id, "status": task.status})
+    metrics = raw.get("metrics")
+    estimate = metrics.get("estimate") if isinstance(metrics, dict) else None
+    if isinstance(estimate, dict):
+        raw["metrics"] = {k: v for k, v in metrics.items() if k != "estimate"}
+    out = raw_details(raw)
+    return out + "\n" + estimate_table(estimate) if isinstance(estimate, dict) else out
+
+
+def estimate_table(estimate: Mapping[str, Any]) -> str:
+    """auto's estimate: a row per form (the chosen one marked) and the majority answer's."""
+    forms = estimate.get("candidates") if isinstance(estimate.get("candidates"), dict) else {}
+    rows = []
+    for form, c in [*forms.items(), ("majority answer", estimate.get("majority"))]:
+        if not isinstance(c, dict):
+            continue
+        interval = f"{c['low']:.2f}-{c['high']:.2f}" if "low" in c and "high" in c else ""
+        mark = "chosen" if form == estimate.get("chosen") else ("stopped" if c.get("stopped") else "")
+        rows.append((form, f"{c.get('exact', 0):.2f}", c.get("n", 0), interval, mark))
+    level = estimate.get("level", 0.9)
+    head = f"estimate (cross-validated exact match, {level:.0%} interval):"
+    note = f"\n{estimate['note']}" if estimate.get("note") else ""
+    return head + "\n" + table(["form", "exact", "n", "interval", ""], rows) + note
 
 
 def models_table(models: Sequence[Model]) -> str:

@@ -166,7 +166,7 @@ class AsyncPolyserveClient:
         examples: list[dict[str, Any]] | None = None,
         *,
         jsonl_path: str | PathLike[str] | None = None,
-        method: str = "routing",
+        method: str = "auto",
         steps: int | None = None,
         seed: int | None = None,
         serve_early: bool = False,

@@ -145,17 +145,18 @@ def generate(
 @click.option(
     "--method",
     type=click.Choice(METHODS),
-    default="routing",
+    default="auto",
     show_default=True,
-    help="routing: train a routing row; retrieve: no training, built from existing tasks' rows (seconds); "
-    "mu / full: see the README.",
+    help="auto: cross-validate the forms below on the examples and keep the best; demos: the examples "
+    "in the prompt, nothing trained; demos+routing: both; routing: train a routing row; retrieve: no "
+    "training, built from existing tasks' rows (seconds); mu / full: see the README.",
 )
 @click.option("--steps", type=click.IntRange(min=1), default=None, help="Training steps [server default].")
 @click.option("--seed", type=int, default=None)
 @click.option(
     "--serve-early",
     is_flag=True,
-    help="Serve the retrieved starting routing at once while training goes on (not with retrieve).",
+    help="Serve the retrieved starting routing at once while training goes on (routing, mu, full).",
 )
 @click.option("--shared", is_flag=True, help="Every tenant may use the task (admin keys).")
 @click.option("--description", default=None, help="What the task does, in words (shown by `tasks list`).")
