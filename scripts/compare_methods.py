@@ -14,7 +14,10 @@ store's tasks (training.retrieve, no gradient step); "routing-r" a routing row t
 retrieved row (what a registration does); "mix" a gradient-free mix of stored rows (LoraHub's idea,
 training.mix_search); "arrow" zero-shot routing from the skills' own weights, per token (training.arrow);
 "majority" always the examples' most frequent answer; "routing", "mu", "full"
-as in training.adapt. Each
+as in training.adapt; "demos" the examples that fit the demonstration budget in the bare backbone's
+prompt, "demos+routing" those and a routing row trained with them in context, "auto" the form
+cross-validation chooses among them (training.auto, made as the server's registration makes it:
+its record also holds the estimate, `cv_exact`, and the chosen form). Each
 record holds the bytes a server stores for the task (the k examples' text for "icl"). Writes
 results incrementally as JSON (one record per task x vocabulary x seed x method).
 
@@ -41,9 +44,13 @@ def main() -> None:
     ap.add_argument("--backbone", default="default")
     ap.add_argument("--tasks", type=int, default=16,
                     help="N tasks of --task-set, evenly spaced in its order (pairs first, then triples)")
-    ap.add_argument("--task-set", choices=["heldout", "far", "bigbench"], default="heldout",
+    ap.add_argument("--task-set", choices=["heldout", "far", "bigbench", "real"], default="heldout",
                     help="heldout: build_suite's 16 held-out tasks; far: training/far_heldout.py's FAR_HELDOUT; "
-                         "bigbench: the BIG-bench suite's held-out (BIG-Bench Hard) tasks (training/bigbench.py)")
+                         "bigbench: the BIG-bench suite's held-out (BIG-Bench Hard) tasks (training/bigbench.py); "
+                         "real: the hand-written small real tasks (training/real_tasks.py)")
+    ap.add_argument("--demonstration-tokens", type=int, default=None,
+                    help="demos, demos+routing, auto: the demonstration budget (default: the server's)")
+    ap.add_argument("--folds", type=int, default=None, help="auto: cross-validation folds (default: training.auto's)")
     ap.add_argument("--max-length", type=int, default=None,
                     help="prompt + answer tokens in adaptation and evaluation (default: training.batching.FEW_SHOT_MAX_LENGTH)")
     ap.add_argument("--task-ids", default="",
@@ -84,8 +91,11 @@ def main() -> None:
     from adapters_store.lora.inject import RoutedModel
     from adapters_store.store.directory import DirectoryStore
     from adapters_store.store.materialize import mu_weights, task_layers
-    from training.adapt import adapt
+    from training.adapt import Adaptation, adapt
     from training.adapt_config import AdaptConfig
+    from training.auto import DEFAULT_FOLDS, AutoAdaptation
+    from training.demos import DEFAULT_DEMONSTRATION_TOKENS, demonstration_text, select_demonstrations
+    from training.real_tasks import REAL_TASKS, real_task_examples
     from training.arrow import arrow_score_rows
     from training.batching import FEW_SHOT_MAX_LENGTH
     from training.bigbench import load_cache
@@ -94,7 +104,7 @@ def main() -> None:
     from training.far_heldout import far_tasks
     from training.icl import icl_context, icl_max_length
     from training.mix_search import gradient_free_mix
-    from training.retrieve import Retrieval
+    from training.retrieve import Retrieval, RetrievedAdaptation
     from training.suite import build_suite, examples
     from training.vocab import VOCABS
 
@@ -110,9 +120,14 @@ def main() -> None:
         held_bb = {t.id: t for t in load_cache() if t.heldout}
         names = sorted(held_bb)
         args.vocabs = "task"  # real tasks bring their own words
+    elif args.task_set == "real":
+        names = list(REAL_TASKS)
+        args.vocabs = "task"
     else:
         by_name = {t.name: t for t in (build_suite(0).heldout_tasks if args.task_set == "heldout" else far_tasks())}
         names = list(by_name)
+    if args.task_set == "real" and not args.task_ids:
+        args.task_ids = ",".join(names)  # every one of them: the set is small
     if args.task_ids:
         unknown = sorted(set(args.task_ids.split(",")) - set(names))
         if unknown:
@@ -128,6 +143,9 @@ def main() -> None:
             pool = t.examples("train") + t.examples("valid")
             few = random.Random(f"{name}/{seed}").sample(pool, min(args.k, len(pool)))
             return few, t.split_rows("test")[: args.n_test]
+        if args.task_set == "real":
+            few, test_examples = real_task_examples(name, args.k, seed)
+            return few, [ex.to_dict() for ex in test_examples[: args.n_test]]
         task = by_name[name]
         few = examples(task, args.k, seed=1000 + seed, split="train" if vocab == "legacy" else "valid", vocab=vocab)
         test = [ex.to_dict() for ex in examples(task, args.n_test, seed=0, split="test", vocab=vocab)]
@@ -137,7 +155,7 @@ def main() -> None:
     records = json.loads(out.read_text()) if out.exists() else []
     done = {(r["inventory"], r["task"], r.get("vocab", "legacy"), r["seed"], r["method"]) for r in records}
     vocabs = args.vocabs.split(",")
-    if args.task_set != "bigbench" and not set(vocabs) <= set(VOCABS):
+    if args.task_set not in ("bigbench", "real") and not set(vocabs) <= set(VOCABS):
         ap.error(f"--vocabs: each of {VOCABS}")
     label = args.label or info.made_by.get("method", "?")
     candidates = {r.id: store.load_routing(r.id) for r in store.list_tasks() if r.kind == "routing" and r.status == "ready"}
@@ -146,6 +164,30 @@ def main() -> None:
               "eval_every": args.eval_every, "patience": args.patience,
               **({} if args.select is None else {"select": args.select}),
               "autocast": args.autocast, "holdout_fraction": args.holdout, "max_length": max_length}
+    budget = args.demonstration_tokens if args.demonstration_tokens is not None else DEFAULT_DEMONSTRATION_TOKENS
+
+    def registration(method: str, few: list, others: dict, seed: int):
+        """demos / demos+routing / auto as the server's registration runs them (server/jobs/adaptation.py)."""
+        def trained(form: str, demos: list):
+            config = AdaptConfig(method="full" if form == "full" else "routing", steps=args.steps, seed=seed,
+                                 autocast=args.autocast, max_length=max_length)
+            if form == "routing" and others:
+                retrieval = Retrieval(rm, info, others, few, bb.tokenizer, seed=seed, autocast=args.autocast,
+                                      max_length=max_length, **screen)
+                return RetrievedAdaptation(retrieval, lambda row, known: Adaptation(
+                    rm, info, skills, few, bb.tokenizer, config, init_row=row, init_eval=known))
+            return Adaptation(rm, info, skills, few, bb.tokenizer, config, demonstrations=demos or None)
+
+        if method == "demos+routing":
+            run = trained("demos+routing", select_demonstrations(few, bb.tokenizer, budget))
+        else:
+            run = AutoAdaptation(rm, info, skills, few, bb.tokenizer, trained, demonstration_tokens=budget, seed=seed,
+                                 folds=args.folds or DEFAULT_FOLDS, steps=args.steps, autocast=args.autocast,
+                                 forms=("demos",) if method == "demos" else None)
+        while run.step():
+            pass
+        return run.result()
+
     for name, vocab in [(n, v) for n in names for v in vocabs]:
         for seed in [int(s) for s in args.seeds.split(",")]:
             few, test = case(name, vocab, seed)
@@ -166,6 +208,14 @@ def main() -> None:
                     if method == "icl":
                         context = icl_context(few)
                         stored = len(context.encode())
+                elif method in ("demos", "demos+routing", "auto"):
+                    others = {n: r for n, r in candidates.items() if n != name}
+                    res = registration(method, few, others, seed)
+                    layers = None if res.kind == "demos" else task_layers(info, skills, res.kind, res.tensors)
+                    params, metrics = res.params, res.metrics
+                    demos = [Example(name, d["input"], d["output"]) for d in res.demonstrations]
+                    context = demonstration_text(demos)
+                    stored = len(context.encode()) + sum(t.numel() * 4 for t in res.tensors.values())
                 else:
                     if method == "mix":
                         res = gradient_free_mix(rm, info, {n: r for n, r in candidates.items() if n != name}, few,
@@ -199,11 +249,16 @@ def main() -> None:
                 elif method == "arrow":
                     scores = arrow_score_rows(rm, bb.tokenizer, test, top_k=args.arrow_top_k, max_length=max_length)
                 else:
+                    # after in-context examples an answer ends at its first newline, as the server's
+                    # stop string ends it after a task's demonstrations (training/demos.py)
                     scores = score_rows(rm, layers, bb.tokenizer, test, context=context,
-                                        max_length=icl_max_length(bb.model) if context else max_length)
+                                        max_length=icl_max_length(bb.model) if context else max_length,
+                                        first_line=bool(context))
                 rec = {"inventory": label, "task": name, "vocab": vocab, "seed": seed, "method": method,
                        "k": args.k, "n_test": len(test), **scores, "params": params, "stored_bytes": stored,
                        "adapt_seconds": round(adapt_s, 2),
+                       **{f: metrics[f] for f in ("chosen", "cv_exact", "cv_exact_n", "majority_exact", "estimate",
+                                                  "demonstrations") if f in metrics},
                        "steps_run": metrics.get("steps_run"), "best_step": metrics.get("best_step"),
                        "steps": args.steps, "trained_share": args.trained_share, **screen, **recipe}
                 records.append(rec)
