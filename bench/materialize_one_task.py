@@ -1,7 +1,7 @@
 """One task's LoRA tables for every adapted linear (RoutedModel.set_materialized, what every routing
 step and held-out evaluation of a registration runs), two ways, alternating in one process:
 
-    per-layer  materialize_many per linear: two einsums each (the path before 7e80846)
+    per-layer  materialize_many per linear: two einsums each (the earlier path)
     stacked    materialize_stacked per group of same-shape linears, on skills stacked once
 
 First the combine alone (+ its backward into the routing row), then whole routing adaptations
