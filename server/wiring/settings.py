@@ -97,7 +97,7 @@ class Settings(BaseSettings):
     max_new_tokens: int = Field(default=1024, ge=1)
     max_body_bytes: int = Field(default=4 * 1024 * 1024, ge=1024)
     max_examples_per_task: int = Field(default=1000, ge=1)
-    # POST /v1/tasks with fewer examples: 422 naming this (README "Operations" says why this default)
+    # POST /v1/tasks with fewer examples: 422 naming this (docs/operations.md says why this default)
     min_examples_per_task: int = Field(default=4, ge=1)
     max_job_steps: int = Field(default=5000, ge=1)  # POST /v1/tasks `steps` above this: 422
     max_queued_jobs: int = Field(default=16, ge=1)  # unfinished jobs of this replica; beyond: 429
