@@ -7,7 +7,7 @@ step and held-out evaluation of a registration runs), two ways, alternating in o
 First the combine alone (+ its backward into the routing row), then whole routing adaptations
 (the default recipe, no retrieval) on the shipped inventory; both must give the same eval loss.
 
-    .venv/bin/python -m bench.materialize_one_task --store /tmp/shipped_store --rounds 4 --threads 2
+    .venv/bin/python -m bench.experiments.materialize_one_task --store /tmp/shipped_store --rounds 4 --threads 2
 
 (--store: a store with the shipped inventory, e.g. made by training.shipped_inventory.install_default_inventory)
 """
