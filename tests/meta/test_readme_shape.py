@@ -29,3 +29,17 @@ def test_every_readme_table_row_is_at_most_200_characters() -> None:
 def test_a_long_row_is_caught() -> None:
     text = "| `A` | 1 | short |\n" + "| `B` | 2 | " + "x" * 200 + " |\nnot a row " + "y" * 300
     assert long_rows(text) == ["| `B` | 2 | " + "x" * 48 + "..."]
+
+
+def test_every_setting_is_documented_in_the_readme_or_the_tuning_page() -> None:
+    """A user setting has a row of the README's configuration table; an internal switch a section of
+    docs/tuning.md. A field in neither is a setting nobody can find."""
+    from server.wiring.settings import Settings
+
+    readme = (ROOT / "README.md").read_text(encoding="utf-8")
+    rows = "\n".join(line for line in readme.splitlines() if line.startswith("| `POLYSERVE_"))
+    tuning = (ROOT / "docs" / "tuning.md").read_text(encoding="utf-8")
+    prefix = Settings.model_config.get("env_prefix", "").upper()
+    missing = [name for name in (f"{prefix}{field}".upper() for field in Settings.model_fields)
+               if f"`{name}`" not in rows and name not in tuning]
+    assert not missing, f"settings with no README row and no docs/tuning.md entry: {missing}"
