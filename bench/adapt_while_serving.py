@@ -1,4 +1,4 @@
-"""Registering a task while serving, on the default backbone and the shipped inventory (issue #5).
+"""Registering a task while serving, on the default backbone and the shipped inventory.
 
 Measures, in one process:
   1. serving throughput (output tokens/s) of a closed-loop mixed-task workload with no job,

@@ -4,7 +4,7 @@ variant, side by side in one process; optionally against an older tree's sampler
     flock -x /tmp/polyserve-cpu.lock .venv/bin/python -m bench.sampler_step --vocab 49152 --rows 1 16 32
 
     # before/after: the sampler of another commit, loaded from an exported tree
-    git archive e820ff5 | tar -x -C /tmp/base
+    git archive REV | tar -x -C /tmp/base
     flock -x /tmp/polyserve-cpu.lock .venv/bin/python -m bench.sampler_step --baseline /tmp/base
 
 A baseline tree whose sampler has `sample_tokens(logits, rows)` is timed for every variant, on the

@@ -5,7 +5,7 @@
     plain   POST /v1/completions with the tool request's own rendered prompt (same tokens) and
             max_tokens = its completion tokens with ignore_eos (same length), no grammar
 Rounds alternate the two, sequentially (one request in flight); the prefix cache is off so both
-compute their whole prompt. Prints the median latency of each and their ratio (the issue's target:
+compute their whole prompt. Prints the median latency of each and their ratio (the target:
 at most 1.2x).
 
     .venv/bin/python -m bench.tool_call_bench [--rounds 20] [--choice named|required]

@@ -1,4 +1,4 @@
-"""Blocking client for the polyserve HTTP API (see shared/docs/contract.md)."""
+"""Blocking client for the polyserve HTTP API (see docs/contract.md)."""
 
 from __future__ import annotations
 

@@ -12,10 +12,11 @@ For each module, in its own work directory `.mutation/<module>/` (git-ignored):
     function, then runs each mutant against exactly those tests.
     -> .mutation/<module>/summary.json   the count per status and every survivor's diff
 Then .mutation/report.md gathers every module's killed share and survivors: the raw material
-of docs/mutation.md, where each survivor is triaged (a test that kills it, or why it is
-equivalent). A module's results are kept: a second run re-tests only mutants of functions that
-changed (delete `.mutation/<module>` to start over). `--only` runs just the mutants it names (again,
-if they ran before); the summary then counts those that have a result, every other one "not checked".
+of docs/mutation.md (the counts) and docs/history/mutation-triage.md, where each survivor is
+triaged (a test that kills it, or why it is equivalent). A module's results are kept: a second run
+re-tests only mutants of functions that changed (delete `.mutation/<module>` to start over).
+`--only` runs just the mutants it names (again, if they ran before); the summary then counts those
+that have a result, every other one "not checked".
 
 Each module's tests are the fast ones that exercise it (no real backbone: `-m "not slow"`), so a
 module takes minutes on two cores. OMP_NUM_THREADS=1: mutmut forks its workers from a process

@@ -63,8 +63,8 @@ def near_heldout() -> frozenset[str]:
     """Compositions of the pool that agree with one of build_suite's 16 held-out tasks on more of
     `agreement_inputs()` than the nearest training task of the reference suite does. Without this a
     wider suite draws near-copies of them (dedupe.first2.rev-chars is first2.rev-chars on every
-    input without a repeated word) and the issue-13 protocol would measure recall instead of composition, not comparably
-    across inventories."""
+    input without a repeated word) and the held-out composition protocol would measure recall
+    instead of composition, not comparably across inventories."""
     held = build_suite(0).heldout_tasks
     reference = build_suite(0, n_pairs=(REFERENCE_PAIRS, 8), n_triples=(REFERENCE_TRIPLES, 8)).train_tasks
     bounds = np.array([share for share, _ in nearest(held, reference, agreement_inputs())])

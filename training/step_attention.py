@@ -3,8 +3,8 @@
 A training step runs attention forward and backward. On CPU, SDPA picks its flash-attention
 kernel, whose backward runs far below the GEMMs' speed; the eager attention (two batched GEMMs
 and a softmax) runs its backward on the same GEMMs as the linears. Measured on a BIG-bench
-training step of the default backbone, BENCHMARKS.md "Training step" has the figures and the
-command. The swap is of a transformers config field read in every forward, set and restored on
+training step of the default backbone, BENCHMARKS.md ("Other questions": training step) has the
+figures and the command. The swap is of a transformers config field read in every forward, set and restored on
 the calling thread around work that owns the model, as the serving engine's runner does.
 """
 

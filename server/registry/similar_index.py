@@ -13,7 +13,7 @@ So a query costs a stat per task (at most once per max_staleness seconds: a task
 changed since is seen by the next query after that), one (N, dim) GEMV and `shortlist` row reads,
 and memory is
 N * dim floats whatever the inventory's size. With N - 1 <= shortlist the answer is exact; beyond,
-a true neighbour can miss the shortlist (recall measured in BENCHMARKS.md "Task search").
+a true neighbour can miss the shortlist (recall measured in BENCHMARKS.md, "Other questions": task search).
 """
 
 from __future__ import annotations

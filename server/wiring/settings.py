@@ -97,7 +97,7 @@ class Settings(BaseSettings):
     max_new_tokens: int = Field(default=1024, ge=1)
     max_body_bytes: int = Field(default=4 * 1024 * 1024, ge=1024)
     max_examples_per_task: int = Field(default=1000, ge=1)
-    # POST /v1/tasks with fewer examples: 422 naming this (README "Operations" says why this default)
+    # POST /v1/tasks with fewer examples: 422 naming this (docs/operations.md says why this default)
     min_examples_per_task: int = Field(default=4, ge=1)
     # a registered task's demonstrations (methods auto, demos, demos+routing): at most this many
     # tokens of its examples go before every prompt it serves (training/demos.py)

@@ -1,4 +1,4 @@
-"""bench/lane_split.py: a contended step's lanes timed, and their thread time split by where it went."""
+"""bench/experiments/lane_split.py: a contended step's lanes timed, and their thread time split by where it went."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import threading
 import pytest
 import torch
 
-from bench.lane_split import Span, Step, lane_clock, split
+from bench.experiments.lane_split import Span, Step, lane_clock, split
 from server.engines.native.lanes import Lanes
 from server.engines.native.llama import LlamaRunner
 from server.engines.native.step import Item, StepBatch

@@ -278,7 +278,7 @@ def test_docker_compose_config_validates() -> None:
 
 
 def test_compose_is_secure_by_default(compose: dict[str, Any]) -> None:
-    """Issue 11: the shipped compose ran with auth off on all interfaces."""
+    """The shipped compose once ran with auth off on all interfaces."""
     for name, svc in compose["services"].items():
         for port in svc.get("ports", []):
             assert port.startswith("${POLYSERVE_BIND:-127.0.0.1}:"), (name, port)

@@ -4,7 +4,7 @@ What counts as a path (``doc_paths``):
 - a token that starts with one of the repository's top-level directories and a slash
   (``server/api/app.py``, ``bench/``, ``docs/history/``), wherever it stands: in prose,
   in backticks, in a command line. A token preceded by ``/``, ``.``, ``~``, ``$`` or a word
-  character is not one (``/tmp/bench/x``, ``../shared/docs/x.md``, ``.venv/bin``);
+  character is not one (``/tmp/bench/x``, ``../other/docs/x.md``, ``.venv/bin``);
 - a top-level file named as a word (``Makefile``, ``pyproject.toml``, ``docker-compose.yml``);
 - the target of a relative markdown link or image (``[x](routing.png)``), from the doc's folder.
 
@@ -92,7 +92,7 @@ def test_every_path_a_doc_names_exists(doc: Path) -> None:
         ("(training/adapt.py DEFAULTS)", {"training/adapt.py"}),
         ("under server/engines/native/.", {"server/engines/native/"}),
         ("run `make test` (Makefile), pyproject.toml", {"Makefile", "pyproject.toml"}),
-        ("/tmp/bench/x.py ../shared/docs/a.md .venv/bin ~/server/x $HOME/docs/y", set()),
+        ("/tmp/bench/x.py ../other/docs/a.md .venv/bin ~/server/x $HOME/docs/y", set()),
         ("docs/history/<topic>.md, server/{a,b}.py, tests/test_*.py", set()),
         ("POLYSERVE_HOME=docs/ x", {"docs/"}),
     ],

@@ -1,4 +1,4 @@
-"""The layering the README promises, checked on the source: every import, lazy ones and
+"""The layering docs/architecture.md promises, checked on the source: every import, lazy ones and
 `if TYPE_CHECKING:` ones too, and every dotted string that names one of our modules (the console
 script loads each package's commands by name with importlib: server/cli.py).
 

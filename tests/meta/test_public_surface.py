@@ -4,7 +4,7 @@ metrics, the directory store's files and the PostgreSQL schema, compared with a 
 restructured.
 
 A deliberate change to the public surface updates the snapshot in the same commit, after the
-contract (shared/docs/contract.md) says so:
+contract (docs/contract.md) says so:
 
     .venv/bin/python -m tests.meta.test_public_surface --write
 """

@@ -11,7 +11,7 @@ import re
 from collections.abc import Iterator
 from typing import Any
 
-# The metric names fixed by shared/docs/contract.md ("Prometheus metrics"), with the `polyserve_`
+# The metric names fixed by docs/contract.md ("Prometheus metrics"), with the `polyserve_`
 # prefix.  Keep in step with the contract; histograms are listed by their base name.
 CONTRACT_METRICS: frozenset[str] = frozenset(
     "polyserve_" + name

@@ -1,4 +1,4 @@
-"""Chaos run against real server processes (issue 11's targets), one scenario per fresh server:
+"""Chaos run against real server processes (the reliability targets), one scenario per fresh server:
 
     poison        8 requests on a task in flight + one with temperature 1e-38 -> codes, poison latency
     redis-restart Redis killed and restarted (own redis-server) during 8-client load -> non-200 count

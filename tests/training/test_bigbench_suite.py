@@ -18,8 +18,8 @@ from training.bigbench import BBH_SOURCES, TRAIN_MAX_CHARS
 
 ROOT = Path(__file__).resolve().parents[2]
 PREFIX = "bigbench-1.0.0/bigbench/benchmark_tasks"
-# The issue's list of BIG-Bench Hard source tasks, pinned: held out whole with every subtask.
-ISSUE_BBH = {
+# The BIG-Bench Hard source tasks, pinned: held out whole with every subtask.
+PINNED_BBH = {
     "boolean_expressions", "causal_judgment", "date_understanding", "disambiguation_qa", "dyck_languages",
     "formal_fallacies_syllogisms_negation", "geometric_shapes", "hyperbaton", "logical_deduction",
     "movie_recommendation", "multistep_arithmetic", "navigate", "object_counting", "penguins_in_a_table",
@@ -78,7 +78,7 @@ def built(tmp_path_factory):
 
 
 def test_the_held_out_sources_are_the_big_bench_hard_ones():
-    assert set(BBH_SOURCES) == ISSUE_BBH
+    assert set(BBH_SOURCES) == PINNED_BBH
 
 
 def test_the_script_builds_the_suite_from_the_archive(built):

@@ -9,7 +9,7 @@ from training.estimate import LEVEL, MIN_HELD, exact_estimate, wilson
 
 
 @pytest.mark.parametrize(("right", "n", "low", "high"), [
-    (4, 4, 0.5965, 1.0),  # the "1.0 from 4 held-out examples"
+    (4, 4, 0.5965, 1.0),  # "1.0 from 4 held-out examples"
     (5, 8, 0.3480, 0.8388),
     (0, 5, 0.0, 0.3511),
     (10, 10, 0.7871, 1.0),

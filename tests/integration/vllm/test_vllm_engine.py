@@ -170,7 +170,7 @@ def test_a_polyserve_server_on_the_vllm_engine(tmp_path):
                     differ.append((pair, r.json()["text"], expected[pair]))
             print(f"greedy answers equal to the native engine's on {len(PAIRS) - len(differ)}/{len(PAIRS)} pairs;"
                   f" differing: {differ}")
-            assert len(differ) <= len(PAIRS) // 10, differ  # issue #10: >= 90% equal (fp32 sums differ in order)
+            assert len(differ) <= len(PAIRS) // 10, differ  # >= 90% equal (fp32 sums differ in order)
             # the task is applied, not only equal: a word-order task the shipped inventory holds on any words
             assert answers[PAIRS.index(("rev-words", "cat dog 3"))].json()["text"].strip() == "3 dog cat"
 

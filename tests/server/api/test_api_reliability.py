@@ -1,4 +1,4 @@
-"""Issue 11 on the HTTP side, over a live server: the server-side deadline, failures after a
+"""Reliability on the HTTP side, over a live server: the server-side deadline, failures after a
 stream started, and a non-streaming client that disconnects."""
 
 from __future__ import annotations
@@ -111,7 +111,7 @@ def test_engine_failure_mid_stream_is_an_error_event_not_stop(server, route, bod
 
 
 def test_non_streaming_disconnect_cancels_the_row(server):
-    """A client that gives up on a non-streamed request frees its row (issue 11: untested path)."""
+    """A client that gives up on a non-streamed request frees its row (a path once untested)."""
     with slow_engine(server) as engine:
         host, port = server.url.removeprefix("http://").split(":")
         payload = json.dumps({**LONG, "max_new_tokens": 90}).encode()  # ~0.9 s: under the deadline

@@ -50,7 +50,7 @@ def test_fuzzer_finds_nothing_with_a_tenant_key():
 
 @pytest.mark.heavy
 def test_fuzzer_finds_nothing_over_a_thousand_requests():
-    """Issue 11's target budget (>= 1,000 generated requests, 0 failures); minutes, so `make test-heavy`."""
+    """The reliability target's budget (>= 1,000 generated requests, 0 failures); minutes, so `make test-heavy`."""
     result = fuzz_module().run_fuzz(max_examples=60, seed=2)
     assert result["returncode"] == 0, result["output"][-6000:]
     assert result["requests"] >= 1000

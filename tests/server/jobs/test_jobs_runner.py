@@ -954,7 +954,7 @@ def test_the_runners_threads_are_named_daemons_that_start_no_openmp_pool(store, 
 
 
 def test_a_runners_default_periods_are_the_readmes(store):
-    """README: a cancel through another replica is read every 0.2 s, progress written every 0.5 s."""
+    """docs/fleet.md: a cancel through another replica is read every 0.2 s, progress written every 0.5 s."""
     runner = JobRunner(store, lambda *a: None, replica_id="r1")
     assert (runner.cancels.period, runner.persist_every, runner.run_here) == (0.2, 0.5, True)
 

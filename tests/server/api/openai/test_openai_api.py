@@ -17,8 +17,8 @@ openai = pytest.importorskip("openai")
 
 
 def engine_supports(*names: str) -> bool:
-    """Whether the native engine honours these SamplingParams fields (it refused them at submit
-    until the engine work of issue 14 landed)."""
+    """Whether the native engine honours these SamplingParams fields (it once refused them at
+    submit)."""
     try:
         from server.engines.native.engine import unsupported_fields
     except ImportError:
@@ -195,7 +195,7 @@ def test_base_chat_uses_the_chat_template(server, http):
 
 
 def test_tiny_temperature_is_answered(http):
-    """Issue 11: temperature 1e-38 made logits / T overflow and failed every row in flight."""
+    """Temperature 1e-38 once made logits / T overflow and failed every row in flight."""
     for route, body in (("/v1/generate", {"task": "alpha", "prompt": "x", "temperature": 1e-38,
                                           "max_new_tokens": 4}),
                         ("/v1/completions", {"model": "alpha", "prompt": "x", "temperature": 0.5, "top_p": 5e-324,

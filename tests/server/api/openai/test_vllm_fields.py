@@ -1,6 +1,6 @@
 """Every request field of vLLM's OpenAI server (0.32: ChatCompletionRequest, CompletionRequest,
-StreamOptions, read field by field from its protocol) is accepted here or refused with a README
-row saying why; the ones polyserve honours do what vLLM does with them (live tiny server)."""
+StreamOptions, read field by field from its protocol) is accepted here or refused with a row of
+docs/openai.md saying why; the ones polyserve honours do what vLLM does with them (live tiny server)."""
 
 from __future__ import annotations
 
@@ -14,7 +14,7 @@ import pytest
 from server.api.openai.schemas import ChatRequest, CompletionRequest, StreamOptions
 from tests.support.server_fixtures import build_store, live_server, settings_for, tiny_backbone
 
-README = Path(__file__).resolve().parents[4] / "README.md"
+OPENAI_DOC = Path(__file__).resolve().parents[4] / "docs" / "openai.md"
 
 # vLLM 0.32's request fields, in its order
 VLLM_CHAT = [
@@ -58,14 +58,8 @@ DEFAULTS = {
 }
 
 
-def section(text: str, title: str) -> str:
-    start = text.index(f"## {title}\n")
-    end = text.find("\n## ", start + 1)
-    return text[start:end]
-
-
 def refused_rows() -> str:
-    rows = [line for line in section(README.read_text(), "OpenAI compatibility").splitlines()
+    rows = [line for line in OPENAI_DOC.read_text().splitlines()
             if line.startswith("|") and "refused" in line.split("|")[1]]
     return "\n".join(rows)
 
@@ -73,18 +67,18 @@ def refused_rows() -> str:
 @pytest.mark.parametrize(("vllm", "ours"), [(VLLM_CHAT, ChatRequest), (VLLM_COMPLETION, CompletionRequest),
                                             (VLLM_STREAM_OPTIONS, StreamOptions)],
                          ids=["chat", "completions", "stream_options"])
-def test_every_vllm_field_is_accepted_or_refused_with_a_readme_row(vllm, ours):
+def test_every_vllm_field_is_accepted_or_refused_with_a_doc_row(vllm, ours):
     refused = refused_rows()
-    doc = section(README.read_text(), "OpenAI compatibility")
+    doc = OPENAI_DOC.read_text()
     for name in vllm:
         mentioned = re.search(rf"`{re.escape(name)}[`:. ]", doc) or (
             ours is StreamOptions and f"`stream_options.{name}`" in doc)
         if name in ours.model_fields:
             assert mentioned or name in ("messages", "model", "prompt", "cache_salt"), \
-                f"{name}: accepted but not in the README's OpenAI compatibility section"
+                f"{name}: accepted but not in docs/openai.md"
         else:
             assert re.search(rf"`{re.escape(name)}[`:. ]", refused), \
-                f"{name}: vLLM accepts it, polyserve refuses it, and no README 'refused' row says so"
+                f"{name}: vLLM accepts it, polyserve refuses it, and no 'refused' row of docs/openai.md says so"
 
 
 # -- live ----------------------------------------------------------------------------------------

@@ -3,7 +3,7 @@
 (`training.precision.cpu_bf16_train_speedup`, bf16 autocast from 1.8x), each in a fresh process, as
 a server would take them at start-up, with `--busy N` busy loops running (bench/contention.py's).
 
-    .venv/bin/python -m bench.dtype_probe --busy 0 6 --processes 6
+    .venv/bin/python -m bench.experiments.dtype_probe --busy 0 6 --processes 6
 """
 
 from __future__ import annotations

@@ -2,7 +2,7 @@
 and without bf16 copies of the frozen weights (training.precision.FrozenBf16Weights), alternating
 in one process; both under bf16 autocast. The eval loss must come out the same in every run.
 
-    .venv/bin/python -m bench.adapt_bf16_copies --store /tmp/shipped_store --rounds 3 --threads 2
+    .venv/bin/python -m bench.experiments.adapt_bf16_copies --store /tmp/shipped_store --rounds 3 --threads 2
 
 (--store: a store with the shipped inventory, e.g. made by training.shipped_inventory.install_default_inventory)
 """

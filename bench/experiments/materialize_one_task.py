@@ -1,13 +1,13 @@
 """One task's LoRA tables for every adapted linear (RoutedModel.set_materialized, what every routing
 step and held-out evaluation of a registration runs), two ways, alternating in one process:
 
-    per-layer  materialize_many per linear: two einsums each (the path before 7e80846)
+    per-layer  materialize_many per linear: two einsums each (the earlier path)
     stacked    materialize_stacked per group of same-shape linears, on skills stacked once
 
 First the combine alone (+ its backward into the routing row), then whole routing adaptations
 (the default recipe, no retrieval) on the shipped inventory; both must give the same eval loss.
 
-    .venv/bin/python -m bench.materialize_one_task --store /tmp/shipped_store --rounds 4 --threads 2
+    .venv/bin/python -m bench.experiments.materialize_one_task --store /tmp/shipped_store --rounds 4 --threads 2
 
 (--store: a store with the shipped inventory, e.g. made by training.shipped_inventory.install_default_inventory)
 """

@@ -19,8 +19,8 @@ the lanes' time over the run: n lanes hold n x the run's wall of thread time, sp
 A lane's share of the CPUs is its on-CPU time over its runnable time; what it does with it is the
 CPU a token. `--lanes N` runs N lanes instead of the engine's thread count (more lanes than CPUs).
 
-    .venv/bin/python -m bench.lane_split --busy 2,6 --lanes 2 --dtype float32
-    .venv/bin/python -m bench.lane_split --backbone tiny --requests 8 --busy 1    # a quick smoke run
+    .venv/bin/python -m bench.experiments.lane_split --busy 2,6 --lanes 2 --dtype float32
+    .venv/bin/python -m bench.experiments.lane_split --backbone tiny --requests 8 --busy 1    # a quick smoke run
 """
 
 from __future__ import annotations

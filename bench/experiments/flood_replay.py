@@ -2,7 +2,7 @@
 and the small tenant's slowest requests listed with the steps they lived through: where
 bench/tenant_fairness.py --flood long says how slow, this says why.
 
-    flock /tmp/polyserve-bench.lock .venv/bin/python -m bench.flood_replay --prefill-tokens 32 --seconds 45
+    flock /tmp/polyserve-bench.lock .venv/bin/python -m bench.experiments.flood_replay --prefill-tokens 32 --seconds 45
 
 Tenant `flood` keeps 24 requests outstanding (n=4, 500-600-token prompts, 384 tokens, T=0.8; all
 started together after 20 s of warm-up, as the HTTP bench's connections are); tenant `small`
