@@ -53,6 +53,7 @@ from training.routing_table import INIT, row_weights
 #: Methods whose trained tensors are one LoRA per linear (A (1, d_in, r), B (1, r, d_out)).
 _SINGLE_LORA = ("mu", "plain-lora")
 FULL_ROW_LR = 0.1
+TRAIN_DEMONSTRATIONS = 4  # demos+routing: the other demonstrations a training example is trained after
 
 
 @dataclass
@@ -111,13 +112,15 @@ class Adaptation:
         self.n_train, self.n_held = len(train), len(held)
         # demos+routing: every example trains and is scored after the task's demonstrations (but its
         # own), so the row learns what they leave out; the served prompt carries them all
+        # (training rows see TRAIN_DEMONSTRATIONS of them: a step's tokens, and so its time, stay near a
+        # routing step's; held-out rows see all of them, as served)
         self.demonstrations = list(demonstrations or [])
-        self.train = self._encode(tokenizer, train, config.max_length)
+        self.rng = random.Random(config.seed)
+        self.train = self._encode(tokenizer, train, config.max_length, TRAIN_DEMONSTRATIONS)
         self.held = self._encode(tokenizer, held, config.max_length)
         self.batch_size = max(1, min(config.resolved_batch_size, len(self.train)))
         self.step_tokens = config.resolved_step_tokens
         self.pad = int(tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id)
-        self.rng = random.Random(config.seed)
         self.order: list[int] = []
         gen = torch.Generator().manual_seed(config.seed)
         self.device = rm.layers[0].lora_A.device
@@ -188,11 +191,19 @@ class Adaptation:
             self._record_eval(init_eval.loss, init_eval.exact)
             self._need_eval = False
 
-    def _encode(self, tokenizer: Any, examples: list[Example], max_length: int) -> list[Encoded]:
+    def _encode(self, tokenizer: Any, examples: list[Example], max_length: int, sample: int = 0) -> list[Encoded]:
+        """Encoded examples; after demonstrations but their own where the task has them: all the
+        others (as served), or `sample` of them (drawn once per example, seeded)."""
         if not self.demonstrations:
             return encode_all(tokenizer, examples, max_length)
         room = max_length + len(tokenizer(demonstration_text(self.demonstrations)).input_ids)
-        return [encode_example(tokenizer, ex, room, context_for(ex, self.demonstrations)) for ex in examples]
+        out = []
+        for ex in examples:
+            others = [d for d in self.demonstrations if d is not ex]
+            if sample and len(others) > sample:
+                others = [others[i] for i in sorted(self.rng.sample(range(len(others)), sample))]
+            out.append(encode_example(tokenizer, ex, room, context_for(ex, others)))
+        return out
 
     # -- the task's adapter as the RoutedModel reads it -----------------------------------------
     def _weights(self) -> torch.Tensor:
