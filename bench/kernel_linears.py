@@ -27,6 +27,7 @@ import torch
 
 from server.engines.native.llama import Linear
 from server.engines.native.quant_linear import QuantLinear
+from server.engines.native.tuning import Tuning
 
 NAMES = ("qkv", "o", "gate", "up", "gate_up", "down")
 Linears = Sequence[QuantLinear | Linear]
@@ -88,8 +89,7 @@ def main(argv: list[str] | None = None) -> None:
     torch.set_num_threads(1)
     dtype = getattr(torch, args.dtype)
     bb = load_backbone(args.backbone, device="cpu", dtype="float32")
-    runner = build_model_runner(bb.model, None, slots=2, kind="llama", dtype=dtype,
-                                weight_kernel="off" if args.dense else "on")
+    runner = build_model_runner(bb.model, None, slots=2, dtype=dtype, tuning=Tuning(native_executor="llama", weight_kernel="off" if args.dense else "on"))
     kind = Linear if args.dense else QuantLinear
     sets = {"every linear": kernel_linears(runner, kind=kind), "the first layer": kernel_linears(runner, 1, kind)}
     for what, linears in sets.items():

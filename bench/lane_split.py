@@ -49,6 +49,7 @@ from server.engines.native.engine import NativeEngine as Engine
 from server.engines.native.lanes import Lanes
 from server.engines.native.llama import LlamaRunner
 from server.engines.native.step import StepBatch
+from server.engines.native.tuning import Tuning
 
 
 @dataclass(frozen=True)
@@ -198,8 +199,7 @@ def main() -> None:
         with lane_clock(args.lanes) as log:
             eng = openmp.in_fresh_thread(lambda: _started(Engine(bb.model, bb.tokenizer, rm, EngineConfig(
                 max_batch_rows=args.batch, max_batch_tokens=1 << 20, max_prefill_rows=args.batch, max_queue=1 << 16,
-                dtype=dtype, threads=args.threads, weight_kernel=args.weight_kernel, adaptive_threads=True,
-                contended_lanes=True))))
+                dtype=dtype, threads=args.threads, tuning=Tuning(weight_kernel=args.weight_kernel, adaptive_threads=True, contended_lanes="on")))))
             try:
                 with busy_processes(busy):
                     run_engine(eng, bb.tokenizer, jobs[:4], adapters, "warm-up")

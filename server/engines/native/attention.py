@@ -42,7 +42,7 @@ def slot_attention(K: torch.Tensor, V: torch.Tensor, q: torch.Tensor, k: torch.T
                    batch: StepBatch, scale: float | None = None, kernel: bool = False) -> torch.Tensor:
     """K, V (slots, kv_heads, capacity, hd) of this layer; q (T, heads, hd), k/v (T, kv_heads, hd)
     of the batch's flat tokens -> attention output (T, heads * hd). kernel: the decode group in
-    the native kernel (the caller has checked it loads: attention_kernel.resolve)."""
+    the native kernel (the caller has checked it loads: attention_kernel.why_not)."""
     T, heads, hd = q.shape
     kvh = k.shape[1]
     out = q.new_empty((T, heads * hd))

@@ -33,28 +33,17 @@ DTYPES = (torch.float32, torch.bfloat16)
 MAX_REP, MAX_HEAD_DIM = 16, 256  # as decode_attention.cpp
 
 
-def resolve(setting: str, device: torch.device, dtype: torch.dtype, heads: int, kv_heads: int,
-            head_dim: int) -> bool:
-    """Whether the decode group's attention runs in the kernel: POLYSERVE_ATTENTION_KERNEL
-    auto | on | off."""
-    if setting not in ("auto", "on", "off"):
-        raise ValueError(f"attention_kernel must be auto, on or off; got {setting!r}")
-    if setting == "off":
-        return False
+def why_not(device: torch.device, dtype: torch.dtype, heads: int, kv_heads: int, head_dim: int) -> str | None:
+    """Why the decode group's attention cannot run in the kernel here (None: it can; builds it on
+    first use). The switch: POLYSERVE_ATTENTION_KERNEL (tuning.resolve_switch)."""
     rep = heads // kv_heads
     why = ("it runs on CPUs only" if device.type != "cpu" else
            f"it takes a float32/bfloat16 KV cache, not {dtype}" if dtype not in DTYPES else
            f"it takes up to {MAX_REP} query heads per kv head, not {rep}" if rep > MAX_REP else
            f"it takes head dims up to {MAX_HEAD_DIM}, not {head_dim}" if head_dim > MAX_HEAD_DIM else None)
-    if why is not None:
-        if setting == "on":
-            raise ValueError(f"POLYSERVE_ATTENTION_KERNEL=on: {why}")
-        return False
-    if KERNEL.load() is None:
-        if setting == "on":
-            raise RuntimeError(f"POLYSERVE_ATTENTION_KERNEL=on but the kernel is unavailable: {KERNEL.error()}")
-        return False
-    return True
+    if why is None and KERNEL.load() is None:
+        why = f"the kernel is unavailable: {KERNEL.error()}"
+    return why
 
 
 def decode_attention(q: torch.Tensor, K: torch.Tensor, V: torch.Tensor, slots: torch.Tensor, ends: torch.Tensor,

@@ -32,24 +32,14 @@ ROPE = CppKernel(_HERE.with_name("elementwise.cpp"), "polyserve_rope",
 DTYPES = (torch.float32, torch.bfloat16)
 
 
-def resolve(setting: str, device: torch.device, dtype: torch.dtype) -> bool:
-    """Whether a layer's norms and rope run in the kernel: POLYSERVE_ELEMENTWISE_KERNEL auto | on | off."""
-    if setting not in ("auto", "on", "off"):
-        raise ValueError(f"elementwise_kernel must be auto, on or off; got {setting!r}")
-    if setting == "off":
-        return False
+def why_not(device: torch.device, dtype: torch.dtype) -> str | None:
+    """Why a layer's norms and rope cannot run in the kernel here (None: they can; builds it on
+    first use). The switch: POLYSERVE_ELEMENTWISE_KERNEL (tuning.resolve_switch)."""
     why = ("it runs on CPUs only" if device.type != "cpu" else
            f"it takes float32/bfloat16 activations, not {dtype}" if dtype not in DTYPES else None)
-    if why is not None:
-        if setting == "on":
-            raise ValueError(f"POLYSERVE_ELEMENTWISE_KERNEL=on: {why}")
-        return False
-    if NORM.load() is None or ROPE.load() is None:
-        if setting == "on":
-            raise RuntimeError(f"POLYSERVE_ELEMENTWISE_KERNEL=on but the kernel is unavailable: "
-                               f"{NORM.error() or ROPE.error()}")
-        return False
-    return True
+    if why is None and (NORM.load() is None or ROPE.load() is None):
+        why = f"the kernel is unavailable: {NORM.error() or ROPE.error()}"
+    return why
 
 
 def _fn(kernel: CppKernel):

@@ -62,6 +62,7 @@ from server.engines.native.rows import Row, describe, new_rows, sample_rows, sto
 from server.engines.native.scheduler import Prefill, Scheduler
 from server.engines.native.slots import SlotPool
 from server.engines.native.step import Item, StepBatch
+from server.engines.native.tuning import switch
 from server.engines.request import FinalEvent, FinishReason, GenRequest, TokenEvent, TokenLogprob
 from server.infra import cpus, openmp
 from server.infra.contention import ThreadGovernor
@@ -84,11 +85,7 @@ class NativeEngine:
         self.max_rows, self.max_tokens = cfg.max_batch_rows, cfg.max_batch_tokens
         self.metrics = metrics
         self.runner = runner or build_model_runner(model, routed_model, slots=cfg.max_batch_rows, dtype=cfg.dtype,
-                                                   kind=cfg.runner_kind, packed=cfg.packed_weights,
-                                                   static_decode=cfg.static_decode, lora_kernel=cfg.lora_kernel,
-                                                   attention_kernel=cfg.attention_kernel,
-                                                   weight_kernel=cfg.weight_kernel,
-                                                   elementwise_kernel=cfg.elementwise_kernel)
+                                                   tuning=cfg.tuning)
         self.device = self.runner.device
         lora = getattr(self.runner, "lora", None)
         log.info("native engine: %s runner, %s, %d slots, %d tokens per step, LoRA %s, decode attention %s, "
@@ -132,18 +129,19 @@ class NativeEngine:
         # the team size of each step: all of them alone, one while other processes hold the CPUs
         # (server/infra/contention.py), the step's rows then split over self.threads lanes
         # (lanes.py) where they pay; None: always self.threads
-        self.governor = ThreadGovernor(self.threads, cpus.budget().usable) if cfg.adaptive_threads else None
+        self.governor = ThreadGovernor(self.threads, cpus.budget().usable) if cfg.tuning.adaptive_threads else None
         # where a step without the team runs on the engine thread (no lanes), its linears share their
         # panels with the weight kernel's helper thread where the runner has it (panel_helper.h): a
         # second runnable thread with no weight dequantised twice and no barrier
+        helper_setting, lanes_setting = switch(cfg.tuning.contended_helper), switch(cfg.tuning.contended_lanes)
         self.contended_helper = False
-        if self.governor is not None and self.threads > 1 and cfg.contended_helper is not False:
+        if self.governor is not None and self.threads > 1 and helper_setting is not False:
             possible = self.runner.helper_possible()
-            if cfg.contended_helper and not possible:
+            if helper_setting and not possible:
                 log.warning("POLYSERVE_CONTENDED_HELPER=on, but the runner's linears have no panel helper "
                             "(it needs the weight kernel on a CPU)")
             self.contended_helper = possible
-        self.contended_lanes = cfg.contended_lanes
+        self.contended_lanes = lanes_setting
         if self.governor is not None and self.contended_lanes is None:
             self.contended_lanes, why = lanes_pay(bool(getattr(self.runner, "weight_kernel", False)), self.runner.dtype,
                                                   self.contended_helper)
@@ -153,7 +151,7 @@ class NativeEngine:
         # auto: where the CPU alone does not choose lanes, lanes may still run while contention is
         # deep (ThreadGovernor.deep: one thread holds under half a CPU)
         self.lanes_when_deep = False
-        if self.governor is not None and cfg.contended_lanes is None and not self.contended_lanes:
+        if self.governor is not None and lanes_setting is None and not self.contended_lanes:
             self.lanes_when_deep, why = deep_lanes_pay(self.runner.dtype)
             log.info("under deep contention, a step runs on %s (%s)",
                      "lanes" if self.lanes_when_deep else "one thread", why)

@@ -25,6 +25,7 @@ from server.engines.native.attention import slot_attention
 from server.engines.native.slot_lora import Group, Member, SlotLoRA, SlotLoRAStep, write_adapter
 from server.engines.native.slots import SlotKV
 from server.engines.native.step import Item, StepBatch
+from server.engines.native.tuning import DEFAULT, Tuning
 
 ATTENTION = "polyserve_slots"
 
@@ -74,7 +75,8 @@ class _SlotPlan:
 class HFRunner:
     name = "hf"
 
-    def __init__(self, model: nn.Module, routed: Any = None, *, slots: int, lora_kernel: str = "auto") -> None:
+    def __init__(self, model: nn.Module, routed: Any = None, *, slots: int, tuning: Tuning = DEFAULT) -> None:
+        """tuning: the switches this runner reads (lora_kernel; tuning.py)."""
         cfg: Any = model.config  # a transformers config, read by name
         window = getattr(cfg, "sliding_window", None)
         if window is not None and getattr(cfg, "use_sliding_window", True) and window < (
@@ -96,7 +98,7 @@ class HFRunner:
                 [Group(layer.in_features, layer.out_features, (Member(i, 0, layer.out_features),))]
                 for i, layer in enumerate(routed.layers)]
             self.lora = SlotLoRA(groups, slots=slots, rank=routed.spec.rank, scale=routed.spec.scale,
-                                 dtype=self.dtype, device=self.device, kernel=lora_kernel)
+                                 dtype=self.dtype, device=self.device, kernel=tuning.lora_kernel)
             self.lora.set_skills([(layer.lora_A.detach(), layer.lora_B.detach()) for layer in routed.layers])
         _register()
         self._mask = torch.ones((1, 1, 1, 1), dtype=torch.bool, device=self.device)  # 4-D: used as given (ignored)

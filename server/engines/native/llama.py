@@ -44,6 +44,7 @@ from server.engines.native.slot_lora import Group, Member, SlotLoRA, SlotLoRASte
 from server.engines.native.slots import SlotKV
 from server.engines.native.static_decode import StaticDecode
 from server.engines.native.step import StepBatch
+from server.engines.native.tuning import DEFAULT, Tuning, resolve_switch, switch
 
 log = logging.getLogger("polyserve.engine")
 
@@ -215,27 +216,23 @@ class LlamaRunner:
 
     name = "llama"
 
-    def __init__(self, model: nn.Module, *, dtype: torch.dtype, slots: int, packed: bool | None = None,
-                 adapted: list[str] | None = None, rank: int = 0, scale: float = 1.0,
-                 skills: list[tuple[torch.Tensor, torch.Tensor]] | None = None,
-                 lora_dtype: torch.dtype | None = None, static_decode: bool | None = None,
-                 lora_kernel: str = "auto", attention_kernel: str = "auto", weight_kernel: str = "auto",
-                 elementwise_kernel: str = "auto") -> None:
+    def __init__(self, model: nn.Module, *, dtype: torch.dtype, slots: int, adapted: list[str] | None = None,
+                 rank: int = 0, scale: float = 1.0, skills: list[tuple[torch.Tensor, torch.Tensor]] | None = None,
+                 lora_dtype: torch.dtype | None = None, tuning: Tuning = DEFAULT) -> None:
         """adapted: the qualified names of the routed linears (the inventory's order); skills: their
-        (A, B) skill tensors, so routed tasks are written from their routing weights. static_decode:
-        decode steps padded to fixed shapes and, on CUDA, replayed as graphs (static_decode.py);
-        None = on CUDA only. lora_kernel: the decode rows' LoRA in
-        the native CPU kernel (lora_kernel.py): auto | on | off. attention_kernel: the decode rows'
-        attention in the native CPU kernel (attention_kernel.py): auto | on | off. weight_kernel: the
-        linears read the backbone's GGUF blocks (quant_linear.py): auto | on | off. elementwise_kernel:
-        the norms and the rope in the native CPU kernel (elementwise_kernel.py): auto | on | off. The KV cache and
-        the adapter tables get one spare slot for padding."""
+        (A, B) skill tensors, so routed tasks are written from their routing weights. tuning: the
+        switches (tuning.py): packed_weights (auto: on a CPU where oneDNN has the ops),
+        static_decode (decode steps padded to fixed shapes and, on CUDA, replayed as graphs:
+        static_decode.py; auto: on CUDA only) and the four kernels (lora_kernel.py,
+        attention_kernel.py, quant_linear.py, elementwise_kernel.py). The KV cache and the adapter
+        tables get one spare slot for padding."""
         reason = unsupported(model)
         if reason is not None:
             raise ValueError(f"the flat Llama runner cannot run this model: {reason}")
         cfg: Any = model.config  # a transformers config, read by name
         self.device = next(model.parameters()).device
         self.dtype = dtype
+        packed = switch(tuning.packed_weights)
         if packed is None:
             packed = self.device.type == "cpu" and packing_available(dtype)
         self.packed = packed
@@ -248,7 +245,7 @@ class LlamaRunner:
         groups = self._groups(model, adapted) if adapted else None
         mlp_adapted = groups is not None and any(row[2] is not None for row in groups)
         head = cast(Any, model).get_output_embeddings()
-        weights = Weights(dtype, packed, self._blocks(model, head, weight_kernel))
+        weights = Weights(dtype, packed, self._blocks(model, head, tuning.weight_kernel))
         self.weight_kernel = bool(weights.blocks)
         with torch.no_grad():
             self.layers = [_Layer(layer, weights, self.heads, self.kv_heads, self.head_dim, not mlp_adapted)
@@ -265,21 +262,25 @@ class LlamaRunner:
         self._rope_version = 0  # bumped whenever the table is replaced (as SlotKV.version)
         self._rope_table(256)
         self.spare_slot = slots  # never given to a row: static decode steps pad into it
-        self.attention_kernel = attention_kernels.resolve(attention_kernel, self.device, dtype, self.heads,
-                                                          self.kv_heads, self.head_dim)
-        self.elementwise = elementwise.resolve(elementwise_kernel, self.device, dtype)
+        self.attention_kernel = resolve_switch("attention_kernel", tuning.attention_kernel,
+                                               lambda: attention_kernels.why_not(self.device, dtype, self.heads,
+                                                                                 self.kv_heads, self.head_dim))
+        self.elementwise = resolve_switch("elementwise_kernel", tuning.elementwise_kernel,
+                                          lambda: elementwise.why_not(self.device, dtype))
         self.kv = SlotKV(len(self.layers), slots + 1, self.kv_heads, self.head_dim, dtype=dtype, device=self.device)
         self.lora: SlotLoRA | None = None
         if groups is not None:
             # tables in the serving dtype, except float32 on a CPU without the kernel (torch's bf16
             # bmm of a decode group is slower than float32 there: bench/lora_step.py)
-            kernel = lora_kernels.resolve(lora_kernel, self.device, dtype, rank)
+            kernel = resolve_switch("lora_kernel", tuning.lora_kernel,
+                                    lambda: lora_kernels.why_not(self.device, dtype, rank))
             if lora_dtype is None:
                 lora_dtype = torch.float32 if self.device.type == "cpu" and not kernel else dtype
             self.lora = SlotLoRA(groups, slots=slots + 1, rank=rank, scale=scale, dtype=lora_dtype, device=self.device,
                                  kernel="on" if kernel else "off")
             if skills is not None:
                 self.lora.set_skills(skills)
+        static_decode = switch(tuning.static_decode)
         if static_decode is None:
             static_decode = self.device.type == "cuda"
         self._lanes: Lanes | None = None  # the step's items over threads, while use_lanes(n > 1)
@@ -294,10 +295,12 @@ class LlamaRunner:
     def _blocks(self, model: nn.Module, head: nn.Module, setting: str) -> dict[int, QuantWeight]:
         """Each weight's GGUF blocks by parameter identity, where the weight kernel runs."""
         if setting == "off" or self.device.type != "cpu" or self.dtype not in (torch.float32, torch.bfloat16):
-            quant_linears.resolve(setting, self.device, self.dtype, {})  # "on": says why not
+            # "on": says why not
+            resolve_switch("weight_kernel", setting, lambda: quant_linears.why_not(self.device, self.dtype, {}))
             return {}
         by_name = stored_blocks(model)
-        if not quant_linears.resolve(setting, self.device, self.dtype, by_name):
+        if not resolve_switch("weight_kernel", setting,
+                              lambda: quant_linears.why_not(self.device, self.dtype, by_name)):
             return {}
         params = frozen_weights(model)  # the adapted linears are wrapped by now (RoutedModel)
         params.setdefault("lm_head.weight", _linear(head).weight)

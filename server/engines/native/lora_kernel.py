@@ -14,7 +14,7 @@ kernel"); what was tried: docs/history/lora-kernel.md.
 
 Built and loaded as cpp_kernel.py says (g++ on first use, cached per machine).
 Where no compiler works, `load()` says why and the torch path runs (POLYSERVE_LORA_KERNEL: auto =
-use it when it builds, on = fail when it does not, off = torch ops always).
+use it when it builds, on = fail when it does not, off = torch ops always; docs/tuning.md).
 """
 
 from __future__ import annotations
@@ -45,25 +45,15 @@ def error() -> str | None:
     return KERNEL.error()
 
 
-def resolve(setting: str, device: torch.device, dtype: torch.dtype = torch.float32, rank: int = 8) -> bool:
-    """Whether the decode group's LoRA runs in the kernel (tables of `dtype`, rank `rank`):
-    POLYSERVE_LORA_KERNEL auto | on | off."""
-    if setting not in ("auto", "on", "off"):
-        raise ValueError(f"lora_kernel must be auto, on or off; got {setting!r}")
-    if setting == "off":
-        return False
+def why_not(device: torch.device, dtype: torch.dtype = torch.float32, rank: int = 8) -> str | None:
+    """Why the decode group's LoRA (tables of `dtype`, rank `rank`) cannot run in the kernel here
+    (None: it can; builds it on first use). The switch: POLYSERVE_LORA_KERNEL (tuning.resolve_switch)."""
     why = ("it runs on CPUs only" if device.type != "cpu" else
            f"it takes float32/bfloat16 tables, not {dtype}" if dtype not in DTYPES else
            f"it takes ranks up to 64, not {rank}" if rank > 64 else None)
-    if why is not None:
-        if setting == "on":
-            raise ValueError(f"POLYSERVE_LORA_KERNEL=on: {why}")
-        return False
-    if load() is None:
-        if setting == "on":
-            raise RuntimeError(f"POLYSERVE_LORA_KERNEL=on but the kernel is unavailable: {error()}")
-        return False
-    return True
+    if why is None and load() is None:
+        why = f"the kernel is unavailable: {error()}"
+    return why
 
 
 DTYPES = (torch.float32, torch.bfloat16)

@@ -18,11 +18,9 @@ import torch
 
 from server.engines.native.slots import SlotKV
 from server.engines.native.step import StepBatch
+from server.engines.native.tuning import DEFAULT, Tuning
 
 log = logging.getLogger("polyserve.engine")
-
-KINDS = ("auto", "llama", "hf")
-
 
 class ModelRunner(Protocol):
     name: str
@@ -60,21 +58,14 @@ class ModelRunner(Protocol):
 
 
 def build_model_runner(model: torch.nn.Module, routed: Any = None, *, slots: int, dtype: torch.dtype | None = None,
-                   kind: str = "auto", packed: bool | None = None, static_decode: bool | None = None,
-                   lora_kernel: str = "auto", attention_kernel: str = "auto",
-                   weight_kernel: str = "auto", elementwise_kernel: str = "auto") -> ModelRunner:
-    """kind auto: the Llama runner where it can run the model, else the HF one. dtype None: the
-    model's own. routed: the RoutedModel (its adapted linears get per-slot LoRA tables).
-    lora_kernel: the decode rows' LoRA in the native CPU kernel (lora_kernel.py): auto | on | off.
-    attention_kernel: the decode rows' attention in the native CPU kernel (attention_kernel.py), the
-    Llama runner only: auto | on | off. weight_kernel: the Llama runner's linears read the
-    backbone's GGUF blocks (quant_linear.py): auto | on | off. elementwise_kernel: the Llama
-    runner's norms and rope in the native CPU kernel (elementwise_kernel.py): auto | on | off."""
+                       tuning: Tuning = DEFAULT) -> ModelRunner:
+    """tuning.native_executor auto: the Llama runner where it can run the model, else the HF one;
+    the rest of `tuning` goes to the runner whole (tuning.py). dtype None: the model's own.
+    routed: the RoutedModel (its adapted linears get per-slot LoRA tables)."""
     from server.engines.native.hf_runner import HFRunner
     from server.engines.native.llama import LlamaRunner, unsupported
 
-    if kind not in KINDS:
-        raise ValueError(f"runner must be one of {', '.join(KINDS)}, got {kind!r}")
+    kind = tuning.native_executor
     model_dtype = next(model.parameters()).dtype
     dtype = dtype or model_dtype
     reason = unsupported(model)
@@ -84,16 +75,13 @@ def build_model_runner(model: torch.nn.Module, routed: Any = None, *, slots: int
         adapted = list(routed.names) if routed is not None else None
         spec = routed.spec if routed is not None else None
         skills = [(layer.lora_A.detach(), layer.lora_B.detach()) for layer in routed.layers] if routed else None
-        return LlamaRunner(model, dtype=dtype, slots=slots, packed=packed, adapted=adapted,
-                             rank=spec.rank if spec else 0, scale=spec.scale if spec else 1.0, skills=skills,
-                             static_decode=static_decode, lora_kernel=lora_kernel,
-                             attention_kernel=attention_kernel, weight_kernel=weight_kernel,
-                             elementwise_kernel=elementwise_kernel)
+        return LlamaRunner(model, dtype=dtype, slots=slots, adapted=adapted, rank=spec.rank if spec else 0,
+                           scale=spec.scale if spec else 1.0, skills=skills, tuning=tuning)
     if reason is not None:
         log.info("native engine: the model's own forward (%s)", reason)
     if dtype != model_dtype:
         log.warning("native engine: the model's own forward serves in the dtype it was loaded in (%s), not %s",
                     model_dtype, dtype)
-    runner = HFRunner(model, routed, slots=slots, lora_kernel=lora_kernel)
+    runner = HFRunner(model, routed, slots=slots, tuning=tuning)
     runner.check(list(range(1, min(17, runner.vocab_size))))
     return runner

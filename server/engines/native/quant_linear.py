@@ -41,7 +41,6 @@ KERNEL = CppKernel(_SOURCE, "polyserve_quant_linear",
 BUILDS = {"native": KERNEL, "avx2": KERNEL.with_flags(("-mno-avx512f",))}
 FORMATS = {"Q4_1": 0, "Q8_0": 1}
 OPS = {"none": 0, "swish": 1, "add": 2, "mul": 3}
-SETTINGS = ("auto", "on", "off")
 HELPER = "polyserve_quant_linear_helper"  # the panel helper's entry points (panel_helper.py)
 PANEL = 12  # output columns a panel of the kernel covers
 # more rows than this in one call (prompt chunks longer than the default step): oneDNN's float32
@@ -59,12 +58,9 @@ def error() -> str | None:
     return KERNEL.error()
 
 
-def resolve(setting: str, device: torch.device, dtype: torch.dtype, blocks: Mapping[str, QuantWeight]) -> bool:
-    """Whether the runner's linears read the blocks: POLYSERVE_WEIGHT_KERNEL auto | on | off."""
-    if setting not in SETTINGS:
-        raise ValueError(f"weight_kernel must be one of {', '.join(SETTINGS)}; got {setting!r}")
-    if setting == "off":
-        return False
+def why_not(device: torch.device, dtype: torch.dtype, blocks: Mapping[str, QuantWeight]) -> str | None:
+    """Why the runner's linears cannot read the blocks here (None: they can; builds the kernel for
+    `dtype` on first use). The switch: POLYSERVE_WEIGHT_KERNEL (tuning.resolve_switch)."""
     why = ("it runs on CPUs only" if device.type != "cpu" else
            f"it computes in float32 or bf16; the engine serves {str(dtype).removeprefix('torch.')}"
            if dtype not in (torch.float32, torch.bfloat16)
@@ -73,9 +69,7 @@ def resolve(setting: str, device: torch.device, dtype: torch.dtype, blocks: Mapp
         why = f"its bf16 build is unavailable: {bf16.error()}"
     elif why is None and dtype == torch.float32 and load() is None:
         why = f"the kernel is unavailable: {error()}"
-    if why is not None and setting == "on":
-        raise ValueError(f"POLYSERVE_WEIGHT_KERNEL=on: {why}")
-    return why is None
+    return why
 
 
 def columns(weight: QuantWeight) -> torch.Tensor:

@@ -11,7 +11,7 @@ rounding to bf16). On a CPU with AMX the tiles are AMX tiles (an AMX multiply of
 next to nothing beside the dequantising); without AMX, AVX512_BF16 dot products multiply from a tile
 kept in L1. `BUILDS` has both paths where the CPU has AMX, for tests and benches.
 
-Chosen by quant_linear.resolve (POLYSERVE_WEIGHT_KERNEL) where the engine serves bf16, and called
+Chosen with quant_linear.why_not (POLYSERVE_WEIGHT_KERNEL) where the engine serves bf16, and called
 through quant_linear.QuantLinear, which keeps oneDNN's GEMM on the dense bf16 weight for calls of
 more than MAX_ROWS rows.
 """

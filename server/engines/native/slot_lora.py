@@ -36,6 +36,7 @@ import torch
 from adapters_store.lora.combine import materialize_stacked
 from server.engines.native import lora_kernel
 from server.engines.native.step import StepBatch
+from server.engines.native.tuning import resolve_switch
 
 
 @dataclass(frozen=True)
@@ -109,7 +110,8 @@ class SlotLoRA:
                     self.B[layer][g] = self._zeros(slots, len(c.members) * rank, c.d_out)
         self.adapted = [False] * slots
         # the kernel's constant arguments per (layer, group): tables and member columns
-        self.kernel = lora_kernel.load() if lora_kernel.resolve(kernel, self.device, dtype, rank) else None
+        runs = resolve_switch("lora_kernel", kernel, lambda: lora_kernel.why_not(self.device, dtype, rank))
+        self.kernel = lora_kernel.load() if runs else None
         self.kernel_args: list[list[lora_kernel.TableArgs | None]] = [
             [None if g is None else lora_kernel.TableArgs(  # a, b: set wherever g is
                 cast(torch.Tensor, a), cast(torch.Tensor, b), g.members_columns(), rank, g.d_in, g.d_out)

@@ -10,9 +10,15 @@ import pytest
 import torch
 
 from server.engines.native import attention_kernel
+from server.engines.native.tuning import resolve_switch
 
 pytestmark = pytest.mark.skipif(attention_kernel.KERNEL.load() is None,
                                 reason=f"no decode attention kernel: {attention_kernel.KERNEL.error()}")
+
+def resolve(setting: str, *args, **kwargs) -> bool:
+    """The attention_kernel switch as the runner resolves it (tuning.resolve_switch over attention_kernel.why_not)."""
+    return resolve_switch("attention_kernel", setting, lambda: attention_kernel.why_not(*args, **kwargs))
+
 
 
 def _cache(slots, kvh, cap, hd, dtype, seed=0):
@@ -81,16 +87,16 @@ def test_bad_shapes_are_refused_before_the_kernel_reads_anything():
 
 def test_the_setting_resolves_by_device_dtype_and_shape():
     cpu = torch.device("cpu")
-    assert attention_kernel.resolve("auto", cpu, torch.bfloat16, 9, 3, 64)
-    assert not attention_kernel.resolve("off", cpu, torch.bfloat16, 9, 3, 64)
-    assert not attention_kernel.resolve("auto", torch.device("cuda"), torch.bfloat16, 9, 3, 64)
-    assert not attention_kernel.resolve("auto", cpu, torch.float16, 9, 3, 64)
-    assert not attention_kernel.resolve("auto", cpu, torch.float32, 32, 1, 64)  # 32 query heads a kv head
-    assert not attention_kernel.resolve("auto", cpu, torch.float32, 2, 1, 512)
+    assert resolve("auto", cpu, torch.bfloat16, 9, 3, 64)
+    assert not resolve("off", cpu, torch.bfloat16, 9, 3, 64)
+    assert not resolve("auto", torch.device("cuda"), torch.bfloat16, 9, 3, 64)
+    assert not resolve("auto", cpu, torch.float16, 9, 3, 64)
+    assert not resolve("auto", cpu, torch.float32, 32, 1, 64)  # 32 query heads a kv head
+    assert not resolve("auto", cpu, torch.float32, 2, 1, 512)
     with pytest.raises(ValueError, match="head dims"):
-        attention_kernel.resolve("on", cpu, torch.float32, 2, 1, 512)
+        resolve("on", cpu, torch.float32, 2, 1, 512)
     with pytest.raises(ValueError, match="auto, on or off"):
-        attention_kernel.resolve("yes", cpu, torch.float32, 2, 1, 64)
+        resolve("yes", cpu, torch.float32, 2, 1, 64)
 
 
 def test_no_compiler_falls_back_under_auto_and_fails_under_on(monkeypatch, tmp_path):
@@ -99,9 +105,9 @@ def test_no_compiler_falls_back_under_auto_and_fails_under_on(monkeypatch, tmp_p
     monkeypatch.setenv("POLYSERVE_HOME", str(tmp_path))
     monkeypatch.setenv("CXX", str(tmp_path / "no-such-compiler"))
     cpu = torch.device("cpu")
-    assert attention_kernel.resolve("auto", cpu, torch.float32, 4, 2, 64) is False
-    with pytest.raises(RuntimeError, match="unavailable"):
-        attention_kernel.resolve("on", cpu, torch.float32, 4, 2, 64)
+    assert resolve("auto", cpu, torch.float32, 4, 2, 64) is False
+    with pytest.raises(ValueError, match="unavailable"):
+        resolve("on", cpu, torch.float32, 4, 2, 64)
 
 
 def test_the_wheel_ships_every_file_the_native_kernels_compile():

@@ -9,9 +9,15 @@ import pytest
 import torch
 
 from server.engines.native import elementwise_kernel
+from server.engines.native.tuning import resolve_switch
 
 pytestmark = pytest.mark.skipif(elementwise_kernel.NORM.load() is None,
                                 reason=f"no elementwise kernel: {elementwise_kernel.NORM.error()}")
+
+def resolve(setting: str, *args, **kwargs) -> bool:
+    """The elementwise_kernel switch as the runner resolves it (tuning.resolve_switch over elementwise_kernel.why_not)."""
+    return resolve_switch("elementwise_kernel", setting, lambda: elementwise_kernel.why_not(*args, **kwargs))
+
 
 
 def _hf_rms_norm(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
@@ -90,10 +96,10 @@ def test_rope_refuses_a_position_past_the_table_and_writes_nothing():
 
 def test_resolve():
     cpu = torch.device("cpu")
-    assert elementwise_kernel.resolve("auto", cpu, torch.bfloat16)
-    assert not elementwise_kernel.resolve("off", cpu, torch.bfloat16)
-    assert not elementwise_kernel.resolve("auto", cpu, torch.float16)
+    assert resolve("auto", cpu, torch.bfloat16)
+    assert not resolve("off", cpu, torch.bfloat16)
+    assert not resolve("auto", cpu, torch.float16)
     with pytest.raises(ValueError, match="float16"):
-        elementwise_kernel.resolve("on", cpu, torch.float16)
+        resolve("on", cpu, torch.float16)
     with pytest.raises(ValueError, match="auto, on or off"):
-        elementwise_kernel.resolve("yes", cpu, torch.float32)
+        resolve("yes", cpu, torch.float32)

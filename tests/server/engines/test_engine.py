@@ -9,6 +9,7 @@ import pytest
 from server.engines.base import QueueFull
 from server.engines.native.config import EngineConfig
 from server.engines.native.engine import NativeEngine as Engine
+from server.engines.native.tuning import Tuning
 from server.engines.request import FinalEvent, GenRequest, SamplingParams, TokenEvent
 from tests.support.server_fixtures import TASKS, routed_engine_parts
 
@@ -58,8 +59,8 @@ def test_mixed_batch_equals_solo_greedy(setup, kind, step_tokens, lora_kernel):
     runners, with the decode rows' LoRA in the native kernel (where it builds) and as torch ops;
     with 12 tokens a step, prompts are prefilled in chunks beside decoding rows."""
     bb, _, adapters = setup
-    engine = make_engine(setup, runner_kind=kind, max_step_tokens=step_tokens, max_batch_rows=8,
-                         lora_kernel=lora_kernel)
+    engine = make_engine(setup, max_step_tokens=step_tokens, max_batch_rows=8,
+                         tuning=Tuning(native_executor=kind, lora_kernel=lora_kernel))
     try:
         solo = [run(engine, bb.tokenizer, [job], adapters)[0] for job in jobs8()]
         together = run(engine, bb.tokenizer, jobs8(), adapters)
@@ -95,12 +96,12 @@ def test_base_rows_moved_into_finished_tasks_slots_keep_their_solo_answer(setup,
         return GenRequest(ids, SamplingParams(max_new_tokens=tokens, ignore_eos=True), adapters[task], task)
 
     def alone(job) -> str:
-        engine = Engine(bb.model, bb.tokenizer, rm, EngineConfig(runner_kind=kind, max_batch_rows=4))
+        engine = Engine(bb.model, bb.tokenizer, rm, EngineConfig(max_batch_rows=4, tuning=Tuning(native_executor=kind)))
         return step_until_done(engine, [engine.submit(request(*job))])[0]
 
     jobs = [("first", "alpha", 2), ("second", "beta", 3), ("the base row", "base", 14), ("last", "gamma", 14)]
     solo = [alone(job) for job in jobs]
-    engine = Engine(bb.model, bb.tokenizer, rm, EngineConfig(runner_kind=kind, max_batch_rows=4))
+    engine = Engine(bb.model, bb.tokenizer, rm, EngineConfig(max_batch_rows=4, tuning=Tuning(native_executor=kind)))
     reqs = [engine.submit(request(*job)) for job in jobs]
     def slots() -> dict[str, int]:
         return {r.req.task: r.slot for r in engine.rows}

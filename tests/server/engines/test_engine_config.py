@@ -6,19 +6,19 @@ import pytest
 import torch
 
 from server.engines.native.config import EngineConfig
+from server.engines.native.tuning import Tuning
 from server.wiring.settings import Settings
 
 
 def test_from_settings_carries_every_budget_and_runner_choice():
+    tuning = Tuning(native_executor="hf", packed_weights="off", static_decode="on", lora_kernel="off")
     settings = Settings(max_batch_rows=8, max_batch_tokens=4096, max_prefill_rows=3, max_queue=17,
-                        max_step_tokens=64, background_share=0.5, dtype="float32", native_executor="hf",
-                        packed_weights="off", static_decode="on", lora_kernel="off",
+                        max_step_tokens=64, background_share=0.5, dtype="float32", tuning=tuning,
                         api_keys=["alice:k1:3", "bob:k2"], tenant_max_rows=5, tenant_kv_share=0.25)
     cfg = EngineConfig.from_settings(settings, threads=3)
     assert (cfg.max_batch_rows, cfg.max_batch_tokens, cfg.max_prefill_rows, cfg.max_queue,
             cfg.max_step_tokens, cfg.background_share) == (8, 4096, 3, 17, 64, 0.5)
-    assert (cfg.dtype, cfg.runner_kind, cfg.packed_weights, cfg.static_decode, cfg.lora_kernel,
-            cfg.threads) == (torch.float32, "hf", False, True, "off", 3)
+    assert (cfg.dtype, cfg.tuning, cfg.threads) == (torch.float32, tuning, 3)
     assert cfg.caps.weights == {"alice": 3.0, "bob": 1.0}
     assert (cfg.caps.max_rows, cfg.caps.kv_share) == (5, 0.25)
 

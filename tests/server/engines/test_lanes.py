@@ -13,6 +13,7 @@ import torch
 from server.engines.native.lanes import Lanes, logit_positions, partition
 from server.engines.native.model_runner import build_model_runner
 from server.engines.native.step import Item, StepBatch
+from server.engines.native.tuning import Tuning
 
 
 def test_partition_balances_tokens_and_keeps_each_lane_in_item_order():
@@ -53,7 +54,7 @@ def _routed_runner(tiny_model, slots: int):
         for layer in rm.layers:
             layer.lora_A.copy_(torch.randn(layer.lora_A.shape, generator=gen) * 0.3)
             layer.lora_B.copy_(torch.randn(layer.lora_B.shape, generator=gen) * 0.3)
-    runner = build_model_runner(tiny_model, rm, slots=slots, kind="llama")
+    runner = build_model_runner(tiny_model, rm, slots=slots, tuning=Tuning(native_executor="llama"))
     for slot in range(slots):  # three tasks by turns, every fourth row base
         w = torch.softmax(torch.randn(len(rm.layers), 2, 3, generator=gen), -1)
         runner.set_adapter(slot, None if slot % 4 == 3 else Adapter("t", "k", "routing", [], w))
@@ -137,5 +138,5 @@ def test_a_lanes_error_is_raised_after_every_lane_has_finished(one_thread):
 
 
 def test_only_the_llama_runner_on_a_cpu_splits(tiny_base):
-    assert build_model_runner(tiny_base, slots=2, kind="hf").use_lanes(2) == 1
-    assert build_model_runner(tiny_base, slots=2, kind="llama").use_lanes(2) == 2
+    assert build_model_runner(tiny_base, slots=2, tuning=Tuning(native_executor="hf")).use_lanes(2) == 1
+    assert build_model_runner(tiny_base, slots=2, tuning=Tuning(native_executor="llama")).use_lanes(2) == 2

@@ -8,8 +8,14 @@ import pytest
 import torch
 
 from server.engines.native import lora_kernel
+from server.engines.native.tuning import resolve_switch
 
 pytestmark = pytest.mark.skipif(lora_kernel.load() is None, reason=f"no LoRA kernel: {lora_kernel.error()}")
+
+def resolve(setting: str, *args, **kwargs) -> bool:
+    """The lora_kernel switch as the runner resolves it (tuning.resolve_switch over lora_kernel.why_not)."""
+    return resolve_switch("lora_kernel", setting, lambda: lora_kernel.why_not(*args, **kwargs))
+
 
 
 def _tables(slots, d_in, members, rank, d_out, dtype, seed=0):
@@ -136,16 +142,16 @@ def test_bad_arguments_are_refused_before_the_kernel_runs():
 
 def test_setting_resolves_where_the_kernel_cannot_run():
     cpu = torch.device("cpu")
-    assert lora_kernel.resolve("auto", cpu) and not lora_kernel.resolve("off", cpu)
-    assert not lora_kernel.resolve("auto", torch.device("cuda"))
-    assert not lora_kernel.resolve("auto", cpu, torch.float16)
-    assert not lora_kernel.resolve("auto", cpu, rank=65)
+    assert resolve("auto", cpu) and not resolve("off", cpu)
+    assert not resolve("auto", torch.device("cuda"))
+    assert not resolve("auto", cpu, torch.float16)
+    assert not resolve("auto", cpu, rank=65)
     with pytest.raises(ValueError, match="CPUs only"):
-        lora_kernel.resolve("on", torch.device("cuda"))
+        resolve("on", torch.device("cuda"))
     with pytest.raises(ValueError, match="float16"):
-        lora_kernel.resolve("on", cpu, torch.float16)
+        resolve("on", cpu, torch.float16)
     with pytest.raises(ValueError, match="auto, on or off"):
-        lora_kernel.resolve("yes", cpu)
+        resolve("yes", cpu)
 
 
 def unloaded(monkeypatch, kernel):
@@ -159,10 +165,10 @@ def test_no_compiler_falls_back_under_auto_and_fails_under_on(monkeypatch, tmp_p
     monkeypatch.setenv("CXX", str(tmp_path / "no-such-compiler"))
     unloaded(monkeypatch, lora_kernel.KERNEL)
     cpu = torch.device("cpu")
-    assert lora_kernel.resolve("auto", cpu) is False
+    assert resolve("auto", cpu) is False
     assert "no-such-compiler" in (lora_kernel.error() or "")
-    with pytest.raises(RuntimeError, match="unavailable"):
-        lora_kernel.resolve("on", cpu)
+    with pytest.raises(ValueError, match="unavailable"):
+        resolve("on", cpu)
 
 
 def test_a_broken_source_is_reported_not_loaded(monkeypatch, tmp_path):

@@ -11,6 +11,7 @@ from server.engines.native import attention_kernel, elementwise_kernel
 from server.engines.native.llama import unsupported
 from server.engines.native.model_runner import build_model_runner
 from server.engines.native.step import Item, StepBatch
+from server.engines.native.tuning import Tuning
 
 
 def reference(model, ids: list[int]) -> torch.Tensor:
@@ -54,7 +55,7 @@ def check_against(model, runner, vocab: int, atol: float, rtol: float = 0.0):
 
 @pytest.mark.parametrize("kind", ["llama", "hf"])
 def test_runner_equals_the_models_forward(tiny_base, kind):
-    ex = build_model_runner(tiny_base, slots=4, kind=kind)
+    ex = build_model_runner(tiny_base, slots=4, tuning=Tuning(native_executor=kind))
     assert ex.name == kind
     check_against(tiny_base, ex, 259, atol=1e-5)
 
@@ -63,7 +64,7 @@ def test_runner_equals_the_models_forward(tiny_base, kind):
 def test_llama_runner_equals_the_models_forward_with_and_without_the_attention_kernel(tiny_base, attention):
     if attention == "on" and attention_kernel.KERNEL.load() is None:
         pytest.skip(f"no decode attention kernel: {attention_kernel.KERNEL.error()}")
-    ex = build_model_runner(tiny_base, slots=4, kind="llama", attention_kernel=attention)
+    ex = build_model_runner(tiny_base, slots=4, tuning=Tuning(native_executor="llama", attention_kernel=attention))
     assert ex.attention_kernel is (attention == "on")
     check_against(tiny_base, ex, 259, atol=1e-5)
 
@@ -79,7 +80,7 @@ def test_llama_runner_handles_qkv_bias_and_gqa():
         for layer in model.model.layers:  # non-zero biases, so a dropped bias shows
             for proj in (layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj):
                 proj.bias.normal_(0, 0.5)
-    check_against(model, build_model_runner(model, slots=4, kind="llama"), 259, atol=1e-5)
+    check_against(model, build_model_runner(model, slots=4, tuning=Tuning(native_executor="llama")), 259, atol=1e-5)
 
 
 @pytest.mark.parametrize("elementwise", ["on", "off"])
@@ -87,7 +88,7 @@ def test_llama_runner_handles_qkv_bias_and_gqa():
 def test_llama_runner_equals_the_models_forward_with_and_without_the_elementwise_kernel(tiny_base, elementwise, dtype):
     if elementwise == "on" and elementwise_kernel.NORM.load() is None:
         pytest.skip(f"no elementwise kernel: {elementwise_kernel.NORM.error()}")
-    ex = build_model_runner(tiny_base, slots=4, dtype=dtype, kind="llama", elementwise_kernel=elementwise)
+    ex = build_model_runner(tiny_base, slots=4, dtype=dtype, tuning=Tuning(native_executor="llama", elementwise_kernel=elementwise))
     assert ex.elementwise is (elementwise == "on")
     if dtype == torch.float32:
         check_against(tiny_base, ex, 259, atol=1e-5)
@@ -96,7 +97,7 @@ def test_llama_runner_equals_the_models_forward_with_and_without_the_elementwise
 
 
 def test_llama_runner_in_bfloat16_stays_near_float32(tiny_base):
-    ex = build_model_runner(tiny_base, slots=4, dtype=torch.bfloat16, kind="llama")
+    ex = build_model_runner(tiny_base, slots=4, dtype=torch.bfloat16, tuning=Tuning(native_executor="llama"))
     assert ex.dtype == torch.bfloat16 and ex.kv.dtype == torch.bfloat16
     check_against(tiny_base, ex, 259, atol=0.1, rtol=0.05)
 
@@ -123,7 +124,7 @@ def test_a_dtype_onednn_cannot_pack_here_runs_unpacked(tiny_base, monkeypatch):
     monkeypatch.setattr(llama.torch.ops, "mkldnn", Ops())
     try:
         assert not llama.packing_available(torch.bfloat16)
-        ex = build_model_runner(tiny_base, slots=4, dtype=torch.bfloat16, kind="llama")
+        ex = build_model_runner(tiny_base, slots=4, dtype=torch.bfloat16, tuning=Tuning(native_executor="llama"))
         assert not ex.packed
         check_against(tiny_base, ex, 259, atol=0.1, rtol=0.05)
         if torch.backends.mkldnn.is_available():
@@ -143,7 +144,7 @@ def test_other_architectures_run_on_the_models_own_forward():
     assert ex.name == "hf"
     check_against(model, ex, 259, atol=1e-5)
     with pytest.raises(ValueError, match="cannot run"):
-        build_model_runner(model, slots=4, kind="llama")
+        build_model_runner(model, slots=4, tuning=Tuning(native_executor="llama"))
 
 
 def test_attention_the_slot_cache_cannot_express_is_refused():
@@ -222,7 +223,7 @@ def test_each_slots_lora_equals_the_routed_models_forward(tiny_model, kind, targ
         layers = [(a[0].clone(), b[0].clone()) for a, b in zip(plan.A_tables, plan.B_tables, strict=True)]
         adapters.append(Adapter("t", "k", "routing", [], w) if adapter_kind == "routing"
                         else Adapter("t", "k", "lora", layers, None))
-    ex = build_model_runner(tiny_model, rm, slots=4, kind=kind)
+    ex = build_model_runner(tiny_model, rm, slots=4, tuning=Tuning(native_executor=kind))
     prompts = [torch.randint(0, 259, (n,), generator=gen).tolist() for n in (5, 9, 3, 6)]
     for slot, adapter in enumerate([*adapters, None]):
         ex.set_adapter(slot, adapter)
@@ -258,7 +259,7 @@ def test_a_base_row_moved_into_a_tasks_slot_runs_without_its_adapter(tiny_model,
             layer.lora_A.copy_(torch.randn(layer.lora_A.shape, generator=gen) * 0.3)
             layer.lora_B.copy_(torch.randn(layer.lora_B.shape, generator=gen) * 0.3)
     weights = [torch.softmax(torch.randn(len(rm.layers), 2, 3, generator=gen), -1) for _ in range(2)]
-    ex = build_model_runner(tiny_model, rm, slots=3, kind=kind)
+    ex = build_model_runner(tiny_model, rm, slots=3, tuning=Tuning(native_executor=kind))
     prompts = [torch.randint(0, 259, (n,), generator=gen).tolist() for n in (6, 4, 5)]
     for slot, adapter in enumerate([Adapter("a", "ka", "routing", [], weights[0]), None,
                                     Adapter("b", "kb", "routing", [], weights[1])]):
@@ -292,7 +293,7 @@ def test_static_decode_steps_equal_the_dynamic_ones(tiny_model):
         for layer in rm.layers:
             layer.lora_B.copy_(torch.randn(layer.lora_B.shape, generator=gen) * 0.3)
     weights = torch.softmax(torch.randn(len(rm.layers), 2, 3, generator=gen), -1)
-    runners = [build_model_runner(tiny_model, rm, slots=6, static_decode=flag) for flag in (False, True)]
+    runners = [build_model_runner(tiny_model, rm, slots=6, tuning=Tuning(static_decode=flag)) for flag in ("off", "on")]
     assert runners[0].static is None and runners[1].static is not None
     prompts = [torch.randint(0, 259, (n,), generator=gen).tolist() for n in (4, 9, 6)]
     outs = []
@@ -351,7 +352,7 @@ def test_graphs_are_captured_again_when_the_kv_cache_is_replaced_at_the_same_cap
     the logits still equal the dynamic path's."""
     from server.engines.native.slots import MIN_CAPACITY
 
-    runners = [build_model_runner(tiny_model, None, slots=4, static_decode=flag) for flag in (False, True)]
+    runners = [build_model_runner(tiny_model, None, slots=4, tuning=Tuning(static_decode=flag)) for flag in ("off", "on")]
     log = _fake_graphs(runners[1])
     outs: list[list[torch.Tensor]] = [[], []]
     for ex, out in zip(runners, outs, strict=True):
@@ -375,7 +376,7 @@ def test_graphs_are_captured_again_when_the_kv_cache_is_replaced_at_the_same_cap
 
 def test_graphs_are_captured_again_when_the_rope_table_grows(tiny_model):
     """The rope table is read by address too: a row past its length replaces it."""
-    runner = build_model_runner(tiny_model, None, slots=2, static_decode=True)
+    runner = build_model_runner(tiny_model, None, slots=2, tuning=Tuning(static_decode="on"))
     log = _fake_graphs(runner)
     runner.forward(StepBatch.build([Item(0, 0, (1, 2, 3))]))
     runner.forward(StepBatch.build([Item(0, 3, (4,))]))
@@ -410,6 +411,6 @@ def test_every_dynamic_steps_attention_runs_under_the_devices_backend_choice(tin
     attend = llama.slot_attention
     monkeypatch.setattr(llama, "cuda_backends", recording)
     monkeypatch.setattr(llama, "slot_attention", lambda *a, **kw: (calls.append(bool(inside)), attend(*a, **kw))[1])
-    ex = build_model_runner(tiny_base, slots=4, kind="llama")
+    ex = build_model_runner(tiny_base, slots=4, tuning=Tuning(native_executor="llama"))
     check_against(tiny_base, ex, 259, atol=1e-5)
     assert calls and all(calls)

@@ -20,6 +20,7 @@ from server.engines.native import panel_helper, quant_linear, quant_linear_bf16
 from server.engines.native.llama import Linear
 from server.engines.native.model_runner import build_model_runner
 from server.engines.native.quant_linear import QuantLinear
+from server.engines.native.tuning import Tuning
 from tests.server.engines.test_model_runner import drive
 
 K = 512  # one row is already a call large enough to share
@@ -174,10 +175,10 @@ def test_the_llama_runner_with_the_panel_helper_gives_the_same_logits(tmp_path, 
     dtype, module = kernel
     model = tiny_llama(seed=0, hidden=256)  # linears large enough to share
     write_gguf(model, tmp_path)
-    runner = build_model_runner(model, slots=4, kind="llama", dtype=dtype, weight_kernel="on")
+    runner = build_model_runner(model, slots=4, dtype=dtype, tuning=Tuning(native_executor="llama", weight_kernel="on"))
     kept.append(runner)
     assert runner.helper_possible()
-    assert not build_model_runner(model, slots=4, kind="llama", dtype=dtype, weight_kernel="off").helper_possible()
+    assert not build_model_runner(model, slots=4, dtype=dtype, tuning=Tuning(native_executor="llama", weight_kernel="off")).helper_possible()
     gen = torch.Generator().manual_seed(0)
     prompts = [torch.randint(0, 259, (n,), generator=gen).tolist() for n in (7, 13, 1, 20)]
     nxt = [5, 6, 7, 8]

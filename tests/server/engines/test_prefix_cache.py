@@ -14,6 +14,7 @@ from server.engines.native.config import EngineConfig
 from server.engines.native.engine import NativeEngine
 from server.engines.native.prefix_cache import BLOCK, FIRST_BLOCKS, PrefixCache, chain, namespace
 from server.engines.native.slots import SlotKV
+from server.engines.native.tuning import Tuning
 from server.engines.request import FinalEvent, GenRequest, SamplingParams
 from server.infra.metrics import Metrics
 from tests.support.engine_utils import wait_all
@@ -165,7 +166,7 @@ def finals(choices) -> list[FinalEvent]:
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["float32", "bfloat16"])
-@pytest.mark.parametrize("static_decode", [False, True], ids=["dynamic", "static"])
+@pytest.mark.parametrize("static_decode", ["off", "on"], ids=["dynamic", "static"])
 def test_a_cached_run_equals_an_uncached_one(setup, dtype, static_decode, one_thread):
     bb, _, store, cache = setup
     adapters = [cache.get(store.get_task(t)) for t in TASKS] + [None]
@@ -177,8 +178,8 @@ def test_a_cached_run_equals_an_uncached_one(setup, dtype, static_decode, one_th
     jobs += [(prompt(bb, 70, 4, seed=100 + i), adapters[i % len(adapters)], "default", None) for i in range(10)]
     runs = {}
     for budget in (0, 4096):
-        engine = engine_for(setup, dtype=dtype, static_decode=static_decode, max_step_tokens=40, max_batch_rows=8,
-                            prefix_cache_tokens=budget)
+        engine = engine_for(setup, dtype=dtype, tuning=Tuning(static_decode=static_decode), max_step_tokens=40,
+                            max_batch_rows=8, prefix_cache_tokens=budget)
         try:
             runs[budget] = (serve(engine, jobs[:10], greedy) + serve(engine, jobs[10:], greedy, together=True),
                             serve(engine, jobs[:4], params, together=True))

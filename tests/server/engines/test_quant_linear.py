@@ -18,6 +18,7 @@ from server.engines.native import quant_linear
 from server.engines.native.llama import Linear
 from server.engines.native.model_runner import build_model_runner
 from server.engines.native.quant_linear import QuantLinear
+from server.engines.native.tuning import Tuning, resolve_switch
 from tests.server.engines.test_model_runner import check_against
 from tests.support.kernel_builds import builds_fixture
 
@@ -28,6 +29,11 @@ N, K = 31, 96  # two panels of 12 columns and a tail of 7; three blocks a row
 
 
 build = builds_fixture(quant_linear)  # QuantLinears made in a test that takes it call each build
+
+def resolve(setting: str, *args, **kwargs) -> bool:
+    """The weight_kernel switch as the runner resolves it (tuning.resolve_switch over quant_linear.why_not)."""
+    return resolve_switch("weight_kernel", setting, lambda: quant_linear.why_not(*args, **kwargs))
+
 
 
 def _weight(fmt: str, n: int = N, k: int = K, seed: int = 0):
@@ -153,13 +159,13 @@ def _gguf_model(tmp_path):
 
 def test_the_llama_runner_on_blocks_equals_the_models_forward(tmp_path):
     model = _gguf_model(tmp_path)
-    on = build_model_runner(model, slots=4, kind="llama", weight_kernel="on")
+    on = build_model_runner(model, slots=4, tuning=Tuning(native_executor="llama", weight_kernel="on"))
     assert on.weight_kernel
     layer = on.layers[0]
     assert all(isinstance(lin, QuantLinear) for lin in (layer.qkv, layer.o, layer.gate, layer.up, layer.down,
                                                          on.lm_head))
     check_against(model, on, 259, atol=1e-5)
-    off = build_model_runner(model, slots=4, kind="llama", weight_kernel="off")
+    off = build_model_runner(model, slots=4, tuning=Tuning(native_executor="llama", weight_kernel="off"))
     assert not off.weight_kernel and isinstance(off.layers[0].qkv, Linear)
 
 
@@ -173,7 +179,7 @@ def test_a_served_model_reads_every_linear_from_the_blocks_with_its_adapted_ones
     targets = ("q_proj", "k_proj", "v_proj", "o_proj", "down_proj")
     rm = RoutedModel(model, InventorySpec(n_skills=2, n_heads=2, rank=4, target_modules=targets))
     with caplog.at_level(logging.INFO, logger="polyserve.engine"):
-        on = build_model_runner(model, rm, slots=4, kind="llama", weight_kernel="on")
+        on = build_model_runner(model, rm, slots=4, tuning=Tuning(native_executor="llama", weight_kernel="on"))
     layer = on.layers[0]
     assert all(isinstance(lin, QuantLinear) for lin in (layer.qkv, layer.o, layer.gate, layer.up, layer.down,
                                                          on.lm_head))
@@ -186,30 +192,30 @@ def test_the_setting_resolves_by_device_dtype_and_blocks(tmp_path, monkeypatch):
 
     cpu = torch.device("cpu")
     blocks = {"w": _weight("Q4_1")[0]}
-    assert quant_linear.resolve("off", cpu, torch.float32, blocks) is False
-    assert quant_linear.resolve("auto", cpu, torch.float32, blocks) is True
-    assert quant_linear.resolve("auto", cpu, torch.float32, {}) is False
+    assert resolve("off", cpu, torch.float32, blocks) is False
+    assert resolve("auto", cpu, torch.float32, blocks) is True
+    assert resolve("auto", cpu, torch.float32, {}) is False
     with pytest.raises(ValueError, match="no GGUF blocks"):
-        quant_linear.resolve("on", cpu, torch.float32, {})
+        resolve("on", cpu, torch.float32, {})
     with pytest.raises(ValueError, match="serves float16"):
-        quant_linear.resolve("on", cpu, torch.float16, blocks)
+        resolve("on", cpu, torch.float16, blocks)
     # bf16 takes the bf16 build; a CPU without AVX512_BF16 keeps dense GEMMs, without trying to build it
     monkeypatch.setattr(quant_linear_bf16, "cpu_has_avx512_bf16", lambda: False)
     monkeypatch.setattr(quant_linear_bf16, "_denied", None)
     monkeypatch.setattr(quant_linear_bf16, "_granted", False)
     monkeypatch.setattr(quant_linear_bf16.KERNEL, "load", lambda: pytest.fail("built without AVX512_BF16"))
-    assert quant_linear.resolve("auto", cpu, torch.bfloat16, blocks) is False
+    assert resolve("auto", cpu, torch.bfloat16, blocks) is False
     with pytest.raises(ValueError, match=r"bf16 build is unavailable: the CPU has no AVX512_BF16"):
-        quant_linear.resolve("on", cpu, torch.bfloat16, blocks)
+        resolve("on", cpu, torch.bfloat16, blocks)
     with pytest.raises(ValueError, match="CPUs only"):
-        quant_linear.resolve("on", torch.device("cuda"), torch.float32, blocks)
-    with pytest.raises(ValueError, match="auto, on, off"):
-        quant_linear.resolve("yes", cpu, torch.float32, blocks)
+        resolve("on", torch.device("cuda"), torch.float32, blocks)
+    with pytest.raises(ValueError, match="auto, on or off"):
+        resolve("yes", cpu, torch.float32, blocks)
     # a runner asked for "on" where the backbone has no blocks (the tiny model, no GGUF) fails at build
     with pytest.raises(ValueError, match="no GGUF blocks"):
-        build_model_runner(tiny_llama(seed=0), slots=2, kind="llama", weight_kernel="on")
+        build_model_runner(tiny_llama(seed=0), slots=2, tuning=Tuning(native_executor="llama", weight_kernel="on"))
     with pytest.raises(ValueError, match="no AVX512_BF16"):
-        build_model_runner(_gguf_model(tmp_path), slots=2, kind="llama", dtype=torch.bfloat16, weight_kernel="on")
+        build_model_runner(_gguf_model(tmp_path), slots=2, dtype=torch.bfloat16, tuning=Tuning(native_executor="llama", weight_kernel="on"))
 
 
 def test_no_compiler_falls_back_under_auto_and_fails_under_on(monkeypatch, tmp_path):
@@ -218,6 +224,6 @@ def test_no_compiler_falls_back_under_auto_and_fails_under_on(monkeypatch, tmp_p
     monkeypatch.setenv("POLYSERVE_HOME", str(tmp_path))
     monkeypatch.setenv("CXX", str(tmp_path / "no-such-compiler"))
     cpu, blocks = torch.device("cpu"), {"w": _weight("Q8_0")[0]}
-    assert quant_linear.resolve("auto", cpu, torch.float32, blocks) is False
+    assert resolve("auto", cpu, torch.float32, blocks) is False
     with pytest.raises(ValueError, match="unavailable"):
-        quant_linear.resolve("on", cpu, torch.float32, blocks)
+        resolve("on", cpu, torch.float32, blocks)

@@ -19,6 +19,7 @@ from server.engines.native import quant_linear, quant_linear_bf16
 from server.engines.native.llama import Linear
 from server.engines.native.model_runner import build_model_runner
 from server.engines.native.quant_linear import QuantLinear
+from server.engines.native.tuning import Tuning, resolve_switch
 from tests.server.engines.test_model_runner import drive
 from tests.support.kernel_builds import builds_fixture
 
@@ -30,6 +31,11 @@ BF16_ULP = 2.0**-8  # a bf16 result's rounding, relative
 
 
 build = builds_fixture(quant_linear_bf16)  # QuantLinears made in a test that takes it call each build
+
+def resolve(setting: str, *args, **kwargs) -> bool:
+    """The weight_kernel switch as the runner resolves it (tuning.resolve_switch over quant_linear.why_not)."""
+    return resolve_switch("weight_kernel", setting, lambda: quant_linear.why_not(*args, **kwargs))
+
 
 
 def _weight(fmt: str, n: int = N, k: int = K, seed: int = 0):
@@ -141,8 +147,8 @@ def test_the_llama_runner_in_bf16_on_blocks_stays_with_its_dense_self(tmp_path):
     pytest.importorskip("gguf")
     model = tiny_llama(seed=0)
     write_gguf(model, tmp_path)
-    on = build_model_runner(model, slots=4, kind="llama", dtype=torch.bfloat16, weight_kernel="on")
-    off = build_model_runner(model, slots=4, kind="llama", dtype=torch.bfloat16, weight_kernel="off")
+    on = build_model_runner(model, slots=4, dtype=torch.bfloat16, tuning=Tuning(native_executor="llama", weight_kernel="on"))
+    off = build_model_runner(model, slots=4, dtype=torch.bfloat16, tuning=Tuning(native_executor="llama", weight_kernel="off"))
     assert on.weight_kernel and not off.weight_kernel
     layer = on.layers[0]
     assert all(isinstance(lin, QuantLinear) and lin.dtype == torch.bfloat16
@@ -170,6 +176,6 @@ def test_the_avx512_bf16_build_does_not_use_amx(monkeypatch):
 
 def test_the_setting_resolves_bf16_to_the_bf16_build():
     cpu, blocks = torch.device("cpu"), {"w": _weight("Q4_1")[0]}
-    assert quant_linear.resolve("auto", cpu, torch.bfloat16, blocks) is True
-    assert quant_linear.resolve("off", cpu, torch.bfloat16, blocks) is False
-    assert quant_linear.resolve("auto", cpu, torch.bfloat16, {}) is False
+    assert resolve("auto", cpu, torch.bfloat16, blocks) is True
+    assert resolve("off", cpu, torch.bfloat16, blocks) is False
+    assert resolve("auto", cpu, torch.bfloat16, {}) is False

@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from server.engines.native.tuning import Tuning
 from server.infra import contention
 from server.infra.contention import (
     DEEP_HELPER,
@@ -295,8 +296,8 @@ def test_without_the_team_the_engine_splits_steps_over_lanes(monkeypatch, tiny_b
     monkeypatch.setattr(engine_mod, "ThreadGovernor", SaysOne)
     answers = {}
     for governed in (True, False):
-        eng = NativeEngine(tiny_base, tokenizer, config=EngineConfig(threads=2, adaptive_threads=governed,
-                                                                     contended_lanes=lanes_on))
+        eng = NativeEngine(tiny_base, tokenizer, config=EngineConfig(threads=2, tuning=Tuning(adaptive_threads=governed,
+                                                                                   contended_lanes="on" if lanes_on else "off")))
         eng.start()
         try:
             reqs = [eng.submit(GenRequest(tokenizer(p, add_special_tokens=False).input_ids,
@@ -329,7 +330,7 @@ def test_lanes_by_default_where_the_cpu_has_no_avx512_and_the_setting_wins(monke
     assert lanes_mod.lanes_pay(True, torch.float32, helper=True)[0] is False  # ... but the helper, where it runs
     # in bf16 on the blocks (AMX) a lane dequantises every tile whatever its rows: as dense weights
     assert lanes_mod.lanes_pay(True, torch.bfloat16)[0] is (not avx512)
-    assert EngineConfig.from_settings(Settings()).contended_lanes is None
+    assert EngineConfig.from_settings(Settings()).tuning.contended_lanes == "auto"
     for value, want in (("auto", not avx512), ("on", True), ("off", False)):
         monkeypatch.setenv("POLYSERVE_CONTENDED_LANES", value)
         eng = NativeEngine(tiny_base, tokenizer, config=EngineConfig.from_settings(Settings(), threads=2))
@@ -362,10 +363,10 @@ def test_lanes_by_default_where_the_cpu_has_no_avx512_and_the_setting_wins(monke
     with pytest.raises(ValueError, match="contended_lanes"):
         Settings()
     monkeypatch.setattr(engine_mod, "lanes_pay", lambda *_: pytest.fail("asked without a governor"))
-    NativeEngine(tiny_base, tokenizer, config=EngineConfig(threads=2, adaptive_threads=False))
+    NativeEngine(tiny_base, tokenizer, config=EngineConfig(threads=2, tuning=Tuning(adaptive_threads=False)))
 
 
-@pytest.mark.parametrize("setting, deep, want", [(None, True, 2), (None, False, 1), (False, True, 1)])
+@pytest.mark.parametrize("setting, deep, want", [("auto", True, 2), ("auto", False, 1), ("off", True, 1)])
 def test_under_deep_contention_auto_runs_lanes_where_the_cpu_alone_would_not(monkeypatch, tiny_base, tokenizer,
                                                                               setting, deep, want):
     """POLYSERVE_CONTENDED_LANES auto on a CPU where lanes_pay says no (AVX-512, dense weights):
@@ -394,7 +395,7 @@ def test_under_deep_contention_auto_runs_lanes_where_the_cpu_alone_would_not(mon
             return self.current
 
     monkeypatch.setattr(engine_mod, "ThreadGovernor", Deep)
-    eng = NativeEngine(tiny_base, tokenizer, config=EngineConfig(threads=2, contended_lanes=setting))
+    eng = NativeEngine(tiny_base, tokenizer, config=EngineConfig(threads=2, tuning=Tuning(contended_lanes=setting)))
     assert eng.contended_lanes is False
     eng.start()
     try:
@@ -408,7 +409,7 @@ def test_under_deep_contention_auto_runs_lanes_where_the_cpu_alone_would_not(mon
         reqs = [eng.submit(GenRequest(tokenizer("x y", add_special_tokens=False).input_ids,
                                       SamplingParams(max_new_tokens=4, ignore_eos=True)))]
         wait_all(reqs)
-        assert eng.lanes == (1 if setting is False or deep else 2)
+        assert eng.lanes == (1 if setting == "off" or deep else 2)
     finally:
         eng.stop()
 
@@ -427,10 +428,8 @@ def test_deep_contention_keeps_one_thread_for_bf16_on_amx(monkeypatch, tiny_base
     assert lanes_mod.deep_lanes_pay(dtype)[0] is want
     eng = NativeEngine(tiny_base, tokenizer, config=EngineConfig(threads=2, dtype=dtype))
     assert eng.contended_lanes is False and eng.lanes_when_deep is want
-    assert not NativeEngine(tiny_base, tokenizer, config=EngineConfig(threads=2, dtype=dtype,
-                                                                      contended_lanes=False)).lanes_when_deep
-    assert not NativeEngine(tiny_base, tokenizer, config=EngineConfig(threads=2, dtype=dtype,
-                                                                      adaptive_threads=False)).lanes_when_deep
+    assert not NativeEngine(tiny_base, tokenizer, config=EngineConfig(threads=2, dtype=dtype, tuning=Tuning(contended_lanes="off"))).lanes_when_deep
+    assert not NativeEngine(tiny_base, tokenizer, config=EngineConfig(threads=2, dtype=dtype, tuning=Tuning(adaptive_threads=False))).lanes_when_deep
 
 
 def test_without_the_team_the_panel_helper_runs_until_contention_is_deep(monkeypatch, tiny_base, tokenizer):
