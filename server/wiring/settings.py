@@ -57,7 +57,8 @@ class Settings(BaseSettings):
     # spread thin over the steps a short request decodes in, instead of a few steps that cost
     # several decode steps each (BENCHMARKS.md, "The long-prompt flood")
     tenant_prefill_tokens: int = Field(default=32, ge=0)
-    max_queue: int = Field(default=256, ge=0)
+    # at least 1 (0 never served: the native engine refused it at start, vLLM's queue was always full)
+    max_queue: int = Field(default=256, ge=1)
     max_prompt_tokens: int = Field(default=2048, ge=1)
     max_new_tokens: int = Field(default=1024, ge=1)
     max_body_bytes: int = Field(default=4 * 1024 * 1024, ge=1024)

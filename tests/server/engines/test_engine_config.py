@@ -33,3 +33,11 @@ def test_from_settings_carries_every_budget_and_runner_choice():
 def test_a_config_that_cannot_run_is_refused_naming_the_field(fields, named):
     with pytest.raises(ValueError, match=named):
         EngineConfig(**fields)
+
+
+def test_settings_refuse_the_queue_the_engine_refuses():
+    """max_queue 0 never served (the native engine refused it at start, vLLM's queue was always
+    full): one rule, at least 1, in the settings as in EngineConfig."""
+    with pytest.raises(ValueError, match="max_queue"):
+        Settings(max_queue=0)
+    assert EngineConfig.from_settings(Settings(max_queue=1)).max_queue == 1
