@@ -17,7 +17,7 @@ a warm-up (oneDNN builds its primitives per new shape) and is not timed.
 `--field dtype` takes the serving dtypes as POLYSERVE_DTYPE spells them; the other settings stay
 `auto`, so each dtype runs as the server would serve it (float32 on the GGUF blocks where the
 weight kernel applies). `--field weight_build` takes builds of the weight kernel
-(server/engines/native/quant_linear.py `BUILDS`): on an AVX-512 CPU serving float32 on the GGUF
+(server/engines/native/kernels/quant_linear.py `BUILDS`): on an AVX-512 CPU serving float32 on the GGUF
 blocks, its AVX-512 path against the AVX2 path that CPUs without AVX-512 run.
 """
 
@@ -31,15 +31,15 @@ import time
 from pathlib import Path
 
 import torch
-from server.engines.native.engine import NativeEngine
 
 from adapters_store.backbone.load import load_backbone
 from bench.serve_bench import build_inventory, workload
 from server.adapter_cache.cache import AdapterCache
 from server.adapter_cache.l1 import L1Cache
 from server.engines.dtype import serving_dtype
-from server.engines.native import quant_linear
 from server.engines.native.config import EngineConfig
+from server.engines.native.core.engine import NativeEngine
+from server.engines.native.kernels import quant_linear
 from server.engines.native.tuning import Tuning
 from server.engines.request import GenRequest, RequestHandle, SamplingParams
 

@@ -21,11 +21,11 @@ import statistics
 import torch
 
 from bench.engine_ab import routed_workload, run_once
-from server.engines.native import attention, llama
-from server.engines.native.attention_kernel import decode_attention
 from server.engines.native.config import EngineConfig
-from server.engines.native.engine import NativeEngine
-from server.engines.native.step import StepBatch
+from server.engines.native.core.engine import NativeEngine
+from server.engines.native.core.step import StepBatch
+from server.engines.native.kernels.attention_kernel import decode_attention
+from server.engines.native.model import attention, llama
 from server.engines.native.tuning import Tuning
 
 

@@ -25,8 +25,8 @@ import server  # noqa: F401  (before torch: OpenMP spin defaults, server/infra/o
 # isort: split
 import torch
 
-from server.engines.native.llama import Linear
-from server.engines.native.quant_linear import QuantLinear
+from server.engines.native.kernels.quant_linear import QuantLinear
+from server.engines.native.model.llama import Linear
 from server.engines.native.tuning import Tuning
 
 NAMES = ("qkv", "o", "gate", "up", "gate_up", "down")
@@ -84,7 +84,7 @@ def main(argv: list[str] | None = None) -> None:
         raise SystemExit("--rows, --passes and --repeats must be at least 1")
 
     from adapters_store.backbone.load import load_backbone
-    from server.engines.native.model_runner import build_model_runner
+    from server.engines.native.model.model_runner import build_model_runner
 
     torch.set_num_threads(1)
     dtype = getattr(torch, args.dtype)

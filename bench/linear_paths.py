@@ -1,4 +1,4 @@
-"""The native engine's forward (server/engines/native/llama.py) with each way of running its
+"""The native engine's forward (server/engines/native/model/llama.py) with each way of running its
 linears, interleaved in one process: float32 / bfloat16 x dense (F.linear: MKL or oneDNN with the
 weight re-packed every call) / packed once for oneDNN. One decode step of `--rows` rows at
 `--context` positions and one prefill of `--rows` x `--context` tokens each; greedy tokens of the
@@ -19,8 +19,8 @@ import server  # noqa: F401  (before torch: OpenMP spin defaults, server/infra/o
 import torch
 
 from adapters_store.backbone.load import load_backbone
-from server.engines.native.llama import LlamaRunner
-from server.engines.native.step import Item, StepBatch
+from server.engines.native.core.step import Item, StepBatch
+from server.engines.native.model.llama import LlamaRunner
 from server.engines.native.tuning import Tuning
 
 PATHS = {"float32 dense": (torch.float32, False), "float32 packed": (torch.float32, True),

@@ -26,8 +26,8 @@ import torch
 
 from adapters_store.backbone.load import load_backbone
 from server.engines.dtype import serving_dtype
-from server.engines.native.llama import LlamaRunner
-from server.engines.native.step import Item, StepBatch
+from server.engines.native.core.step import Item, StepBatch
+from server.engines.native.model.llama import LlamaRunner
 from server.engines.native.tuning import Tuning
 
 TARGETS = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj")

@@ -33,21 +33,21 @@ from server.adapter_cache.cache import AdapterCache
 from server.adapter_cache.l1 import L1Cache
 from server.engines.dtype import serving_dtype
 from server.engines.native.config import EngineConfig
-from server.engines.native.engine import NativeEngine
+from server.engines.native.core.engine import NativeEngine
 from server.engines.native.tuning import Tuning
 from server.engines.request import GenRequest, RequestHandle, SamplingParams
 
 # (bucket, file suffix, function name, nested): cumulative time of these functions; nested ones
 # are inside an earlier bucket and not added to the total
 BUCKETS = [
-    ("forwards (runner)", "native/llama.py", "forward", False),
-    ("  of which LoRA", "native/slot_lora.py", "apply", True),
-    ("  of which attention", "native/attention.py", "slot_attention", True),
-    ("step layout (StepBatch.build)", "native/step.py", "build", False),
-    ("adapter tables (admission)", "native/slot_lora.py", "write_adapter", False),
-    ("slot moves (rows leave)", "native/llama.py", "copy_slot", False),
-    ("sampling", "native/rows.py", "sample_rows", False),
-    ("detokenise", "native/detok.py", "add", False),
+    ("forwards (runner)", "native/model/llama.py", "forward", False),
+    ("  of which LoRA", "native/model/slot_lora.py", "apply", True),
+    ("  of which attention", "native/model/attention.py", "slot_attention", True),
+    ("step layout (StepBatch.build)", "native/core/step.py", "build", False),
+    ("adapter tables (admission)", "native/model/slot_lora.py", "write_adapter", False),
+    ("slot moves (rows leave)", "native/model/llama.py", "copy_slot", False),
+    ("sampling", "native/sample/rows.py", "sample_rows", False),
+    ("detokenise", "native/sample/detok.py", "add", False),
 ]
 
 
@@ -84,7 +84,7 @@ def main() -> None:
     if args.cudnn_attention:
         from torch.nn.attention import SDPBackend
 
-        from server.engines.native import attention
+        from server.engines.native.model import attention
         attention.CUDA_BACKENDS.append(SDPBackend.CUDNN_ATTENTION)
     torch.set_num_threads(args.threads)
 

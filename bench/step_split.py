@@ -28,7 +28,7 @@ from server.adapter_cache.cache import AdapterCache
 from server.adapter_cache.l1 import L1Cache
 from server.engines.dtype import serving_dtype
 from server.engines.native.config import EngineConfig
-from server.engines.native.engine import NativeEngine
+from server.engines.native.core.engine import NativeEngine
 from server.engines.native.tuning import Tuning
 from server.engines.request import GenRequest, RequestHandle, SamplingParams
 

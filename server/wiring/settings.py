@@ -53,7 +53,7 @@ class Settings(BaseSettings):
     # tokens in one forward: every decoding row's next token + prompt chunks (chunked prefill)
     max_step_tokens: int = Field(default=256, ge=2)
     # native engine: while a tenant's rows decode, prompt tokens of other tenants' requests in one
-    # step (engines/native/scheduler.py); 0 = no such bound. Another tenant's long prompt is then
+    # step (engines/native/core/scheduler.py); 0 = no such bound. Another tenant's long prompt is then
     # spread thin over the steps a short request decodes in, instead of a few steps that cost
     # several decode steps each (BENCHMARKS.md, "The long-prompt flood")
     tenant_prefill_tokens: int = Field(default=32, ge=0)

@@ -7,9 +7,9 @@ import pytest
 
 from adapters_store.backbone.tiny import tiny_llama
 from bench.kernel_linears import kernel_linears, main, pass_ms, weights
-from server.engines.native.llama import Linear
-from server.engines.native.model_runner import build_model_runner
-from server.engines.native.quant_linear import QuantLinear
+from server.engines.native.kernels.quant_linear import QuantLinear
+from server.engines.native.model.llama import Linear
+from server.engines.native.model.model_runner import build_model_runner
 from server.engines.native.tuning import Tuning
 
 

@@ -33,7 +33,7 @@ import torch
 
 from server.engines.dtype import serving_dtype
 from server.engines.fair import TenantCaps, tenant_caps
-from server.engines.native.prefix_cache import BLOCK as PREFIX_BLOCK
+from server.engines.native.core.prefix_cache import BLOCK as PREFIX_BLOCK
 from server.engines.native.tuning import Tuning
 from server.wiring.settings import Settings
 

@@ -1,4 +1,4 @@
-"""The native decode-attention kernel (server/engines/native/attention_kernel.py,
+"""The native decode-attention kernel (server/engines/native/kernels/attention_kernel.py,
 decode_attention.cpp) against a float64 reference: every storage dtype, grouped-query shapes,
 head dims with and without a compiled-in specialisation, rows in any slots with their own
 lengths; a row's output does not depend on its batch; and how the setting resolves where it
@@ -9,7 +9,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from server.engines.native import attention_kernel
+from server.engines.native.kernels import attention_kernel
 from server.engines.native.tuning import resolve_switch
 
 pytestmark = pytest.mark.skipif(attention_kernel.KERNEL.load() is None,
@@ -116,7 +116,7 @@ def test_the_wheel_ships_every_file_the_native_kernels_compile():
     import tomllib
     from pathlib import Path
 
-    from server.engines.native import lora_kernel, quant_linear
+    from server.engines.native.kernels import lora_kernel, quant_linear
 
     root = Path(__file__).resolve().parents[3]
     globs = tomllib.loads((root / "pyproject.toml").read_text())["tool"]["setuptools"]["package-data"]["server"]
@@ -131,7 +131,7 @@ def test_the_wheel_ships_every_file_the_native_kernels_compile():
 def test_dynamic_steps_on_cuda_leave_cudnn_attention_out_and_restore_it():
     # cuDNN plans per new shape and a dynamic step's shapes change every step; the switch is
     # torch's process-wide flag, so it must come back after the step
-    from server.engines.native.attention import cuda_backends
+    from server.engines.native.model.attention import cuda_backends
 
     before = torch.backends.cuda.cudnn_sdp_enabled()
     with cuda_backends(torch.device("cuda")):

@@ -1,4 +1,4 @@
-"""The native elementwise kernel (server/engines/native/elementwise_kernel.py, elementwise.cpp):
+"""The native elementwise kernel (server/engines/native/kernels/elementwise_kernel.py, elementwise.cpp):
 RMSNorm against transformers' Llama formula, the rotary embedding against the complex
 multiplication it replaces, rows independent of their batch, bad input refused before the kernel
 writes, and the Llama runner with it equal to the runner with torch ops."""
@@ -8,7 +8,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from server.engines.native import elementwise_kernel
+from server.engines.native.kernels import elementwise_kernel
 from server.engines.native.tuning import resolve_switch
 
 pytestmark = pytest.mark.skipif(elementwise_kernel.NORM.load() is None,

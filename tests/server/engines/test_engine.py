@@ -8,7 +8,7 @@ import pytest
 
 from server.engines.base import QueueFull
 from server.engines.native.config import EngineConfig
-from server.engines.native.engine import NativeEngine as Engine
+from server.engines.native.core.engine import NativeEngine as Engine
 from server.engines.native.tuning import Tuning
 from server.engines.request import FinalEvent, GenRequest, SamplingParams, TokenEvent
 from tests.support.server_fixtures import TASKS, routed_engine_parts

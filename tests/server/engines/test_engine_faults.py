@@ -15,9 +15,9 @@ import time
 import pytest
 
 from server.engines.base import EngineStopped
-from server.engines.native import engine as engine_module
 from server.engines.native.config import EngineConfig
-from server.engines.native.engine import NativeEngine
+from server.engines.native.core import engine as engine_module
+from server.engines.native.core.engine import NativeEngine
 from server.engines.request import GenRequest, RequestHandle, SamplingParams, TokenEvent
 from tests.support.engine_utils import submit, wait_all
 

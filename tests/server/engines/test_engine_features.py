@@ -12,7 +12,7 @@ import torch
 from transformers import LogitsProcessor, LogitsProcessorList
 
 from server.engines.native.config import EngineConfig
-from server.engines.native.engine import NativeEngine
+from server.engines.native.core.engine import NativeEngine
 from server.engines.request import GenRequest, SamplingParams
 from tests.support.engine_utils import choices, run, submit, wait_all
 

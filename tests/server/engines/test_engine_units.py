@@ -6,8 +6,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from server.engines.native.detok import IncrementalDetokenizer
-from server.engines.native.sampling import RowSampler, apply_top_k, apply_top_p, sample_tokens
+from server.engines.native.sample.detok import IncrementalDetokenizer
+from server.engines.native.sample.sampling import RowSampler, apply_top_k, apply_top_p, sample_tokens
 from server.engines.request import GenRequest, SamplingParams
 
 
@@ -69,7 +69,7 @@ def test_held_back_prefix_is_released_when_no_stop_follows(tokenizer):
 
 def test_native_engine_implements_the_engine_interface(tiny_base, tokenizer):
     from server.engines.base import Engine
-    from server.engines.native.engine import NativeEngine
+    from server.engines.native.core.engine import NativeEngine
 
     engine = NativeEngine(tiny_base, tokenizer)
     assert isinstance(engine, Engine)

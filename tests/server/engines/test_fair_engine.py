@@ -13,7 +13,7 @@ import pytest
 from adapters_store.backbone.tiny import tiny_llama, tiny_tokenizer
 from server.engines.fair import TenantCaps
 from server.engines.native.config import EngineConfig
-from server.engines.native.engine import NativeEngine
+from server.engines.native.core.engine import NativeEngine
 from server.engines.request import FinalEvent, GenRequest, SamplingParams
 from server.infra.metrics import Metrics
 

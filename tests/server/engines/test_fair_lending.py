@@ -1,4 +1,4 @@
-"""Rows are lent and taken back (server/engines/native/scheduler.py), on the native engine stepped
+"""Rows are lent and taken back (server/engines/native/core/scheduler.py), on the native engine stepped
 by hand: a tenant alone fills every row, even with requests of n=4 and a row count that is not a
 multiple of 4 (split admission); a tenant that comes back gets a row at the next step (preemption);
 a preempted row, recomputed, generates exactly what it would have; under a flood, fair admission
@@ -11,7 +11,7 @@ import pytest
 from adapters_store.backbone.tiny import tiny_llama, tiny_tokenizer
 from server.engines.fair import TenantCaps
 from server.engines.native.config import EngineConfig
-from server.engines.native.engine import NativeEngine
+from server.engines.native.core.engine import NativeEngine
 from server.engines.request import GenRequest, SamplingParams
 from server.infra.metrics import Metrics
 from tests.support.engine_utils import choices

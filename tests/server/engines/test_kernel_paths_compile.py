@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from server.engines.native import cpp_kernel
+from server.engines.native.kernels import cpp_kernel
 
 NATIVE = Path(cpp_kernel.__file__).parent
 # (source, target flags, an instruction the path's object code must hold, one it must not)

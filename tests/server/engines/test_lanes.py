@@ -1,4 +1,4 @@
-"""A step's items split over lanes (server/engines/native/lanes.py): the split is balanced, and a
+"""A step's items split over lanes (server/engines/native/model/lanes.py): the split is balanced, and a
 mixed step of routed, plain and base rows gives the logits and the KV cache of the same step run
 whole."""
 
@@ -10,9 +10,9 @@ import time
 import pytest
 import torch
 
-from server.engines.native.lanes import Lanes, logit_positions, partition
-from server.engines.native.model_runner import build_model_runner
-from server.engines.native.step import Item, StepBatch
+from server.engines.native.core.step import Item, StepBatch
+from server.engines.native.model.lanes import Lanes, logit_positions, partition
+from server.engines.native.model.model_runner import build_model_runner
 from server.engines.native.tuning import Tuning
 
 

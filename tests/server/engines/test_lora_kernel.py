@@ -1,4 +1,4 @@
-"""The native per-row LoRA kernel (server/engines/native/lora_kernel.py, lora_rows.cpp) against
+"""The native per-row LoRA kernel (server/engines/native/kernels/lora_kernel.py, lora_rows.cpp) against
 torch: every storage dtype, gathered slots, strided rows, members with gaps, ranks with and
 without a compiled-in specialisation; and how the setting resolves where it cannot run."""
 
@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from server.engines.native import lora_kernel
+from server.engines.native.kernels import lora_kernel
 from server.engines.native.tuning import resolve_switch
 
 pytestmark = pytest.mark.skipif(lora_kernel.load() is None, reason=f"no LoRA kernel: {lora_kernel.error()}")

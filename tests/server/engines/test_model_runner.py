@@ -7,10 +7,10 @@ import pytest
 import torch
 
 from server.engines.dtype import serving_dtype
-from server.engines.native import attention_kernel, elementwise_kernel
-from server.engines.native.llama import unsupported
-from server.engines.native.model_runner import build_model_runner
-from server.engines.native.step import Item, StepBatch
+from server.engines.native.core.step import Item, StepBatch
+from server.engines.native.kernels import attention_kernel, elementwise_kernel
+from server.engines.native.model.llama import unsupported
+from server.engines.native.model.model_runner import build_model_runner
 from server.engines.native.tuning import Tuning
 
 
@@ -105,7 +105,7 @@ def test_llama_runner_in_bfloat16_stays_near_float32(tiny_base):
 def test_a_dtype_onednn_cannot_pack_here_runs_unpacked(tiny_base, monkeypatch):
     """On an AVX2-only CPU oneDNN's bf16 reorder raises: the runner (and the dtype probe) must
     fall back to plain GEMMs for that dtype instead of failing, and keep packing the other."""
-    from server.engines.native import llama
+    from server.engines.native.model import llama
 
     real = torch.ops.mkldnn
     reorder = real._reorder_linear_weight
@@ -285,7 +285,7 @@ def test_static_decode_steps_equal_the_dynamic_ones(tiny_model):
     from adapters_store.lora.inject import RoutedModel
     from adapters_store.lora.spec import InventorySpec
     from server.adapter_cache.types import Adapter
-    from server.engines.native.static_decode import bucket
+    from server.engines.native.model.static_decode import bucket
 
     rm = RoutedModel(tiny_model, InventorySpec(n_skills=3, n_heads=2, rank=4))
     gen = torch.Generator().manual_seed(3)
@@ -350,7 +350,7 @@ def test_graphs_are_captured_again_when_the_kv_cache_is_replaced_at_the_same_cap
     """A cache that grew and then shrank back when the engine went idle has its old capacity at new
     addresses: every graph is captured again (in a fresh pool), not replayed over freed memory, and
     the logits still equal the dynamic path's."""
-    from server.engines.native.slots import MIN_CAPACITY
+    from server.engines.native.core.slots import MIN_CAPACITY
 
     runners = [build_model_runner(tiny_model, None, slots=4, tuning=Tuning(static_decode=flag)) for flag in ("off", "on")]
     log = _fake_graphs(runners[1])
@@ -395,7 +395,7 @@ def test_every_dynamic_steps_attention_runs_under_the_devices_backend_choice(tin
     # wiring: the runner asks for it with the batch's device around every layer's attention
     import contextlib
 
-    from server.engines.native import llama
+    from server.engines.native.model import llama
 
     inside: list[torch.device] = []
     calls: list[bool] = []

@@ -1,4 +1,4 @@
-"""The weight kernels' panel helper (server/engines/native/panel_helper.h): a second thread takes
+"""The weight kernels' panel helper (server/engines/native/kernels/panel_helper.h): a second thread takes
 panels of the calls a thread makes without an OpenMP team. A call's bits must not depend on who
 computed which panel, nor on a helper that is late; a second caller finds the helper taken and runs
 alone; the helper stops and starts again; a runner with it gives the same logits. Each check runs on
@@ -16,10 +16,10 @@ import torch
 
 from adapters_store.backbone.gguf_blocks import dequantize, quantize
 from adapters_store.backbone.tiny import tiny_llama
-from server.engines.native import panel_helper, quant_linear, quant_linear_bf16
-from server.engines.native.llama import Linear
-from server.engines.native.model_runner import build_model_runner
-from server.engines.native.quant_linear import QuantLinear
+from server.engines.native.kernels import panel_helper, quant_linear, quant_linear_bf16
+from server.engines.native.kernels.quant_linear import QuantLinear
+from server.engines.native.model.llama import Linear
+from server.engines.native.model.model_runner import build_model_runner
 from server.engines.native.tuning import Tuning
 from tests.server.engines.test_model_runner import drive
 

@@ -11,9 +11,9 @@ import pytest
 import torch
 
 from server.engines.native.config import EngineConfig
-from server.engines.native.engine import NativeEngine
-from server.engines.native.prefix_cache import BLOCK, FIRST_BLOCKS, PrefixCache, chain, namespace
-from server.engines.native.slots import SlotKV
+from server.engines.native.core.engine import NativeEngine
+from server.engines.native.core.prefix_cache import BLOCK, FIRST_BLOCKS, PrefixCache, chain, namespace
+from server.engines.native.core.slots import SlotKV
 from server.engines.native.tuning import Tuning
 from server.engines.request import FinalEvent, GenRequest, SamplingParams
 from server.infra.metrics import Metrics

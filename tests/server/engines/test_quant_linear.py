@@ -1,4 +1,4 @@
-"""The weight kernel (server/engines/native/quant_linear.py, quant_linear.cpp): linears read from
+"""The weight kernel (server/engines/native/kernels/quant_linear.py, quant_linear.cpp): linears read from
 GGUF blocks against a float64 reference of the weights the blocks stand for, every row-count tail
 and column tail, bias and the fused epilogues; a row's result bit-equal whatever its batch and the
 threads; the Llama runner on a backbone with blocks equal to the model's forward; how the setting
@@ -14,10 +14,10 @@ import torch
 
 from adapters_store.backbone.gguf_blocks import dequantize, quantize
 from adapters_store.backbone.tiny import tiny_llama
-from server.engines.native import quant_linear
-from server.engines.native.llama import Linear
-from server.engines.native.model_runner import build_model_runner
-from server.engines.native.quant_linear import QuantLinear
+from server.engines.native.kernels import quant_linear
+from server.engines.native.kernels.quant_linear import QuantLinear
+from server.engines.native.model.llama import Linear
+from server.engines.native.model.model_runner import build_model_runner
 from server.engines.native.tuning import Tuning, resolve_switch
 from tests.server.engines.test_model_runner import check_against
 from tests.support.kernel_builds import builds_fixture
@@ -188,7 +188,7 @@ def test_a_served_model_reads_every_linear_from_the_blocks_with_its_adapted_ones
 
 
 def test_the_setting_resolves_by_device_dtype_and_blocks(tmp_path, monkeypatch):
-    from server.engines.native import quant_linear_bf16
+    from server.engines.native.kernels import quant_linear_bf16
 
     cpu = torch.device("cpu")
     blocks = {"w": _weight("Q4_1")[0]}

@@ -1,4 +1,4 @@
-"""The weight kernel's bf16 build (server/engines/native/quant_linear_bf16.py, .cpp): a tile holds the
+"""The weight kernel's bf16 build (server/engines/native/kernels/quant_linear_bf16.py, .cpp): a tile holds the
 bf16 model's weights bit for bit (one-hot rows read them back), results against a float64 reference of
 the bf16 weights for every row count (one group of rows, several, a tail), bias and the fused
 epilogues; a row's result bit-equal whatever its batch and the threads; the Llama runner in bf16 on
@@ -15,10 +15,10 @@ import torch
 from adapters_store.backbone.gguf_blocks import dequantize, quantize
 from adapters_store.backbone.hardware import cpu_has_amx
 from adapters_store.backbone.tiny import tiny_llama
-from server.engines.native import quant_linear, quant_linear_bf16
-from server.engines.native.llama import Linear
-from server.engines.native.model_runner import build_model_runner
-from server.engines.native.quant_linear import QuantLinear
+from server.engines.native.kernels import quant_linear, quant_linear_bf16
+from server.engines.native.kernels.quant_linear import QuantLinear
+from server.engines.native.model.llama import Linear
+from server.engines.native.model.model_runner import build_model_runner
 from server.engines.native.tuning import Tuning, resolve_switch
 from tests.server.engines.test_model_runner import drive
 from tests.support.kernel_builds import builds_fixture

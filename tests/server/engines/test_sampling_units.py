@@ -10,12 +10,12 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from server.engines.native.isolate import find_culprits
-from server.engines.native.ledger import FinalLedger, answer_unadmitted, deliver
-from server.engines.native.logprobs import prompt_chunk_logprobs, token_logprobs
-from server.engines.native.processors import RowProcessors, apply_penalties, apply_processors
-from server.engines.native.rows import describe, new_rows, sample_rows, vocab_size
-from server.engines.native.sampling import (
+from server.engines.native.core.isolate import find_culprits
+from server.engines.native.core.ledger import FinalLedger, answer_unadmitted, deliver
+from server.engines.native.sample.logprobs import prompt_chunk_logprobs, token_logprobs
+from server.engines.native.sample.processors import RowProcessors, apply_penalties, apply_processors
+from server.engines.native.sample.rows import describe, new_rows, sample_rows, vocab_size
+from server.engines.native.sample.sampling import (
     RowSampler,
     SamplingError,
     apply_min_p,
@@ -173,7 +173,7 @@ def test_many_generated_tokens_grow_the_seen_buffers_and_stay_exact():
 def test_sample_rows_samples_the_batch_in_one_call(monkeypatch):
     """The row-by-row path is only a fallback after the batched call raised: when nothing fails,
     one sample_tokens call over every row (not one per row: same tokens, n times the work)."""
-    import server.engines.native.rows as rows_module
+    import server.engines.native.sample.rows as rows_module
 
     calls = []
     real = rows_module.sample_tokens
@@ -192,7 +192,7 @@ def test_sample_rows_samples_the_batch_in_one_call(monkeypatch):
 def test_sample_rows_falls_back_row_by_row_and_fails_only_the_row_that_fails_alone(monkeypatch, caplog):
     """The batched call raised: each row is sampled alone, in order; a row whose own sampling
     raises gets token -1 and an error naming the failure, the others their tokens."""
-    import server.engines.native.rows as rows_module
+    import server.engines.native.sample.rows as rows_module
 
     real = rows_module.sample_tokens
     seen = []
@@ -436,7 +436,7 @@ def test_the_nucleus_members_are_every_kept_token_or_none_past_the_partial_ranki
 
 def test_a_row_with_a_short_list_of_kept_tokens_draws_among_them_not_over_the_vocabulary(monkeypatch):
     """The point of the members: the draw's exp and cumulative sum run over the kept tokens only."""
-    from server.engines.native import sampling
+    from server.engines.native.sample import sampling
 
     sizes: list[int] = []
     real_draw = sampling.draw

@@ -9,9 +9,9 @@ import pytest
 import torch
 
 from server.adapter_cache.types import Adapter
-from server.engines.native.slot_lora import Group, Member, SlotLoRA, write_adapter
-from server.engines.native.slots import SlotKV, SlotPool
-from server.engines.native.step import Item, StepBatch
+from server.engines.native.core.slots import SlotKV, SlotPool
+from server.engines.native.core.step import Item, StepBatch
+from server.engines.native.model.slot_lora import Group, Member, SlotLoRA, write_adapter
 
 
 def test_step_layout_puts_the_decode_group_first_in_slot_order():
@@ -91,7 +91,7 @@ def _reference(x: torch.Tensor, layers, group: int) -> torch.Tensor:
 @pytest.mark.parametrize("kernel", ["off", "on"], ids=["torch-ops", "native-kernel"])
 @pytest.mark.parametrize("slots_of_decode", [[0, 1, 2], [0, 2, 3]], ids=["dense", "gathered"])
 def test_slot_lora_equals_each_rows_own_lora(slots_of_decode, kernel):
-    from server.engines.native import lora_kernel
+    from server.engines.native.kernels import lora_kernel
 
     if kernel == "on" and lora_kernel.load() is None:
         pytest.skip(f"no LoRA kernel: {lora_kernel.error()}")
@@ -136,7 +136,7 @@ def test_slot_lora_copy_clear_and_no_work_for_base_rows():
 def test_copy_from_a_base_row_clears_the_destination(kernel):
     """A base row moved into a slot that held another task's row (slot compaction) runs without
     an adapter, not the previous row's task, beside an adapted row."""
-    from server.engines.native import lora_kernel
+    from server.engines.native.kernels import lora_kernel
 
     if kernel == "on" and lora_kernel.load() is None:
         pytest.skip(f"no LoRA kernel: {lora_kernel.error()}")
@@ -325,7 +325,7 @@ def test_slot_lora_with_layers_laid_out_differently(kernel):
     """Groups that differ between layers (only in a member's output order, or adapted in one layer
     only): each layer's rows get that layer's own LoRA in its own column order, after writes, a copy
     and a clear, decode rows in gathered slots and a prompt chunk."""
-    from server.engines.native import lora_kernel
+    from server.engines.native.kernels import lora_kernel
 
     if kernel == "on" and lora_kernel.load() is None:
         pytest.skip(f"no LoRA kernel: {lora_kernel.error()}")
@@ -360,7 +360,7 @@ def test_slot_lora_with_layers_laid_out_differently(kernel):
 def test_only_an_adapted_prompt_gets_the_lora_beside_base_rows(kernel):
     """A base row decoding and a base prompt chunk ahead of a task's prompt chunk: the LoRA lands on
     the task's tokens (rows 3-5 of the step), none on the base rows' (rows 0-2)."""
-    from server.engines.native import lora_kernel
+    from server.engines.native.kernels import lora_kernel
 
     if kernel == "on" and lora_kernel.load() is None:
         pytest.skip(f"no LoRA kernel: {lora_kernel.error()}")

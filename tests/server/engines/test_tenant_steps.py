@@ -1,4 +1,4 @@
-"""The tenants' prompt budget (server/engines/native/scheduler.py, plan_step with
+"""The tenants' prompt budget (server/engines/native/core/scheduler.py, plan_step with
 tenant_prefill_tokens): while a tenant's rows decode, other tenants' prompt chunks share a small
 budget of the step, the shortest first; a tenant's own chunks, and steps with nobody else
 decoding, keep the whole max_step_tokens; off, a step is filled in admission order."""
@@ -12,8 +12,8 @@ import pytest
 from adapters_store.backbone.tiny import tiny_llama, tiny_tokenizer
 from server.engines.fair import TenantCaps
 from server.engines.native.config import EngineConfig
-from server.engines.native.engine import NativeEngine
-from server.engines.native.scheduler import Prefill, Scheduler
+from server.engines.native.core.engine import NativeEngine
+from server.engines.native.core.scheduler import Prefill, Scheduler
 from server.engines.request import GenRequest, SamplingParams
 from server.infra.metrics import Metrics
 from server.wiring.settings import Settings

@@ -235,9 +235,9 @@ def test_the_readers_on_fake_files(tmp_path: Path):
 def test_the_engine_runs_each_step_on_the_governors_team(monkeypatch, tiny_base, tokenizer):
     """The engine thread's torch count is the one the governor gave before the step: a
     governor saying 1 under a configured 2 runs every step on one thread."""
-    from server.engines.native import engine as engine_mod
     from server.engines.native.config import EngineConfig
-    from server.engines.native.engine import NativeEngine
+    from server.engines.native.core import engine as engine_mod
+    from server.engines.native.core.engine import NativeEngine
     from server.engines.request import GenRequest, SamplingParams
     from tests.support.engine_utils import wait_all
 
@@ -277,9 +277,9 @@ def test_without_the_team_the_engine_splits_steps_over_lanes(monkeypatch, tiny_b
     """A governor saying 1 under a configured 2: the runner splits each step over 2 lanes
     (POLYSERVE_CONTENDED_LANES, the default) or runs it on the engine thread alone; greedy answers
     are the same either way."""
-    from server.engines.native import engine as engine_mod
     from server.engines.native.config import EngineConfig
-    from server.engines.native.engine import NativeEngine
+    from server.engines.native.core import engine as engine_mod
+    from server.engines.native.core.engine import NativeEngine
     from server.engines.request import GenRequest, SamplingParams
     from tests.support.engine_utils import wait_all
 
@@ -318,10 +318,10 @@ def test_lanes_by_default_where_the_cpu_has_no_avx512_and_the_setting_wins(monke
     CPUs with it (where lanes measured slower on dense weights); where the linears read the GGUF
     blocks, one thread with the panel helper (lanes while contention is deep), or lanes where the
     helper is off; on/off win over the machine."""
-    from server.engines.native import engine as engine_mod
-    from server.engines.native import lanes as lanes_mod
     from server.engines.native.config import EngineConfig
-    from server.engines.native.engine import NativeEngine
+    from server.engines.native.core import engine as engine_mod
+    from server.engines.native.core.engine import NativeEngine
+    from server.engines.native.model import lanes as lanes_mod
     from server.wiring.settings import Settings
 
     monkeypatch.setattr(lanes_mod, "cpu_has_avx512", lambda: avx512)
@@ -372,10 +372,10 @@ def test_under_deep_contention_auto_runs_lanes_where_the_cpu_alone_would_not(mon
     """POLYSERVE_CONTENDED_LANES auto on a CPU where lanes_pay says no (AVX-512, dense weights):
     lanes while the governor reads deep contention, one thread otherwise; "off" never runs lanes.
     The engine tells the governor what ran (lanes_running)."""
-    from server.engines.native import engine as engine_mod
-    from server.engines.native import lanes as lanes_mod
     from server.engines.native.config import EngineConfig
-    from server.engines.native.engine import NativeEngine
+    from server.engines.native.core import engine as engine_mod
+    from server.engines.native.core.engine import NativeEngine
+    from server.engines.native.model import lanes as lanes_mod
     from server.engines.request import GenRequest, SamplingParams
     from tests.support.engine_utils import wait_all
 
@@ -419,9 +419,9 @@ def test_under_deep_contention_auto_runs_lanes_where_the_cpu_alone_would_not(mon
 def test_deep_contention_keeps_one_thread_for_bf16_on_amx(monkeypatch, tiny_base, tokenizer, dtype, amx, want):
     """auto on an AVX-512 CPU: lanes under deep contention, except where bf16 GEMMs run on AMX (a
     lane of half the rows costs nearly a whole step there); never under "off" or without a governor."""
-    from server.engines.native import lanes as lanes_mod
     from server.engines.native.config import EngineConfig
-    from server.engines.native.engine import NativeEngine
+    from server.engines.native.core.engine import NativeEngine
+    from server.engines.native.model import lanes as lanes_mod
 
     monkeypatch.setattr(lanes_mod, "cpu_has_avx512", lambda: True)
     monkeypatch.setattr(lanes_mod, "cpu_has_amx", lambda: amx)
@@ -437,10 +437,10 @@ def test_without_the_team_the_panel_helper_runs_until_contention_is_deep(monkeyp
     on the engine thread with the helper; under deep contention the lanes take over where they pay
     (the helper stops), and the helper comes back when contention eases; the engine stops it when it
     stops. POLYSERVE_CONTENDED_HELPER off: never; on, where the runner has none: a warning, never."""
-    from server.engines.native import engine as engine_mod
-    from server.engines.native import lanes as lanes_mod
     from server.engines.native.config import EngineConfig
-    from server.engines.native.engine import NativeEngine
+    from server.engines.native.core import engine as engine_mod
+    from server.engines.native.core.engine import NativeEngine
+    from server.engines.native.model import lanes as lanes_mod
     from server.engines.request import GenRequest, SamplingParams
     from server.wiring.settings import Settings
     from tests.support.engine_utils import wait_all

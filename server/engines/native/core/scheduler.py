@@ -57,7 +57,7 @@ from typing import Any
 
 from server.engines.fair import FairQueue, InFlight, Lent, Pass, in_flight, reclaim, row_shares
 from server.engines.native.config import EngineConfig
-from server.engines.native.step import Item, LogitsWanted
+from server.engines.native.core.step import Item, LogitsWanted
 from server.engines.request import GenRequest, TokenLogprob
 
 

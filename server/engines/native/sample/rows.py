@@ -19,10 +19,10 @@ from typing import Any
 
 import torch
 
-from server.engines.native.detok import IncrementalDetokenizer
-from server.engines.native.grammar_mask import RowGrammar
-from server.engines.native.processors import RowProcessors
-from server.engines.native.sampling import RowSampler, Sampled, sample_tokens
+from server.engines.native.sample.detok import IncrementalDetokenizer
+from server.engines.native.sample.grammar_mask import RowGrammar
+from server.engines.native.sample.processors import RowProcessors
+from server.engines.native.sample.sampling import RowSampler, Sampled, sample_tokens
 from server.engines.request import FinishReason, GenRequest, SamplingParams, TokenLogprob
 
 log = logging.getLogger("polyserve.engine")

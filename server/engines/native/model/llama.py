@@ -32,18 +32,18 @@ import torch.nn.functional as F
 from torch import nn
 
 from adapters_store.backbone.gguf_blocks import QuantWeight, concat, frozen_weights, stored_blocks
-from server.engines.native import attention_kernel as attention_kernels
-from server.engines.native import elementwise_kernel as elementwise
-from server.engines.native import lora_kernel as lora_kernels
-from server.engines.native import panel_helper, quant_linear_bf16
-from server.engines.native import quant_linear as quant_linears
-from server.engines.native.attention import cuda_backends, slot_attention
-from server.engines.native.lanes import Lanes
-from server.engines.native.quant_linear import QuantLinear
-from server.engines.native.slot_lora import Group, Member, SlotLoRA, SlotLoRAStep, write_adapter
-from server.engines.native.slots import SlotKV
-from server.engines.native.static_decode import StaticDecode
-from server.engines.native.step import StepBatch
+from server.engines.native.core.slots import SlotKV
+from server.engines.native.core.step import StepBatch
+from server.engines.native.kernels import attention_kernel as attention_kernels
+from server.engines.native.kernels import elementwise_kernel as elementwise
+from server.engines.native.kernels import lora_kernel as lora_kernels
+from server.engines.native.kernels import panel_helper, quant_linear_bf16
+from server.engines.native.kernels import quant_linear as quant_linears
+from server.engines.native.kernels.quant_linear import QuantLinear
+from server.engines.native.model.attention import cuda_backends, slot_attention
+from server.engines.native.model.lanes import Lanes
+from server.engines.native.model.slot_lora import Group, Member, SlotLoRA, SlotLoRAStep, write_adapter
+from server.engines.native.model.static_decode import StaticDecode
 from server.engines.native.tuning import DEFAULT, Tuning, resolve_switch, switch
 
 log = logging.getLogger("polyserve.engine")

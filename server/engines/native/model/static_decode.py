@@ -30,7 +30,7 @@ from dataclasses import dataclass
 
 import torch
 
-from server.engines.native.step import StepBatch
+from server.engines.native.core.step import StepBatch
 
 BUCKETS = (1, 2, 4, 8, 12, 16, 24, 32, 48, 64, 96, 128)
 

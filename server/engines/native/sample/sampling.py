@@ -28,9 +28,9 @@ from dataclasses import dataclass
 
 import torch
 
-from server.engines.native.grammar_mask import RowGrammar, mask_rows
-from server.engines.native.logprobs import token_logprobs
-from server.engines.native.processors import RowProcessors, apply_processors
+from server.engines.native.sample.grammar_mask import RowGrammar, mask_rows
+from server.engines.native.sample.logprobs import token_logprobs
+from server.engines.native.sample.processors import RowProcessors, apply_processors
 from server.engines.request import GREEDY_TEMPERATURE, TokenLogprob
 
 __all__ = ["GREEDY_TEMPERATURE", "RowSampler", "Sampled", "SamplingError", "sample_tokens", "scale"]

@@ -25,7 +25,7 @@ import torch
 
 from adapters_store.backbone.gguf_blocks import BLOCK, BLOCK_BYTES, QuantWeight
 from adapters_store.backbone.hardware import cpu_has_avx512_bf16
-from server.engines.native.cpp_kernel import CppKernel
+from server.engines.native.kernels.cpp_kernel import CppKernel
 
 _I64, _PTR, _INT = ctypes.c_int64, ctypes.c_void_p, ctypes.c_int
 _SOURCE = Path(__file__).with_name("quant_linear_bf16.cpp")

@@ -41,7 +41,7 @@ from dataclasses import dataclass
 
 import torch
 
-from server.engines.native.slots import SlotKV
+from server.engines.native.core.slots import SlotKV
 
 BLOCK = 16  # tokens a block (vLLM's default block size)
 FIRST_BLOCKS = 64  # storage allocated on the first store; doubled as needed, up to the budget

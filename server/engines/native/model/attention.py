@@ -24,8 +24,8 @@ import torch
 import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
-from server.engines.native.attention_kernel import decode_attention
-from server.engines.native.step import StepBatch
+from server.engines.native.core.step import StepBatch
+from server.engines.native.kernels.attention_kernel import decode_attention
 
 # the backends a dynamic step may use on CUDA (torch still picks among them per call): all but cuDNN's
 CUDA_BACKENDS = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]

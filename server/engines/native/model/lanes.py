@@ -27,7 +27,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 import torch
 
 from adapters_store.backbone.hardware import cpu_has_amx, cpu_has_avx512
-from server.engines.native.step import StepBatch
+from server.engines.native.core.step import StepBatch
 from server.infra import openmp
 
 

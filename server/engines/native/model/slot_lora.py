@@ -34,8 +34,8 @@ from typing import cast
 import torch
 
 from adapters_store.lora.combine import materialize_stacked
-from server.engines.native import lora_kernel
-from server.engines.native.step import StepBatch
+from server.engines.native.core.step import StepBatch
+from server.engines.native.kernels import lora_kernel
 from server.engines.native.tuning import resolve_switch
 
 

@@ -21,10 +21,10 @@ from typing import Any, cast
 import torch
 from torch import nn
 
-from server.engines.native.attention import slot_attention
-from server.engines.native.slot_lora import Group, Member, SlotLoRA, SlotLoRAStep, write_adapter
-from server.engines.native.slots import SlotKV
-from server.engines.native.step import Item, StepBatch
+from server.engines.native.core.slots import SlotKV
+from server.engines.native.core.step import Item, StepBatch
+from server.engines.native.model.attention import slot_attention
+from server.engines.native.model.slot_lora import Group, Member, SlotLoRA, SlotLoRAStep, write_adapter
 from server.engines.native.tuning import DEFAULT, Tuning
 
 ATTENTION = "polyserve_slots"

@@ -24,7 +24,7 @@ from pathlib import Path
 
 import torch
 
-from server.engines.native.cpp_kernel import CppKernel
+from server.engines.native.kernels.cpp_kernel import CppKernel
 
 _I64, _PTR = ctypes.c_int64, ctypes.c_void_p
 _ARGTYPES: list[type[ctypes.c_int64 | ctypes.c_void_p | ctypes.c_int]] = [

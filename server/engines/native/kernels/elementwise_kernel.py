@@ -19,7 +19,7 @@ from pathlib import Path
 
 import torch
 
-from server.engines.native.cpp_kernel import CppKernel
+from server.engines.native.kernels.cpp_kernel import CppKernel
 
 _I64, _PTR, _INT = ctypes.c_int64, ctypes.c_void_p, ctypes.c_int
 _HERE = Path(__file__)

@@ -28,8 +28,8 @@ from typing import Any
 import torch
 
 from adapters_store.backbone.gguf_blocks import BLOCK, BLOCK_BYTES, QuantWeight
-from server.engines.native import quant_linear_bf16 as bf16
-from server.engines.native.cpp_kernel import CppKernel
+from server.engines.native.kernels import quant_linear_bf16 as bf16
+from server.engines.native.kernels.cpp_kernel import CppKernel
 
 _I64, _PTR, _INT = ctypes.c_int64, ctypes.c_void_p, ctypes.c_int
 _SOURCE = Path(__file__).with_name("quant_linear.cpp")

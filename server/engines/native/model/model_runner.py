@@ -16,8 +16,8 @@ from typing import Any, Protocol
 
 import torch
 
-from server.engines.native.slots import SlotKV
-from server.engines.native.step import StepBatch
+from server.engines.native.core.slots import SlotKV
+from server.engines.native.core.step import StepBatch
 from server.engines.native.tuning import DEFAULT, Tuning
 
 log = logging.getLogger("polyserve.engine")
@@ -62,8 +62,8 @@ def build_model_runner(model: torch.nn.Module, routed: Any = None, *, slots: int
     """tuning.native_executor auto: the Llama runner where it can run the model, else the HF one;
     the rest of `tuning` goes to the runner whole (tuning.py). dtype None: the model's own.
     routed: the RoutedModel (its adapted linears get per-slot LoRA tables)."""
-    from server.engines.native.hf_runner import HFRunner
-    from server.engines.native.llama import LlamaRunner, unsupported
+    from server.engines.native.model.hf_runner import HFRunner
+    from server.engines.native.model.llama import LlamaRunner, unsupported
 
     kind = tuning.native_executor
     model_dtype = next(model.parameters()).dtype

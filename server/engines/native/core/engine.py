@@ -52,16 +52,16 @@ from adapters_store.lora.inject import RoutedModel
 from server.engines.base import EngineStopped, QueueFull, check_fits
 from server.engines.fair import TenantLimit, check_caps
 from server.engines.native.config import EngineConfig
-from server.engines.native.isolate import find_culprits
-from server.engines.native.lanes import deep_lanes_pay, lanes_pay
-from server.engines.native.ledger import FinalLedger, answer_unadmitted
-from server.engines.native.logprobs import prompt_chunk_logprobs
-from server.engines.native.model_runner import ModelRunner, build_model_runner
-from server.engines.native.prefix_cache import BLOCK, PrefixCache, chain, namespace
-from server.engines.native.rows import Row, describe, new_rows, sample_rows, stop_token
-from server.engines.native.scheduler import Prefill, Scheduler
-from server.engines.native.slots import SlotPool
-from server.engines.native.step import Item, StepBatch
+from server.engines.native.core.isolate import find_culprits
+from server.engines.native.core.ledger import FinalLedger, answer_unadmitted
+from server.engines.native.core.prefix_cache import BLOCK, PrefixCache, chain, namespace
+from server.engines.native.core.scheduler import Prefill, Scheduler
+from server.engines.native.core.slots import SlotPool
+from server.engines.native.core.step import Item, StepBatch
+from server.engines.native.model.lanes import deep_lanes_pay, lanes_pay
+from server.engines.native.model.model_runner import ModelRunner, build_model_runner
+from server.engines.native.sample.logprobs import prompt_chunk_logprobs
+from server.engines.native.sample.rows import Row, describe, new_rows, sample_rows, stop_token
 from server.engines.native.tuning import switch
 from server.engines.request import FinalEvent, FinishReason, GenRequest, TokenEvent, TokenLogprob
 from server.infra import cpus, openmp
