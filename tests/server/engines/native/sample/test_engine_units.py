@@ -1,5 +1,5 @@
 """Pure pieces of the engine: sampling filters, detokenisation + stop strings, request checks.
-(The step layout, KV slots and slot LoRA tables: tests/server/engines/test_slots.py.)"""
+(The step layout, KV slots and slot LoRA tables: tests/server/engines/native/core/test_slots.py.)"""
 
 from __future__ import annotations
 

@@ -21,7 +21,7 @@ from server.engines.native.kernels.quant_linear import QuantLinear
 from server.engines.native.model.llama import Linear
 from server.engines.native.model.model_runner import build_model_runner
 from server.engines.native.tuning import Tuning
-from tests.server.engines.test_model_runner import drive
+from tests.server.engines.native.model.test_model_runner import drive
 
 K = 512  # one row is already a call large enough to share
 # output columns: the float32 kernel's last panel of 12 is a partial one (43 full and 3 columns);

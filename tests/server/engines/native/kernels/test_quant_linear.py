@@ -19,7 +19,7 @@ from server.engines.native.kernels.quant_linear import QuantLinear
 from server.engines.native.model.llama import Linear
 from server.engines.native.model.model_runner import build_model_runner
 from server.engines.native.tuning import Tuning, resolve_switch
-from tests.server.engines.test_model_runner import check_against
+from tests.server.engines.native.model.test_model_runner import check_against
 from tests.support.kernel_builds import builds_fixture
 
 pytestmark = pytest.mark.skipif(quant_linear.KERNEL.load() is None,

@@ -118,7 +118,7 @@ def test_the_wheel_ships_every_file_the_native_kernels_compile():
 
     from server.engines.native.kernels import lora_kernel, quant_linear
 
-    root = Path(__file__).resolve().parents[3]
+    root = Path(__file__).resolve().parents[5]
     globs = tomllib.loads((root / "pyproject.toml").read_text())["tool"]["setuptools"]["package-data"]["server"]
     for kernel in (lora_kernel.KERNEL, attention_kernel.KERNEL, quant_linear.KERNEL):
         for path in (kernel.source, *kernel.headers):
