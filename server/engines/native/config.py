@@ -5,12 +5,12 @@
     max_prefill_rows   requests admitted in one step
     max_queue          waiting requests beyond which submit answers QueueFull (429)
     prefix_cache_tokens
-                       prompt KV kept across requests (prefix_cache.py), in tokens: None =
+                       prompt KV kept across requests (core/prefix_cache.py), in tokens: None =
                        max_batch_tokens (as much as the rows in flight may hold), 0 = off
     max_step_tokens    tokens in one forward: every decoding row's next token + prompt chunks
     tenant_prefill_tokens
                        while a tenant's rows decode, prompt tokens of other tenants' requests in
-                       one step (0: no such bound; scheduler.plan_step)
+                       one step (0: no such bound; plan_step in core/scheduler.py)
     background_share   share of engine time background slices (registration) may take under load
     dtype              the serving dtype (None: the model's own)
     threads            the engine thread's torch threads (None: the constructing thread's count)
@@ -18,8 +18,8 @@
                        the executor, packing, static decode, the kernels, and how a step runs
                        while other processes hold the CPUs (adaptive_threads, contended_lanes:
                        off = every item on the engine thread alone, auto = as the machine and
-                       the helper suit (lanes.lanes_pay) and lanes while contention is deep where
-                       lanes.deep_lanes_pay says so; contended_helper)
+                       the helper suit (lanes_pay, model/lanes.py) and lanes while contention is deep where
+                       deep_lanes_pay says so; contended_helper)
     caps               per-tenant caps and weights (server/engines/fair.py)
 
 `from_settings` maps the POLYSERVE_* settings onto it; tests and benchmarks build one directly.

@@ -1,22 +1,21 @@
 """The native engine's internal switches: one value, read from the environment in one place and
 carried whole from the settings to the model runner (docs/tuning.md lists them).
 
-Every user wants their defaults: each is `auto` (the machine decides) or a fixed choice for
-measuring and for working around a machine where `auto` chooses wrong. They are not user
+Every user wants their defaults (`auto`: the machine decides; adaptive_threads: true); a fixed
+choice is for measuring and for working around a machine where `auto` chooses wrong. They are not user
 settings (server/wiring/settings.py); each keeps its POLYSERVE_* environment variable.
 
     adaptive_threads    each step as one OpenMP team, or, while other processes hold the CPUs,
                         without it (server/infra/contention.py)
-    contended_lanes     without the team: the step's items split over single-thread lanes (lanes.py)
+    contended_lanes     without the team: the step's items split over single-thread lanes (model/lanes.py)
     contended_helper    without the team: the weight kernel's linears share their panels with a
-                        helper thread (panel_helper.h) instead of lanes
+                        helper thread (kernels/panel_helper.h) instead of lanes
     packed_weights      the Llama runner's linears packed once for oneDNN
     native_executor     llama = the engine's own fused forward, hf = the model's forward on flat steps
     static_decode       decode steps padded to fixed shapes and replayed as CUDA graphs
     lora_kernel, attention_kernel, weight_kernel, elementwise_kernel
-                        a path of the runner in a C++ kernel built on first use (kernels named by
-                        each switch's module: lora_kernel.py, attention_kernel.py, quant_linear.py,
-                        elementwise_kernel.py)
+                        a path of the runner in a C++ kernel built on first use (kernels/:
+                        lora_kernel.py, attention_kernel.py, quant_linear.py, elementwise_kernel.py)
 
 A new kernel adds its switch here and calls `resolve_switch` where its path is chosen.
 """
