@@ -9,7 +9,7 @@ Variants (all rows of a batch use the same one): greedy (the common path: one ve
 and, when the engine supports them, sampled, greedy+penalties, greedy+logprobs(5).
 Reports the median step time over `--repeats` runs of each variant (variants interleaved), and each
 run's. `--weight-kernels off on`: greedy steps on dense float32 weights against the backbone's GGUF
-blocks (server/engines/native/quant_linear.py), taking turns. `--dtypes bfloat16 float32
+blocks (server/engines/native/kernels/quant_linear.py), taking turns. `--dtypes bfloat16 float32
 --weight-kernels off on`: the engine serving bf16 on dense weights against float32 on the blocks
 (the settings pair up; one value of either applies to every turn).
 """
@@ -26,7 +26,8 @@ import torch
 
 from adapters_store.backbone.load import load_backbone
 from server.engines.native.config import EngineConfig
-from server.engines.native.engine import NativeEngine
+from server.engines.native.core.engine import NativeEngine
+from server.engines.native.tuning import Tuning
 from server.engines.request import GenRequest, SamplingParams
 
 
@@ -50,7 +51,7 @@ def time_steps(bb, rows: int, params: SamplingParams, steps: int, prompt_len: in
     engine = NativeEngine(bb.model, bb.tokenizer, None, EngineConfig(
         max_batch_rows=rows, max_prefill_rows=rows, max_batch_tokens=rows * (prompt_len + params.max_new_tokens),
         max_step_tokens=rows * (prompt_len + 1) + 1,  # every prompt in the first step
-        weight_kernel=weight_kernel, dtype=dtype))
+        tuning=Tuning(weight_kernel=weight_kernel), dtype=dtype))
     prompt = [int(t) % 200 + 10 for t in range(prompt_len)]
     for _ in range(rows):
         engine.submit(GenRequest(list(prompt), params))

@@ -2,7 +2,7 @@
 (or, with one value, that engine alone: run it in two checkouts, alternating, to compare code).
 
 Drives NativeEngine.step() in this thread (no engine thread, no HTTP) over the routed workload
-of bench/serve_bench.py, once per value of one EngineConfig field per repeat, the values taking
+of bench/serve_bench.py, once per value of one engine setting per repeat, the values taking
 turns, and reports each value's tokens a second and CPU seconds per 1,000 tokens (this thread's
 CPU time: on one torch thread that is all of the step's work). The first run of each engine is
 a warm-up (oneDNN builds its primitives per new shape) and is not timed.
@@ -17,7 +17,7 @@ a warm-up (oneDNN builds its primitives per new shape) and is not timed.
 `--field dtype` takes the serving dtypes as POLYSERVE_DTYPE spells them; the other settings stay
 `auto`, so each dtype runs as the server would serve it (float32 on the GGUF blocks where the
 weight kernel applies). `--field weight_build` takes builds of the weight kernel
-(server/engines/native/quant_linear.py `BUILDS`): on an AVX-512 CPU serving float32 on the GGUF
+(server/engines/native/kernels/quant_linear.py `BUILDS`): on an AVX-512 CPU serving float32 on the GGUF
 blocks, its AVX-512 path against the AVX2 path that CPUs without AVX-512 run.
 """
 
@@ -37,9 +37,10 @@ from bench.serve_bench import build_inventory, workload
 from server.adapter_cache.cache import AdapterCache
 from server.adapter_cache.l1 import L1Cache
 from server.engines.dtype import serving_dtype
-from server.engines.native import quant_linear
 from server.engines.native.config import EngineConfig
-from server.engines.native.engine import NativeEngine
+from server.engines.native.core.engine import NativeEngine
+from server.engines.native.kernels import quant_linear
+from server.engines.native.tuning import Tuning
 from server.engines.request import GenRequest, RequestHandle, SamplingParams
 
 
@@ -74,8 +75,8 @@ def run_once(engine: NativeEngine, tok, jobs, adapters) -> tuple[int, float, flo
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--field", required=True,
-                    help="an EngineConfig field set by a word, e.g. elementwise_kernel; or dtype, weight_build, "
-                    "prefix_cache_tokens")
+                    help="a tuning switch set by a word (docs/tuning.md), e.g. elementwise_kernel; or dtype, "
+                    "weight_build, prefix_cache_tokens")
     ap.add_argument("--values", nargs="+", required=True, help="its values, as the setting spells them")
     ap.add_argument("--backbone", default="default")
     ap.add_argument("--tasks", type=int, default=48)
@@ -89,11 +90,11 @@ def main(argv: list[str] | None = None) -> None:
                     "--field dtype, the values' instead)")
     ap.add_argument("--seed", type=int, default=0)
     args = ap.parse_args(argv)
-    fields = {f.name for f in dataclasses.fields(EngineConfig) if isinstance(f.default, str)} | {
-        "dtype", "weight_build", "prefix_cache_tokens"}
+    switches = {f.name for f in dataclasses.fields(Tuning) if isinstance(f.default, str)}
+    fields = switches | {"dtype", "weight_build", "prefix_cache_tokens"}
     if args.field not in fields:
-        raise SystemExit(f"--field must be an EngineConfig field set by a word or prefix_cache_tokens: "
-                         f"{', '.join(sorted(fields))}")
+        raise SystemExit(f"--field must be a tuning switch set by a word, dtype, weight_build or "
+                         f"prefix_cache_tokens: {', '.join(sorted(fields))}")
     if args.field == "weight_build" and not set(args.values) <= set(quant_linear.BUILDS):
         raise SystemExit(f"--field weight_build takes {', '.join(sorted(quant_linear.BUILDS))}")
     torch.set_num_threads(args.threads)
@@ -105,6 +106,7 @@ def main(argv: list[str] | None = None) -> None:
     for value in args.values:
         setting = ({"dtype": serving_dtype("cpu", value)} if args.field == "dtype"
                    else {"dtype": dtype} if args.field == "weight_build"
+                   else {"dtype": dtype, "tuning": Tuning(**{args.field: value})} if args.field in switches
                    else {"dtype": dtype, args.field: int(value) if value.isdigit() else value})
         cfg = EngineConfig(max_batch_rows=args.batch, max_batch_tokens=1 << 20, max_prefill_rows=args.batch,
                            max_queue=1 << 16, **setting)

@@ -21,11 +21,12 @@ import statistics
 import torch
 
 from bench.engine_ab import routed_workload, run_once
-from server.engines.native import attention, llama
-from server.engines.native.attention_kernel import decode_attention
 from server.engines.native.config import EngineConfig
-from server.engines.native.engine import NativeEngine
-from server.engines.native.step import StepBatch
+from server.engines.native.core.engine import NativeEngine
+from server.engines.native.core.step import StepBatch
+from server.engines.native.kernels.attention_kernel import decode_attention
+from server.engines.native.model import attention, llama
+from server.engines.native.tuning import Tuning
 
 
 def indexed_slot_attention(K: torch.Tensor, V: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
@@ -65,7 +66,7 @@ def main() -> None:
         turn[0] = name
         engines[name] = NativeEngine(bb.model, bb.tokenizer, rm, EngineConfig(
             max_batch_rows=16, max_batch_tokens=1 << 20, max_prefill_rows=16, max_queue=1 << 16,
-            dtype=torch.bfloat16, elementwise_kernel=elementwise))
+            dtype=torch.bfloat16, tuning=Tuning(elementwise_kernel=elementwise)))
         run_once(engines[name], bb.tokenizer, jobs, adapters)  # warm-up
     tps: dict[str, list[float]] = {"before": [], "after": []}
     cpu: dict[str, list[float]] = {"before": [], "after": []}

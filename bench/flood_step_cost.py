@@ -24,7 +24,8 @@ import torch
 from adapters_store.backbone.load import load_backbone
 from server.engines.dtype import serving_dtype
 from server.engines.native.config import EngineConfig
-from server.engines.native.engine import NativeEngine
+from server.engines.native.core.engine import NativeEngine
+from server.engines.native.tuning import Tuning
 from server.engines.request import GenRequest, SamplingParams
 
 
@@ -48,7 +49,7 @@ def main() -> None:
     print(f"dtype {dtype}, torch threads {torch.get_num_threads()}, attention kernel {args.attention_kernel}")
     with torch.inference_mode():
         config = EngineConfig(max_batch_rows=32, max_step_tokens=256, dtype=dtype,
-                              tenant_prefill_tokens=args.prefill_tokens, attention_kernel=args.attention_kernel)
+                              tenant_prefill_tokens=args.prefill_tokens, tuning=Tuning(attention_kernel=args.attention_kernel))
         alone = NativeEngine(bb.model, bb.tokenizer, None, config)
         alone.submit(GenRequest(prompt(6), SamplingParams(max_new_tokens=30, ignore_eos=True)))
         alone.step()

@@ -4,7 +4,7 @@
 # there: the `vllm` extra pulls the CPU wheel), also vLLM with the exported LoRAs (E), vLLM bare (F)
 # and polyserve on its vLLM engine (G).
 #
-# The native engine replays CUDA graphs of its decode steps (server/engines/native/static_decode.py);
+# The native engine replays CUDA graphs of its decode steps (server/engines/native/model/static_decode.py);
 # `bench/gpu_bench.sh default --static-decode off` measures it without them, and
 # `.venv/bin/python -m bench.profile_engine --device cuda --dtype bfloat16 --batch 64 --requests 128`
 # prints a full decode step's time (and, with --static-decode off, its kernel launches).

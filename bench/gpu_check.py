@@ -38,7 +38,8 @@ from bench.serve_bench import WORDS, build_inventory
 from server.adapter_cache.cache import AdapterCache
 from server.adapter_cache.l1 import L1Cache
 from server.engines.native.config import EngineConfig
-from server.engines.native.engine import NativeEngine
+from server.engines.native.core.engine import NativeEngine
+from server.engines.native.tuning import Tuning
 from server.engines.request import FinalEvent, GenRequest, SamplingParams, TokenEvent
 
 
@@ -85,7 +86,7 @@ def main() -> None:
         def start() -> NativeEngine:
             eng = NativeEngine(bb.model, bb.tokenizer, rm, EngineConfig(
                 max_batch_rows=16, max_batch_tokens=1 << 16, max_prefill_rows=16, max_queue=1 << 10,
-                max_step_tokens=256, dtype=dtype, static_decode=static))
+                max_step_tokens=256, dtype=dtype, tuning=Tuning(static_decode="on" if static else "off")))
             eng.start()
             return eng
 

@@ -25,8 +25,9 @@ import server  # noqa: F401  (before torch: OpenMP spin defaults, server/infra/o
 # isort: split
 import torch
 
-from server.engines.native.llama import Linear
-from server.engines.native.quant_linear import QuantLinear
+from server.engines.native.kernels.quant_linear import QuantLinear
+from server.engines.native.model.llama import Linear
+from server.engines.native.tuning import Tuning
 
 NAMES = ("qkv", "o", "gate", "up", "gate_up", "down")
 Linears = Sequence[QuantLinear | Linear]
@@ -83,13 +84,12 @@ def main(argv: list[str] | None = None) -> None:
         raise SystemExit("--rows, --passes and --repeats must be at least 1")
 
     from adapters_store.backbone.load import load_backbone
-    from server.engines.native.model_runner import build_model_runner
+    from server.engines.native.model.model_runner import build_model_runner
 
     torch.set_num_threads(1)
     dtype = getattr(torch, args.dtype)
     bb = load_backbone(args.backbone, device="cpu", dtype="float32")
-    runner = build_model_runner(bb.model, None, slots=2, kind="llama", dtype=dtype,
-                                weight_kernel="off" if args.dense else "on")
+    runner = build_model_runner(bb.model, None, slots=2, dtype=dtype, tuning=Tuning(native_executor="llama", weight_kernel="off" if args.dense else "on"))
     kind = Linear if args.dense else QuantLinear
     sets = {"every linear": kernel_linears(runner, kind=kind), "the first layer": kernel_linears(runner, 1, kind)}
     for what, linears in sets.items():

@@ -1,4 +1,4 @@
-"""The native engine's forward (server/engines/native/llama.py) with each way of running its
+"""The native engine's forward (server/engines/native/model/llama.py) with each way of running its
 linears, interleaved in one process: float32 / bfloat16 x dense (F.linear: MKL or oneDNN with the
 weight re-packed every call) / packed once for oneDNN. One decode step of `--rows` rows at
 `--context` positions and one prefill of `--rows` x `--context` tokens each; greedy tokens of the
@@ -19,8 +19,9 @@ import server  # noqa: F401  (before torch: OpenMP spin defaults, server/infra/o
 import torch
 
 from adapters_store.backbone.load import load_backbone
-from server.engines.native.llama import LlamaRunner
-from server.engines.native.step import Item, StepBatch
+from server.engines.native.core.step import Item, StepBatch
+from server.engines.native.model.llama import LlamaRunner
+from server.engines.native.tuning import Tuning
 
 PATHS = {"float32 dense": (torch.float32, False), "float32 packed": (torch.float32, True),
          "bfloat16 dense": (torch.bfloat16, False), "bfloat16 packed": (torch.bfloat16, True)}
@@ -38,7 +39,7 @@ def main() -> None:
     bb = load_backbone("default")
     gen = torch.Generator().manual_seed(0)
     prompts = [torch.randint(100, 20000, (args.context,), generator=gen).tolist() for _ in range(args.rows)]
-    runners = {name: LlamaRunner(bb.model, dtype=dt, slots=args.rows, packed=packed)
+    runners = {name: LlamaRunner(bb.model, dtype=dt, slots=args.rows, tuning=Tuning(packed_weights="on" if packed else "off"))
                  for name, (dt, packed) in PATHS.items()}
     prefill = StepBatch.build([Item(s, 0, tuple(p)) for s, p in enumerate(prompts)])
     decode = StepBatch.build([Item(s, args.context, (42,)) for s in range(args.rows)])

@@ -1,4 +1,4 @@
-"""One call of the native LoRA kernel (server/engines/native/lora_rows.cpp), alone: the shipped
+"""One call of the native LoRA kernel (server/engines/native/kernels/lora_rows.cpp), alone: the shipped
 inventory's fused groups (q|k|v: 576 -> 576+192+192, three members; o: 576 -> 576, rank 8), bf16
 tables and rows, for decode rows of distinct slots and for runs of one slot's tokens (a prompt
 chunk). Microseconds per call and per row, medians of --repeats rounds of --calls calls.
@@ -20,7 +20,7 @@ import server  # noqa: F401  (before torch: OpenMP spin defaults, server/infra/o
 # isort: split
 import torch
 
-from server.engines.native import lora_kernel
+from server.engines.native.kernels import lora_kernel
 
 SLOTS = 16
 

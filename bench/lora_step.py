@@ -26,8 +26,9 @@ import torch
 
 from adapters_store.backbone.load import load_backbone
 from server.engines.dtype import serving_dtype
-from server.engines.native.llama import LlamaRunner
-from server.engines.native.step import Item, StepBatch
+from server.engines.native.core.step import Item, StepBatch
+from server.engines.native.model.llama import LlamaRunner
+from server.engines.native.tuning import Tuning
 
 TARGETS = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj")
 
@@ -55,7 +56,7 @@ def main() -> None:
             skills.append((torch.randn(8, 8, lin.in_features // 8, 8, generator=gen) * 0.05,
                            torch.randn(8, 8, 8, lin.out_features // 8, generator=gen) * 0.05))
     runners = {mode: LlamaRunner(bb.model, dtype=dtype, slots=args.rows, adapted=names, rank=8, scale=1 / 8,
-                                     skills=skills, lora_kernel=mode) for mode in ("on", "off")}
+                                     skills=skills, tuning=Tuning(lora_kernel=mode)) for mode in ("on", "off")}
     for ex in runners.values():
         for slot in range(args.rows):
             ex.set_adapter(slot, None)

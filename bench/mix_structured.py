@@ -39,7 +39,7 @@ from bench.serve_bench import TimedHandle, pct, workload
 from server.adapter_cache.cache import AdapterCache
 from server.adapter_cache.l1 import L1Cache
 from server.engines.native.config import EngineConfig
-from server.engines.native.engine import NativeEngine
+from server.engines.native.core.engine import NativeEngine
 from server.engines.request import FinalEvent, GenRequest, SamplingParams
 from training.shipped_inventory import install_default_inventory
 

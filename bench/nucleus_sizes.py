@@ -14,7 +14,7 @@ import statistics
 import torch
 
 from adapters_store.backbone.load import load_backbone
-from server.engines.native.sampling import NUCLEUS_CANDIDATES, apply_top_p, scale
+from server.engines.native.sample.sampling import NUCLEUS_CANDIDATES, apply_top_p, scale
 
 PROMPTS = ("Write a short story about a dragon.", "What is the capital of France?", "List three uses of copper.",
            "Explain how a bicycle works.", "Translate 'good morning' into Spanish.", "Write a Python function that adds two numbers.")

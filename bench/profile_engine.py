@@ -33,21 +33,21 @@ from server.adapter_cache.cache import AdapterCache
 from server.adapter_cache.l1 import L1Cache
 from server.engines.dtype import serving_dtype
 from server.engines.native.config import EngineConfig
-from server.engines.native.engine import NativeEngine
+from server.engines.native.core.engine import NativeEngine
+from server.engines.native.tuning import Tuning
 from server.engines.request import GenRequest, RequestHandle, SamplingParams
-from server.wiring.settings import switch
 
 # (bucket, file suffix, function name, nested): cumulative time of these functions; nested ones
 # are inside an earlier bucket and not added to the total
 BUCKETS = [
-    ("forwards (runner)", "native/llama.py", "forward", False),
-    ("  of which LoRA", "native/slot_lora.py", "apply", True),
-    ("  of which attention", "native/attention.py", "slot_attention", True),
-    ("step layout (StepBatch.build)", "native/step.py", "build", False),
-    ("adapter tables (admission)", "native/slot_lora.py", "write_adapter", False),
-    ("slot moves (rows leave)", "native/llama.py", "copy_slot", False),
-    ("sampling", "native/rows.py", "sample_rows", False),
-    ("detokenise", "native/detok.py", "add", False),
+    ("forwards (runner)", "native/model/llama.py", "forward", False),
+    ("  of which LoRA", "native/model/slot_lora.py", "apply", True),
+    ("  of which attention", "native/model/attention.py", "slot_attention", True),
+    ("step layout (StepBatch.build)", "native/core/step.py", "build", False),
+    ("adapter tables (admission)", "native/model/slot_lora.py", "write_adapter", False),
+    ("slot moves (rows leave)", "native/model/llama.py", "copy_slot", False),
+    ("sampling", "native/sample/rows.py", "sample_rows", False),
+    ("detokenise", "native/sample/detok.py", "add", False),
 ]
 
 
@@ -84,7 +84,7 @@ def main() -> None:
     if args.cudnn_attention:
         from torch.nn.attention import SDPBackend
 
-        from server.engines.native import attention
+        from server.engines.native.model import attention
         attention.CUDA_BACKENDS.append(SDPBackend.CUDNN_ATTENTION)
     torch.set_num_threads(args.threads)
 
@@ -96,7 +96,7 @@ def main() -> None:
     cache = AdapterCache(store, info, skills, fingerprint=bb.fingerprint, device=bb.device,
                          dtype=next(bb.model.parameters()).dtype, l1=L1Cache(4 << 30), routing_layers=False)
     adapters = {t: cache.get(store.get_task(t)) for t in tasks}
-    engine = NativeEngine(bb.model, bb.tokenizer, rm, EngineConfig(max_batch_rows=args.batch, max_batch_tokens=1 << 20, max_prefill_rows=args.batch, max_queue=1 << 16, max_step_tokens=args.max_step_tokens, dtype=dtype, packed_weights=switch(args.packed_weights), static_decode=switch(args.static_decode)))
+    engine = NativeEngine(bb.model, bb.tokenizer, rm, EngineConfig(max_batch_rows=args.batch, max_batch_tokens=1 << 20, max_prefill_rows=args.batch, max_queue=1 << 16, max_step_tokens=args.max_step_tokens, dtype=dtype, tuning=Tuning(packed_weights=args.packed_weights, static_decode=args.static_decode)))
     tok = bb.tokenizer
 
     def submit_all(jobs) -> list[GenRequest]:

@@ -26,8 +26,8 @@ from pathlib import Path
 
 import torch
 
-from server.engines.native.processors import RowProcessors
-from server.engines.native.sampling import RowSampler, sample_tokens
+from server.engines.native.sample.processors import RowProcessors
+from server.engines.native.sample.sampling import RowSampler, sample_tokens
 from server.engines.request import SamplingParams
 
 

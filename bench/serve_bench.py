@@ -58,9 +58,9 @@ from server.adapter_cache.cache import AdapterCache
 from server.adapter_cache.l1 import L1Cache
 from server.engines.dtype import dtype_name, serving_dtype
 from server.engines.native.config import EngineConfig
-from server.engines.native.engine import NativeEngine as Engine
+from server.engines.native.core.engine import NativeEngine as Engine
+from server.engines.native.tuning import Tuning
 from server.engines.request import FinalEvent, GenRequest, RequestHandle, SamplingParams
-from server.wiring.settings import switch
 
 WORDS = ["cat", "dog", "tree", "river", "stone", "cloud", "apple", "seven", "blue", "quick", "lamp", "music", "paper", "garden", "window", "orange", "silver", "market", "engine", "rabbit", "ocean", "winter", "bridge", "candle", "forest"]
 
@@ -328,7 +328,6 @@ def main() -> None:
     tmp = Path(tempfile.mkdtemp(prefix="polyserve-bench-"))
     bb, store, rm, pm, tasks, adapters = openmp.in_fresh_thread(setup, args, dtype, tmp)
     openmp.one_thread()
-    packed = switch(args.packed_weights)
     jobs = workload(args.requests, tasks, args.out_min, args.out_max, args.seed, args.out_dist)
 
     def engine_run(serving: torch.dtype, name: str, lora_kernel: str = "auto", weight_kernel: str = "auto",
@@ -336,10 +335,11 @@ def main() -> None:
         def start() -> Engine:
             eng = Engine(bb.model, bb.tokenizer, rm, EngineConfig(
                 max_batch_rows=args.batch, max_batch_tokens=1 << 20, max_prefill_rows=args.batch, max_queue=1 << 16,
-                max_step_tokens=args.max_step_tokens, dtype=serving, packed_weights=packed, threads=args.threads,
-                static_decode=switch(args.static_decode), lora_kernel=lora_kernel, weight_kernel=weight_kernel,
-                adaptive_threads=args.adaptive_threads == "on", contended_lanes={"auto": None, "lanes": True, "one": False, "helper": False}[args.contended],
-                contended_helper={"auto": None, "lanes": False, "one": False, "helper": True}[args.contended]))
+                max_step_tokens=args.max_step_tokens, dtype=serving, threads=args.threads, tuning=Tuning(
+                    packed_weights=args.packed_weights, static_decode=args.static_decode, lora_kernel=lora_kernel,
+                    weight_kernel=weight_kernel, adaptive_threads=args.adaptive_threads == "on",
+                    contended_lanes={"auto": "auto", "lanes": "on", "one": "off", "helper": "off"}[args.contended],
+                    contended_helper={"auto": "auto", "lanes": "off", "one": "off", "helper": "on"}[args.contended])))
             eng.start()
             return eng
 

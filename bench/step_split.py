@@ -28,7 +28,8 @@ from server.adapter_cache.cache import AdapterCache
 from server.adapter_cache.l1 import L1Cache
 from server.engines.dtype import serving_dtype
 from server.engines.native.config import EngineConfig
-from server.engines.native.engine import NativeEngine
+from server.engines.native.core.engine import NativeEngine
+from server.engines.native.tuning import Tuning
 from server.engines.request import GenRequest, RequestHandle, SamplingParams
 
 
@@ -90,7 +91,7 @@ def main() -> None:
                          l1=L1Cache(4 << 30), routing_layers=False)
     adapters = {t: cache.get(store.get_task(t)) for t in tasks}
     jobs = workload(args.requests, tasks, 4, 256, 0, "loguniform")
-    engines = {m: NativeEngine(bb.model, bb.tokenizer, rm, EngineConfig(max_batch_rows=args.batch, max_batch_tokens=1 << 20, max_prefill_rows=args.batch, max_queue=1 << 16, dtype=dtype, lora_kernel="off" if m == "t" else "auto")) for m in sorted(set(args.modes))}
+    engines = {m: NativeEngine(bb.model, bb.tokenizer, rm, EngineConfig(max_batch_rows=args.batch, max_batch_tokens=1 << 20, max_prefill_rows=args.batch, max_queue=1 << 16, dtype=dtype, tuning=Tuning(lora_kernel="off" if m == "t" else "auto"))) for m in sorted(set(args.modes))}
     for m, eng in engines.items():  # warm-up
         run_mode(eng, jobs[:4], adapters, bb.tokenizer, m == "b")
     print(f"{dtype}, {args.threads} threads, {args.requests} requests of {args.tasks} tasks; seconds")

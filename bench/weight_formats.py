@@ -19,7 +19,7 @@ import torch
 
 from adapters_store.backbone.gguf_blocks import dequantize, quantize
 from bench.sampler_step import median_us
-from server.engines.native.quant_linear import QuantLinear
+from server.engines.native.kernels.quant_linear import QuantLinear
 
 # (in, out) of the default backbone's fused linears and LM head (SmolLM2-135M: d 576, MLP 1,536,
 # 9 query and 3 key/value heads of 64, vocabulary 49,152)

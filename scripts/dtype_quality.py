@@ -28,7 +28,7 @@ from adapters_store.store.directory import DirectoryStore
 from server.adapter_cache.cache import AdapterCache
 from server.adapter_cache.l1 import L1Cache
 from server.engines.native.config import EngineConfig
-from server.engines.native.engine import NativeEngine
+from server.engines.native.core.engine import NativeEngine
 from server.engines.request import GenRequest, SamplingParams
 from training.evaluate import exact
 from training.shipped_inventory import install_default_inventory

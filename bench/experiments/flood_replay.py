@@ -25,7 +25,7 @@ import torch
 from adapters_store.backbone.load import load_backbone
 from server.engines.dtype import serving_dtype
 from server.engines.native.config import EngineConfig
-from server.engines.native.engine import NativeEngine
+from server.engines.native.core.engine import NativeEngine
 from server.engines.request import GenRequest, SamplingParams
 
 

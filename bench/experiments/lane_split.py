@@ -1,7 +1,7 @@
 """Where a contended step's lanes spend their time, beside busy processes.
 
 Runs the standard workload of bench/serve_bench.py, variant (a), with the engine's contended steps
-on lanes (server/engines/native/lanes.py), once beside each count of busy processes, and splits
+on lanes (server/engines/native/model/lanes.py), once beside each count of busy processes, and splits
 the lanes' time over the run: n lanes hold n x the run's wall of thread time, spent
 
     on a CPU          inside their forwards (schedstat of each lane's thread)
@@ -45,10 +45,11 @@ from bench.contention import busy_processes
 from bench.serve_bench import run_engine, setup, workload
 from server.engines.dtype import serving_dtype
 from server.engines.native.config import EngineConfig
-from server.engines.native.engine import NativeEngine as Engine
-from server.engines.native.lanes import Lanes
-from server.engines.native.llama import LlamaRunner
-from server.engines.native.step import StepBatch
+from server.engines.native.core.engine import NativeEngine as Engine
+from server.engines.native.core.step import StepBatch
+from server.engines.native.model.lanes import Lanes
+from server.engines.native.model.llama import LlamaRunner
+from server.engines.native.tuning import Tuning
 
 
 @dataclass(frozen=True)
@@ -198,8 +199,7 @@ def main() -> None:
         with lane_clock(args.lanes) as log:
             eng = openmp.in_fresh_thread(lambda: _started(Engine(bb.model, bb.tokenizer, rm, EngineConfig(
                 max_batch_rows=args.batch, max_batch_tokens=1 << 20, max_prefill_rows=args.batch, max_queue=1 << 16,
-                dtype=dtype, threads=args.threads, weight_kernel=args.weight_kernel, adaptive_threads=True,
-                contended_lanes=True))))
+                dtype=dtype, threads=args.threads, tuning=Tuning(weight_kernel=args.weight_kernel, adaptive_threads=True, contended_lanes="on")))))
             try:
                 with busy_processes(busy):
                     run_engine(eng, bb.tokenizer, jobs[:4], adapters, "warm-up")

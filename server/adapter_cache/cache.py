@@ -10,7 +10,7 @@ Concurrent misses of one key compute once (single flight). Blocking: call from a
 never from the event loop nor the engine thread.
 
 routing_layers=False (the native engine, which combines a routed task's tables from its routing
-weights straight into the row's slot: engines/native/slot_lora.py): a routed task's adapter holds
+weights straight into the row's slot: engines/native/model/slot_lora.py): a routed task's adapter holds
 only its mixing weights (L, h, S), a few KB instead of every layer's materialised LoRA, so L1 holds
 routing rows. They go to L2 under their own key (suffix ":w"), so a replica that needs the
 materialised adapter (the vLLM engine) never finds a weights-only entry under its key. Plain-LoRA

@@ -32,7 +32,7 @@ def cpu_bf16_speedup(d_in: int = 1024, d_out: int = 4096, rows: tuple[int, ...] 
     """float32 time / bfloat16 time of the serving path's linear (packed for oneDNN where that dtype can be),
     a call on each of `rows` row counts, timed in CPU time on one thread (hardware.cpu_time_ratio); once
     per process (~0.3 s)."""
-    from server.engines.native.llama import Linear, packing_available
+    from server.engines.native.model.llama import Linear, packing_available
 
     gen = torch.Generator().manual_seed(0)
     w = torch.randn(d_out, d_in, generator=gen) * 0.02

@@ -28,7 +28,7 @@ def build_engine(settings: Settings, backbone: Backbone, routed: RoutedModel | N
     InventoryInfo (the vLLM engine writes tasks as PEFT LoRAs of that shape)."""
     if settings.engine == "native":
         from server.engines.native.config import EngineConfig
-        from server.engines.native.engine import NativeEngine
+        from server.engines.native.core.engine import NativeEngine
 
         return NativeEngine(backbone.model, backbone.tokenizer, routed,
                             EngineConfig.from_settings(settings, threads=threads), metrics=metrics)

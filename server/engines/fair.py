@@ -18,7 +18,7 @@ A request that does not fit now does not block another tenant's request behind i
 fit around it. Within one tenant the order stays first come, first served.
 
 Lending (`TenantCaps.lends`: fair admission with two or more tenants configured): nothing is
-reserved. The engine's scheduler (server/engines/native/scheduler.py) starts a blocked n-choice
+reserved. The engine's scheduler (server/engines/native/core/scheduler.py) starts a blocked n-choice
 head split in the rows left free, and a tenant below its row share takes rows back from tenants
 above theirs by preemption:
 

@@ -8,7 +8,7 @@
     check_format(fmt, tok)    None, or why the grammar is unusable (an invalid schema)
     ll_tokenizer(tok)         llguidance's view of a Hugging Face fast tokenizer, built once each
 
-The native engine masks each constrained row's logits with it (engines/native/grammar_mask.py);
+The native engine masks each constrained row's logits with it (engines/native/sample/grammar_mask.py);
 the vLLM engine hands the format to vLLM's own structured outputs (engines/vllm/structured.py).
 """
 

@@ -8,7 +8,7 @@ and the members that wait spin away the CPU time the descheduled one needs (meas
 docs/history/openmp-threads.md: the same work cost 8x the CPU seconds beside two busy processes).
 One thread has no barrier to wait at. So the governor switches the team between its full size and
 one thread, step by step; with one, the engine splits each step's rows over as many lanes as the
-team had (server/engines/native/lanes.py: threads of one torch thread each, no barrier inside the
+team had (server/engines/native/model/lanes.py: threads of one torch thread each, no barrier inside the
 step), which the scheduler gives one share of the CPUs each:
 
     full team  each window (WINDOW_S of steps), the seconds the process's threads spent runnable

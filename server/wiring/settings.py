@@ -14,11 +14,7 @@ from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
 
 from adapters_store.backbone.home import polyserve_home
 from adapters_store.store.location import is_dsn
-
-
-def switch(value: str) -> bool | None:
-    """An auto/on/off setting as None (decide by the machine) / True / False."""
-    return {"auto": None, "on": True, "off": False}[value]
+from server.engines.native.tuning import Tuning
 
 
 class Settings(BaseSettings):
@@ -31,41 +27,10 @@ class Settings(BaseSettings):
     engine: Literal["native", "vllm"] = "native"  # the data plane (server.engines)
     device: str = "cpu"
     threads: int | None = Field(default=None, ge=1)  # torch intra-op threads (None = usable CPUs: server/infra/cpus.py)
-    # native engine: a step runs without its OpenMP team while other processes hold the CPUs
-    # (server/infra/contention.py): its items split over `threads` single-thread lanes
-    # (contended_lanes, server/engines/native/lanes.py) or all on the engine thread
-    adaptive_threads: bool = True
-    contended_lanes: Literal["auto", "on", "off"] = "auto"  # auto: the machine decides (lanes.lanes_pay)
-    # native engine, without the team: the weight kernel's bf16 linears share their panels with a
-    # helper thread (server/engines/native/panel_helper.h) instead of lanes; auto: where it runs
-    contended_helper: Literal["auto", "on", "off"] = "auto"
     # serving dtype: float32 | bfloat16 | float16, or auto (the machine decides: server/engines/dtype.py)
     dtype: str | None = None
     # vllm engine: other vLLM engine arguments as a JSON object, e.g. {"tensor_parallel_size": 2}
     vllm_args: Annotated[dict[str, Any], NoDecode] = Field(default_factory=dict)
-    # native engine: the runner's linears packed once for oneDNN (auto = on CPU where oneDNN has the ops)
-    packed_weights: Literal["auto", "on", "off"] = "auto"
-    # native engine: llama = its own fused forward (Llama-family), hf = the model's forward on flat steps
-    native_executor: Literal["auto", "llama", "hf"] = "auto"
-    # native engine: decode steps padded to fixed shapes and replayed as CUDA graphs (auto = on CUDA)
-    static_decode: Literal["auto", "on", "off"] = "auto"
-    # native engine: the rows' LoRA in a C++ kernel built on first use with g++ (auto = where it
-    # builds, else torch ops; on = fail where it does not; off = torch ops; engines/native/lora_kernel.py).
-    # auto: faster end to end than torch ops where it builds (BENCHMARKS.md, "The LoRA kernel")
-    lora_kernel: Literal["auto", "on", "off"] = "auto"
-    # native engine: the decode rows' attention in a C++ kernel built on first use, each row over
-    # its own KV slot (auto = where it builds, else torch's SDPA; on = fail where it does not;
-    # off = SDPA; engines/native/attention_kernel.py)
-    attention_kernel: Literal["auto", "on", "off"] = "auto"
-    # native engine, serving float32 on a CPU: the linears read the backbone's GGUF blocks (Q4_1,
-    # Q8_0) in a C++ kernel instead of float32 copies (auto = where the backbone has blocks that
-    # match its weights and the kernel builds; on = fail where not; off = float32 GEMMs;
-    # engines/native/quant_linear.py)
-    weight_kernel: Literal["auto", "on", "off"] = "auto"
-    # native engine on a CPU (Llama runner): a layer's RMSNorms and rope in a C++ kernel built on first
-    # use, one call each instead of a handful of torch ops (auto = where it builds, else torch ops; on =
-    # fail where it does not; off = torch ops; engines/native/elementwise_kernel.py)
-    elementwise_kernel: Literal["auto", "on", "off"] = "auto"
     redis_url: str | None = None  # unset = no L2 cache
     redis_prefix: str = "polyserve"
     redis_ttl_seconds: int = Field(default=24 * 3600, ge=1)
@@ -88,11 +53,12 @@ class Settings(BaseSettings):
     # tokens in one forward: every decoding row's next token + prompt chunks (chunked prefill)
     max_step_tokens: int = Field(default=256, ge=2)
     # native engine: while a tenant's rows decode, prompt tokens of other tenants' requests in one
-    # step (engines/native/scheduler.py); 0 = no such bound. Another tenant's long prompt is then
+    # step (engines/native/core/scheduler.py); 0 = no such bound. Another tenant's long prompt is then
     # spread thin over the steps a short request decodes in, instead of a few steps that cost
     # several decode steps each (BENCHMARKS.md, "The long-prompt flood")
     tenant_prefill_tokens: int = Field(default=32, ge=0)
-    max_queue: int = Field(default=256, ge=0)
+    # at least 1 (0 never served: the native engine refused it at start, vLLM's queue was always full)
+    max_queue: int = Field(default=256, ge=1)
     max_prompt_tokens: int = Field(default=2048, ge=1)
     max_new_tokens: int = Field(default=1024, ge=1)
     max_body_bytes: int = Field(default=4 * 1024 * 1024, ge=1024)
@@ -135,6 +101,21 @@ class Settings(BaseSettings):
     # serving a non-loopback address with no key at all needs this (server/wiring/exposure.py)
     allow_unauthenticated: bool = False
     usage_window_max_seconds: int = Field(default=24 * 3600, ge=60)  # GET /v1/usage keeps this much history
+    # the native engine's internal switches (docs/tuning.md): each read from its own POLYSERVE_*
+    # variable (POLYSERVE_LORA_KERNEL, ...) by Tuning.from_env, not from one POLYSERVE_TUNING
+    tuning: Tuning = Field(default_factory=Tuning)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _read_tuning(cls, data: Any) -> Any:
+        if not isinstance(data, dict):
+            return data
+        if "tuning" not in data:
+            return {**data, "tuning": Tuning.from_env()}
+        if not isinstance(data["tuning"], Tuning):
+            raise ValueError("set each tuning switch as its own POLYSERVE_* variable "  # noqa: TRY004 - pydantic reports ValueError
+                             "(docs/tuning.md), not POLYSERVE_TUNING")
+        return data
 
     @field_validator("api_keys", "admin_keys", mode="before")
     @classmethod

@@ -32,7 +32,7 @@ def test_a_field_that_is_not_a_worded_setting_is_refused():
 
 def test_weight_build_makes_each_engine_with_that_build_of_the_kernel(monkeypatch, capsys):
     import bench.engine_ab as ab
-    from server.engines.native import quant_linear
+    from server.engines.native.kernels import quant_linear
 
     made, real = [], ab.NativeEngine
 

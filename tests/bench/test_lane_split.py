@@ -8,9 +8,9 @@ import pytest
 import torch
 
 from bench.experiments.lane_split import Span, Step, lane_clock, split
-from server.engines.native.lanes import Lanes
-from server.engines.native.llama import LlamaRunner
-from server.engines.native.step import Item, StepBatch
+from server.engines.native.core.step import Item, StepBatch
+from server.engines.native.model.lanes import Lanes
+from server.engines.native.model.llama import LlamaRunner
 
 
 def test_the_split_accounts_for_every_second_of_the_lanes():

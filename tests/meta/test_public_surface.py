@@ -44,10 +44,14 @@ def cli_surface() -> dict[str, list[str]]:
 
 
 def settings_surface() -> list[str]:
+    """Every POLYSERVE_* variable the process reads: the settings' and the tuning switches' (one
+    variable each, not POLYSERVE_TUNING)."""
+    from server.engines.native.tuning import Tuning
     from server.wiring.settings import Settings
 
     prefix = Settings.model_config.get("env_prefix", "")
-    return sorted(f"{prefix}{name}".upper() for name in Settings.model_fields)
+    names = [f"{prefix}{name}".upper() for name in Settings.model_fields if name != "tuning"]
+    return sorted(names + Tuning.env_names())
 
 
 def http_surface() -> dict[str, Any]:

@@ -5,26 +5,21 @@
     max_prefill_rows   requests admitted in one step
     max_queue          waiting requests beyond which submit answers QueueFull (429)
     prefix_cache_tokens
-                       prompt KV kept across requests (prefix_cache.py), in tokens: None =
+                       prompt KV kept across requests (core/prefix_cache.py), in tokens: None =
                        max_batch_tokens (as much as the rows in flight may hold), 0 = off
     max_step_tokens    tokens in one forward: every decoding row's next token + prompt chunks
     tenant_prefill_tokens
                        while a tenant's rows decode, prompt tokens of other tenants' requests in
-                       one step (0: no such bound; scheduler.plan_step)
+                       one step (0: no such bound; plan_step in core/scheduler.py)
     background_share   share of engine time background slices (registration) may take under load
-    dtype, runner_kind, packed_weights, static_decode, lora_kernel, attention_kernel, weight_kernel,
-    elementwise_kernel the model runner (model_runner.build_model_runner)
+    dtype              the serving dtype (None: the model's own)
     threads            the engine thread's torch threads (None: the constructing thread's count)
-    adaptive_threads   each step on all of them as one OpenMP team, or, while other processes
-                       hold the CPUs, without the team (server/infra/contention.py)
-    contended_lanes    without the team: the step's items split over `threads` threads of one
-                       torch thread each (lanes.py); False: every item on the engine thread alone;
-                       None: as the machine and the helper suit (lanes.lanes_pay), and lanes
-                       while contention is deep (contention.ThreadGovernor.deep) where
-                       lanes.deep_lanes_pay says so
-    contended_helper   without the team: the engine thread runs every item, its linears sharing
-                       their panels with the weight kernel's helper thread (panel_helper.h), in
-                       place of lanes; None: wherever the runner has it (the GGUF blocks on a CPU)
+    tuning             the internal switches, carried whole to the model runner (tuning.py):
+                       the executor, packing, static decode, the kernels, and how a step runs
+                       while other processes hold the CPUs (adaptive_threads, contended_lanes:
+                       off = every item on the engine thread alone, auto = as the machine and
+                       the helper suit (lanes_pay, model/lanes.py) and lanes while contention is deep where
+                       deep_lanes_pay says so; contended_helper)
     caps               per-tenant caps and weights (server/engines/fair.py)
 
 `from_settings` maps the POLYSERVE_* settings onto it; tests and benchmarks build one directly.
@@ -38,8 +33,9 @@ import torch
 
 from server.engines.dtype import serving_dtype
 from server.engines.fair import TenantCaps, tenant_caps
-from server.engines.native.prefix_cache import BLOCK as PREFIX_BLOCK
-from server.wiring.settings import Settings, switch
+from server.engines.native.core.prefix_cache import BLOCK as PREFIX_BLOCK
+from server.engines.native.tuning import Tuning
+from server.wiring.settings import Settings
 
 
 @dataclass(frozen=True)
@@ -53,17 +49,8 @@ class EngineConfig:
     tenant_prefill_tokens: int = 32
     background_share: float = 0.2
     dtype: torch.dtype | None = None
-    runner_kind: str = "auto"
-    packed_weights: bool | None = None
-    static_decode: bool | None = None
-    lora_kernel: str = "auto"
-    attention_kernel: str = "auto"
-    weight_kernel: str = "auto"
-    elementwise_kernel: str = "auto"
     threads: int | None = None
-    adaptive_threads: bool = True
-    contended_lanes: bool | None = None
-    contended_helper: bool | None = None
+    tuning: Tuning = field(default_factory=Tuning)
     caps: TenantCaps = field(default_factory=TenantCaps)
 
     def __post_init__(self) -> None:
@@ -98,10 +85,6 @@ class EngineConfig:
             # a per-tenant policy: off with fairness off (the old single first-come-first-served engine)
             tenant_prefill_tokens=settings.tenant_prefill_tokens if settings.tenant_fairness else 0,
             background_share=settings.background_share,
-            dtype=serving_dtype(settings.device, settings.dtype), runner_kind=settings.native_executor,
-            packed_weights=switch(settings.packed_weights), static_decode=switch(settings.static_decode),
-            lora_kernel=settings.lora_kernel, attention_kernel=settings.attention_kernel,
-            weight_kernel=settings.weight_kernel, elementwise_kernel=settings.elementwise_kernel, threads=threads, adaptive_threads=settings.adaptive_threads,
-            contended_lanes=switch(settings.contended_lanes), contended_helper=switch(settings.contended_helper),
+            dtype=serving_dtype(settings.device, settings.dtype), threads=threads, tuning=settings.tuning,
             caps=tenant_caps(settings),
         )

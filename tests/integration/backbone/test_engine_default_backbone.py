@@ -9,7 +9,7 @@ import dataclasses
 import pytest
 import torch
 
-from server.engines.native.engine import NativeEngine
+from server.engines.native.core.engine import NativeEngine
 from server.engines.request import SamplingParams
 from tests.support.engine_utils import run, submit, wait_all
 

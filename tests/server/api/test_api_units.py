@@ -167,7 +167,7 @@ def test_tiny_top_p_keeps_the_same_single_token():
     import torch
 
     from server.api.openai.schemas import effective_top_p
-    from server.engines.native.sampling import apply_top_p
+    from server.engines.native.sample.sampling import apply_top_p
 
     logits = torch.randn(50_000, generator=torch.Generator().manual_seed(0))
     kept = apply_top_p(logits, effective_top_p(5e-324))

@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from server.engines.native.tuning import Tuning
 from server.infra import contention
 from server.infra.contention import (
     DEEP_HELPER,
@@ -234,9 +235,9 @@ def test_the_readers_on_fake_files(tmp_path: Path):
 def test_the_engine_runs_each_step_on_the_governors_team(monkeypatch, tiny_base, tokenizer):
     """The engine thread's torch count is the one the governor gave before the step: a
     governor saying 1 under a configured 2 runs every step on one thread."""
-    from server.engines.native import engine as engine_mod
     from server.engines.native.config import EngineConfig
-    from server.engines.native.engine import NativeEngine
+    from server.engines.native.core import engine as engine_mod
+    from server.engines.native.core.engine import NativeEngine
     from server.engines.request import GenRequest, SamplingParams
     from tests.support.engine_utils import wait_all
 
@@ -276,9 +277,9 @@ def test_without_the_team_the_engine_splits_steps_over_lanes(monkeypatch, tiny_b
     """A governor saying 1 under a configured 2: the runner splits each step over 2 lanes
     (POLYSERVE_CONTENDED_LANES, the default) or runs it on the engine thread alone; greedy answers
     are the same either way."""
-    from server.engines.native import engine as engine_mod
     from server.engines.native.config import EngineConfig
-    from server.engines.native.engine import NativeEngine
+    from server.engines.native.core import engine as engine_mod
+    from server.engines.native.core.engine import NativeEngine
     from server.engines.request import GenRequest, SamplingParams
     from tests.support.engine_utils import wait_all
 
@@ -295,8 +296,8 @@ def test_without_the_team_the_engine_splits_steps_over_lanes(monkeypatch, tiny_b
     monkeypatch.setattr(engine_mod, "ThreadGovernor", SaysOne)
     answers = {}
     for governed in (True, False):
-        eng = NativeEngine(tiny_base, tokenizer, config=EngineConfig(threads=2, adaptive_threads=governed,
-                                                                     contended_lanes=lanes_on))
+        eng = NativeEngine(tiny_base, tokenizer, config=EngineConfig(threads=2, tuning=Tuning(adaptive_threads=governed,
+                                                                                   contended_lanes="on" if lanes_on else "off")))
         eng.start()
         try:
             reqs = [eng.submit(GenRequest(tokenizer(p, add_special_tokens=False).input_ids,
@@ -317,10 +318,10 @@ def test_lanes_by_default_where_the_cpu_has_no_avx512_and_the_setting_wins(monke
     CPUs with it (where lanes measured slower on dense weights); where the linears read the GGUF
     blocks, one thread with the panel helper (lanes while contention is deep), or lanes where the
     helper is off; on/off win over the machine."""
-    from server.engines.native import engine as engine_mod
-    from server.engines.native import lanes as lanes_mod
     from server.engines.native.config import EngineConfig
-    from server.engines.native.engine import NativeEngine
+    from server.engines.native.core import engine as engine_mod
+    from server.engines.native.core.engine import NativeEngine
+    from server.engines.native.model import lanes as lanes_mod
     from server.wiring.settings import Settings
 
     monkeypatch.setattr(lanes_mod, "cpu_has_avx512", lambda: avx512)
@@ -329,7 +330,7 @@ def test_lanes_by_default_where_the_cpu_has_no_avx512_and_the_setting_wins(monke
     assert lanes_mod.lanes_pay(True, torch.float32, helper=True)[0] is False  # ... but the helper, where it runs
     # in bf16 on the blocks (AMX) a lane dequantises every tile whatever its rows: as dense weights
     assert lanes_mod.lanes_pay(True, torch.bfloat16)[0] is (not avx512)
-    assert EngineConfig.from_settings(Settings()).contended_lanes is None
+    assert EngineConfig.from_settings(Settings()).tuning.contended_lanes == "auto"
     for value, want in (("auto", not avx512), ("on", True), ("off", False)):
         monkeypatch.setenv("POLYSERVE_CONTENDED_LANES", value)
         eng = NativeEngine(tiny_base, tokenizer, config=EngineConfig.from_settings(Settings(), threads=2))
@@ -362,19 +363,19 @@ def test_lanes_by_default_where_the_cpu_has_no_avx512_and_the_setting_wins(monke
     with pytest.raises(ValueError, match="contended_lanes"):
         Settings()
     monkeypatch.setattr(engine_mod, "lanes_pay", lambda *_: pytest.fail("asked without a governor"))
-    NativeEngine(tiny_base, tokenizer, config=EngineConfig(threads=2, adaptive_threads=False))
+    NativeEngine(tiny_base, tokenizer, config=EngineConfig(threads=2, tuning=Tuning(adaptive_threads=False)))
 
 
-@pytest.mark.parametrize("setting, deep, want", [(None, True, 2), (None, False, 1), (False, True, 1)])
+@pytest.mark.parametrize("setting, deep, want", [("auto", True, 2), ("auto", False, 1), ("off", True, 1)])
 def test_under_deep_contention_auto_runs_lanes_where_the_cpu_alone_would_not(monkeypatch, tiny_base, tokenizer,
                                                                               setting, deep, want):
     """POLYSERVE_CONTENDED_LANES auto on a CPU where lanes_pay says no (AVX-512, dense weights):
     lanes while the governor reads deep contention, one thread otherwise; "off" never runs lanes.
     The engine tells the governor what ran (lanes_running)."""
-    from server.engines.native import engine as engine_mod
-    from server.engines.native import lanes as lanes_mod
     from server.engines.native.config import EngineConfig
-    from server.engines.native.engine import NativeEngine
+    from server.engines.native.core import engine as engine_mod
+    from server.engines.native.core.engine import NativeEngine
+    from server.engines.native.model import lanes as lanes_mod
     from server.engines.request import GenRequest, SamplingParams
     from tests.support.engine_utils import wait_all
 
@@ -394,7 +395,7 @@ def test_under_deep_contention_auto_runs_lanes_where_the_cpu_alone_would_not(mon
             return self.current
 
     monkeypatch.setattr(engine_mod, "ThreadGovernor", Deep)
-    eng = NativeEngine(tiny_base, tokenizer, config=EngineConfig(threads=2, contended_lanes=setting))
+    eng = NativeEngine(tiny_base, tokenizer, config=EngineConfig(threads=2, tuning=Tuning(contended_lanes=setting)))
     assert eng.contended_lanes is False
     eng.start()
     try:
@@ -408,7 +409,7 @@ def test_under_deep_contention_auto_runs_lanes_where_the_cpu_alone_would_not(mon
         reqs = [eng.submit(GenRequest(tokenizer("x y", add_special_tokens=False).input_ids,
                                       SamplingParams(max_new_tokens=4, ignore_eos=True)))]
         wait_all(reqs)
-        assert eng.lanes == (1 if setting is False or deep else 2)
+        assert eng.lanes == (1 if setting == "off" or deep else 2)
     finally:
         eng.stop()
 
@@ -418,19 +419,17 @@ def test_under_deep_contention_auto_runs_lanes_where_the_cpu_alone_would_not(mon
 def test_deep_contention_keeps_one_thread_for_bf16_on_amx(monkeypatch, tiny_base, tokenizer, dtype, amx, want):
     """auto on an AVX-512 CPU: lanes under deep contention, except where bf16 GEMMs run on AMX (a
     lane of half the rows costs nearly a whole step there); never under "off" or without a governor."""
-    from server.engines.native import lanes as lanes_mod
     from server.engines.native.config import EngineConfig
-    from server.engines.native.engine import NativeEngine
+    from server.engines.native.core.engine import NativeEngine
+    from server.engines.native.model import lanes as lanes_mod
 
     monkeypatch.setattr(lanes_mod, "cpu_has_avx512", lambda: True)
     monkeypatch.setattr(lanes_mod, "cpu_has_amx", lambda: amx)
     assert lanes_mod.deep_lanes_pay(dtype)[0] is want
     eng = NativeEngine(tiny_base, tokenizer, config=EngineConfig(threads=2, dtype=dtype))
     assert eng.contended_lanes is False and eng.lanes_when_deep is want
-    assert not NativeEngine(tiny_base, tokenizer, config=EngineConfig(threads=2, dtype=dtype,
-                                                                      contended_lanes=False)).lanes_when_deep
-    assert not NativeEngine(tiny_base, tokenizer, config=EngineConfig(threads=2, dtype=dtype,
-                                                                      adaptive_threads=False)).lanes_when_deep
+    assert not NativeEngine(tiny_base, tokenizer, config=EngineConfig(threads=2, dtype=dtype, tuning=Tuning(contended_lanes="off"))).lanes_when_deep
+    assert not NativeEngine(tiny_base, tokenizer, config=EngineConfig(threads=2, dtype=dtype, tuning=Tuning(adaptive_threads=False))).lanes_when_deep
 
 
 def test_without_the_team_the_panel_helper_runs_until_contention_is_deep(monkeypatch, tiny_base, tokenizer):
@@ -438,10 +437,10 @@ def test_without_the_team_the_panel_helper_runs_until_contention_is_deep(monkeyp
     on the engine thread with the helper; under deep contention the lanes take over where they pay
     (the helper stops), and the helper comes back when contention eases; the engine stops it when it
     stops. POLYSERVE_CONTENDED_HELPER off: never; on, where the runner has none: a warning, never."""
-    from server.engines.native import engine as engine_mod
-    from server.engines.native import lanes as lanes_mod
     from server.engines.native.config import EngineConfig
-    from server.engines.native.engine import NativeEngine
+    from server.engines.native.core import engine as engine_mod
+    from server.engines.native.core.engine import NativeEngine
+    from server.engines.native.model import lanes as lanes_mod
     from server.engines.request import GenRequest, SamplingParams
     from server.wiring.settings import Settings
     from tests.support.engine_utils import wait_all

@@ -20,7 +20,7 @@ def engine_supports(*names: str) -> bool:
     """Whether the native engine honours these SamplingParams fields (it once refused them at
     submit)."""
     try:
-        from server.engines.native.engine import unsupported_fields
+        from server.engines.native.core.engine import unsupported_fields
     except ImportError:
         return True
     from server.engines.request import SamplingParams

@@ -11,10 +11,10 @@ import httpx
 import pytest
 import torch
 
-from server.engines.native.detok import IncrementalDetokenizer
-from server.engines.native.processors import RowProcessors, apply_processors
-from server.engines.native.rows import stop_token
-from server.engines.native.sampling import apply_min_p
+from server.engines.native.sample.detok import IncrementalDetokenizer
+from server.engines.native.sample.processors import RowProcessors, apply_processors
+from server.engines.native.sample.rows import stop_token
+from server.engines.native.sample.sampling import apply_min_p
 from server.engines.request import SamplingParams
 from tests.support.server_fixtures import (
     SPEC,

@@ -14,8 +14,8 @@ import torch
 
 from adapters_store.backbone.tiny import tiny_tokenizer
 from server.engines.grammar import check_format
-from server.engines.native.grammar_mask import RowGrammar, apply_bitmask
-from server.engines.native.sampling import RowSampler, sample_tokens
+from server.engines.native.sample.grammar_mask import RowGrammar, apply_bitmask
+from server.engines.native.sample.sampling import RowSampler, sample_tokens
 from server.engines.request import SamplingParams
 from tests.support.server_fixtures import build_store, live_server, settings_for, tiny_backbone
 
@@ -198,8 +198,8 @@ def test_vllm_gets_the_format_as_its_structured_outputs(monkeypatch):
 ], ids=["done", "dead", "max-tokens"])
 def test_engine_ends_a_constrained_row_by_its_grammar(tiny_base, tokenizer, one_thread, monkeypatch,
                                                       verdicts, reason, tokens):
-    from server.engines.native import grammar_mask
-    from server.engines.native.engine import NativeEngine
+    from server.engines.native.core.engine import NativeEngine
+    from server.engines.native.sample import grammar_mask
     from tests.support.engine_utils import run
 
     script = iter(verdicts)

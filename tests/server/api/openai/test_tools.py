@@ -169,7 +169,7 @@ STRICT = [{"type": "function", "function": {**t["function"], "strict": True}} fo
 
 def test_strict_tools_in_auto_are_grammar_enforced():
     """The grammar of auto with a strict tool: text without "<tool_call>", or text then valid calls."""
-    from server.engines.native.grammar_mask import RowGrammar
+    from server.engines.native.sample.grammar_mask import RowGrammar
 
     tok = tiny_tokenizer()
     listed = [{"name": t["function"]["name"], "parameters": t["function"]["parameters"]} for t in STRICT]
