@@ -168,18 +168,18 @@ def main() -> None:
 
     def registration(method: str, few: list, others: dict, seed: int):
         """demos / demos+routing / auto as the server's registration runs them (server/jobs/adaptation.py)."""
-        def trained(form: str, demos: list):
+        def trained(form: str, examples: list, demos: list):
             config = AdaptConfig(method="full" if form == "full" else "routing", steps=args.steps, seed=seed,
                                  autocast=args.autocast, max_length=max_length)
             if form == "routing" and others:
-                retrieval = Retrieval(rm, info, others, few, bb.tokenizer, seed=seed, autocast=args.autocast,
+                retrieval = Retrieval(rm, info, others, examples, bb.tokenizer, seed=seed, autocast=args.autocast,
                                       max_length=max_length, **screen)
                 return RetrievedAdaptation(retrieval, lambda row, known: Adaptation(
-                    rm, info, skills, few, bb.tokenizer, config, init_row=row, init_eval=known))
-            return Adaptation(rm, info, skills, few, bb.tokenizer, config, demonstrations=demos or None)
+                    rm, info, skills, examples, bb.tokenizer, config, init_row=row, init_eval=known))
+            return Adaptation(rm, info, skills, examples, bb.tokenizer, config, demonstrations=demos or None)
 
         if method == "demos+routing":
-            run = trained("demos+routing", select_demonstrations(few, bb.tokenizer, budget))
+            run = trained("demos+routing", few, select_demonstrations(few, bb.tokenizer, budget))
         else:
             run = AutoAdaptation(rm, info, skills, few, bb.tokenizer, trained, demonstration_tokens=budget, seed=seed,
                                  folds=args.folds or DEFAULT_FOLDS, steps=args.steps, autocast=args.autocast,

@@ -37,8 +37,7 @@ import torch
 
 from adapters_store.lora.inject import RoutedModel
 from adapters_store.store.records import InventoryInfo
-from training.adapt import AdaptResult, Adaptation
-from training.adapt_config import AdaptConfig
+from training.adapt import AdaptResult
 from training.batching import FEW_SHOT_MAX_LENGTH, Encoded, collate, encode_example
 from training.data import Example
 from training.demos import as_pairs, demonstration_text, end_ids, fits_on_a_line, majority_hits, select_demonstrations
@@ -97,9 +96,10 @@ def folds_of(n: int, folds: int, seed: int) -> list[list[int]]:
 class AutoAdaptation:
     """Steppable `auto` (and `demos`) registration: `step()` until False, then `result()`.
 
-    `make_final(form, demonstrations)` builds the chosen trained form on all the examples (an
-    AdaptationLike: e.g. a retrieval then training, server/jobs/adaptation.py); `forms` limits the
-    candidates (("demos",) is the explicit `demos` method: scored, never trained)."""
+    `make_run(form, examples, demonstrations)` builds a trained form as its explicit method does
+    (an AdaptationLike: e.g. a retrieval then training, server/jobs/adaptation.py), for each fold on
+    the other folds' examples, and for the chosen form on all of them; `forms` limits the candidates
+    (("demos",) is the explicit `demos` method: scored, never trained)."""
 
     def __init__(
         self,
@@ -108,7 +108,7 @@ class AutoAdaptation:
         skills: dict[str, torch.Tensor],
         examples: list[Example],
         tokenizer: Any,
-        make_final: Callable[[str, list[Example]], Any],
+        make_run: Callable[[str, list[Example], list[Example]], Any],
         *,
         demonstration_tokens: int,
         seed: int = 0,
@@ -124,7 +124,7 @@ class AutoAdaptation:
         if unknown := [f for f in forms if f not in FORMS]:
             raise ValueError(f"unknown forms {unknown}; known: {'|'.join(FORMS)}")
         self.rm, self.info, self.skills, self.tokenizer = rm, info, skills, tokenizer
-        self.examples, self.make_final, self.seed, self.steps = list(examples), make_final, seed, steps
+        self.examples, self.make_run, self.seed, self.steps = list(examples), make_run, seed, steps
         self.budget = demonstration_tokens
         lines = fits_on_a_line(self.examples)
         self.demonstrations = select_demonstrations(self.examples, tokenizer, self.budget) if lines else []
@@ -224,10 +224,7 @@ class AutoAdaptation:
                 held = set(fold)
                 train = [e for i, e in enumerate(self.examples) if i not in held]
                 demos = select_demonstrations(train, self.tokenizer, self.budget) if form == "demos+routing" else []
-                config = AdaptConfig(method="full" if form == "full" else "routing", steps=self.steps,
-                                     seed=self.seed, autocast=self.autocast)
-                run = Adaptation(self.rm, self.info, self.skills, train, self.tokenizer, config,
-                                 demonstrations=demos or None)
+                run = self.make_run(form, train, demos)  # the form's own recipe, on the other folds
                 while run.step():
                     if self.cancelled:
                         run.cancel()
@@ -245,7 +242,8 @@ class AutoAdaptation:
         if self.chosen == "demos":
             return
         self.phase = f"final:{self.chosen}"
-        self.final = self.make_final(self.chosen, self.demonstrations if self.chosen == "demos+routing" else [])
+        demos = self.demonstrations if self.chosen == "demos+routing" else []
+        self.final = self.make_run(self.chosen, self.examples, demos)
         while self.final.step():
             if self.cancelled:
                 self.final.cancel()

@@ -53,12 +53,12 @@ def make_adaptation(model: TrainingModel, job: Job, examples: list[dict[str, str
     exs = [Example(job.task, e["input"], e["output"]) for e in examples]
     seed = job.seed or 0
 
-    def trained(method: str, demonstrations: list[Example], early: bool):
-        """`method` as its explicit registration trains it (routing: retrieval first)."""
+    def trained(method: str, demonstrations: list[Example], early: bool, examples: list[Example] = exs):
+        """`method` as its explicit registration trains it on `examples` (routing: retrieval first)."""
         def adaptation(init_row=None, init_eval=None):
             config = AdaptConfig(method=method, steps=job.steps, seed=seed)
             trains_row = method in ("routing", "full")
-            return Adaptation(model.routed, model.info, model.skills, exs, model.tokenizer, config,
+            return Adaptation(model.routed, model.info, model.skills, examples, model.tokenizer, config,
                               progress=progress, init_row=init_row if trains_row else None,
                               init_eval=init_eval if trains_row else None, demonstrations=demonstrations or None)
 
@@ -67,13 +67,14 @@ def make_adaptation(model: TrainingModel, job: Job, examples: list[dict[str, str
         candidates = model.store.routing_rows(limit=MAX_CANDIDATES, exclude=job.task)
         if not candidates and not early:
             return adaptation()
-        retrieval = Retrieval(model.routed, model.info, candidates, exs, model.tokenizer, seed=seed)
+        retrieval = Retrieval(model.routed, model.info, candidates, examples, model.tokenizer, seed=seed)
         return RetrievedAdaptation(retrieval, adaptation, on_retrieved=on_early if early else None)
 
     budget = model.demonstration_tokens
     if job.method in ("auto", "demos"):
         return AutoAdaptation(model.routed, model.info, model.skills, exs, model.tokenizer,
-                              lambda form, demos: trained("routing" if form == "demos+routing" else form, demos, False),
+                              lambda form, examples, demos: trained("routing" if form == "demos+routing" else form,
+                                                                    demos, False, examples),
                               demonstration_tokens=budget, seed=seed, steps=job.steps, progress=progress,
                               forms=("demos",) if job.method == "demos" else None)
     if job.method == "demos+routing":

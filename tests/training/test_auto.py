@@ -105,10 +105,14 @@ def test_demos_routing_trains_each_example_after_the_other_demonstrations(invent
 
 
 def final_factory(rm, info, skills, exs, tokenizer, made):
-    def make(form, demos):
-        made.append((form, list(demos)))
+    """Records the runs made on all the examples (the final one); folds run on fewer."""
+    def make(form, examples, demos):
+        if len(examples) == len(exs):
+            made.append((form, list(demos)))
+        else:
+            assert set(examples) < set(exs) and not set(demos) - set(examples)  # a fold's own
         method = "full" if form == "full" else "routing"
-        return Adaptation(rm, info, skills, exs, tokenizer, AdaptConfig(method=method, steps=2),
+        return Adaptation(rm, info, skills, examples, tokenizer, AdaptConfig(method=method, steps=2),
                           demonstrations=demos or None)
     return make
 
@@ -149,17 +153,20 @@ def test_a_form_that_cannot_win_stops_before_it_trains(inventory, tokenizer, mon
     rm, info, skills = inventory
     exs = few(8)
     made: list = []
-    auto = AutoAdaptation(rm, info, skills, exs, tokenizer, final_factory(rm, info, skills, exs, tokenizer, made),
-                          demonstration_tokens=256, folds=2, steps=2)
+    runs: list = []
 
-    def perfect(rows, adapter):  # the demonstrations answer every example
+    def any_run(form, examples, demos):
+        runs.append(form)
+        return final_factory(rm, info, skills, exs, tokenizer, made)(form, examples, demos)
+
+    auto = AutoAdaptation(rm, info, skills, exs, tokenizer, any_run, demonstration_tokens=256, folds=2, steps=2)
+
+    def perfect(rows, adapter, demonstrations=False):  # the demonstrations answer every example
         yield {i: True for i, _ in rows}
 
     monkeypatch.setattr(auto, "_score", perfect)
-    trained = []
-    monkeypatch.setattr("training.auto.Adaptation", lambda *a, **k: trained.append(a) or None)
     res = run_auto(auto)
-    assert res.kind == "demos" and res.metrics["chosen"] == "demos" and not trained and not made
+    assert res.kind == "demos" and res.metrics["chosen"] == "demos" and not made and not runs
     est = res.metrics["estimate"]
     assert est["candidates"]["demos"]["exact"] == 1.0
     assert all("stopped after 0 of 8" in est["candidates"][f]["stopped"] for f in ("routing", "demos+routing"))
@@ -197,3 +204,26 @@ def test_cancel_stops_auto_without_a_result(inventory, tokenizer):
         pass
     with pytest.raises(RuntimeError, match="cancelled"):
         auto.result()
+
+
+def test_after_demonstrations_an_answer_may_end_with_a_newline_token():
+    from training.auto import ended_exact
+    from training.loss import TargetLogits
+
+    # two rows: "a b <end>" and "c <end>"; vocabulary 6, end token 5, a newline token 4
+    targets = torch.tensor([0, 1, 5, 2, 5])
+    rows = torch.tensor([0, 0, 0, 1, 1])
+
+    def logits(pred):
+        out = torch.zeros(len(pred), 6)
+        out[torch.arange(len(pred)), torch.tensor(pred)] = 1.0
+        return out
+
+    def exact(pred, ends=(5, 4)):
+        return ended_exact(TargetLogits(logits(pred), targets, rows, 2), torch.tensor(ends)).tolist()
+
+    assert exact([0, 1, 5, 2, 5]) == [1.0, 1.0]
+    assert exact([0, 1, 4, 2, 4]) == [1.0, 1.0]  # a newline ends the answer as the end token does
+    assert exact([0, 1, 3, 2, 5]) == [0.0, 1.0]  # anything else does not
+    assert exact([0, 4, 5, 2, 5]) == [0.0, 1.0]  # nor a newline inside the answer
+    assert exact([0, 1, 4, 2, 4], ends=(5,)) == [0.0, 0.0]
