@@ -90,7 +90,7 @@ def env(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Env]:
         mp.setattr(client_cli, "_client_factory", factory)
         e = Env(srv.url, seen, root)
         e.run("register", "--task", "contract-r", "--examples", str(examples), "--method", "retrieve", "--wait")
-        e.run("register", "--task", "contract-t", "--examples", str(examples), "--steps", "2", "--serve-early",
+        e.run("register", "--task", "contract-t", "--examples", str(examples), "--method", "routing", "--steps", "2", "--serve-early",
               "--shared", "--wait")
         e.examples = examples  # type: ignore[attr-defined]
         e.runtime = srv.runtime  # type: ignore[attr-defined]

@@ -176,7 +176,7 @@ def test_register_task_from_jsonl(fake: FakeServer, tmp_path) -> None:
         c.register_task("reverse", jsonl_path=path)
     assert fake.last.body == {
         "task": "reverse",
-        "method": "routing",
+        "method": "auto",
         "examples": [{"input": "ab", "output": "ba"}, {"input": "c", "output": "c"}],
     }
 

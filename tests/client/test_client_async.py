@@ -135,7 +135,7 @@ def test_tasks_and_jobs(fake: FakeServer) -> None:
     assert register.body == {
         "task": "reverse",
         "examples": [{"input": "a", "output": "b"}],
-        "method": "routing",
+        "method": "auto",
         "steps": 3,
     }
 
@@ -268,8 +268,9 @@ def test_new_register_flags_and_local_refusals(fake: FakeServer, tmp_path) -> No
     assert "serve_early" not in fake.last.body and "shared" not in fake.last.body  # old servers accept it
     sync.register_task("t", [{"input": "a", "output": "b"}], method="routing", serve_early=True, shared=True)
     assert fake.last.body["serve_early"] is True and fake.last.body["shared"] is True
-    with pytest.raises(InvalidInput, match="serve_early"):
-        sync.register_task("t", [{"input": "a", "output": "b"}], method="retrieve", serve_early=True)
+    for method in ("retrieve", "auto", "demos", "demos+routing"):
+        with pytest.raises(InvalidInput, match="serve_early"):
+            sync.register_task("t", [{"input": "a", "output": "b"}], method=method, serve_early=True)
     with pytest.raises(InvalidInput, match="window"):
         sync.usage(0)
     with pytest.raises(InvalidInput, match="no adapter_config.json"):

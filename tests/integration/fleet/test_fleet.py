@@ -74,7 +74,7 @@ def test_register_on_a_serve_on_b_trained_by_a_worker(fleet):
     claimed it), and progress or events that only the process running the job can see."""
     dsn, procs = fleet
     with procs["a"].client() as a, procs["b"].client() as b:
-        r = a.post("/v1/tasks", json={"task": "swap-fleet", "examples": EXAMPLES, "steps": 30, "seed": 1})
+        r = a.post("/v1/tasks", json={"task": "swap-fleet", "method": "routing", "examples": EXAMPLES, "steps": 30, "seed": 1})
         assert r.status_code == 202, r.text
         job = wait_job(b, r.json()["id"])
         assert job["status"] == "succeeded", job
@@ -92,7 +92,7 @@ def test_cancel_through_b_reaches_the_worker(fleet):
     steps), and a cancelled job that leaves its placeholder task or its queue entry behind."""
     dsn, procs = fleet
     with procs["a"].client() as a, procs["b"].client() as b:
-        job = a.post("/v1/tasks", json={"task": "cancel-me", "examples": ONE, "steps": 5000}).json()
+        job = a.post("/v1/tasks", json={"task": "cancel-me", "method": "routing", "examples": ONE, "steps": 5000}).json()
         running = _running(b, job["id"])
         assert running["progress"] < 0.5
         t0 = time.time()
@@ -111,7 +111,7 @@ def test_delete_through_b_while_a_worker_commits(fleet):
     dsn, procs = fleet
     task = "delete-race"
     with procs["a"].client() as a, procs["b"].client() as b, psycopg.connect(dsn, autocommit=True) as lock:
-        job = a.post("/v1/tasks", json={"task": task, "examples": ONE, "steps": 200}).json()
+        job = a.post("/v1/tasks", json={"task": task, "method": "routing", "examples": ONE, "steps": 200}).json()
         lock.execute("SELECT pg_advisory_lock(7301, hashtext(%s))", (task,))  # the PostgreSQL store's _NS_DECIDE
         answer: dict = {}
         deleter = threading.Thread(target=lambda: answer.setdefault("r", b.delete(f"/v1/tasks/{task}")))
@@ -144,7 +144,7 @@ def test_a_workers_connection_dropped_mid_job_loses_no_job(fleet):
     task = "dropped"
     apps = "application_name IN ('fleet-w1', 'fleet-w2')"
     with procs["a"].client() as a, procs["b"].client() as b, psycopg.connect(dsn, autocommit=True) as admin:
-        job = a.post("/v1/tasks", json={"task": task, "examples": ONE, "steps": 600}).json()
+        job = a.post("/v1/tasks", json={"task": task, "method": "routing", "examples": ONE, "steps": 600}).json()
         admin.execute("SELECT pg_advisory_lock(7301, hashtext(%s))", (task,))  # the commit will wait
         try:
             _running(b, job["id"])
@@ -181,10 +181,10 @@ def test_a_worker_killed_mid_job_has_its_job_finished_by_the_other_within_the_le
     dsn, procs = fleet
     with procs["a"].client() as a, procs["b"].client() as b:
         solo_t0 = time.time()
-        solo = a.post("/v1/tasks", json={"task": "solo", "examples": ONE, "steps": 600}).json()
+        solo = a.post("/v1/tasks", json={"task": "solo", "method": "routing", "examples": ONE, "steps": 600}).json()
         assert wait_job(b, solo["id"])["status"] == "succeeded"
         solo_seconds = time.time() - solo_t0
-        job = a.post("/v1/tasks", json={"task": "killed", "examples": ONE, "steps": 600}).json()
+        job = a.post("/v1/tasks", json={"task": "killed", "method": "routing", "examples": ONE, "steps": 600}).json()
         _running(b, job["id"], progress=0.1)
         owner = queue_row(dsn, job["id"])[0]
         victim = next(p for n, p in procs.items() if n.startswith("w") and f"-{p.popen.pid}-" in owner)
@@ -209,7 +209,7 @@ def test_jobs_off_and_a_worker_on_one_machines_directory_store(tmp_path):
         for proc in procs:
             proc.wait_ready()
         with procs[0].client() as a:
-            job = a.post("/v1/tasks", json={"task": "on-disk", "examples": EXAMPLES, "steps": 10}).json()
+            job = a.post("/v1/tasks", json={"task": "on-disk", "method": "routing", "examples": EXAMPLES, "steps": 10}).json()
             done = wait_job(a, job["id"])
             assert done["status"] == "succeeded", (done, procs[1].tail())
             assert any(m.startswith("claimed by worker-") for m in _events(a, job["id"]))

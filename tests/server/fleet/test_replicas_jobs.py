@@ -46,7 +46,7 @@ def test_one_owner_per_new_task_id_across_processes(replicas):
         task = f"race-{i}"
         go = threading.Barrier(2)
         codes: dict[str, int] = {}
-        body = {"task": task, "steps": 2, "examples": EXAMPLES}
+        body = {"task": task, "steps": 2, "method": "routing", "examples": EXAMPLES}
 
         def post(name: str, client: httpx.Client, body: dict = body, go: threading.Barrier = go,
                  codes: dict[str, int] = codes) -> None:
@@ -81,4 +81,4 @@ def test_delete_through_the_other_replica_wins_over_the_running_job(replicas):
     assert a.get("/v1/tasks/delete-me").status_code == 404
     assert b.get("/v1/tasks/delete-me").status_code == 404
     # the id is free again, through either replica
-    assert b.post("/v1/tasks", json={"task": "delete-me", "examples": EXAMPLES, "steps": 2}).status_code == 202
+    assert b.post("/v1/tasks", json={"task": "delete-me", "method": "routing", "examples": EXAMPLES, "steps": 2}).status_code == 202

@@ -24,12 +24,12 @@ def bounded(tmp_path):
 
 
 def test_steps_above_the_setting_are_422_and_documented(bounded):
-    r = bounded.post("/v1/tasks", json={"task": "greedy", "examples": EXAMPLES, "steps": 301})
+    r = bounded.post("/v1/tasks", json={"task": "greedy", "method": "routing", "examples": EXAMPLES, "steps": 301})
     assert r.status_code == 422 and r.json()["error"]["param"] == "steps"
     assert bounded.get("/v1/tasks/greedy").status_code == 404  # nothing was created
     steps = bounded.get("/openapi.json").json()["components"]["schemas"]["RegisterRequest"]["properties"]["steps"]
     assert [b.get("maximum") for b in steps["anyOf"] if b.get("type") == "integer"] == [300]
-    assert bounded.post("/v1/tasks", json={"task": "fine", "examples": EXAMPLES, "steps": 300}).status_code == 202
+    assert bounded.post("/v1/tasks", json={"task": "fine", "method": "routing", "examples": EXAMPLES, "steps": 300}).status_code == 202
 
 
 def test_the_usage_window_bound_is_documented_and_the_default_fits_under_it(tmp_path):
@@ -66,7 +66,7 @@ def test_queued_jobs_beyond_the_setting_are_429(bounded):
     for r in codes[:2]:
         bounded.post(f"/v1/jobs/{r.json()['id']}/cancel")
     deadline = time.time() + 20
-    while bounded.post("/v1/tasks", json={"task": "q3", "examples": EXAMPLES, "steps": 2}).status_code == 429:
+    while bounded.post("/v1/tasks", json={"task": "q3", "method": "routing", "examples": EXAMPLES, "steps": 2}).status_code == 429:
         assert time.time() < deadline, "the queue never freed up after cancelling"
         time.sleep(0.1)
 
