@@ -56,6 +56,38 @@ def main() -> None:
             xs = [r["exact_match"] for r in records if r["task"] == t and (r["inventory"], r["method"], r["vocab"]) == m]
             cells.append(f"{statistics.mean(xs):.3f}" if xs else "-")
         print(f"| {t} | " + " | ".join(cells) + " |")
+    auto_table(records)
+
+
+def auto_table(records: list[dict]) -> None:
+    """auto's choice beside what it was weighed against: per task and seed, the chosen form, its
+    cross-validated estimate, the measured exact match, and the better of routing-r and icl."""
+    autos = [r for r in records if r["method"] == "auto"]
+    if not autos:
+        return
+
+    def measured(r: dict, method: str) -> float | None:
+        return next((x["exact_match"] for x in records if x["method"] == method and x["task"] == r["task"]
+                     and x["seed"] == r["seed"] and x.get("k") == r.get("k")), None)
+
+    print()
+    print("| task | seed | chosen | estimate | measured | routing-r | icl | demos+routing | auto - better of the two |")
+    print("|---|---|---|---|---|---|---|---|---|")
+    gaps, errors = [], []
+    for r in sorted(autos, key=lambda r: (r["task"], r["seed"])):
+        routing, icl, both = measured(r, "routing-r"), measured(r, "icl"), measured(r, "demos+routing")
+        better = max(x for x in (routing, icl) if x is not None) if routing is not None or icl is not None else None
+        gap = r["exact_match"] - better if better is not None else None
+        gaps += [gap] if gap is not None else []
+        errors.append(abs(r["cv_exact"] - r["exact_match"]))
+        cells = [r["task"], r["seed"], r["chosen"], f"{r['cv_exact']:.3f}", f"{r['exact_match']:.3f}",
+                 *(f"{x:.3f}" if x is not None else "-" for x in (routing, icl, both)),
+                 f"{gap:+.3f}" if gap is not None else "-"]
+        print("| " + " | ".join(str(c) for c in cells) + " |")
+    worst = f", worst {min(gaps):+.3f}" if gaps else ""
+    mean_gap = f"{statistics.mean(gaps):+.3f}" if gaps else "-"
+    print(f"\nauto against the better of routing-r and icl: mean {mean_gap}{worst}; "
+          f"estimate off the measured exact match by {statistics.mean(errors):.3f} on average")
 
 
 if __name__ == "__main__":
