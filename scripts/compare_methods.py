@@ -93,17 +93,17 @@ def main() -> None:
     from adapters_store.store.materialize import mu_weights, task_layers
     from training.adapt import Adaptation, adapt
     from training.adapt_config import AdaptConfig
-    from training.auto import DEFAULT_FOLDS, AutoAdaptation
-    from training.demos import DEFAULT_DEMONSTRATION_TOKENS, demonstration_text, select_demonstrations
-    from training.real_tasks import REAL_TASKS, real_task_examples
     from training.arrow import arrow_score_rows
+    from training.auto import DEFAULT_FOLDS, AutoAdaptation
     from training.batching import FEW_SHOT_MAX_LENGTH
     from training.bigbench import load_cache
     from training.data import Example
+    from training.demos import DEFAULT_DEMONSTRATION_TOKENS, demonstration_text, select_demonstrations
     from training.evaluate import score_rows
     from training.far_heldout import far_tasks
     from training.icl import icl_context, icl_max_length
     from training.mix_search import gradient_free_mix
+    from training.real_tasks import REAL_TASKS, real_task_examples
     from training.retrieve import Retrieval, RetrievedAdaptation
     from training.suite import build_suite, examples
     from training.vocab import VOCABS

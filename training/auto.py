@@ -40,7 +40,14 @@ from adapters_store.store.records import InventoryInfo
 from training.adapt import AdaptResult
 from training.batching import FEW_SHOT_MAX_LENGTH, Encoded, collate, encode_example
 from training.data import Example
-from training.demos import as_pairs, demonstration_text, end_ids, fits_on_a_line, majority_hits, select_demonstrations
+from training.demos import (
+    as_pairs,
+    demonstration_text,
+    end_ids,
+    fits_on_a_line,
+    majority_hits,
+    select_demonstrations,
+)
 from training.estimate import LEVEL, MIN_HELD, wilson
 from training.loss import TargetLogits, per_example_exact, target_logits
 from training.precision import FrozenBf16Weights, resolve_autocast

@@ -31,7 +31,6 @@ from fastapi.responses import StreamingResponse
 from starlette.requests import Request
 
 from server.api.errors import ApiError, api_error, error_payload
-from server.registry.tasks import ANSWER_END
 from server.api.validation import check_prompt_ids, check_rendered, check_sampling, task_errors, vocab_size
 from server.engines.base import EngineStopped, QueueFull
 from server.engines.fair import TenantLimit
@@ -44,6 +43,7 @@ from server.engines.request import (
     TokenLogprob,
     new_request_id,
 )
+from server.registry.tasks import ANSWER_END
 from server.tenancy import tenants
 from server.wiring.runtime import Runtime
 

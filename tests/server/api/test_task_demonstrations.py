@@ -11,8 +11,8 @@ import pytest
 import torch
 
 from adapters_store.backbone.prompt import format_prompt, format_target
-from adapters_store.store.directory import DirectoryStore
 from adapters_store.backbone.tiny import tiny_tokenizer
+from adapters_store.store.directory import DirectoryStore
 from tests.support.server_fixtures import build_store, live_server, settings_for, tiny_backbone
 
 DEMOS = [{"input": f"word{i} and more", "output": f"answer {i}"} for i in range(6)]
