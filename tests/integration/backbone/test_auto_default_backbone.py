@@ -1,6 +1,6 @@
 """`auto` on the real default backbone and the shipped inventory, 16 examples each: for a task the
 backbone can recall (city to country) the demonstrations win; for a word-order rewrite of made-up
-words, which no prompt teaches it, a trained row wins."""
+words, which no prompt teaches it, a trained row wins (`make test-heavy`: it trains five times)."""
 
 from __future__ import annotations
 
@@ -63,6 +63,7 @@ def test_a_recall_task_is_served_as_its_demonstrations(shipped):
     assert est["majority"]["exact"] < est["candidates"]["demos"]["exact"]
 
 
+@pytest.mark.heavy  # five trainings (two forms x two folds, then the chosen one): minutes on 2 cores
 def test_a_word_order_rewrite_of_made_up_words_gets_a_trained_row(shipped):
     from training.suite import examples, parse_task
 
