@@ -84,7 +84,7 @@ def task_details(task: Task) -> str:
     raw = dict(task.raw or {"id": task.id, "status": task.status})
     metrics = raw.get("metrics")
     estimate = metrics.get("estimate") if isinstance(metrics, dict) else None
-    if isinstance(estimate, dict):
+    if isinstance(metrics, dict) and isinstance(estimate, dict):
         raw["metrics"] = {k: v for k, v in metrics.items() if k != "estimate"}
     out = raw_details(raw)
     return out + "\n" + estimate_table(estimate) if isinstance(estimate, dict) else out
@@ -92,7 +92,8 @@ def task_details(task: Task) -> str:
 
 def estimate_table(estimate: Mapping[str, Any]) -> str:
     """auto's estimate: a row per form (the chosen one marked) and the majority answer's."""
-    forms = estimate.get("candidates") if isinstance(estimate.get("candidates"), dict) else {}
+    found = estimate.get("candidates")
+    forms: dict[str, Any] = found if isinstance(found, dict) else {}
     rows = []
     for form, c in [*forms.items(), ("majority answer", estimate.get("majority"))]:
         if not isinstance(c, dict):
