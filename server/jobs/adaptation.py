@@ -38,7 +38,7 @@ class TrainingModel:
     skills: dict[str, torch.Tensor]
     tokenizer: Any
     store: AdapterStore
-    demonstration_tokens: int = 1024  # POLYSERVE_MAX_DEMONSTRATION_TOKENS
+    demonstration_tokens: int = 1024  # Settings.demonstration_budget (POLYSERVE_MAX_DEMONSTRATION_TOKENS)
 
 
 def make_adaptation(model: TrainingModel, job: Job, examples: list[dict[str, str]],

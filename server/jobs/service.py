@@ -247,7 +247,7 @@ class Registration:
         if rt.routed is None or rt.cache is None:
             raise RuntimeError("no skill inventory loaded")
         model = TrainingModel(rt.routed, rt.cache.info, rt.cache.skills, rt.tokenizer, rt.store,
-                              rt.settings.max_demonstration_tokens)
+                              rt.settings.demonstration_budget)
         return make_adaptation(model, job, examples, progress, lambda res: self.runner.commit_early(job, res))
 
     def _unfinished(self, job_id: str) -> bool:

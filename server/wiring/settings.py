@@ -66,8 +66,13 @@ class Settings(BaseSettings):
     # POST /v1/tasks with fewer examples: 422 naming this (docs/operations.md says why this default)
     min_examples_per_task: int = Field(default=4, ge=1)
     # a registered task's demonstrations (methods auto, demos, demos+routing): at most this many
-    # tokens of its examples go before every prompt it serves (training/demos.py)
+    # tokens of its examples go before every prompt it serves (training/demos.py), and at most half
+    # of max_prompt_tokens (demonstration_budget), so that the caller keeps room for its own
     max_demonstration_tokens: int = Field(default=1024, ge=0)
+
+    @property
+    def demonstration_budget(self) -> int:
+        return min(self.max_demonstration_tokens, self.max_prompt_tokens // 2)
     max_job_steps: int = Field(default=5000, ge=1)  # POST /v1/tasks `steps` above this: 422
     max_queued_jobs: int = Field(default=16, ge=1)  # unfinished jobs of this replica; beyond: 429
     job_retention_seconds: float = Field(default=7 * 24 * 3600, gt=0)  # finished jobs + their files
@@ -169,10 +174,6 @@ class Settings(BaseSettings):
         if self.max_step_tokens <= self.max_batch_rows:
             raise ValueError(f"max_step_tokens ({self.max_step_tokens}) must exceed max_batch_rows "
                              f"({self.max_batch_rows}): a step holds every decoding row's token and prompt chunks")
-        if self.max_demonstration_tokens >= self.max_prompt_tokens:
-            raise ValueError(f"max_demonstration_tokens ({self.max_demonstration_tokens}) must be below "
-                             f"max_prompt_tokens ({self.max_prompt_tokens}): the demonstrations are part of every "
-                             "prompt of their task")
         if self.min_examples_per_task > self.max_examples_per_task:
             raise ValueError(f"min_examples_per_task ({self.min_examples_per_task}) must not exceed "
                              f"max_examples_per_task ({self.max_examples_per_task})")

@@ -134,7 +134,7 @@ def build_worker(settings: Settings, metrics: WorkerMetrics) -> Worker:
         raise StoreError("the inventory's layer order does not match the backbone's target linears")
     routed.load_skills({k: v.to(bb.device) for k, v in skills.items()})
     model = TrainingModel(routed, info, {k: v.to(device=bb.device, dtype=torch.float32) for k, v in skills.items()},
-                          bb.tokenizer, store)
+                          bb.tokenizer, store, settings.demonstration_budget)
     bf16 = resolve_autocast("auto", bb.device)  # decided once, before any job (as the server does)
     log.info("registration training: %s", "bf16 autocast" if bf16 else "float32")
     return Worker(settings, bb, store, model, metrics, worker_id())
