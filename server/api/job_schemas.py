@@ -27,11 +27,14 @@ class RegisterRequest(BaseModel):
     """POST /v1/tasks. The upper bounds of the example count and of `steps` are settings, checked
     in the route (and stated in the OpenAPI document, server.api.api_docs)."""
 
-    # `retrieve` trains nothing: with it, `steps` must be absent or null (422 otherwise)
+    # `retrieve` and `demos` train nothing: with them, `steps` must be absent or null (422 otherwise)
     # lora: adapter and adapter_config are required, examples are not; any other method needs examples
     model_config = ConfigDict(extra="forbid", json_schema_extra={"allOf": [
-        {"if": {"properties": {"method": {"const": "retrieve"}}, "required": ["method"]},
+        {"if": {"properties": {"method": {"enum": ["retrieve", "demos"]}}, "required": ["method"]},
          "then": {"properties": {"steps": {"type": "null"}}}},
+        # serve_early serves a retrieved row first: only the methods that retrieve one
+        {"if": {"properties": {"serve_early": {"const": True}}, "required": ["serve_early"]},
+         "then": {"required": ["method"], "properties": {"method": {"enum": ["routing", "mu", "full"]}}}},
         {"if": {"properties": {"method": {"const": "lora"}}, "required": ["method"]},
          "then": {"required": ["adapter", "adapter_config"],
                   "properties": {"adapter": {"type": "string"}, "adapter_config": {"type": "object"}}},
