@@ -36,7 +36,8 @@ def test_register_a_heldout_task_over_http_on_the_default_backbone(tmp_path):
         srv.runtime.store.put_routing(
             "mu-zero", torch.zeros(len(info.layer_names), info.spec.n_heads, info.spec.n_skills), method="mu")
         started = time.perf_counter()
-        job = c.post("/v1/tasks", json={"task": "heldout-new", "seed": 0,
+        # routing: this test is the trained row's path (auto's choice: tests/integration/backbone)
+        job = c.post("/v1/tasks", json={"task": "heldout-new", "seed": 0, "method": "routing",
                                         "examples": [{"input": e.input, "output": e.output} for e in train]})
         assert job.status_code == 202, job.text
         while (state := c.get(f"/v1/jobs/{job.json()['id']}").json())["status"] in ("queued", "running"):
