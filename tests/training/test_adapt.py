@@ -10,10 +10,8 @@ import torch
 
 from adapters_store.lora.inject import RoutedModel
 from adapters_store.lora.routing import eval_weights
-from adapters_store.lora.spec import InventorySpec
 from adapters_store.store.directory import DirectoryStore
 from adapters_store.store.materialize import layers_from_lora, layers_from_weights, mu_weights, task_layers
-from adapters_store.store.records import InventoryInfo
 from training.adapt import Adaptation, AdaptResult, adapt
 from training.adapt_config import AdaptConfig
 from training.evaluate import evaluate_task, generate
@@ -22,18 +20,6 @@ from training.suite import examples, parse_task
 pytestmark = pytest.mark.usefixtures("one_thread")
 
 
-@pytest.fixture
-def inventory(tiny_model):
-    """A RoutedModel with non-trivial skills (B != 0, so routing gradients are not zero)."""
-    rm = RoutedModel(tiny_model, InventorySpec(n_skills=4, n_heads=2, rank=4))
-    rm.reset_skills(0)
-    gen = torch.Generator().manual_seed(1)
-    with torch.no_grad():
-        for layer in rm.layers:
-            layer.lora_B.normal_(0, 0.3, generator=gen)
-    info = InventoryInfo(rm.spec, tuple(rm.names), tuple(rm.layer_dims()), "fp", "tiny", "v1", 0.0)
-    skills = {k: v.clone() for k, v in rm.skill_tensors().items()}
-    return rm, info, skills
 
 
 def few(n=16, task="upper.inc", seed=0):

@@ -7,9 +7,6 @@ from __future__ import annotations
 import pytest
 import torch
 
-from adapters_store.lora.inject import RoutedModel
-from adapters_store.lora.spec import InventorySpec
-from adapters_store.store.records import InventoryInfo
 from training.adapt import Adaptation, AdaptResult
 from training.adapt_config import AdaptConfig
 from training.auto import AutoAdaptation, Candidate, folds_of
@@ -21,16 +18,6 @@ from training.suite import examples, parse_task
 pytestmark = pytest.mark.usefixtures("one_thread")
 
 
-@pytest.fixture
-def inventory(tiny_model):
-    rm = RoutedModel(tiny_model, InventorySpec(n_skills=4, n_heads=2, rank=4))
-    rm.reset_skills(0)
-    gen = torch.Generator().manual_seed(1)
-    with torch.no_grad():
-        for layer in rm.layers:
-            layer.lora_B.normal_(0, 0.3, generator=gen)
-    info = InventoryInfo(rm.spec, tuple(rm.names), tuple(rm.layer_dims()), "fp", "tiny", "v1", 0.0)
-    return rm, info, {k: v.clone() for k, v in rm.skill_tensors().items()}
 
 
 def few(n=8, task="upper.inc", seed=0):
