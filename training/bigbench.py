@@ -37,6 +37,7 @@ from typing import Any
 
 from adapters_store.backbone.home import polyserve_home
 from training.data import Example
+from training.real_tasks import PAIRS as REAL_PAIRS
 
 ARCHIVE_NAME = "bigbench-1.0.0.tar.gz"
 #: The sdist's sha256 as the package index lists it: a fetched or given archive must match it.
@@ -228,12 +229,28 @@ def load_cache(where: Path | None = None) -> list[BBTask]:
 
 def training_suite(examples_per_task: int, where: Path | None = None,
                    one_per_source: bool = False) -> dict[str, list[Example]]:
-    """The training tasks' split-"train" examples (what `polyserve train --suite bigbench` trains on);
-    one_per_source: only each source's largest task (`one_task_per_source`)."""
+    """The training tasks' split-"train" examples (what `polyserve train --suite bigbench` trains on),
+    less any whose input is a real task's (`decontaminated`); one_per_source: only each source's largest
+    task (`one_task_per_source`)."""
     tasks = [t for t in load_cache(where) if not t.heldout]
     if one_per_source:
         tasks = one_task_per_source(tasks)
-    return {t.id: t.examples("train")[:examples_per_task] for t in tasks}
+    return {t.id: decontaminated(t.examples("train"))[:examples_per_task] for t in tasks}
+
+
+def _key(text: str) -> str:
+    return " ".join(text.lower().split())
+
+
+#: The inputs of the hand-written real tasks (training.real_tasks), compared case- and space-blind.
+REAL_INPUTS = frozenset(_key(x) for pairs in REAL_PAIRS.values() for x, _ in pairs)
+
+
+def decontaminated(examples: list[Example]) -> list[Example]:
+    """`examples` less those whose input is a real task's: BIG-bench's linguistic_mappings asks the
+    past tense of the same common verbs, and an inventory trained on them would be scored on its
+    training pairs."""
+    return [e for e in examples if _key(e.input) not in REAL_INPUTS]
 
 
 def one_task_per_source(tasks: list[BBTask]) -> list[BBTask]:

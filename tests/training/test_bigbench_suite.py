@@ -211,3 +211,20 @@ def test_the_script_writes_one_task_per_source(tmp_path):
     assert {"bb-toy_parent.sub_a", "bb-toy_parent.sub_b"} <= set(every)
     assert set(written) == set(every) - {"bb-toy_parent.sub_b"}
     assert written == {tid: len(every[tid]) for tid in written}
+
+
+def test_a_training_row_whose_input_is_a_real_tasks_is_left_out(tmp_path):
+    # BIG-bench asks past tenses of common verbs, as the real past-tense task does: the training suite
+    # must not hold them, however they are cased or spaced, so a real task is never scored on training
+    from training.real_tasks import PAIRS
+    verb, past = PAIRS["past-tense"][-1]
+    rows = [{"input": f" {verb.upper()} ", "target": [past]}, {"input": f"{verb}  {verb}", "target": ["x"]}]
+    rows += [gen(i) for i in range(40)]
+    archive = make_archive(tmp_path / "bigbench-1.0.0.tar.gz",
+                           {"toy_verbs/task.json": {"name": "toy_verbs", "examples": rows}})
+    cache = tmp_path / "cache"
+    bigbench.write_cache(bigbench.convert(archive), cache, "unchecked")
+    every = [e.input for exs in bigbench.training_suite(500, cache).values() for e in exs]
+    cached = [e.input for task in bigbench.load_cache(cache) for e in task.examples("train")]
+    assert verb.upper() in cached  # a training row of the cache (stripped), so the suite dropped it
+    assert verb.upper() not in every and f"{verb}  {verb}" in every
