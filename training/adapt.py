@@ -44,7 +44,7 @@ from adapters_store.store.records import InventoryInfo
 from training.adapt_config import AdaptConfig
 from training.batching import Encoded, collate, encode_all, encode_example, within_tokens
 from training.data import Example, split_examples
-from training.demos import as_pairs, context_for, demonstration_text
+from training.demos import as_pairs, context_for, demonstration_text, select_demonstrations
 from training.estimate import exact_estimate
 from training.loss import per_example_exact, per_example_loss, target_logits, token_loss
 from training.precision import FrozenBf16Weights, resolve_autocast
@@ -53,7 +53,8 @@ from training.routing_table import INIT, row_weights
 #: Methods whose trained tensors are one LoRA per linear (A (1, d_in, r), B (1, r, d_out)).
 _SINGLE_LORA = ("mu", "plain-lora")
 FULL_ROW_LR = 0.1
-TRAIN_DEMONSTRATIONS = 4  # demos+routing: the other demonstrations a training example is trained after
+TRAIN_DEMONSTRATIONS = 4  # demos+routing: the other demonstrations a training example is trained after,
+TRAIN_DEMONSTRATION_TOKENS = 256  # and at most this many tokens of them (at least one): a step's cost
 
 
 @dataclass
@@ -112,8 +113,9 @@ class Adaptation:
         self.n_train, self.n_held = len(train), len(held)
         # demos+routing: every example trains and is scored after the task's demonstrations (but its
         # own), so the row learns what they leave out; the served prompt carries them all
-        # (training rows see TRAIN_DEMONSTRATIONS of them: a step's tokens, and so its time, stay near a
-        # routing step's; held-out rows see all of them, as served)
+        # (training rows see TRAIN_DEMONSTRATIONS of them, within TRAIN_DEMONSTRATION_TOKENS: a step's
+        # tokens, and so its time, stay near a routing step's even for long examples; held-out rows
+        # see all of them, as served, so the cross-validation scores what is served)
         self.demonstrations = list(demonstrations or [])
         self.rng = random.Random(config.seed)
         self.train = self._encode(tokenizer, train, config.max_length, TRAIN_DEMONSTRATIONS)
@@ -193,7 +195,8 @@ class Adaptation:
 
     def _encode(self, tokenizer: Any, examples: list[Example], max_length: int, sample: int = 0) -> list[Encoded]:
         """Encoded examples; after demonstrations but their own where the task has them: all the
-        others (as served), or `sample` of them (drawn once per example, seeded)."""
+        others (as served), or `sample` of them (drawn once per example, seeded) within
+        TRAIN_DEMONSTRATION_TOKENS tokens (the first, if none fits)."""
         if not self.demonstrations:
             return encode_all(tokenizer, examples, max_length)
         room = max_length + len(tokenizer(demonstration_text(self.demonstrations)).input_ids)
@@ -202,6 +205,8 @@ class Adaptation:
             others = [d for d in self.demonstrations if d is not ex]
             if sample and len(others) > sample:
                 others = [others[i] for i in sorted(self.rng.sample(range(len(others)), sample))]
+            if sample:
+                others = select_demonstrations(others, tokenizer, TRAIN_DEMONSTRATION_TOKENS) or others[:1]
             out.append(encode_example(tokenizer, ex, room, context_for(ex, others)))
         return out
 

@@ -214,3 +214,24 @@ def test_after_demonstrations_an_answer_may_end_with_a_newline_token():
     assert exact([0, 1, 3, 2, 5]) == [0.0, 1.0]  # anything else does not
     assert exact([0, 4, 5, 2, 5]) == [0.0, 1.0]  # nor a newline inside the answer
     assert exact([0, 1, 4, 2, 4], ends=(5,)) == [0.0, 0.0]
+
+
+def test_long_examples_train_after_fewer_demonstrations_and_are_scored_after_all(inventory, tokenizer):
+    # a training row's context stays within TRAIN_DEMONSTRATION_TOKENS, so a step of long examples
+    # costs about a routing step; held-out rows see every other demonstration, as served
+    from training.adapt import TRAIN_DEMONSTRATION_TOKENS
+
+    rm, info, skills = inventory
+    def demo_tokens(n: int) -> int:
+        return len(tokenizer(demonstration_text([Example("t", " ".join(["word"] * n) + " 0", "a0")])).input_ids)
+
+    n = next(n for n in range(1, 400) if demo_tokens(n) > TRAIN_DEMONSTRATION_TOKENS * 0.4)  # two fit, three do not
+    exs = [Example("t", " ".join(["word"] * n) + f" {i}", f"a{i}") for i in range(8)]
+    run = Adaptation(rm, info, skills, exs, tokenizer, AdaptConfig(method="routing", steps=1, holdout_fraction=0.25),
+                     demonstrations=exs)
+    one = len(tokenizer(demonstration_text(exs[:1])).input_ids)
+    assert 2 * one <= TRAIN_DEMONSTRATION_TOKENS < 3 * one
+    for e in run.train:
+        assert e.input_ids.count(tokenizer("Input:", add_special_tokens=False).input_ids[0]) == 3  # 2 + its own
+    for e in run.held:
+        assert e.input_ids.count(tokenizer("Input:", add_special_tokens=False).input_ids[0]) == len(exs)
