@@ -21,8 +21,22 @@ import statistics
 import tempfile
 from pathlib import Path
 
+import httpx
+
 from bench.prefix_bench import run_completions, words
 from bench.vllm_client_bench import start, stop
+
+
+def prefix_counts(url: str) -> dict[str, float]:
+    """The server's prefix-cache counters: prompt tokens looked up, and those found cached."""
+    text = httpx.get(f"{url}/metrics", timeout=30).text
+    names = {"query": "polyserve_prefix_cache_query_tokens_total", "hit": "polyserve_prefix_cache_hit_tokens_total"}
+    out = dict.fromkeys(names, 0.0)
+    for line in text.splitlines():
+        for key, name in names.items():
+            if line.startswith(name):
+                out[key] += float(line.rsplit(" ", 1)[1])
+    return out
 
 
 def main() -> None:
@@ -68,10 +82,16 @@ def main() -> None:
         proc, handle, url = start("polyserve", args, args.out_dir, env, hf_dir("default"))
         rows: dict[str, list[dict]] = {"plain": [], "demos": []}
         try:
-            asyncio.run(run_completions(url, jobs("")[: args.concurrency], args.concurrency))  # warm-up
+            for suffix in ("", "-demos"):  # warm-up: each task's adapter loaded, its demonstrations' KV cached
+                asyncio.run(run_completions(url, jobs(suffix)[: len(tasks)], args.concurrency))
             for r in range(args.rounds):
                 for form, suffix in (("plain", ""), ("demos", "-demos")):
+                    before = prefix_counts(url)
                     row = asyncio.run(run_completions(url, jobs(suffix), args.concurrency))
+                    after = prefix_counts(url)
+                    query, hit = (after[k] - before[k] for k in ("query", "hit"))
+                    row |= {"prompt_tokens_per_request": round(query / len(inputs), 1),
+                            "prefix_hit_ratio": round(hit / query, 3) if query else 0.0}
                     rows[form].append(row)
                     print(json.dumps({"round": r, "form": form, **row}), flush=True)
         finally:
