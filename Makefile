@@ -76,7 +76,7 @@ test-heavy: install
 	$(PYTEST) -q -m heavy --timeout=3600
 
 lint: install
-	$(VENV)/bin/ruff check server adapters_store client training tests bench
+	$(VENV)/bin/ruff check server adapters_store client training tests bench scripts
 	$(VENV)/bin/mypy
 
 bench: install

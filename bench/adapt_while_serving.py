@@ -152,7 +152,8 @@ def main() -> None:
         print(json.dumps(per_task[-1]), flush=True)
     mean = lambda key: round(sum(t[key] for t in per_task) / len(per_task), 3)
     out = {
-        "method": args.method, "heldout_task": held.name, "k": args.k, "clients": args.clients, "new_tokens": args.new_tokens,
+        "method": args.method, "heldout_task": held.name, "k": args.k, "clients": args.clients,
+        "new_tokens": args.new_tokens,
         "tokens_per_s_no_job": round(base_tps, 2), "tokens_per_s_during_job": round(busy_tps, 2),
         "throughput_kept": round(busy_tps / base_tps, 3),
         "job_wall_s_under_load": round(result["wall"], 2), "job_status_under_load": result["job"]["status"],

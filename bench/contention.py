@@ -83,7 +83,8 @@ def _cgroup_mount(kind: str) -> Path | None:
 def one_cpu_quota() -> Iterator[tuple[list[str], str]]:
     """A command prefix that runs a command under a 1-CPU quota, and how."""
     if shutil.which("systemd-run") and subprocess.run(
-            ["systemd-run", "--scope", "-q", "-p", "CPUQuota=100%", "true"], check=False, capture_output=True).returncode == 0:
+            ["systemd-run", "--scope", "-q", "-p", "CPUQuota=100%", "true"], check=False,
+            capture_output=True).returncode == 0:
         yield ["systemd-run", "--scope", "-q", "-p", "CPUQuota=100%"], "systemd-run --scope -p CPUQuota=100%"
         return
     made: Path | None = None
@@ -202,10 +203,12 @@ def report(rows: list[dict]) -> str:
         med = {v: statistics.median(x.values()) if x else float("nan") for v, x in (("a", a), (peer, f))}
         kept = {v: f"{med[v] / alone[v]:.2f}" if alone.get(v) else "-" for v in ("a", peer)}
         lines.append(
-            f"| {n} | {len(a)} | {med['a']:.1f} ({spread(list(a.values()))}) | {med[peer]:.1f} ({spread(list(f.values()))}) "
+            f"| {n} | {len(a)} | {med['a']:.1f} ({spread(list(a.values()))}) "
+            f"| {med[peer]:.1f} ({spread(list(f.values()))}) "
             f"| {statistics.median(ratios):.2f} ({', '.join(f'{x:.2f}' for x in ratios)}) | {kept['a']} | {kept[peer]} "
             f"| {2 / (2 + n):.2f} |" if ratios else
-            f"| {n} | {len(a)} | {med['a']:.1f} ({spread(list(a.values()))}) | - | - | {kept['a']} | - | {2 / (2 + n):.2f} |")
+            f"| {n} | {len(a)} | {med['a']:.1f} ({spread(list(a.values()))}) | - | - | {kept['a']} | - "
+            f"| {2 / (2 + n):.2f} |")
     lines += kept_by_round(rows, levels, ("a", peer))
     # other variants run beside them (e.g. (w), the engine on dense weights): against (a), round by round
     for v in sorted({row["variant"] for row in rows if row["busy"] != "quota"} - {"a", peer}):
@@ -219,7 +222,8 @@ def report(rows: list[dict]) -> str:
             ratios = [a[k] / other[k] for k in a if k in other]
             med_v = statistics.median(other.values())
             lines.append(f"| {n} | {len(other)} | {med_v:.1f} ({spread(list(other.values()))}) | "
-                         + (f"{statistics.median(ratios):.2f} ({', '.join(f'{x:.2f}' for x in ratios)})" if ratios else "-")
+                         + (f"{statistics.median(ratios):.2f} ({', '.join(f'{x:.2f}' for x in ratios)})"
+                            if ratios else "-")
                          + (f" | {med_v / alone_v:.2f} |" if alone_v else " | - |"))
     lines += cpu_table(rows, levels)
     lines += mixed_dtypes(rows)
@@ -269,7 +273,8 @@ def cpu_table(rows: list[dict], levels: list[int]) -> list[str]:
     """Where each variant's time went, from its processes' schedstat (rows that carry it): CPUs it
     held on average (CPU seconds over wall seconds), CPU seconds per 1,000 output tokens, and the
     share of its runnable time it spent on a CPU (the rest it waited for one). Medians over rounds."""
-    have = [row for row in rows if row["busy"] in levels and {"cpu_s", "runnable_wait_s", "wall_s", "tokens"} <= row.keys()
+    have = [row for row in rows if row["busy"] in levels
+            and {"cpu_s", "runnable_wait_s", "wall_s", "tokens"} <= row.keys()
             and row["cpu_s"] > 0]  # no schedstat: nothing to say
     if not have:
         return []

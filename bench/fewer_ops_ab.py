@@ -81,7 +81,8 @@ def main() -> None:
     ratios = [a / b for a, b in zip(cpu["after"], cpu["before"], strict=True)]
     print(f"median: before {statistics.median(tps['before']):.1f} tok/s, {statistics.median(cpu['before']):.2f} CPU s; "
           f"after {statistics.median(tps['after']):.1f} tok/s, {statistics.median(cpu['after']):.2f} CPU s; "
-          f"CPU after/before per repeat {', '.join(f'{r:.2f}' for r in ratios)} (median {statistics.median(ratios):.3f})")
+          f"CPU after/before per repeat {', '.join(f'{r:.2f}' for r in ratios)} "
+          f"(median {statistics.median(ratios):.3f})")
 
 
 if __name__ == "__main__":

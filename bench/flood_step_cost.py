@@ -49,7 +49,8 @@ def main() -> None:
     print(f"dtype {dtype}, torch threads {torch.get_num_threads()}, attention kernel {args.attention_kernel}")
     with torch.inference_mode():
         config = EngineConfig(max_batch_rows=32, max_step_tokens=256, dtype=dtype,
-                              tenant_prefill_tokens=args.prefill_tokens, tuning=Tuning(attention_kernel=args.attention_kernel))
+                              tenant_prefill_tokens=args.prefill_tokens,
+                              tuning=Tuning(attention_kernel=args.attention_kernel))
         alone = NativeEngine(bb.model, bb.tokenizer, None, config)
         alone.submit(GenRequest(prompt(6), SamplingParams(max_new_tokens=30, ignore_eos=True)))
         alone.step()
@@ -85,7 +86,8 @@ def main() -> None:
                 else "+ >96 prompt"
             buckets.setdefault((kind, last["rows"] // 8 * 8), []).append(elapsed)
         for (kind, rows), ts in sorted(buckets.items()):
-            print(f"{kind:14s} rows {rows:2d}-{rows + 7:2d}: {len(ts):3d} steps, median {statistics.median(ts) * 1e3:6.1f} ms")
+            print(f"{kind:14s} rows {rows:2d}-{rows + 7:2d}: {len(ts):3d} steps, "
+                  f"median {statistics.median(ts) * 1e3:6.1f} ms")
 
 
 if __name__ == "__main__":

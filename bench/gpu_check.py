@@ -12,9 +12,10 @@ and prints, against solo: how many requests gave the same tokens, and the larges
 chosen token's logprob before the first differing token; exits 1 unless every request agrees
 within --atol (float32 by default: a flip in bfloat16 on
 a random model's near-flat logits says little). Requests ask for 1/3, 2/3 or all of --tokens, so
-rows leave and the step's bucket shrinks; --tokens past the cache's first capacity (slots.MIN_CAPACITY) makes the KV cache grow while graphs
-are captured (each growth recaptures them), and --rounds 2 runs the batch again after the engine
-went idle (the cache shrinks back: recaptured again).
+rows leave and the step's bucket shrinks; --tokens past the cache's first capacity
+(slots.MIN_CAPACITY) makes the KV cache grow while graphs are captured (each growth recaptures
+them), and --rounds 2 runs the batch again after the engine went idle (the cache shrinks back:
+recaptured again).
 
     python -m bench.gpu_check --backbone DIR --device cuda [--dtype float32] [--tokens 300 --rounds 2]
 """

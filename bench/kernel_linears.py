@@ -89,7 +89,8 @@ def main(argv: list[str] | None = None) -> None:
     torch.set_num_threads(1)
     dtype = getattr(torch, args.dtype)
     bb = load_backbone(args.backbone, device="cpu", dtype="float32")
-    runner = build_model_runner(bb.model, None, slots=2, dtype=dtype, tuning=Tuning(native_executor="llama", weight_kernel="off" if args.dense else "on"))
+    runner = build_model_runner(bb.model, None, slots=2, dtype=dtype,
+                                tuning=Tuning(native_executor="llama", weight_kernel="off" if args.dense else "on"))
     kind = Linear if args.dense else QuantLinear
     sets = {"every linear": kernel_linears(runner, kind=kind), "the first layer": kernel_linears(runner, 1, kind)}
     for what, linears in sets.items():

@@ -39,7 +39,8 @@ def main() -> None:
     bb = load_backbone("default")
     gen = torch.Generator().manual_seed(0)
     prompts = [torch.randint(100, 20000, (args.context,), generator=gen).tolist() for _ in range(args.rows)]
-    runners = {name: LlamaRunner(bb.model, dtype=dt, slots=args.rows, tuning=Tuning(packed_weights="on" if packed else "off"))
+    runners = {name: LlamaRunner(bb.model, dtype=dt, slots=args.rows,
+                                 tuning=Tuning(packed_weights="on" if packed else "off"))
                  for name, (dt, packed) in PATHS.items()}
     prefill = StepBatch.build([Item(s, 0, tuple(p)) for s, p in enumerate(prompts)])
     decode = StepBatch.build([Item(s, args.context, (42,)) for s in range(args.rows)])
@@ -60,7 +61,8 @@ def main() -> None:
     print(f"{args.rows} rows, {args.context} positions, {args.threads} threads (medians of {args.repeats})")
     for name, (pre, dec) in times.items():
         agree = float((tokens[name] == tokens["float32 dense"]).float().mean())
-        print(f"  {name:16s} decode step {statistics.median(dec) * 1e3:7.1f} ms (x{ref_decode / statistics.median(dec):.2f})"
+        print(f"  {name:16s} decode step {statistics.median(dec) * 1e3:7.1f} ms "
+              f"(x{ref_decode / statistics.median(dec):.2f})"
               f"  prefill {statistics.median(pre) * 1e3:7.0f} ms   greedy tokens = float32 dense: {agree:.2f}")
 
 

@@ -111,7 +111,9 @@ def main() -> None:
     half = [FORMAT if i % 2 else None for i in range(len(jobs))]
 
     def start() -> NativeEngine:
-        eng = NativeEngine(bb.model, bb.tokenizer, routed, EngineConfig(max_batch_rows=args.batch, max_batch_tokens=1 << 20, max_prefill_rows=args.batch, max_queue=1 << 16, threads=args.threads))
+        eng = NativeEngine(bb.model, bb.tokenizer, routed, EngineConfig(
+            max_batch_rows=args.batch, max_batch_tokens=1 << 20, max_prefill_rows=args.batch, max_queue=1 << 16,
+            threads=args.threads))
         eng.start()
         return eng
 
@@ -141,7 +143,8 @@ def main() -> None:
         print(line)
 
 
-def admission(engine: NativeEngine, store: DirectoryStore, cache: AdapterCache, tasks: list[str], mix_of: dict) -> list[str]:
+def admission(engine: NativeEngine, store: DirectoryStore, cache: AdapterCache, tasks: list[str],
+              mix_of: dict) -> list[str]:
     """Per request, alternating task / mix: the adapter's resolve (L1 hit) and the row's table write."""
     resolve_t, resolve_m, write_t, write_m = [], [], [], []
     records = {t: store.get_task(t) for t in tasks}
@@ -171,7 +174,8 @@ def admission(engine: NativeEngine, store: DirectoryStore, cache: AdapterCache, 
     first = time.perf_counter() - t
     ms = 1e3
     return [(f"admission, {len(write_t)} requests each: resolve (L1 hit) task {pct(resolve_t, 0.5) * ms:.3f} ms, "
-            f"mix {pct(resolve_m, 0.5) * ms:.3f} ms (p50); write the row's tables task {pct(write_t, 0.5) * ms:.2f} ms, "
+            f"mix {pct(resolve_m, 0.5) * ms:.3f} ms (p50); "
+            f"write the row's tables task {pct(write_t, 0.5) * ms:.2f} ms, "
             f"mix {pct(write_m, 0.5) * ms:.2f} ms (p50)"),
             f"a 3-task mix's first resolve (members in L1, rows combined): {first * ms:.2f} ms"]
 

@@ -1,7 +1,7 @@
 """How many tokens a top-p nucleus holds on a backbone's own text: the backbone samples `--tokens`
 tokens after each of a few prompts, and at every step the nucleus of its next-token distribution
-(`sampling.apply_top_p` on `sampling.scale`'s logits, as a sampled row) is counted. Tells which of top-p's candidate stages
-(`sampling.NUCLEUS_CANDIDATES`, then the full sort) real rows end in.
+(`sampling.apply_top_p` on `sampling.scale`'s logits, as a sampled row) is counted. Tells which
+of top-p's candidate stages (`sampling.NUCLEUS_CANDIDATES`, then the full sort) real rows end in.
 
     .venv/bin/python -m bench.nucleus_sizes --settings 0.8:0.9 1.0:0.95 1.0:0.9
 """
@@ -17,7 +17,8 @@ from adapters_store.backbone.load import load_backbone
 from server.engines.native.sample.sampling import NUCLEUS_CANDIDATES, apply_top_p, scale
 
 PROMPTS = ("Write a short story about a dragon.", "What is the capital of France?", "List three uses of copper.",
-           "Explain how a bicycle works.", "Translate 'good morning' into Spanish.", "Write a Python function that adds two numbers.")
+           "Explain how a bicycle works.", "Translate 'good morning' into Spanish.",
+           "Write a Python function that adds two numbers.")
 
 
 def nucleus_sizes(model, tokenizer, temperature: float, top_p: float, tokens: int, seed: int) -> list[int]:

@@ -96,7 +96,10 @@ def main() -> None:
     cache = AdapterCache(store, info, skills, fingerprint=bb.fingerprint, device=bb.device,
                          dtype=next(bb.model.parameters()).dtype, l1=L1Cache(4 << 30), routing_layers=False)
     adapters = {t: cache.get(store.get_task(t)) for t in tasks}
-    engine = NativeEngine(bb.model, bb.tokenizer, rm, EngineConfig(max_batch_rows=args.batch, max_batch_tokens=1 << 20, max_prefill_rows=args.batch, max_queue=1 << 16, max_step_tokens=args.max_step_tokens, dtype=dtype, tuning=Tuning(packed_weights=args.packed_weights, static_decode=args.static_decode)))
+    engine = NativeEngine(bb.model, bb.tokenizer, rm, EngineConfig(
+        max_batch_rows=args.batch, max_batch_tokens=1 << 20, max_prefill_rows=args.batch, max_queue=1 << 16,
+        max_step_tokens=args.max_step_tokens, dtype=dtype,
+        tuning=Tuning(packed_weights=args.packed_weights, static_decode=args.static_decode)))
     tok = bb.tokenizer
 
     def submit_all(jobs) -> list[GenRequest]:

@@ -89,7 +89,8 @@ def main() -> None:
     args = ap.parse_args()
     paths = {"cli": "polyserve adapt", "http": "polyserve serve + HTTP"}
     chosen = [paths[p] for p in args.paths.split(",")]
-    inventories: list[Path | None] = [None if d == "shipped" else Path(d) for d in args.inventories.split(",") if d] or [None]
+    inventories: list[Path | None] = [None if d == "shipped" else Path(d)
+                                      for d in args.inventories.split(",") if d] or [None]
     cache = polyserve_home()
     if args.task and args.task.startswith("bb-"):
         bb = {t.id: t for t in load_cache() if t.heldout}

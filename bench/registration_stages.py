@@ -59,9 +59,11 @@ def main() -> None:
     for repeat in range(args.repeats):
         retrieval = Retrieval(rm, info, candidates, few, bb.tokenizer, seed=args.seed)
         job = RetrievedAdaptation(retrieval, lambda row, known: Adaptation(
-            rm, info, skills, few, bb.tokenizer, AdaptConfig(seed=args.seed, steps=args.steps), init_row=row, init_eval=known))
+            rm, info, skills, few, bb.tokenizer, AdaptConfig(seed=args.seed, steps=args.steps),
+            init_row=row, init_eval=known))
         spent: dict[str, list[float]] = defaultdict(list)
-        profiler = torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU], record_shapes=True) if args.profile else None
+        profiler = (torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU], record_shapes=True)
+                    if args.profile else None)
         started = time.perf_counter()
         while True:
             a = job.adaptation

@@ -62,7 +62,9 @@ from server.engines.native.core.engine import NativeEngine as Engine
 from server.engines.native.tuning import Tuning
 from server.engines.request import FinalEvent, GenRequest, RequestHandle, SamplingParams
 
-WORDS = ["cat", "dog", "tree", "river", "stone", "cloud", "apple", "seven", "blue", "quick", "lamp", "music", "paper", "garden", "window", "orange", "silver", "market", "engine", "rabbit", "ocean", "winter", "bridge", "candle", "forest"]
+WORDS = ["cat", "dog", "tree", "river", "stone", "cloud", "apple", "seven", "blue", "quick", "lamp", "music",
+         "paper", "garden", "window", "orange", "silver", "market", "engine", "rabbit", "ocean", "winter",
+         "bridge", "candle", "forest"]
 
 
 class TimedHandle(RequestHandle):
@@ -230,8 +232,9 @@ def run_peft(pm, tok, jobs, tasks, batch_size: int) -> dict:
         streamer = StepTimes()
         with torch.inference_mode():
             pm.generate(input_ids=enc.input_ids, attention_mask=enc.attention_mask,
-                        task_ids=torch.tensor([task_index[t] for t, _, _ in chunk], device=pm.device), max_new_tokens=longest,
-                        min_new_tokens=longest, do_sample=False, pad_token_id=tok.pad_token_id, streamer=streamer)
+                        task_ids=torch.tensor([task_index[t] for t, _, _ in chunk], device=pm.device),
+                        max_new_tokens=longest, min_new_tokens=longest, do_sample=False,
+                        pad_token_id=tok.pad_token_id, streamer=streamer)
         steps = streamer.times[1:]  # first put() is the prompt
         for _, _, n in chunk:
             tokens += n
@@ -270,7 +273,8 @@ def run_vllm(args, v: str, store: DirectoryStore, jobs: list[tuple[str, str, int
     label = {"lora": "vLLM + exported LoRAs", "base": "vLLM bare", "polyserve": "polyserve on its vLLM engine"}[mode]
     nan = float("nan")
     return {"variant": f"({v}) {label}, {dtype}", "wall_s": got["seconds"], "tokens": got["tokens"],
-            "tok_per_s": got["tok_per_s"], **{k: got.get(k, nan) for k in ("ttft_p50", "ttft_p99", "itl_p50", "itl_p99")},
+            "tok_per_s": got["tok_per_s"],
+            **{k: got.get(k, nan) for k in ("ttft_p50", "ttft_p99", "itl_p50", "itl_p99")},
             **{k: got[k] for k in ("cpu_s", "runnable_wait_s", "cpu_s_by_process") if k in got}}
 
 
@@ -349,7 +353,8 @@ def main() -> None:
             before, steps = thread_times(), eng.steps
             one_before = eng.governor.steps_at.get(1, 0) if eng.governor else 0  # steps without the team
             how_before = dict(eng.contended_steps)
-            out = run_engine(eng, bb.tokenizer, jobs, adapters, name, temperature=args.temperature, top_p=args.top_p, **kw)
+            out = run_engine(eng, bb.tokenizer, jobs, adapters, name, temperature=args.temperature,
+                             top_p=args.top_p, **kw)
             out["steps"] = eng.steps - steps
             out["dtype"] = dtype_name(serving)  # "auto" resolves per process: say which
             one = (eng.governor.steps_at.get(1, 0) if eng.governor else 0) - one_before
@@ -388,9 +393,11 @@ def main() -> None:
         print(f"{r['variant']:45s} {r['tok_per_s']:8.1f} tok/s  TTFT p50 {r['ttft_p50']:.2f}s p99 {r['ttft_p99']:.2f}s"
               f"  ITL p50 {1000 * r['itl_p50']:.0f}ms p99 {1000 * r['itl_p99']:.0f}ms  ({r['wall_s']:.0f}s"
               + (f"; {r['steps']} steps ({r['one_thread_steps']} without the team, {args.contended}: "
-                 f"{', '.join(f'{k} {v}' for k, v in r['contended_steps'].items() if v) or 'none'})" if "steps" in r else "")
+                 f"{', '.join(f'{k} {v}' for k, v in r['contended_steps'].items() if v) or 'none'})"
+                 if "steps" in r else "")
               + (f", CPU {r['cpu_s']:.1f}s, waited runnable {r['runnable_wait_s']:.1f}s" if "cpu_s" in r else "")
-              + (f" [{', '.join(f'{k} {s:.1f}s' for k, s in r['cpu_s_by_process'].items())}]" if "cpu_s_by_process" in r else "")
+              + (f" [{', '.join(f'{k} {s:.1f}s' for k, s in r['cpu_s_by_process'].items())}]"
+                 if "cpu_s_by_process" in r else "")
               + (f" [threads: {', '.join(f'{k} {v[0]:.1f}s' for k, v in r['cpu_s_by_thread'].items())}]"
                  if "cpu_s_by_thread" in r else "")
               + ")", flush=True)

@@ -3,10 +3,10 @@ tasks of the shipped inventory's shape (120 linears x 8 heads x 8 skills = 7,680
 
 The library: the shipped tasks' routing rows, then clusters around them (a shipped row plus
 Gaussian noise on its logits), up to N tasks, written into a fresh store with the shipped
-inventory. Measured: the warm-up (the index reads every task; a server starts it in the background), a query when nothing changed
-(a stat per task, one GEMV, a shortlist of exact rescoring reads), a query after one task changed,
-the index's memory, and recall@k of the shortlist against the exact ranking (brute force over
-every row in memory).
+inventory. Measured: the warm-up (the index reads every task; a server starts it in the
+background), a query when nothing changed (a stat per task, one GEMV, a shortlist of exact
+rescoring reads), a query after one task changed, the index's memory, and recall@k of the
+shortlist against the exact ranking (brute force over every row in memory).
 
     .venv/bin/python -m bench.similar_tasks --tasks 10000 --queries 50 --out /tmp/similar-bench
 """

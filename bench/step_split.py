@@ -85,13 +85,18 @@ def main() -> None:
     torch.set_num_threads(args.threads)
     dtype = serving_dtype("cpu", None if args.dtype == "auto" else args.dtype)
     bb = load_backbone("default", device="cpu", dtype="float32")
-    store, rm, _pm, tasks = build_inventory(bb, args.tasks, Path(tempfile.mkdtemp(prefix="polyserve-split-")) / "store", 0)
+    root = Path(tempfile.mkdtemp(prefix="polyserve-split-")) / "store"
+    store, rm, _pm, tasks = build_inventory(bb, args.tasks, root, 0)
     info, skills = store.load_inventory(bb.fingerprint)
     cache = AdapterCache(store, info, skills, fingerprint=bb.fingerprint, device=bb.device, dtype=torch.float32,
                          l1=L1Cache(4 << 30), routing_layers=False)
     adapters = {t: cache.get(store.get_task(t)) for t in tasks}
     jobs = workload(args.requests, tasks, 4, 256, 0, "loguniform")
-    engines = {m: NativeEngine(bb.model, bb.tokenizer, rm, EngineConfig(max_batch_rows=args.batch, max_batch_tokens=1 << 20, max_prefill_rows=args.batch, max_queue=1 << 16, dtype=dtype, tuning=Tuning(lora_kernel="off" if m == "t" else "auto"))) for m in sorted(set(args.modes))}
+    engines = {m: NativeEngine(bb.model, bb.tokenizer, rm,
+                               EngineConfig(max_batch_rows=args.batch, max_batch_tokens=1 << 20,
+                                            max_prefill_rows=args.batch, max_queue=1 << 16, dtype=dtype,
+                                            tuning=Tuning(lora_kernel="off" if m == "t" else "auto")))
+               for m in sorted(set(args.modes))}
     for m, eng in engines.items():  # warm-up
         run_mode(eng, jobs[:4], adapters, bb.tokenizer, m == "b")
     print(f"{dtype}, {args.threads} threads, {args.requests} requests of {args.tasks} tasks; seconds")

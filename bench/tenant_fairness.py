@@ -22,7 +22,8 @@ Each round starts a fresh `polyserve serve` per variant, alternating, on the sam
             server: generated tokens per second over the window, read from the server's own
             polyserve_generation_tokens_total (both tenants, finished or not)
 
-    flock /tmp/bench.lock .venv/bin/python -m bench.tenant_fairness --backbone tiny --rounds 2 --seconds 60 --idle-seconds 15
+    flock /tmp/bench.lock .venv/bin/python -m bench.tenant_fairness --backbone tiny --rounds 2 \
+        --seconds 60 --idle-seconds 15
     flock /tmp/bench.lock .venv/bin/python -m bench.tenant_fairness --flood long --rounds 1 \
         --variants unbounded,fair,fcfs --prefill-tokens 32
 """

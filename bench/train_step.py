@@ -92,7 +92,8 @@ def main() -> None:
     batches = [trainer._rows() for _ in range(args.batches)]
     tokens = [max(len(trainer.data[t][i].input_ids) for t, i in rows) for rows in batches]
     print(f"{args.suite}: {len(trainer.task_names)} tasks, S={args.skills}, batch {args.batch_size}, padded lengths "
-          f"{tokens}, bf16 autocast {trainer.bf16}, attention {attention} outside the steps, {args.threads} threads", flush=True)
+          f"{tokens}, bf16 autocast {trainer.bf16}, attention {attention} outside the steps, "
+          f"{args.threads} threads", flush=True)
     times: dict[str, list[float]] = {v: [] for v in variants}
     for v in variants:  # warm each path once
         configure(trainer, v)

@@ -9,9 +9,10 @@ written before the clock starts (steady state, as (e) exports them beforehand).
     .venv-vllm/bin/python -m bench.vllm_peer --jobs jobs.json --model DIR --loras DIR \
         --mode lora --dtype float32 --batch 16
 
-jobs.json: [{"task", "prompt", "out", "temperature"?, "top_p"?}, ...] (greedy where absent). Prints one JSON line: tokens, seconds, tok/s,
-and (e/f) the CPU seconds vLLM's processes got during the timed run and waited runnable, by process
-(bench/schedstat.py: its engine core is a child process).
+jobs.json: [{"task", "prompt", "out", "temperature"?, "top_p"?}, ...] (greedy where absent).
+Prints one JSON line: tokens, seconds, tok/s, and (e/f) the CPU seconds vLLM's processes got
+during the timed run and waited runnable, by process (bench/schedstat.py: its engine core is a
+child process).
 """
 
 from __future__ import annotations

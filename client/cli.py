@@ -2,8 +2,9 @@
 
 ``generate``, ``register``, ``tasks list|show|similar|delete``, ``jobs show|cancel``, ``models
 list|show`` and ``usage`` talk to a running server over HTTP (``import-lora --url``, in
-adapters_store/tools/cli.py, through :func:`import_lora_over_http`).  Every command takes ``--url`` (env ``POLYSERVE_URL``), ``--api-key`` (env
-``POLYSERVE_API_KEY``) and ``--json``.  Errors print one line on stderr and exit non-zero.
+adapters_store/tools/cli.py, through :func:`import_lora_over_http`).  Every command takes
+``--url`` (env ``POLYSERVE_URL``), ``--api-key`` (env ``POLYSERVE_API_KEY``) and ``--json``.
+Errors print one line on stderr and exit non-zero.
 
 Tests swap :data:`_client_factory` for one that builds a client over a mock transport.
 """

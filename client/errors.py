@@ -3,8 +3,9 @@
 The server answers every error as ``{"error": {"type": str, "message": str, "param": str | None,
 "code": str | None}}`` with a meaningful HTTP status (see docs/contract.md); its OpenAI
 routes use OpenAI's order of the same keys.  ``param`` names the offending request field and
-``code`` is a stable machine-readable reason (``context_length_exceeded``, ``timeout``...).  :func:`error_from_response` turns such a response, or any
-non-JSON error body a proxy may have produced, into the matching :class:`PolyserveError` subclass.
+``code`` is a stable machine-readable reason (``context_length_exceeded``, ``timeout``...).
+:func:`error_from_response` turns such a response, or any non-JSON error body a proxy may have
+produced, into the matching :class:`PolyserveError` subclass.
 """
 
 from __future__ import annotations

@@ -52,7 +52,8 @@ def main() -> None:
                     help="demos, demos+routing, auto: the demonstration budget (default: the server's)")
     ap.add_argument("--folds", type=int, default=None, help="auto: cross-validation folds (default: training.auto's)")
     ap.add_argument("--max-length", type=int, default=None,
-                    help="prompt + answer tokens in adaptation and evaluation (default: training.batching.FEW_SHOT_MAX_LENGTH)")
+                    help="prompt + answer tokens in adaptation and evaluation "
+                         "(default: training.batching.FEW_SHOT_MAX_LENGTH)")
     ap.add_argument("--task-ids", default="",
                     help="comma-separated task names to run instead of --tasks evenly spaced ones")
     ap.add_argument("--seeds", default="0,1,2")
@@ -65,7 +66,8 @@ def main() -> None:
     ap.add_argument("--max-steps", type=int, default=None,
                     help="go on past --steps while the held-out loss still falls, up to this many (routing)")
     ap.add_argument("--lr", type=float, default=None)
-    ap.add_argument("--batch-size", type=int, default=None, help="default: the method's (training.adapt_config.DEFAULTS)")
+    ap.add_argument("--batch-size", type=int, default=None,
+                    help="default: the method's (training.adapt_config.DEFAULTS)")
     ap.add_argument("--step-tokens", type=int, default=None,
                     help="padded tokens a training batch may hold (0: no cap; default: the method's)")
     ap.add_argument("--screen-tokens", type=int, default=None,
@@ -158,10 +160,11 @@ def main() -> None:
     if args.task_set not in ("bigbench", "real") and not set(vocabs) <= set(VOCABS):
         ap.error(f"--vocabs: each of {VOCABS}")
     label = args.label or info.made_by.get("method", "?")
-    candidates = {r.id: store.load_routing(r.id) for r in store.list_tasks() if r.kind == "routing" and r.status == "ready"}
+    candidates = {r.id: store.load_routing(r.id) for r in store.list_tasks()
+                  if r.kind == "routing" and r.status == "ready"}
     screen = {} if args.screen_tokens is None else {"screen_tokens": args.screen_tokens}
-    recipe = {"lr": args.lr, "max_steps": args.max_steps, "batch_size": args.batch_size, "step_tokens": args.step_tokens,
-              "eval_every": args.eval_every, "patience": args.patience,
+    recipe = {"lr": args.lr, "max_steps": args.max_steps, "batch_size": args.batch_size,
+              "step_tokens": args.step_tokens, "eval_every": args.eval_every, "patience": args.patience,
               **({} if args.select is None else {"select": args.select}),
               "autocast": args.autocast, "holdout_fraction": args.holdout, "max_length": max_length}
     budget = args.demonstration_tokens if args.demonstration_tokens is not None else DEFAULT_DEMONSTRATION_TOKENS
@@ -242,8 +245,8 @@ def main() -> None:
                                  for t in res.tensors.values())
                 adapt_s = time.perf_counter() - started
                 if answer is not None:
-                    scores = {"exact_match": sum(answer.strip() in [a.strip() for a in r.get("targets") or [r["output"]]]
-                                                 for r in test) / len(test)}
+                    hits = sum(answer.strip() in [a.strip() for a in r.get("targets") or [r["output"]]] for r in test)
+                    scores = {"exact_match": hits / len(test)}
                     if any(r.get("choices") for r in test):
                         scores["ll_acc"] = scores["exact_match"]
                 elif method == "arrow":

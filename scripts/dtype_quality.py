@@ -79,11 +79,13 @@ def main() -> None:
             ids = list(tok(format_prompt(ex.input), add_special_tokens=False).input_ids)
             refs.append(ex.output)
             jobs.append((ids, adapter, len(tok(" " + ex.output, add_special_tokens=False).input_ids) + 4))
-    chat = [(list(tok(tok.apply_chat_template([{"role": "user", "content": c}], tokenize=False, add_generation_prompt=True),
+    chat = [(list(tok(tok.apply_chat_template([{"role": "user", "content": c}], tokenize=False,
+                                              add_generation_prompt=True),
                       add_special_tokens=False).input_ids), None, 16) for c in CHAT]
     out = {}
     for dtype in (torch.float32, torch.bfloat16):
-        engine = openmp.in_fresh_thread(lambda d=dtype: NativeEngine(bb.model, tok, rm, EngineConfig(dtype=d, threads=args.threads, max_batch_rows=args.batch, max_batch_tokens=1 << 20, max_queue=1 << 16)))
+        engine = openmp.in_fresh_thread(lambda d=dtype: NativeEngine(bb.model, tok, rm, EngineConfig(
+            dtype=d, threads=args.threads, max_batch_rows=args.batch, max_batch_tokens=1 << 20, max_queue=1 << 16)))
         engine.start()
         try:
             out[dtype] = (run(engine, jobs), run(engine, chat))

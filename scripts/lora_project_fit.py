@@ -86,8 +86,8 @@ def main() -> None:
             print(rows[-1], flush=True)
     print(f"\ndefault backbone, shipped inventory, {args.n} held-out examples per task, {args.steps} Adam steps, "
           f"{args.threads} threads")
-    print("| task | LoRA | fit error at μ | fit error | fit s | EM routed task | EM LoRA (before) | EM fitted row (after) "
-          "| EM μ |")
+    print("| task | LoRA | fit error at μ | fit error | fit s | EM routed task | EM LoRA (before) "
+          "| EM fitted row (after) | EM μ |")
     print("|---|---|---|---|---|---|---|---|---|")
     for task, variant, e_mu, e, s, em_r, em_b, em_a, em_mu, same in rows:
         note = " (import = routed task exactly)" if same else ""

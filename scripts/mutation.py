@@ -44,29 +44,44 @@ JOBS_TESTS = ["tests/server/jobs/test_jobs_runner.py", "tests/server/jobs/test_j
 
 MODULES: dict[str, tuple[str, list[str]]] = {
     "routing": ("adapters_store/lora/routing.py",
-                ["tests/adapters_store/lora/test_routing_math.py", "tests/adapters_store/lora/test_routed_model.py", "tests/adapters_store/store/test_refine.py"]),
+                ["tests/adapters_store/lora/test_routing_math.py", "tests/adapters_store/lora/test_routed_model.py",
+                 "tests/adapters_store/store/test_refine.py"]),
     "combine": ("adapters_store/lora/combine.py",
-                ["tests/adapters_store/lora/test_routing_math.py", "tests/adapters_store/lora/test_routed_model.py", "tests/server/engines/native/core/test_slots.py",
+                ["tests/adapters_store/lora/test_routing_math.py", "tests/adapters_store/lora/test_routed_model.py",
+                 "tests/server/engines/native/core/test_slots.py",
                  "tests/adapters_store/lora/test_peft_oracle.py", "tests/adapters_store/store/test_refine.py"]),
-    "batched": ("adapters_store/lora/batched.py", ["tests/adapters_store/lora/test_routing_math.py", "tests/adapters_store/lora/test_routed_model.py"]),
+    "batched": ("adapters_store/lora/batched.py",
+                ["tests/adapters_store/lora/test_routing_math.py", "tests/adapters_store/lora/test_routed_model.py"]),
     "atomic": ("adapters_store/store/atomic.py", ["tests/adapters_store/store/test_directory.py"]),
     "codec": ("server/adapter_cache/codec.py", ["tests/integration/redis/test_cache_tiers.py"]),
     # the slot tables' unit tests and both runners against the routed model (compaction included)
-    "slot_lora": ("server/engines/native/model/slot_lora.py", ["tests/server/engines/native/core/test_slots.py", "tests/server/engines/native/model/test_model_runner.py"]),
+    "slot_lora": ("server/engines/native/model/slot_lora.py",
+                  ["tests/server/engines/native/core/test_slots.py",
+                   "tests/server/engines/native/model/test_model_runner.py"]),
     # the sampler: a wrong filter or draw changes every sampled token's distribution silently
     # the prefix cache: a wrong key or copy serves another prompt's (or tenant's) KV silently
-    "prefix_cache": ("server/engines/native/core/prefix_cache.py", ["tests/server/engines/native/core/test_prefix_cache.py"]),
-    "sampling": ("server/engines/native/sample/sampling.py", ["tests/server/engines/native/sample/test_sampling_units.py"]),
-    "rows": ("server/engines/native/sample/rows.py", ["tests/server/engines/native/sample/test_sampling_units.py", "tests/server/engines/native/core/test_engine_features.py"]),
-    "isolate": ("server/engines/native/core/isolate.py", ["tests/server/engines/native/sample/test_sampling_units.py", "tests/server/engines/native/core/test_engine_faults.py"]),
-    "ledger": ("server/engines/native/core/ledger.py", ["tests/server/engines/native/sample/test_sampling_units.py", "tests/server/engines/native/core/test_engine_faults.py"]),
+    "prefix_cache": ("server/engines/native/core/prefix_cache.py",
+                     ["tests/server/engines/native/core/test_prefix_cache.py"]),
+    "sampling": ("server/engines/native/sample/sampling.py",
+                 ["tests/server/engines/native/sample/test_sampling_units.py"]),
+    "rows": ("server/engines/native/sample/rows.py",
+             ["tests/server/engines/native/sample/test_sampling_units.py",
+              "tests/server/engines/native/core/test_engine_features.py"]),
+    "isolate": ("server/engines/native/core/isolate.py",
+                ["tests/server/engines/native/sample/test_sampling_units.py",
+                 "tests/server/engines/native/core/test_engine_faults.py"]),
+    "ledger": ("server/engines/native/core/ledger.py",
+               ["tests/server/engines/native/sample/test_sampling_units.py",
+                "tests/server/engines/native/core/test_engine_faults.py"]),
     "runner": ("server/jobs/runner.py", JOBS_TESTS),
     "journal": ("server/jobs/journal.py", JOBS_TESTS),
     "leases": ("server/jobs/leases.py", JOBS_TESTS),
     # which GGUF blocks the weight kernel may serve from: a wrong match serves wrong weights silently
     "gguf_blocks": ("adapters_store/backbone/gguf_blocks.py", ["tests/adapters_store/backbone/test_gguf_blocks.py"]),
-    "quant_linear": ("server/engines/native/kernels/quant_linear.py", ["tests/server/engines/native/kernels/test_quant_linear.py"]),
-    "quant_linear_bf16": ("server/engines/native/kernels/quant_linear_bf16.py", ["tests/server/engines/native/kernels/test_quant_linear_bf16.py"]),
+    "quant_linear": ("server/engines/native/kernels/quant_linear.py",
+                     ["tests/server/engines/native/kernels/test_quant_linear.py"]),
+    "quant_linear_bf16": ("server/engines/native/kernels/quant_linear_bf16.py",
+                          ["tests/server/engines/native/kernels/test_quant_linear_bf16.py"]),
 }
 
 # mutmut's exit codes (mutmut/stats.py): what a mutant's result means
@@ -159,7 +174,8 @@ def run(name: str, children: int, retest: bool = False, only: list[str] | None =
 
 def report() -> str:
     """Every module that has a summary: its killed share, then each survivor's diff."""
-    lines = ["| module | mutants | killed | survived | no tests | killed share | seconds |", "|---|---|---|---|---|---|---|"]
+    lines = ["| module | mutants | killed | survived | no tests | killed share | seconds |",
+             "|---|---|---|---|---|---|---|"]
     details = []
     for name in MODULES:
         file = WORK / name / "summary.json"

@@ -53,7 +53,8 @@ def main() -> None:
     for t in tasks:
         cells = []
         for m in methods:
-            xs = [r["exact_match"] for r in records if r["task"] == t and (r["inventory"], r["method"], r["vocab"]) == m]
+            xs = [r["exact_match"] for r in records
+                  if r["task"] == t and (r["inventory"], r["method"], r["vocab"]) == m]
             cells.append(f"{statistics.mean(xs):.3f}" if xs else "-")
         print(f"| {t} | " + " | ".join(cells) + " |")
     auto_table(records)

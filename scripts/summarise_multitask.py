@@ -35,7 +35,8 @@ def main() -> None:
         print(f"| {label} | {len(rows)} | {em:.3f} | " + " | ".join(cells) + f" | {loss:.3f} | {zs} |")
         by_vocab = summary.get("mean_exact_match_by_vocab")
         if by_vocab:
-            print(f"|   {label}, by words | | " + ", ".join(f"{v} {x:.3f}" for v, x in by_vocab.items()) + " | | | | | |")
+            print(f"|   {label}, by words | | " + ", ".join(f"{v} {x:.3f}" for v, x in by_vocab.items())
+                  + " | | | | | |")
 
 
 if __name__ == "__main__":

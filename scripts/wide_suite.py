@@ -64,7 +64,8 @@ def main() -> None:
     for task, (share, name) in zip(far_tasks(), far_nearest, strict=True):
         print(f"far      {task.name:28s} nearest training task {name:28s} agrees on {share:.1%} of 1,000 inputs")
     print(f"{args.out}: {len(names)} training tasks ({len(names) - len(shipped.train_tasks)} beyond the shipped "
-          f"48) x {args.examples_per_task} examples; the 16 held-out and {len(FAR_HELDOUT)} far held-out tasks excluded")
+          f"48) x {args.examples_per_task} examples; "
+          f"the 16 held-out and {len(FAR_HELDOUT)} far held-out tasks excluded")
 
 
 if __name__ == "__main__":

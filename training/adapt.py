@@ -185,7 +185,8 @@ class Adaptation:
         self.finished = False
         self.started = time.perf_counter()
         self._need_eval = True  # evaluate the initial point first (μ for routing/mu)
-        self._eval_pos, self._eval_total, self._eval_exact = 0, 0.0, 0.0  # progress through the held-out set (one chunk a slice)
+        # progress through the held-out set (one chunk a slice)
+        self._eval_pos, self._eval_total, self._eval_exact = 0, 0.0, 0.0
         if (init_eval is not None and init_row is not None and held and tuple(held) == init_eval.held
                 and (init_eval.exact is not None or self.select == "loss")):
             # the caller scored init_row on this very split: that evaluation is not run twice (the

@@ -149,7 +149,8 @@ class AutoAdaptation:
         self.device = rm.layers[0].lora_A.device
         self.autocast = resolve_autocast(autocast, self.device)
         self.pad = int(tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id)
-        self.ends = torch.tensor(sorted(end_ids(tokenizer))) if self.demonstrations else torch.zeros(0, dtype=torch.long)
+        self.ends = (torch.tensor(sorted(end_ids(tokenizer))) if self.demonstrations
+                     else torch.zeros(0, dtype=torch.long))
         self.chosen: str | None = None
         self.final: Any = None
         self.cancelled = self.finished = False
@@ -312,7 +313,8 @@ class AutoAdaptation:
         if "note" in estimate:
             summary["eval_note"] = estimate["note"]
         if self.chosen == "demos":
-            return AdaptResult("demos", {}, {**summary, "estimate": estimate, "demonstrations": len(self.demonstrations)},
+            return AdaptResult("demos", {},
+                               {**summary, "estimate": estimate, "demonstrations": len(self.demonstrations)},
                                0, as_pairs(self.demonstrations))
         res = self.final.result()
         # the final run's own held-out figure is replaced by the cross-validated one: it was taken on

@@ -79,7 +79,8 @@ def encode_prompt(tokenizer: Any, text: str, context: str = "") -> list[int]:
     return list(tokenizer(context + format_prompt(text)).input_ids)
 
 
-def encode_example(tokenizer: Any, example: Example, max_length: int = DEFAULT_MAX_LENGTH, context: str = "") -> Encoded:
+def encode_example(tokenizer: Any, example: Example, max_length: int = DEFAULT_MAX_LENGTH,
+                   context: str = "") -> Encoded:
     """Prompt tokens masked out of the loss; target = format_target(output) + eos.
 
     When the pair is longer than max_length the prompt loses tokens from its left end first

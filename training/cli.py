@@ -39,7 +39,8 @@ def _open_store(path: str | None, *, install_default: bool = False):  # -> Direc
 
 
 @click.command()
-@click.option("--suite", required=True, help="procedural (open vocabulary) | procedural24 (the first 24 words) | bigbench (its training "
+@click.option("--suite", required=True,
+              help="procedural (open vocabulary) | procedural24 (the first 24 words) | bigbench (its training "
                    "tasks, built by scripts/bigbench_suite.py) | PATH.jsonl ({task, input, output} per line)")
 @click.option("--method", required=True, type=click.Choice(["mhr", "poly", "shared", "private", "random-mu", "hyper"]))
 @click.option("--skills", default=8, show_default=True, help="S, skills in the inventory")
@@ -145,7 +146,8 @@ def train(suite, method, skills, heads, rank, steps, store_dir, backbone, batch_
         trainer.run(progress=not no_progress)
         if not ctx.is_main:
             return
-        click.echo(json.dumps({"steps": trainer.step, "last_loss": trainer.last_loss, "seconds": round(trainer.elapsed, 1),
+        click.echo(json.dumps({"steps": trainer.step, "last_loss": trainer.last_loss,
+                               "seconds": round(trainer.elapsed, 1),
                                "tokens_per_s": round(trainer.tokens / max(trainer.elapsed, 1e-9), 1),
                                "store": str(root), "world_size": ctx.world_size}))
 
@@ -164,7 +166,8 @@ def _routed(store, backbone: str):  # -> (bb, rm, info, skills)
 @click.command()
 @click.option("--task", required=True, help="id of the new task")
 @click.option("--examples", "examples_file", required=True, type=click.Path(exists=True, dir_okay=False))
-@click.option("--method", default="routing", show_default=True, type=click.Choice(["routing", "retrieve", "mu", "full"]),
+@click.option("--method", default="routing", show_default=True,
+              type=click.Choice(["routing", "retrieve", "mu", "full"]),
               help="retrieve: the best-fitting mixture of the store's tasks' routing rows, no training")
 @click.option("--init", "init", default="retrieve", show_default=True, type=click.Choice(["retrieve", "mu"]),
               help="routing: start from the retrieved row or from μ")

@@ -29,7 +29,8 @@ TRAIN_PROBE_MIN = 1.8  # bf16 autocast on AVX512_BF16 CPUs where the probe measu
 
 
 @functools.cache
-def cpu_bf16_train_speedup(d_in: int = 1024, d_out: int = 4096, rows: int = 16, rounds: int = 7, calls: int = 5) -> float:
+def cpu_bf16_train_speedup(d_in: int = 1024, d_out: int = 4096, rows: int = 16, rounds: int = 7,
+                           calls: int = 5) -> float:
     """float32 time / bf16-autocast time of a frozen linear's forward + backward (the input's
     gradient only, as in routing adaptation) on `rows` rows, timed in CPU time on one thread
     (hardware.cpu_time_ratio); once per process."""

@@ -148,7 +148,8 @@ def export_store(store_root: Path, dest: Path = PACKAGE_DIR, budget: int = PACKA
     size = tree_bytes(tmp, WORDS_DIR)
     if size > budget:
         shutil.rmtree(tmp)
-        raise ValueError(f"the package data would weigh {size:,} bytes (inventory {tree_bytes(store.root / 'inventory'):,}, "
+        raise ValueError(f"the package data would weigh {size:,} bytes "
+                         f"(inventory {tree_bytes(store.root / 'inventory'):,}, "
                          f"{len(tasks)} tasks' rows, word lists), over its budget of {budget:,}: ship fewer or smaller "
                          f"skills, or fewer tasks' rows; {dest} is unchanged")
     shutil.rmtree(dest, ignore_errors=True)

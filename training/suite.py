@@ -295,7 +295,8 @@ def _candidates() -> list[TaskSpec]:
 
 @functools.cache
 def candidate_pool() -> tuple[TaskSpec, ...]:
-    """Every composition a suite draws from: the first (shortest) for its probe signature, neither identity nor constant."""
+    """Every composition a suite draws from: the first (shortest) for its probe signature, neither
+    identity nor constant."""
     probes = probe_inputs()
     seen = {tuple(probes)}  # the identity function
     out = []

@@ -128,7 +128,8 @@ class Trainer:
     """Owns the routed model, the routing table, the optimizer and the data of one run."""
 
     def __init__(self, cfg: TrainConfig, backbone: Backbone, tasks: dict[str, list[Example]],
-                 store: DirectoryStore | None = None, dist: DistContext | None = None, shard_backbone: bool = False) -> None:
+                 store: DirectoryStore | None = None, dist: DistContext | None = None,
+                 shard_backbone: bool = False) -> None:
         """dist: this process's rank (default: the only one). shard_backbone: FSDP over the frozen
         backbone (training/shard_backbone.py), for backbones one device cannot hold."""
         if not tasks:

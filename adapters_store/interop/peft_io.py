@@ -116,6 +116,7 @@ def import_peft_poly(
     table = torch.stack(logits)  # (L, n_tasks, h*S)
     task_ids = _task_names(table.shape[1], mapping)
     for t, task in enumerate(task_ids):
-        store.put_routing(task, table[:, t].reshape(len(names), h, n_skills).clone(), method="poly" if h == 1 else "mhr",
+        store.put_routing(task, table[:, t].reshape(len(names), h, n_skills).clone(),
+                          method="poly" if h == 1 else "mhr",
                           source={"imported_from": str(src), "peft_task_index": t})
     return info, task_ids

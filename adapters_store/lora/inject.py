@@ -122,7 +122,8 @@ class RoutedModel:
             self.set_gathered(*self._materialize_one(weights[0].to(device)), index.to(device))
             return
         tables = [materialize_many(layer.lora_A, layer.lora_B,
-                                   (weights[:, i].detach() if i < frozen_layers else weights[:, i]).to(layer.lora_A.device))
+                                   (weights[:, i].detach() if i < frozen_layers else weights[:, i])
+                                   .to(layer.lora_A.device))
                   for i, layer in enumerate(self.layers)]
         self.set_gathered([a for a, _ in tables], [b for _, b in tables], index.to(device))
 

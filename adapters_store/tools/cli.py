@@ -50,7 +50,8 @@ def export(task: str, fmt: str, out: str, base_model: str | None, store_dir: str
 
 @click.command("import-peft-poly")
 @click.argument("src", type=click.Path(exists=True, file_okay=False))
-@click.option("--names", type=click.Path(exists=True, dir_okay=False), help="JSON list (or index->name map) of task ids.")
+@click.option("--names", type=click.Path(exists=True, dir_okay=False),
+              help="JSON list (or index->name map) of task ids.")
 @click.option("--replace", is_flag=True, help="Overwrite the store's existing inventory.")
 @store_option
 @backbone_option

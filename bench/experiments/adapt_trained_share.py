@@ -3,8 +3,8 @@ inventory, timed for several (trained share, steps) settings, alternating in one
 training only the top share of the routing row saves (a backward pass stops at the first trained
 linear). Retrieval runs once; every setting starts from its row.
 
-    .venv/bin/python -m bench.experiments.adapt_trained_share --store /tmp/shipped_store --settings 1.0:30,0.5:30,0.5:40 \
-        --rounds 3 --threads 2
+    .venv/bin/python -m bench.experiments.adapt_trained_share --store /tmp/shipped_store \
+        --settings 1.0:30,0.5:30,0.5:40 --rounds 3 --threads 2
 
 (--store: a store with the shipped inventory, e.g. made by training.shipped_inventory.install_default_inventory)
 """

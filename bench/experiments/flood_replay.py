@@ -112,11 +112,13 @@ def main() -> None:
         print(f"budget {budget}: small n={len(lat)} p50 {p(0.5):.3f} p95 {p(0.95):.3f} max {lat[-1]:.3f}")
         costs = [s[1] for s in steps]
         print(
-            f"steps {len(steps)}, median {statistics.median(costs) * 1e3:.0f} ms, p95 {sorted(costs)[int(0.95 * len(costs))] * 1e3:.0f} ms; steps/s {len(steps) / seconds:.1f}"
+            f"steps {len(steps)}, median {statistics.median(costs) * 1e3:.0f} ms, "
+            f"p95 {sorted(costs)[int(0.95 * len(costs))] * 1e3:.0f} ms; steps/s {len(steps) / seconds:.1f}"
         )
         pr = [s for s in steps if s[3]]
         print(
-            f"steps with prompt: {len(pr)}; prompt tokens total {sum(s[3] for s in steps)}, resume tokens {sum(s[4] for s in steps)}"
+            f"steps with prompt: {len(pr)}; prompt tokens total {sum(s[3] for s in steps)}, "
+            f"resume tokens {sum(s[4] for s in steps)}"
         )
         by = collections.defaultdict(list)
         for s in steps:
@@ -129,7 +131,8 @@ def main() -> None:
         for latv, st, si, se in slow:
             seen = steps[si:se]
             print(
-                f"  slow {latv:.2f}s: {se - si} steps, sum {sum(s[1] for s in seen):.2f}s, prompt {[s[3] for s in seen]}"
+                f"  slow {latv:.2f}s: {se - si} steps, sum {sum(s[1] for s in seen):.2f}s, "
+                f"prompt {[s[3] for s in seen]}"
             )
         gen = sum(s[2] or 0 for s in steps)
         print(f"decode rows per second {gen / seconds:.1f}")

@@ -199,7 +199,8 @@ def main() -> None:
         with lane_clock(args.lanes) as log:
             eng = openmp.in_fresh_thread(lambda: _started(Engine(bb.model, bb.tokenizer, rm, EngineConfig(
                 max_batch_rows=args.batch, max_batch_tokens=1 << 20, max_prefill_rows=args.batch, max_queue=1 << 16,
-                dtype=dtype, threads=args.threads, tuning=Tuning(weight_kernel=args.weight_kernel, adaptive_threads=True, contended_lanes="on")))))
+                dtype=dtype, threads=args.threads,
+                tuning=Tuning(weight_kernel=args.weight_kernel, adaptive_threads=True, contended_lanes="on")))))
             try:
                 with busy_processes(busy):
                     run_engine(eng, bb.tokenizer, jobs[:4], adapters, "warm-up")
@@ -208,13 +209,14 @@ def main() -> None:
             finally:
                 eng.stop()
         on_lanes = any(s.spans for s in log.steps)
-        row = {"busy": busy, "tok_per_s": out["tok_per_s"], **(split(log.steps, log.lanes) if on_lanes else {"lanes": 0})}
+        row = {"busy": busy, "tok_per_s": out["tok_per_s"],
+               **(split(log.steps, log.lanes) if on_lanes else {"lanes": 0})}
         results.append(row)
         if not on_lanes:
             print(f"beside {busy}: {row['tok_per_s']:.1f} tok/s, no step ran on lanes (the team kept the CPUs)")
             continue
-        print(f"beside {busy}: {row['tok_per_s']:.1f} tok/s, {row['steps']} steps on {row['lanes']} lanes; of the lanes' "
-              f"time: on a CPU {row['on_cpu_share']:.3f}, runnable {row['runnable_share']:.3f}, blocked "
+        print(f"beside {busy}: {row['tok_per_s']:.1f} tok/s, {row['steps']} steps on {row['lanes']} lanes; "
+              f"of the lanes' time: on a CPU {row['on_cpu_share']:.3f}, runnable {row['runnable_share']:.3f}, blocked "
               f"{row['blocked_share']:.3f}, idle at the join {row['idle_at_join_share']:.3f} (before its forward "
               f"{row['join_before_share']:.3f}, after {row['join_after_share']:.3f}, no item "
               f"{row['join_no_item_share']:.3f}), team steps "

@@ -36,7 +36,8 @@ RuntimeDep = Annotated[Runtime, Depends(get_runtime)]
 
 
 bearer = HTTPBearer(auto_error=False, scheme_name="bearer",
-                    description="POLYSERVE_API_KEYS (a tenant: inference, its own tasks, jobs and usage) or POLYSERVE_ADMIN_KEYS (everything)")
+                    description="POLYSERVE_API_KEYS (a tenant: inference, its own tasks, jobs and usage) or "
+                                "POLYSERVE_ADMIN_KEYS (everything)")
 BearerDep = Annotated[HTTPAuthorizationCredentials | None, Security(bearer)]
 
 

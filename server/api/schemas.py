@@ -27,10 +27,12 @@ class Usage(BaseModel):
 class GenerateRequest(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
-    task: str = Field(pattern=MODEL_ID_PATTERN, max_length=MAX_MIX_CHARS, json_schema_extra=MIX_SCHEMA_EXTRA, examples=["base"])
+    task: str = Field(pattern=MODEL_ID_PATTERN, max_length=MAX_MIX_CHARS, json_schema_extra=MIX_SCHEMA_EXTRA,
+                      examples=["base"])
     prompt: str = Field(min_length=1, json_schema_extra={"pattern": r"\S"},
                         description="the task's input; wrapped in the task's trained prompt format (not empty)")
-    max_new_tokens: Annotated[int, Field(ge=1), Number] = Field(default=64, description="default: 64, or the server's limit if lower")
+    max_new_tokens: Annotated[int, Field(ge=1), Number] = Field(
+        default=64, description="default: 64, or the server's limit if lower")
     temperature: Annotated[float, Field(ge=0.0, le=100.0), Number] = 0.0
     top_p: Annotated[float, Field(gt=0.0, le=1.0), Number] = 1.0
     top_k: Annotated[int, Field(ge=0), Number] = 0

@@ -56,9 +56,11 @@ def _vllm_engine(settings: Settings, backbone: Backbone, metrics: Metrics, inven
     return VllmEngine(
         str(hf_dir(settings.backbone)), backbone.tokenizer, lora_root=str(settings.home / "vllm-loras"),
         inventory=inventory, max_batch_rows=settings.max_batch_rows, max_batch_tokens=settings.max_batch_tokens,
-        max_queue=settings.max_queue, dtype=dtype_name(serving_dtype(settings.device, settings.dtype)), metrics=metrics, extra_args=settings.vllm_args,
+        max_queue=settings.max_queue, dtype=dtype_name(serving_dtype(settings.device, settings.dtype)),
+        metrics=metrics, extra_args=settings.vllm_args,
         background_threads=max(1, round(threads * settings.background_share)),
         max_model_len=min(settings.max_batch_tokens,
-                          int(getattr(backbone.model.config, "max_position_embeddings", 0) or settings.max_batch_tokens)),
+                          int(getattr(backbone.model.config, "max_position_embeddings", 0)
+                              or settings.max_batch_tokens)),
         caps=tenant_caps(settings),
     )

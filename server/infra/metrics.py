@@ -52,7 +52,9 @@ class Metrics:
                                          registry=r)
         self.tenant_refused = Counter(P + "tenant_refused", "Requests a tenant's own cap refused, by limit.",
                                       ["tenant", "limit"], registry=r)
-        self.adapter_cache = Counter(P + "adapter_cache_requests", "Adapter lookups by tier and result (hit, miss, error = Redis failed, corrupt = undecodable entry, dropped).",
+        self.adapter_cache = Counter(P + "adapter_cache_requests",
+                                     "Adapter lookups by tier and result (hit, miss, error = Redis failed, "
+                                     "corrupt = undecodable entry, dropped).",
                                      ["tier", "result"], registry=r)
         self.materialize_seconds = Histogram(P + "adapter_materialize_seconds",
                                              "Computing a task's adapter from skills (L3).",

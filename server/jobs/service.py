@@ -135,8 +135,9 @@ class Registration:
         """Raises ValueError (bad / reserved id), TaskExists (409), RuntimeError (no inventory),
         JobsBusy (POLYSERVE_MAX_QUEUED_JOBS unfinished here), TenantJobLimit (the tenant's own
         jobs), TaskLimit (POLYSERVE_MAX_TASKS) or TenantTaskLimit (the tasks it owns); the limits
-        are checked and the job queued under one lock, so a burst of POSTs cannot pass them together (in this process: replicas submitting at the same moment
-        may each pass a limit once, as for the global ones)."""
+        are checked and the job queued under one lock, so a burst of POSTs cannot pass them together
+        (in this process: replicas submitting at the same moment may each pass a limit once, as for
+        the global ones)."""
         validate_new_task_id(task)
         self.prune()
         if self.rt.routed is None:

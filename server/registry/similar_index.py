@@ -113,7 +113,8 @@ class RoutingIndex:
     def __len__(self) -> int:
         return len(self._ids)
 
-    def similar(self, task: str, k: int, visible: Callable[[TaskRecord], bool] | None = None) -> list[tuple[str, float]]:
+    def similar(self, task: str, k: int,
+                visible: Callable[[TaskRecord], bool] | None = None) -> list[tuple[str, float]]:
         """The k tasks nearest to `task` by routing row, best first: (id, exact score); with
         `visible`, only tasks whose record passes it (a tenant's own and shared tasks).
         Raises TaskNotFound, NotRouted. Blocking (stats the store, reads a few rows)."""

@@ -97,7 +97,8 @@ class Runtime:
         openmp.use_threads(threads)
         log.info("torch threads: %d (%s); OpenMP spin: %s", threads,
                  "POLYSERVE_THREADS" if settings.threads else cpus.budget().describe(), openmp.state())
-        bb = backbone or load_backbone(settings.backbone, device=settings.device, dtype=dtype_name(backbone_dtype(settings.device, settings.dtype)))
+        bb = backbone or load_backbone(settings.backbone, device=settings.device,
+                                       dtype=dtype_name(backbone_dtype(settings.device, settings.dtype)))
         store = open_store(settings.store_location, cache_dir=settings.home.expanduser() / "inventories")
         _maybe_install_default_inventory(store, settings.backbone)
         _describe_shipped_tasks(store, settings.backbone)

@@ -8,7 +8,8 @@ from bench.contention import report
 
 def _rows(peer: str) -> list[dict]:
     rows = []
-    for r, (a0, p0, a6, p6) in enumerate([(100.0, 90.0, 20.0, 25.0), (110.0, 100.0, 30.0, 24.0), (90.0, 95.0, 25.0, 20.0)]):
+    for r, (a0, p0, a6, p6) in enumerate([(100.0, 90.0, 20.0, 25.0), (110.0, 100.0, 30.0, 24.0),
+                                          (90.0, 95.0, 25.0, 20.0)]):
         rows += [{"round": r, "busy": 0, "variant": "a", "tok_per_s": a0},
                  {"round": r, "busy": 0, "variant": peer, "tok_per_s": p0},
                  {"round": r, "busy": 6, "variant": "a", "tok_per_s": a6},
@@ -21,9 +22,11 @@ def test_the_table_pairs_polyserve_with_the_peer_that_ran():
         table = report(_rows(peer)).splitlines()
         assert name in table[0]
         alone, six = table[2], table[3]
-        assert alone.startswith("| 0 | 3 | 100.0 (90.0-110.0) | 95.0 (90.0-100.0) | 1.10 (1.11, 1.10, 0.95) | 1.00 | 1.00 |")
+        assert alone.startswith("| 0 | 3 | 100.0 (90.0-110.0) | 95.0 (90.0-100.0) "
+                                "| 1.10 (1.11, 1.10, 0.95) | 1.00 | 1.00 |")
         # per-round ratios 0.80, 1.25, 1.25; kept = median beside 6 over median alone
-        assert six.startswith("| 6 | 3 | 25.0 (20.0-30.0) | 24.0 (20.0-25.0) | 1.25 (0.80, 1.25, 1.25) | 0.25 | 0.25 | 0.25 |")
+        assert six.startswith("| 6 | 3 | 25.0 (20.0-30.0) | 24.0 (20.0-25.0) "
+                              "| 1.25 (0.80, 1.25, 1.25) | 0.25 | 0.25 | 0.25 |")
 
 
 def test_kept_is_also_given_round_by_round_over_the_same_rounds_run_alone():
@@ -32,7 +35,8 @@ def test_kept_is_also_given_round_by_round_over_the_same_rounds_run_alone():
     assert "(a) kept round by round (over the same round alone): beside 6 0.27 (0.20, 0.27, 0.28)" in lines
     assert "(F) kept round by round (over the same round alone): beside 6 0.24 (0.28, 0.24, 0.21)" in lines
     rows = [row for row in _rows("F") if not (row["busy"] == 0 and row["round"] == 1)]  # round 1 alone missing
-    assert "(a) kept round by round (over the same round alone): beside 6 0.24 (0.20, 0.28)" in report(rows).splitlines()
+    assert ("(a) kept round by round (over the same round alone): beside 6 0.24 (0.20, 0.28)"
+            in report(rows).splitlines())
 
 
 def test_another_engine_variant_gets_its_own_table_against_a_round_by_round():
@@ -41,7 +45,8 @@ def test_another_engine_variant_gets_its_own_table_against_a_round_by_round():
         rows += [{"round": r, "busy": 0, "variant": "w", "tok_per_s": w0},
                  {"round": r, "busy": 6, "variant": "w", "tok_per_s": w6}]
     lines = report(rows).splitlines()
-    head = lines.index("| busy processes | rounds | (w) tok/s: median (spread) | (a)/(w): median (per round) | (w) kept |")
+    head = lines.index("| busy processes | rounds | (w) tok/s: median (spread) | (a)/(w): median (per round) "
+                       "| (w) kept |")
     # (a)/(w) alone: 100/80, 110/100, 90/90; beside 6: 20/10, 30/20, 25/25; kept 20/90
     assert lines[head + 2] == "| 0 | 3 | 90.0 (80.0-100.0) | 1.10 (1.25, 1.10, 1.00) | 1.00 |"
     assert lines[head + 3] == "| 6 | 3 | 20.0 (10.0-25.0) | 1.50 (2.00, 1.50, 1.00) | 0.22 |"
@@ -89,7 +94,8 @@ def test_the_cpu_table_reads_each_variants_schedstat_figures():
     rows.append({"round": 0, "busy": "quota", "variant": "a", "tok_per_s": 1.0, "how": "v2", "tokens": 10,
                  "wall_s": 1.0, "cpu_s": 1.0, "runnable_wait_s": 0.0})  # not a busy level: left out
     lines = report(rows).splitlines()
-    head = lines.index("| busy processes | variant | rounds | CPUs held | CPU s per 1,000 tokens | on a CPU when runnable |")
+    head = lines.index("| busy processes | variant | rounds | CPUs held | CPU s per 1,000 tokens "
+                       "| on a CPU when runnable |")
     # (a): medians of 20/20, 24/20, 22/20 CPUs; 20, 24, 22 s per 1,000 tokens; half its runnable time
     assert lines[head + 2] == "| 2 | (a) | 3 | 1.10 | 22.0 | 0.50 |"
     # (f): 30, 36, 27 CPU s over 20 s; per 1,000 tokens 18.75, 22.5, 16.875; two thirds on a CPU

@@ -26,7 +26,8 @@ def test_the_linears_are_the_runners_kernel_ones_in_step_order(tmp_path):
     assert len(every) == 5 * len(runner.layers) + 1 and all(isinstance(lin, QuantLinear) for lin in every)
     first = kernel_linears(runner, layers=1)
     assert first == every[:5]
-    assert weights(first) == sum(p.numel() for n, p in model.model.layers[0].named_parameters() if n.endswith("proj.weight"))
+    assert weights(first) == sum(p.numel() for n, p in model.model.layers[0].named_parameters()
+                                 if n.endswith("proj.weight"))
     times = pass_ms(first, rows=3, passes=2, repeats=4)
     assert len(times) == 4 and all(t > 0 for t in times)
     off = build_model_runner(model, slots=2, tuning=Tuning(native_executor="llama", weight_kernel="off"))

@@ -90,8 +90,8 @@ def env(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Env]:
         mp.setattr(client_cli, "_client_factory", factory)
         e = Env(srv.url, seen, root)
         e.run("register", "--task", "contract-r", "--examples", str(examples), "--method", "retrieve", "--wait")
-        e.run("register", "--task", "contract-t", "--examples", str(examples), "--method", "routing", "--steps", "2", "--serve-early",
-              "--shared", "--wait")
+        e.run("register", "--task", "contract-t", "--examples", str(examples), "--method", "routing", "--steps", "2",
+              "--serve-early", "--shared", "--wait")
         e.examples = examples  # type: ignore[attr-defined]
         e.runtime = srv.runtime  # type: ignore[attr-defined]
         yield e
@@ -146,7 +146,8 @@ def test_lists_are_the_server_lists(env: Env) -> None:
     assert [r.split()[0] for r in rows] == [t["id"] for t in tasks]
     models = env.get("/v1/models")
     assert json.loads(env.run("models", "list", "--json").stdout) == {"data": models["data"]}
-    assert {r.split()[0] for r in env.run("models", "list").stdout.splitlines()[1:]} == {m["id"] for m in models["data"]}
+    assert ({r.split()[0] for r in env.run("models", "list").stdout.splitlines()[1:]}
+            == {m["id"] for m in models["data"]})
     one = env.get("/v1/models/alpha")
     assert json.loads(env.run("models", "show", "alpha", "--json").stdout) == one
     shown = env.run("models", "show", "alpha").stdout
@@ -212,7 +213,8 @@ def test_every_api_operation_has_a_command(env: Env) -> None:
     """Runs after the tests above in this module (pytest keeps file order), so `seen` holds every
     request their commands sent; it re-runs the cheap ones itself so it also passes alone."""
     for args in (("tasks", "list"), ("tasks", "show", "alpha"), ("tasks", "similar", "alpha"), ("models", "list"),
-                 ("models", "show", "alpha"), ("usage",), ("generate", "--task", "alpha", "w1", "--max-new-tokens", "2")):
+                 ("models", "show", "alpha"), ("usage",),
+                 ("generate", "--task", "alpha", "w1", "--max-new-tokens", "2")):
         env.run(*args)
     if not any(p.startswith("/v1/jobs/") and p.endswith("/cancel") for _, p in env.seen):
         test_jobs_cancel(env)
@@ -246,7 +248,8 @@ def leaf_commands(group: click.Group, prefix: str = "polyserve") -> list[str]:
 
 def test_the_cli_page_has_every_command_with_an_example() -> None:
     section = (Path(__file__).resolve().parents[2] / "docs" / "cli.md").read_text()
-    rows = {m[0]: m[1] for m in re.findall(r"^\| `(polyserve [a-z -]+?)`.*\| `(polyserve [^`]+)` \|$", section, re.MULTILINE)}
+    row = r"^\| `(polyserve [a-z -]+?)`.*\| `(polyserve [^`]+)` \|$"
+    rows = {m[0]: m[1] for m in re.findall(row, section, re.MULTILINE)}
     commands = leaf_commands(main)
     assert len(commands) > 20
     for command in commands:

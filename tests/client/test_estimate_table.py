@@ -9,7 +9,8 @@ from client.types import Task
 def test_the_estimate_is_a_table_with_the_chosen_form_marked():
     estimate = {"chosen": "demos", "level": 0.9, "note": "too few examples for an estimate: 8",
                 "candidates": {"demos": {"exact": 0.875, "n": 8, "low": 0.59, "high": 0.98},
-                               "routing": {"exact": 0.5, "n": 4, "low": 0.2, "high": 0.8, "stopped": "stopped after 4"}},
+                               "routing": {"exact": 0.5, "n": 4, "low": 0.2, "high": 0.8,
+                                           "stopped": "stopped after 4"}},
                 "majority": {"exact": 0.25, "n": 8, "low": 0.08, "high": 0.55}}
     raw = {"id": "t", "status": "ready", "metrics": {"chosen": "demos", "estimate": estimate}}
     out = fmt.task_details(Task.from_json(raw))

@@ -76,7 +76,8 @@ def promql_metric_names(expr: str) -> set[str]:
     """The metric names (series selectors) used in one PromQL expression, as written.
 
     Strings, label matchers, ranges, grouping clauses, offset/@ modifiers, Grafana variables,
-    numbers, durations, keywords and function names (identifiers followed by ``(``) are dropped; what is left are metric names.
+    numbers, durations, keywords and function names (identifiers followed by ``(``) are dropped;
+    what is left are metric names.
     """
     text = _STRING.sub(" ", expr)
     text = _GRAFANA_VAR.sub("1", text)

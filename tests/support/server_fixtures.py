@@ -33,7 +33,8 @@ def random_skills(model: torch.nn.Module, spec: InventorySpec = SPEC, seed: int 
     return rm
 
 
-def build_store(root: str | Path, tasks: tuple[str, ...] = TASKS, spec: InventorySpec = SPEC, seed: int = 0) -> DirectoryStore:
+def build_store(root: str | Path, tasks: tuple[str, ...] = TASKS, spec: InventorySpec = SPEC,
+                seed: int = 0) -> DirectoryStore:
     """A store with a random inventory for the tiny backbone and one routing row per task."""
     bb = tiny_backbone()
     rm = random_skills(bb.model, spec, seed)
@@ -170,7 +171,8 @@ def vllm_python() -> Path | None:
     another), or None: the tests that need real vLLM skip."""
     import os
 
-    path = Path(os.environ.get("POLYSERVE_VLLM_PYTHON", Path(__file__).resolve().parents[2] / ".venv-vllm" / "bin" / "python"))
+    in_repo = Path(__file__).resolve().parents[2] / ".venv-vllm" / "bin" / "python"
+    path = Path(os.environ.get("POLYSERVE_VLLM_PYTHON", in_repo))
     return path if path.is_file() else None
 
 

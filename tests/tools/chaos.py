@@ -137,7 +137,8 @@ def server(backbone: str, redis_url: str | None = None, **env: str) -> Iterator[
         if backbone == "tiny":
             build_store(Path(tmp) / "store")
         port = free_port()
-        environ = {**os.environ, "POLYSERVE_HOME": os.environ.get("POLYSERVE_HOME", str(Path.home() / ".cache/polyserve")),
+        environ = {**os.environ,
+                   "POLYSERVE_HOME": os.environ.get("POLYSERVE_HOME", str(Path.home() / ".cache/polyserve")),
                    "POLYSERVE_STORE": str(Path(tmp) / "store"), "POLYSERVE_BACKBONE": backbone,
                    "POLYSERVE_L1_CACHE_BYTES": "0", "POLYSERVE_REDIS_BREAKER_COOLDOWN": "0.5", **env}
         environ.pop("POLYSERVE_REDIS_URL", None)

@@ -46,7 +46,8 @@ def local_server(root: Path) -> Iterator[str]:
 def schemathesis_cmd(url: str, key: str, *, max_examples: int, seed: int, workers: int,
                      report: Path, phases: str, exclude_checks: tuple[str, ...] = ()) -> list[str]:
     exe = Path(sys.executable).with_name("schemathesis")
-    return [str(exe), "--config-file", str(CONFIG), "run", f"{url}/openapi.json", "--checks", "all", "--max-examples", str(max_examples),
+    return [str(exe), "--config-file", str(CONFIG), "run", f"{url}/openapi.json", "--checks", "all",
+            "--max-examples", str(max_examples),
             "--seed", str(seed), "--workers", str(workers), "--phases", phases, "-H", f"Authorization: Bearer {key}",
             "--generation-database", "none", "--no-color", "--request-timeout", "60",
             "--report", "ndjson", "--report-ndjson-path", str(report), "--suppress-health-check", "all",

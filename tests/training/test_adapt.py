@@ -156,10 +156,13 @@ def test_plain_lora_starts_at_the_bare_backbone_with_peft_initialisation(invento
     while job.step():
         pass
     res = job.result()
-    assert res.kind == "lora" and res.params == sum(A.numel() + B.numel() for A, B in layers_from_lora(info, res.tensors))
-    for (A, B), (sA, _) in zip(layers_from_lora(info, res.tensors), layers_from_weights(info, skills, mu_weights(info))):
+    assert res.kind == "lora" and res.params == sum(A.numel() + B.numel()
+                                                    for A, B in layers_from_lora(info, res.tensors))
+    for (A, B), (sA, _) in zip(layers_from_lora(info, res.tensors),
+                               layers_from_weights(info, skills, mu_weights(info))):
         assert not B.any()
-        assert A.shape == sA.shape and A.abs().max() <= 1 / A.shape[0] ** 0.5 and A.abs().max() > 0.5 / A.shape[0] ** 0.5
+        assert (A.shape == sA.shape and A.abs().max() <= 1 / A.shape[0] ** 0.5
+                and A.abs().max() > 0.5 / A.shape[0] ** 0.5)
     from training.evaluate import heldout_loss
 
     assert res.metrics["initial_eval_loss"] == pytest.approx(heldout_loss(rm, None, tokenizer, few()[12:]), rel=0.02)
@@ -445,7 +448,8 @@ def test_a_training_step_takes_fewer_long_examples_and_all_short_ones(inventory,
                               AdaptConfig(method="routing", steps=3, holdout_fraction=0.0, step_tokens=0)), rows)
         assert rows[0][0] == 4  # no cap: the method's batch of 4
         rows.clear()
-        first_step(Adaptation(rm, info, skills, few(16), tokenizer, AdaptConfig(method="routing", steps=3, holdout_fraction=0.0)), rows)
+        first_step(Adaptation(rm, info, skills, few(16), tokenizer,
+                              AdaptConfig(method="routing", steps=3, holdout_fraction=0.0)), rows)
         assert rows[0][0] == 4 and rows[0][0] * rows[0][1] <= 256  # the suite's examples: unchanged
     finally:
         hook.remove()
@@ -490,8 +494,10 @@ def test_a_known_initial_loss_on_the_same_split_is_not_measured_again(inventory,
         job = Adaptation(rm, info, skills, exs, tokenizer, config, init_row=init, init_eval=mismatch)
         assert job.evals == 0
         job.step()
-        assert job.step_count == 0 and job.evals == 1 and job.initial_eval_loss == pytest.approx(measured.last_eval_loss)
-    assert Adaptation(rm, info, skills, exs, tokenizer, config, init_eval=KnownEval(0.0, held)).evals == 0  # no init_row
+        assert (job.step_count == 0 and job.evals == 1
+                and job.initial_eval_loss == pytest.approx(measured.last_eval_loss))
+    # no init_row
+    assert Adaptation(rm, info, skills, exs, tokenizer, config, init_eval=KnownEval(0.0, held)).evals == 0
 
 
 @pytest.mark.slow

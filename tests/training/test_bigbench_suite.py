@@ -202,8 +202,8 @@ def test_the_script_writes_one_task_per_source(tmp_path):
     archive = make_archive(tmp_path / "bigbench-1.0.0.tar.gz",
                            {"toy_parent/sub_b/task.json": {"name": "sub_b", "examples": [gen(i) for i in range(36)]}})
     path, cache = tmp_path / "one.jsonl", tmp_path / "cache"
-    res = subprocess.run([sys.executable, "-m", "scripts.bigbench_suite", "--archive", str(archive), "--out", str(cache),
-                          "--skip-checksum", "--jsonl-out", str(path), "--one-per-source"],
+    res = subprocess.run([sys.executable, "-m", "scripts.bigbench_suite", "--archive", str(archive),
+                          "--out", str(cache), "--skip-checksum", "--jsonl-out", str(path), "--one-per-source"],
                          cwd=ROOT, capture_output=True, text=True, timeout=120, check=False)
     assert res.returncode == 0, res.stderr
     written = Counter(json.loads(line)["task"] for line in path.read_text().splitlines())

@@ -126,8 +126,8 @@ def _worker(rank: int, world: int, port: int, out: str) -> None:
         lo, hi = shard_bounds(5, rank, world)  # uneven shares: 3 and 2
         result["gathered"] = all_gather_shards(torch.arange(lo, hi, dtype=torch.float32), 5, ctx).tolist()
         # rank 1 is handed a store too: the trainer itself must leave it alone
-        ddp = Trainer(config(checkpoint_every=3), tiny_backbone(), toy_tasks(), store("ddp") or DirectoryStore(root / "rank1"),
-                      dist=ctx)
+        ddp = Trainer(config(checkpoint_every=3), tiny_backbone(), toy_tasks(),
+                      store("ddp") or DirectoryStore(root / "rank1"), dist=ctx)
         result["ddp"] = ddp.run(progress=False)
         # --resume: a run stopped after 3 steps, then every rank loads rank 0's checkpoint
         first = Trainer(config(checkpoint_every=3), tiny_backbone(), toy_tasks(), store("resumed"), dist=ctx)

@@ -76,7 +76,8 @@ def test_choices_on_the_prompts_shared_cache_score_as_each_on_its_whole_prompt(t
                                                                                adapter):
     rm = random_skills(tiny_model, InventorySpec(n_skills=2, n_heads=1, rank=2))
     weights = torch.softmax(torch.randn(len(rm.layers), 1, 2, generator=torch.Generator().manual_seed(3)), -1)
-    as_lora = [materialize(layer.lora_A.detach(), layer.lora_B.detach(), weights[i]) for i, layer in enumerate(rm.layers)]
+    as_lora = [materialize(layer.lora_A.detach(), layer.lora_B.detach(), weights[i])
+               for i, layer in enumerate(rm.layers)]
     chosen = {"bare": None, "mixed": weights, "lora": as_lora}[adapter]
     ctx = icl_context([Example("t", "cat 3", "CAT 3")])
     choices = ["dog", "bird 4", "a much longer choice 5 6 7", "x"] * 2  # more than one copy of the cache
@@ -158,7 +159,8 @@ def test_questions_after_the_contexts_cache_score_as_each_on_its_whole_prompt(ti
 
 
 def test_score_rows_runs_the_context_once_for_generation_choices_and_loss(rm, tokenizer, monkeypatch):
-    rows = [{"input": "c 3", "output": "p", "choices": ["p", "q"]}, {"input": "d 4", "output": "q", "choices": ["p", "q"]}]
+    rows = [{"input": "c 3", "output": "p", "choices": ["p", "q"]},
+            {"input": "d 4", "output": "q", "choices": ["p", "q"]}]
     ctx = icl_context([Example("t", "cat 3", "CAT 3"), Example("t", "dog 4", "DOG 4")])
     context_ids = tokenizer(ctx).input_ids
     whole, real = [], evaluate.prompt_cache

@@ -81,8 +81,8 @@ def test_however_wide_the_suite_every_far_task_stays_far():
 
 def test_however_wide_the_suite_no_held_out_composition_gets_a_nearer_training_task():
     """A wider suite would otherwise draw near-copies of the 16 held-out tasks
-    (dedupe.first2.rev-chars agrees with first2.rev-chars on every input without a repeated word): the protocol would then
-    reward recall, not composition, and stop comparing inventories fairly."""
+    (dedupe.first2.rev-chars agrees with first2.rev-chars on every input without a repeated word):
+    the protocol would then reward recall, not composition, and stop comparing inventories fairly."""
     held, inputs = build_suite(0).heldout_tasks, agreement_inputs()
     shipped = nearest(held, wide_suite().train_tasks, inputs)
     widest = nearest(held, wide_suite(10_000, 10_000).train_tasks, inputs)

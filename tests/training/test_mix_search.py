@@ -40,7 +40,8 @@ def test_the_search_never_ends_above_mu_and_stays_within_its_budget(inventory, t
     assert m["evaluations"] == 17 and len(m["candidates"]) == 4 and set(m["candidates"]) <= set(candidates)
     assert m["objective"] <= m["mu_objective"]
     w = torch.tensor(m["weights"])
-    torch.testing.assert_close(res.tensors["logits"], mixed_row(torch.stack([candidates[n] for n in m["candidates"]]), w),
+    torch.testing.assert_close(res.tensors["logits"],
+                               mixed_row(torch.stack([candidates[n] for n in m["candidates"]]), w),
                                rtol=1e-3, atol=1e-3)
     # the objective it reports is the mixed row's real loss (token mean) plus the L1 penalty
     batch = collate(encode_all(tokenizer, few, 128), tokenizer.eos_token_id if tokenizer.pad_token_id is None

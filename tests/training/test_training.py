@@ -240,7 +240,8 @@ def test_resume_continues_like_an_uninterrupted_run(tiny_base, tokenizer, tmp_pa
                     tasks, DirectoryStore(tmp_path))
     head = [first.train_step() for _ in range(3)]
     first.checkpoint()
-    second = Trainer(config("mhr", steps=6), backbone(copy.deepcopy(tiny_base), tokenizer), tasks, DirectoryStore(tmp_path))
+    second = Trainer(config("mhr", steps=6), backbone(copy.deepcopy(tiny_base), tokenizer), tasks,
+                     DirectoryStore(tmp_path))
     second.load_state(tmp_path)
     assert second.step == 3
     tail = second.run(progress=False)
@@ -381,7 +382,8 @@ def test_routing_plot_writes_a_png(tmp_path):
 def test_install_default_inventory_copies_once(tiny_model, tokenizer, tmp_path):
     from training.shipped_inventory import export_store, install_default_inventory
 
-    trainer = Trainer(config("mhr", steps=2), backbone(tiny_model, tokenizer), toy_tasks(4), DirectoryStore(tmp_path / "a"))
+    trainer = Trainer(config("mhr", steps=2), backbone(tiny_model, tokenizer), toy_tasks(4),
+                      DirectoryStore(tmp_path / "a"))
     trainer.run(progress=False)
     shipped = tmp_path / "pkg" / "default_inventory"
     summary = export_store(tmp_path / "a", shipped)
@@ -414,7 +416,8 @@ def test_the_shipped_package_data_stays_within_its_budget():
 def test_an_export_over_the_budget_is_refused_and_leaves_the_package_as_it_was(tiny_model, tokenizer, tmp_path):
     from training.shipped_inventory import WORDS_DIR, export_store, tree_bytes
 
-    trainer = Trainer(config("mhr", steps=1), backbone(tiny_model, tokenizer), toy_tasks(2), DirectoryStore(tmp_path / "a"))
+    trainer = Trainer(config("mhr", steps=1), backbone(tiny_model, tokenizer), toy_tasks(2),
+                      DirectoryStore(tmp_path / "a"))
     trainer.run(progress=False)
     shipped = tmp_path / "pkg" / "default_inventory"
     first = export_store(tmp_path / "a", shipped)
@@ -424,7 +427,8 @@ def test_an_export_over_the_budget_is_refused_and_leaves_the_package_as_it_was(t
         export_store(tmp_path / "a", shipped, budget=int(first["package_bytes"]) - 1)
     assert {p.relative_to(shipped): p.read_bytes() for p in shipped.rglob("*") if p.is_file()} == before
     assert not (tmp_path / "pkg" / "default_inventory.tmp").exists()
-    assert export_store(tmp_path / "a", shipped, budget=int(first["package_bytes"]))["package_bytes"] == first["package_bytes"]
+    assert (export_store(tmp_path / "a", shipped, budget=int(first["package_bytes"]))["package_bytes"]
+            == first["package_bytes"])
 
 def test_cli_train_eval_adapt_plot(tmp_path):
     from training import cli

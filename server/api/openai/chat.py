@@ -6,8 +6,9 @@
                    its record names (adapters_store.backbone.prompt), so the conversation is rendered into that
                    format: the text of the LAST USER message is the input (a conversation
                    without one is refused); every other message (system, developer, earlier
-                   turns, anything after it) is not shown to the adapter (documented as ignored). The answer is returned without
-                   the format's separator, exactly as POST /v1/generate returns it.
+                   turns, anything after it) is not shown to the adapter (documented as
+                   ignored). The answer is returned without the format's separator, exactly as
+                   POST /v1/generate returns it.
 """
 
 from __future__ import annotations

@@ -57,7 +57,8 @@ def render_fn(rt: Runtime, body: ChatRequest, plan: tools.ToolPlan, special: boo
                 text = chat.render_with_template(rt.tokenizer, body.messages)
             else:
                 text = tools.render(rt.tokenizer, body.messages, plan.tools if plan.active else [],
-                                    add_generation_prompt=body.add_generation_prompt and not body.continue_final_message,
+                                    add_generation_prompt=(body.add_generation_prompt
+                                                           and not body.continue_final_message),
                                     continue_final_message=body.continue_final_message,
                                     template_kwargs=template_kwargs, documents=body.documents)
         else:

@@ -171,7 +171,8 @@ async def respond(body: CompletionRequest, request: Request, rt: Runtime, params
                         echoed, offset = completion_logprobs(text_of, _prompt_entries(call, finals), call.caller_ids)
                         parts.append(echoed)
                     if not scoring:
-                        parts.append(completion_logprobs(text_of, c.logprobs, [e.token_id for e in c.logprobs], offset)[0])
+                        generated_ids = [e.token_id for e in c.logprobs]
+                        parts.append(completion_logprobs(text_of, c.logprobs, generated_ids, offset)[0])
                     logprobs = parts[0] if len(parts) == 1 else merge_completion_logprobs(*parts)
                 choice = {"index": i * n + c.index, "text": prefix + ("" if scoring else c.text),
                           "logprobs": logprobs,

@@ -71,5 +71,6 @@ async def format_spec(value: ResponseFormat | None, tokenizer: Any, *, stop: lis
                        "would cut the JSON short)", param="stop", code=CODE)
     error = await asyncio.to_thread(check_format, spec, tokenizer)
     if error is not None:
-        raise ApiError(400, "invalid_request", f"response_format: invalid schema: {error}", param="response_format", code=CODE)
+        raise ApiError(400, "invalid_request", f"response_format: invalid schema: {error}", param="response_format",
+                       code=CODE)
     return spec

@@ -182,7 +182,8 @@ def _messages(body: ResponsesRequest) -> list[dict[str, Any]]:
         if isinstance(item, MessageItem):
             out.append({"role": item.role, "content": item.text()})
         elif isinstance(item, FunctionCallItem):
-            call = {"id": item.call_id, "type": "function", "function": {"name": item.name, "arguments": item.arguments}}
+            call = {"id": item.call_id, "type": "function",
+                    "function": {"name": item.name, "arguments": item.arguments}}
             last = out[-1] if out else None
             if last is not None and last["role"] == "assistant" and last.get("_calls"):
                 last["tool_calls"].append(call)
@@ -200,7 +201,8 @@ def to_chat(body: ResponsesRequest) -> ChatRequest:
     if body.text is not None and body.text.format is not None:
         f = body.text.format
         if isinstance(f, TextFormatSchema):
-            fmt = {"type": "json_schema", "json_schema": f.model_dump(by_alias=True, exclude={"type"}, exclude_none=True)}
+            fmt = {"type": "json_schema",
+                   "json_schema": f.model_dump(by_alias=True, exclude={"type"}, exclude_none=True)}
         else:
             fmt = {"type": f.type}
     choice: Any = body.tool_choice
@@ -234,8 +236,9 @@ def _param(name: str | None) -> str | None:
         return name.replace(".function.", ".", 1)
     if name == "tool_choice.function.name":
         return "tool_choice.name"
+    key = name.split(".")[0] if name.startswith("response_format") else name
     return {"max_completion_tokens": "max_output_tokens", "response_format": "text.format",
-            "top_logprobs": "top_logprobs"}.get(name.split(".")[0] if name.startswith("response_format") else name, name)
+            "top_logprobs": "top_logprobs"}.get(key, name)
 
 
 def _new_id(prefix: str) -> str:
@@ -243,7 +246,8 @@ def _new_id(prefix: str) -> str:
 
 
 def _envelope(body: ResponsesRequest, rid: str, created: float, status: str) -> dict[str, Any]:
-    fmt = body.text.format.model_dump(by_alias=True, exclude_none=True) if body.text and body.text.format else {"type": "text"}
+    fmt = (body.text.format.model_dump(by_alias=True, exclude_none=True) if body.text and body.text.format
+           else {"type": "text"})
     choice: Any = body.tool_choice or ("auto" if body.tools else "none")
     if isinstance(choice, NamedFunction):
         choice = choice.model_dump()

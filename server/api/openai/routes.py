@@ -55,7 +55,8 @@ def _params(rt: Runtime, body: CompletionRequest | ChatRequest, max_tokens: int,
             response_format: tuple[str, str] | None = None) -> SamplingParams:
     return generation.sampling(
         names, max_new_tokens=max_tokens, temperature=effective_temperature(body.temperature),
-        top_p=effective_top_p(body.top_p), top_k=max(body.top_k, 0), seed=effective_seed(body.seed), stop=tuple(body.stop_list()), n=body.n,
+        top_p=effective_top_p(body.top_p), top_k=max(body.top_k, 0), seed=effective_seed(body.seed),
+        stop=tuple(body.stop_list()), n=body.n,
         logprobs=logprobs, prompt_logprobs=prompt_logprobs, presence_penalty=body.presence_penalty,
         frequency_penalty=body.frequency_penalty, repetition_penalty=body.repetition_penalty,
         logit_bias=body.bias_pairs(), response_format=response_format,
@@ -95,7 +96,8 @@ async def completions(body: CompletionRequest, request: Request, rt: RuntimeDep)
     return await openai_completions.respond(body, request, rt, params, names)
 
 
-async def start_chat(rt: Runtime, body: ChatRequest, id_prefix: str = "chatcmpl") -> tuple[chat_run.ChatRun, generation.Call]:
+async def start_chat(rt: Runtime, body: ChatRequest,
+                     id_prefix: str = "chatcmpl") -> tuple[chat_run.ChatRun, generation.Call]:
     """Check, plan (tools), render, tokenise and submit a chat request (also /v1/responses')."""
     for name in ("max_tokens", "max_completion_tokens"):  # both are checked, whichever is used
         value = getattr(body, name)

@@ -18,9 +18,10 @@ Every request field falls in one of three groups (README "OpenAI compatibility" 
               without echo, and any field not listed here
               (OpenAI answers an unrecognised argument with 400 too)
 
-Numeric rules (vLLM's): a temperature below 1e-5 is greedy; one in [1e-5, 0.01) is raised to 0.01; a top_p below 1e-6 is raised to 1e-6 (the
-same answer: the most likely token alone); repetition_penalty is at least 0.01; top_k -1 (vLLM's "off") is 0; logit_bias keys
-are token ids of the backbone's vocabulary (checked against it in the route), values in [-100, 100];
+Numeric rules (vLLM's): a temperature below 1e-5 is greedy; one in [1e-5, 0.01) is raised to
+0.01; a top_p below 1e-6 is raised to 1e-6 (the same answer: the most likely token alone);
+repetition_penalty is at least 0.01; top_k -1 (vLLM's "off") is 0; logit_bias keys are token ids
+of the backbone's vocabulary (checked against it in the route), values in [-100, 100];
 min_tokens above the request's max tokens is that many (every token is generated).
 """
 
@@ -132,20 +133,21 @@ class _Common(BaseModel):
     # numbers and booleans as JSON Schema says (server.api.wire): "5" is not an integer
     model_config = ConfigDict(extra="forbid")
 
-    model: str = Field(pattern=MODEL_ID_PATTERN, max_length=MAX_MIX_CHARS, json_schema_extra=MIX_SCHEMA_EXTRA, description="a task id, `base`, or a mix `mix:ID=W,...`",
-                       examples=["base"])
+    model: str = Field(pattern=MODEL_ID_PATTERN, max_length=MAX_MIX_CHARS, json_schema_extra=MIX_SCHEMA_EXTRA,
+                       description="a task id, `base`, or a mix `mix:ID=W,...`", examples=["base"])
     temperature: Annotated[float, Field(ge=0.0, le=2.0), Number] = 1.0
     top_p: Annotated[float, Field(gt=0.0, le=1.0), Number] = 1.0
     top_k: Annotated[int, Field(ge=-1), Number] = Field(default=0, description="extension (vLLM): 0 or -1 = off")
     n: Annotated[int, Field(ge=1), Number] = Field(default=1, description="choices; the maximum is POLYSERVE_MAX_N")
     stop: StopString | list[StopString] | None = None
-    seed: Annotated[int, Number] | None = Field(default=None, description="any integer (used modulo 2**63); choice i samples "
-                             "with seed + i")
+    seed: Annotated[int, Number] | None = Field(default=None, description=(
+        "any integer (used modulo 2**63); choice i samples with seed + i"))
     stream: Bool = False
     stream_options: StreamOptions | None = None
     presence_penalty: Annotated[float, Field(ge=-2.0, le=2.0), Number] = 0.0
     frequency_penalty: Annotated[float, Field(ge=-2.0, le=2.0), Number] = 0.0
-    repetition_penalty: Annotated[float, Field(ge=0.01, le=2.0), Number] = Field(default=1.0, description="extension (vLLM)")
+    repetition_penalty: Annotated[float, Field(ge=0.01, le=2.0), Number] = Field(
+        default=1.0, description="extension (vLLM)")
     logit_bias: dict[BiasKey, Annotated[float, Field(ge=-100.0, le=100.0), Number]] | None = Field(
         default=None, max_length=MAX_LOGIT_BIAS, json_schema_extra={"propertyNames": {"pattern": BIAS_KEY}},
         description="token id (as a string, below the vocabulary size) -> bias")
@@ -160,8 +162,9 @@ class _Common(BaseModel):
         "extension (vLLM): only requests of this tenant with the same salt reuse each other's cached prompt KV"))
     # vLLM's sampling extensions (server.engines.request.SamplingParams says what each does)
     ignore_eos: Bool = Field(default=False, description="extension (vLLM): EOS does not end a choice")
-    min_tokens: Annotated[int, Field(ge=0), Number] = Field(default=0, description="extension (vLLM): no EOS / stop token / stop string "
-                                  "before this many tokens (at most the request's max tokens)")
+    min_tokens: Annotated[int, Field(ge=0), Number] = Field(default=0, description=(
+        "extension (vLLM): no EOS / stop token / stop string before this many tokens "
+        "(at most the request's max tokens)"))
     stop_token_ids: list[TokenId] | None = Field(default=None, max_length=MAX_STOP_TOKEN_IDS,
                                                  description="extension (vLLM): token ids that end a choice")
     include_stop_str_in_output: Bool = Field(default=False, description="extension (vLLM)")
@@ -235,10 +238,12 @@ class CompletionRequest(_Common):
     prompt: NonEmpty | Prompts | TokenIds | PromptsOfIds = Field(
         description="a string or a list of token ids, or a list of prompts of either kind (each its own row; "
         "choice index = prompt index x n + choice)")
-    max_tokens: Annotated[int, Field(ge=0), Number] | None = Field(default=16, description="0 with echo: the prompt's logprobs, nothing generated")
+    max_tokens: Annotated[int, Field(ge=0), Number] | None = Field(
+        default=16, description="0 with echo: the prompt's logprobs, nothing generated")
     echo: Bool = False
     logprobs: Annotated[int, Field(ge=0, le=MAX_LOGPROBS), Number] | None = None
-    best_of: Annotated[int, Field(ge=1, le=1), Number] | None = Field(default=None, description="only 1 (or null): no server-side ranking")
+    best_of: Annotated[int, Field(ge=1, le=1), Number] | None = Field(
+        default=None, description="only 1 (or null): no server-side ranking")
     suffix: str | None = Field(default=None, max_length=0, description="refused unless null or empty")
     prompt_embeds: None = Field(default=None, description="refused (extension (vLLM): token ids or text only)")
     response_format: ResponseFormat | None = Field(default=None, description="text, json_object or json_schema")
@@ -292,7 +297,8 @@ class ChatMessage(BaseModel):
          "else": {"properties": {"tool_call_id": {"type": "null"}}}},
         {"if": {"properties": {"role": {"const": "assistant"}}},
          "then": {"anyOf": [{"required": ["content"], "properties": {"content": NOT_NULL}},
-                            {"required": ["tool_calls"], "properties": {"tool_calls": {"type": "array", "minItems": 1}}}]},
+                            {"required": ["tool_calls"],
+                             "properties": {"tool_calls": {"type": "array", "minItems": 1}}}]},
          "else": {"required": ["content"], "properties": {"content": NOT_NULL, "tool_calls": {"type": "null"}}}},
     ]})
 

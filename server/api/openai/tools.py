@@ -45,7 +45,8 @@ from server.api.openai.schemas import ChatMessage
 from server.api.openai.tool_schemas import MAX_TOOLS_CHARS, NamedToolChoice, Tool
 from server.engines.grammar import check_format
 
-NO_ARGUMENTS: dict[str, Any] = {"type": "object", "properties": {}, "additionalProperties": False}  # a tool without parameters
+# a tool without parameters
+NO_ARGUMENTS: dict[str, Any] = {"type": "object", "properties": {}, "additionalProperties": False}
 CALL_OPEN, CALL_CLOSE = "<tool_call>", "</tool_call>"
 _CALL = re.compile(r"<tool_call>\s*(.*?)\s*(?:</tool_call>|$)", re.DOTALL)
 # keys the route sets itself (or that change what apply_chat_template returns)
@@ -106,7 +107,8 @@ def required_schema(tools: Sequence[Tool], parallel: bool) -> dict[str, Any]:
     """A list of one or more calls, each {"name": a tool's name, "parameters": its arguments}."""
     calls = [{"type": "object", "properties": {"name": {"const": t.function.name}, "parameters": parameters_of(t)},
               "required": ["name", "parameters"], "additionalProperties": False} for t in tools]
-    schema: dict[str, Any] = {"type": "array", "minItems": 1, "items": calls[0] if len(calls) == 1 else {"anyOf": calls}}
+    schema: dict[str, Any] = {"type": "array", "minItems": 1,
+                              "items": calls[0] if len(calls) == 1 else {"anyOf": calls}}
     if not parallel:
         schema["maxItems"] = 1
     return schema
@@ -236,7 +238,8 @@ def turns(messages: Sequence[ChatMessage], tools: Sequence[Tool], native: bool) 
             continue
         text = m.text()
         if m.tool_calls:
-            text = "\n".join([text, *(_call_block(c.function.name, c.function.arguments) for c in m.tool_calls)]).lstrip("\n")
+            call_blocks = [_call_block(c.function.name, c.function.arguments) for c in m.tool_calls]
+            text = "\n".join([text, *call_blocks]).lstrip("\n")
         out.append({"role": role, "content": text})
     if tools and not native:
         prelude = DEFAULT_PRELUDE.format(tools="\n".join(_compact(t) for t in tool_dicts(tools)))

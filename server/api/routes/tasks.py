@@ -69,7 +69,8 @@ async def register_task(body: RegisterRequest, request: Request, rt: RuntimeDep,
         raise ApiError(422, "validation_error", "examples: Field required", param="examples")
     if len(body.examples) > settings.max_examples_per_task:
         raise ApiError(422, "validation_error",
-                       f"examples: at most {settings.max_examples_per_task} examples per task, got {len(body.examples)}",
+                       f"examples: at most {settings.max_examples_per_task} examples per task, "
+                       f"got {len(body.examples)}",
                        param="examples")
     if body.steps is not None and body.method in ("retrieve", "demos"):
         raise ApiError(422, "validation_error", f"steps: {body.method} takes no optimisation steps", param="steps")

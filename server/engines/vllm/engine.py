@@ -255,7 +255,8 @@ class VllmEngine:
                         continue
                     ids = list(c.token_ids)
                     counts[c.index] += len(ids)
-                    lps = token_logprobs(ids, c.logprobs, req.params.logprobs or 0) if req.params.logprobs is not None else None
+                    lps = (token_logprobs(ids, c.logprobs, req.params.logprobs or 0)
+                           if req.params.logprobs is not None else None)
                     if c.finish_reason is None:
                         if ids or c.text:
                             req.handle.push(TokenEvent(c.text, ids[-1] if ids else -1, c.index, lps))
@@ -279,7 +280,8 @@ class VllmEngine:
             self._avg_request_s = 0.9 * self._avg_request_s + 0.1 * elapsed
             self._gauges()
 
-    def _answer_rest(self, req: GenRequest, finals: set[int], counts: list[int], reason: str, error: str | None) -> None:
+    def _answer_rest(self, req: GenRequest, finals: set[int], counts: list[int], reason: str,
+                     error: str | None) -> None:
         for index in range(req.params.n):
             if index not in finals:
                 finals.add(index)
@@ -319,7 +321,8 @@ class VllmEngine:
         while True:
             await asyncio.sleep(CANCEL_POLL)
             with self._lock:
-                gone = [task for req, task in self._inflight.values() if task is not None and req.handle.cancelled.is_set()]
+                gone = [task for req, task in self._inflight.values()
+                        if task is not None and req.handle.cancelled.is_set()]
             for task in gone:
                 task.cancel()  # AsyncLLM.generate aborts the request in vLLM on cancellation
 

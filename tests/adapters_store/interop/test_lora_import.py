@@ -192,7 +192,8 @@ def test_post_lora_refusals_are_4xx_naming_the_field(server):
             err = r.json()["error"]
             assert err["param"] == "adapter_config" and message.split()[0] in err["message"], err
         cfg, tensors = peft_lora(info, r=2, alpha=2)
-        for patch, param in (({"adapter": "%%%"}, "adapter"), ({"adapter": base64.b64encode(b"junk").decode()}, "adapter"),
+        for patch, param in (({"adapter": "%%%"}, "adapter"),
+                             ({"adapter": base64.b64encode(b"junk").decode()}, "adapter"),
                              ({"adapter_config": None}, "adapter_config"), ({"task": "base"}, "task")):
             r = http.post("/v1/tasks", json={**upload(info, cfg, tensors, "bad-x"), **patch}, headers=admin)
             assert r.status_code == 422 and r.json()["error"]["param"] == param, r.text

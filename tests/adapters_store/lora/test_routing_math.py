@@ -262,8 +262,10 @@ def test_materialised_and_skill_space_have_the_same_gradients(T):
     both formulations must give the same gradients, not only the same values (float64)."""
     N, h, S, d_in, d_out, r = 4, 2, 3, 8, 6, 2
     g = torch.Generator().manual_seed(7)
-    leaves = [torch.randn(N, T, d_in, generator=g, dtype=torch.float64), torch.randn(h, S, d_in // h, r, generator=g, dtype=torch.float64),
-              torch.randn(h, S, r, d_out // h, generator=g, dtype=torch.float64), torch.rand(N, h, S, generator=g, dtype=torch.float64)]
+    leaves = [torch.randn(N, T, d_in, generator=g, dtype=torch.float64),
+              torch.randn(h, S, d_in // h, r, generator=g, dtype=torch.float64),
+              torch.randn(h, S, r, d_out // h, generator=g, dtype=torch.float64),
+              torch.rand(N, h, S, generator=g, dtype=torch.float64)]
     probe = torch.randn(N, T, d_out, generator=g, dtype=torch.float64)
     grads = []
     for fn in (apply_skill_space, apply_materialised):
@@ -312,7 +314,8 @@ def test_batched_paths_run_in_the_inputs_dtype_whatever_the_tables(G):
     assert_close(skill, apply_skill_space(x, A.double(), B.double(), w.double(), 0.5))
     mat = apply_materialised(x, A, B, w, 0.5)
     assert mat.dtype == torch.float64
-    assert_close(mat, apply_materialised(x, A.double(), B.double(), w.double(), 0.5), rtol=1e-5, atol=1e-6)  # float32 tables
+    # float32 tables
+    assert_close(mat, apply_materialised(x, A.double(), B.double(), w.double(), 0.5), rtol=1e-5, atol=1e-6)
     for default, one in zip(stack_skills(A, B), stack_skills(A, B, 1.0), strict=True):  # default scale 1
         assert torch.equal(default, one)
 

@@ -1,4 +1,5 @@
-"""adapters_store/store/atomic.py on its own: parent directories, the failure path, the JSON bytes, the sweep's bounds."""
+"""adapters_store/store/atomic.py on its own: parent directories, the failure path, the JSON bytes,
+the sweep's bounds."""
 
 from __future__ import annotations
 

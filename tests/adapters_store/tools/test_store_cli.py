@@ -31,7 +31,8 @@ def test_import_then_export_round_trip(tiny_base, tmp_path):
     again = runner.invoke(main, ["import-peft-poly", str(tmp_path / "poly"), "--store", store, "--backbone", "tiny"])
     assert again.exit_code != 0 and "already has an inventory" in again.output
 
-    result = runner.invoke(main, ["export", "--task", "translate.fr", "--out", str(tmp_path / "lora"), "--store", store])
+    result = runner.invoke(main, ["export", "--task", "translate.fr", "--out", str(tmp_path / "lora"),
+                                  "--store", store])
     assert result.exit_code == 0, result.output
     lora = peft.PeftModel.from_pretrained(copy.deepcopy(tiny_base), tmp_path / "lora").eval()
     ids = torch.randint(0, 250, (1, 6), generator=torch.Generator().manual_seed(0))
@@ -55,7 +56,8 @@ def test_export_names_the_base_model_vllm_serves(tmp_path, monkeypatch):
     store = build_store(tmp_path / "store")
     runner = CliRunner()
     out = tmp_path / "lora"
-    assert runner.invoke(main, ["export", "--task", "alpha", "--out", str(out), "--store", str(store.root)]).exit_code == 0
+    assert runner.invoke(main, ["export", "--task", "alpha", "--out", str(out),
+                                "--store", str(store.root)]).exit_code == 0
     assert json.loads((out / "adapter_config.json").read_text())["base_model_name_or_path"] == "tiny"
     named = runner.invoke(main, ["export", "--task", "alpha", "--out", str(out), "--store", str(store.root),
                                  "--base-model", "my-served-name"])
@@ -65,7 +67,8 @@ def test_export_names_the_base_model_vllm_serves(tmp_path, monkeypatch):
     info = json.loads((store.root / "inventory" / "inventory.json").read_text())
     info["backbone_name"] = DEFAULT_NAME
     (store.root / "inventory" / "inventory.json").write_text(json.dumps(info))
-    assert runner.invoke(main, ["export", "--task", "alpha", "--out", str(out), "--store", str(store.root)]).exit_code == 0
+    assert runner.invoke(main, ["export", "--task", "alpha", "--out", str(out),
+                                "--store", str(store.root)]).exit_code == 0
     expected = tmp_path / "home" / "backbones" / "smollm2-135m-instruct-q4_1"
     assert json.loads((out / "adapter_config.json").read_text())["base_model_name_or_path"] == str(expected)
 

@@ -135,7 +135,8 @@ def test_lm_eval_harness_matches_polyserve_eval(tmp_path):
         data = tmp_path / "docs.jsonl"
         data.write_text("".join(json.dumps(d) + "\n" for d in docs))
         eval_file = tmp_path / "eval.jsonl"
-        eval_file.write_text("".join(json.dumps({"task": task, "input": e.input, "output": e.output}) + "\n" for e in exs))
+        eval_file.write_text("".join(json.dumps({"task": task, "input": e.input, "output": e.output}) + "\n"
+                                     for e in exs))
         # polyserve eval's budget: the longest reference + 2 tokens
         max_tokens = max(len(tok(" " + e.output, add_special_tokens=False).input_ids) for e in exs) + 2
         (tmp_path / "tasks").mkdir()

@@ -74,7 +74,8 @@ def test_register_on_a_serve_on_b_trained_by_a_worker(fleet):
     claimed it), and progress or events that only the process running the job can see."""
     dsn, procs = fleet
     with procs["a"].client() as a, procs["b"].client() as b:
-        r = a.post("/v1/tasks", json={"task": "swap-fleet", "method": "routing", "examples": EXAMPLES, "steps": 30, "seed": 1})
+        r = a.post("/v1/tasks",
+                   json={"task": "swap-fleet", "method": "routing", "examples": EXAMPLES, "steps": 30, "seed": 1})
         assert r.status_code == 202, r.text
         job = wait_job(b, r.json()["id"])
         assert job["status"] == "succeeded", job
@@ -92,7 +93,8 @@ def test_cancel_through_b_reaches_the_worker(fleet):
     steps), and a cancelled job that leaves its placeholder task or its queue entry behind."""
     dsn, procs = fleet
     with procs["a"].client() as a, procs["b"].client() as b:
-        job = a.post("/v1/tasks", json={"task": "cancel-me", "method": "routing", "examples": ONE, "steps": 5000}).json()
+        job = a.post("/v1/tasks",
+                     json={"task": "cancel-me", "method": "routing", "examples": ONE, "steps": 5000}).json()
         running = _running(b, job["id"])
         assert running["progress"] < 0.5
         t0 = time.time()
@@ -209,11 +211,13 @@ def test_jobs_off_and_a_worker_on_one_machines_directory_store(tmp_path):
         for proc in procs:
             proc.wait_ready()
         with procs[0].client() as a:
-            job = a.post("/v1/tasks", json={"task": "on-disk", "method": "routing", "examples": EXAMPLES, "steps": 10}).json()
+            job = a.post("/v1/tasks",
+                         json={"task": "on-disk", "method": "routing", "examples": EXAMPLES, "steps": 10}).json()
             done = wait_job(a, job["id"])
             assert done["status"] == "succeeded", (done, procs[1].tail())
             assert any(m.startswith("claimed by worker-") for m in _events(a, job["id"]))
-            assert a.post("/v1/generate", json={"task": "on-disk", "prompt": "w1", "max_new_tokens": 2}).status_code == 200
+            assert a.post("/v1/generate",
+                          json={"task": "on-disk", "prompt": "w1", "max_new_tokens": 2}).status_code == 200
         assert not list((root / "jobs" / "queue").glob("job-*.json"))  # finished: its entry is gone
     finally:
         for proc in procs:

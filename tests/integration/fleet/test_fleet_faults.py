@@ -95,7 +95,8 @@ def test_postgres_restarted_under_load(tmp_path):
                 httpx.Client(base_url=srv.url, timeout=30) as c:
             held = {t: _gen(c, t).json()["text"] for t in ("alpha", "beta")}  # now this replica holds them
             # a job accepted before the restart that is still training when the database goes away
-            job = c.post("/v1/tasks", json={"task": "accepted", "method": "routing", "examples": EXAMPLES, "steps": 250})
+            job = c.post("/v1/tasks",
+                         json={"task": "accepted", "method": "routing", "examples": EXAMPLES, "steps": 250})
             assert job.status_code == 202, job.text
             job_id = job.json()["id"]
             _wait_status(c, job_id, {"running"}, timeout=60)

@@ -39,7 +39,8 @@ def test_sampling_maps_to_vllms_meaning():
                                          logit_bias=((11, -100.0),), prompt_logprobs=1))
     assert sampled["temperature"] == 0.7 and sampled["top_k"] == 5 and sampled["n"] == 2 and sampled["seed"] == 3
     assert sampled["logit_bias"] == {11: -100.0} and sampled["logprobs"] == 2 and sampled["prompt_logprobs"] == 1
-    assert (sampled["presence_penalty"], sampled["frequency_penalty"], sampled["repetition_penalty"]) == (0.5, -0.5, 1.2)
+    assert (sampled["presence_penalty"], sampled["frequency_penalty"],
+            sampled["repetition_penalty"]) == (0.5, -0.5, 1.2)
     assert vllm_kwargs(SamplingParams())["stop"] is None and "logit_bias" not in vllm_kwargs(SamplingParams())
     ext = vllm_kwargs(SamplingParams(max_new_tokens=8, min_tokens=3, stop_token_ids=(5, 9), min_p=0.2,
                                      include_stop_str_in_output=True, skip_special_tokens=False))
@@ -195,7 +196,8 @@ def test_a_polyserve_server_on_the_vllm_engine(tmp_path):
             scored = c.post("/v1/completions", json={"model": "caesar", "prompt": prompts[0], "max_tokens": 0,
                                                      "echo": True, "logprobs": 1}).json()
             lp = scored["choices"][0]["logprobs"]["token_logprobs"]
-            assert scored["usage"]["completion_tokens"] == 0 and lp[0] is None and len(lp) == scored["usage"]["prompt_tokens"]
+            assert (scored["usage"]["completion_tokens"] == 0 and lp[0] is None
+                    and len(lp) == scored["usage"]["prompt_tokens"])
             fixed = c.post("/v1/completions", json={"model": "caesar", "prompt": prompts[0], "max_tokens": 24,
                                                     "min_tokens": 24, "temperature": 0, "min_p": 0.05}).json()
             assert fixed["usage"]["completion_tokens"] == 24  # no EOS before min_tokens

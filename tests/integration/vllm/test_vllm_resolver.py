@@ -163,7 +163,8 @@ def test_vllms_own_server_answers_a_store_task_through_the_plugin(tmp_path):
         assert r.json()["choices"][0]["text"].strip() == "3 dog cat"
         missing = httpx.post(f"{url}/v1/completions", json={**body, "model": "no-such-task"}, timeout=60)
         assert missing.status_code == 404
-        assert "Resolved and loaded LoRA adapter 'rev-words' using PolyserveResolver" in (tmp_path / "vllm.log").read_text()
+        assert ("Resolved and loaded LoRA adapter 'rev-words' using PolyserveResolver"
+                in (tmp_path / "vllm.log").read_text())
     finally:
         proc.terminate()
         try:

@@ -138,7 +138,8 @@ def test_logprobs_are_json_safe():
 def test_usage_sums_choices():
     from server.engines.request import FinalEvent
 
-    finals = [FinalEvent("", "stop", 7, 3, index=0, cached_tokens=4), FinalEvent("", "length", 7, 5, index=1, cached_tokens=4)]
+    finals = [FinalEvent("", "stop", 7, 3, index=0, cached_tokens=4),
+              FinalEvent("", "length", 7, 5, index=1, cached_tokens=4)]
     assert usage(finals) == {"prompt_tokens": 7, "completion_tokens": 8, "total_tokens": 15,
                              "prompt_tokens_details": {"cached_tokens": 4}}
 

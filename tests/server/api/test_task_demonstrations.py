@@ -63,7 +63,8 @@ def test_a_generation_answers_as_the_adapter_after_the_demonstrations_would(serv
         got = r.json()
         # the same adapter (or none), fed the demonstrations and the formatted prompt raw
         raw = complete(c, bare, TEXT + format_prompt("word9 and more"))
-    assert got["usage"]["prompt_tokens"] == raw["usage"]["prompt_tokens"] == len(ids(TEXT + format_prompt("word9 and more")))
+    assert (got["usage"]["prompt_tokens"] == raw["usage"]["prompt_tokens"]
+            == len(ids(TEXT + format_prompt("word9 and more"))))
     assert got["text"].strip() == raw["choices"][0]["text"].strip()
 
 

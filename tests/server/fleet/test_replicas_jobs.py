@@ -81,4 +81,5 @@ def test_delete_through_the_other_replica_wins_over_the_running_job(replicas):
     assert a.get("/v1/tasks/delete-me").status_code == 404
     assert b.get("/v1/tasks/delete-me").status_code == 404
     # the id is free again, through either replica
-    assert b.post("/v1/tasks", json={"task": "delete-me", "method": "routing", "examples": EXAMPLES, "steps": 2}).status_code == 202
+    assert b.post("/v1/tasks",
+                  json={"task": "delete-me", "method": "routing", "examples": EXAMPLES, "steps": 2}).status_code == 202

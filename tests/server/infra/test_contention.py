@@ -296,8 +296,8 @@ def test_without_the_team_the_engine_splits_steps_over_lanes(monkeypatch, tiny_b
     monkeypatch.setattr(engine_mod, "ThreadGovernor", SaysOne)
     answers = {}
     for governed in (True, False):
-        eng = NativeEngine(tiny_base, tokenizer, config=EngineConfig(threads=2, tuning=Tuning(adaptive_threads=governed,
-                                                                                   contended_lanes="on" if lanes_on else "off")))
+        eng = NativeEngine(tiny_base, tokenizer, config=EngineConfig(
+            threads=2, tuning=Tuning(adaptive_threads=governed, contended_lanes="on" if lanes_on else "off")))
         eng.start()
         try:
             reqs = [eng.submit(GenRequest(tokenizer(p, add_special_tokens=False).input_ids,
@@ -428,8 +428,10 @@ def test_deep_contention_keeps_one_thread_for_bf16_on_amx(monkeypatch, tiny_base
     assert lanes_mod.deep_lanes_pay(dtype)[0] is want
     eng = NativeEngine(tiny_base, tokenizer, config=EngineConfig(threads=2, dtype=dtype))
     assert eng.contended_lanes is False and eng.lanes_when_deep is want
-    assert not NativeEngine(tiny_base, tokenizer, config=EngineConfig(threads=2, dtype=dtype, tuning=Tuning(contended_lanes="off"))).lanes_when_deep
-    assert not NativeEngine(tiny_base, tokenizer, config=EngineConfig(threads=2, dtype=dtype, tuning=Tuning(adaptive_threads=False))).lanes_when_deep
+    assert not NativeEngine(tiny_base, tokenizer, config=EngineConfig(
+        threads=2, dtype=dtype, tuning=Tuning(contended_lanes="off"))).lanes_when_deep
+    assert not NativeEngine(tiny_base, tokenizer, config=EngineConfig(
+        threads=2, dtype=dtype, tuning=Tuning(adaptive_threads=False))).lanes_when_deep
 
 
 def test_without_the_team_the_panel_helper_runs_until_contention_is_deep(monkeypatch, tiny_base, tokenizer):
@@ -498,7 +500,8 @@ def test_without_the_team_the_panel_helper_runs_until_contention_is_deep(monkeyp
         eng.stop()
     assert calls[-1] is False and not eng.helper  # stopped with the engine
     monkeypatch.setenv("POLYSERVE_CONTENDED_HELPER", "off")
-    assert not NativeEngine(tiny_base, tokenizer, config=EngineConfig.from_settings(Settings(), threads=2)).contended_helper
+    assert not NativeEngine(tiny_base, tokenizer,
+                            config=EngineConfig.from_settings(Settings(), threads=2)).contended_helper
     monkeypatch.setattr(engine_mod, "build_model_runner", build)
     monkeypatch.setenv("POLYSERVE_CONTENDED_HELPER", "on")
     eng = NativeEngine(tiny_base, tokenizer, config=EngineConfig.from_settings(Settings(), threads=2))

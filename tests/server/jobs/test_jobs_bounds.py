@@ -29,7 +29,8 @@ def test_steps_above_the_setting_are_422_and_documented(bounded):
     assert bounded.get("/v1/tasks/greedy").status_code == 404  # nothing was created
     steps = bounded.get("/openapi.json").json()["components"]["schemas"]["RegisterRequest"]["properties"]["steps"]
     assert [b.get("maximum") for b in steps["anyOf"] if b.get("type") == "integer"] == [300]
-    assert bounded.post("/v1/tasks", json={"task": "fine", "method": "routing", "examples": EXAMPLES, "steps": 300}).status_code == 202
+    fine = bounded.post("/v1/tasks", json={"task": "fine", "method": "routing", "examples": EXAMPLES, "steps": 300})
+    assert fine.status_code == 202
 
 
 def test_the_usage_window_bound_is_documented_and_the_default_fits_under_it(tmp_path):
@@ -66,7 +67,8 @@ def test_queued_jobs_beyond_the_setting_are_429(bounded):
     for r in codes[:2]:
         bounded.post(f"/v1/jobs/{r.json()['id']}/cancel")
     deadline = time.time() + 20
-    while bounded.post("/v1/tasks", json={"task": "q3", "method": "routing", "examples": EXAMPLES, "steps": 2}).status_code == 429:
+    q3 = {"task": "q3", "method": "routing", "examples": EXAMPLES, "steps": 2}
+    while bounded.post("/v1/tasks", json=q3).status_code == 429:
         assert time.time() < deadline, "the queue never freed up after cancelling"
         time.sleep(0.1)
 
@@ -75,7 +77,8 @@ def test_prune_removes_old_finished_jobs_and_their_files_only(tmp_path):
     store = DirectoryStore(tmp_path / "s")
     now = time.time()
     jobs = {
-        "job-old0000001": Job(id="job-old0000001", task="a", method="routing", status="succeeded", finished_at=now - 100),
+        "job-old0000001": Job(id="job-old0000001", task="a", method="routing", status="succeeded",
+                              finished_at=now - 100),
         "job-new0000001": Job(id="job-new0000001", task="b", method="routing", status="failed", finished_at=now - 1),
         "job-run0000001": Job(id="job-run0000001", task="c", method="routing", status="running"),
     }

@@ -159,7 +159,8 @@ def test_recover_leaves_jobs_of_a_live_replica_alone(store):
     store.put_job(job.to_json())
     lock = store.job_lock_path(job.id)
     holder = subprocess.Popen([sys.executable, "-c",
-        f"import fcntl,time;f=open({str(lock)!r},'a+');fcntl.flock(f,fcntl.LOCK_EX);print('locked',flush=True);time.sleep(30)"],
+        (f"import fcntl,time;f=open({str(lock)!r},'a+');fcntl.flock(f,fcntl.LOCK_EX);"
+         "print('locked',flush=True);time.sleep(30)")],
         stdout=subprocess.PIPE, text=True)
     try:
         assert holder.stdout.readline().strip() == "locked"
@@ -291,7 +292,8 @@ def test_sigkill_during_the_commit_then_recover(store, point):
     """A real process is SIGKILLed inside the commit; the next start finds a consistent store: before
     the commit point the job failed (interrupted) and the task is not served; after it the job
     succeeded (recovered) and the task is ready with the committed row."""
-    proc = subprocess.Popen([sys.executable, "-c", KILL_CHILD, str(store.root), point], stdout=subprocess.PIPE, text=True)
+    proc = subprocess.Popen([sys.executable, "-c", KILL_CHILD, str(store.root), point], stdout=subprocess.PIPE,
+                            text=True)
     job_id = proc.stdout.readline().strip()
     deadline = time.time() + 30
     while not (store.root / "at-the-point").exists():
@@ -338,7 +340,8 @@ def test_no_file_or_redis_io_under_the_runner_lock(store):
     try:
         assert entered.wait(10)
         answers = []
-        reader = threading.Thread(target=lambda: answers.append((runner.get(job.id).status, runner.cancel(other.id).status)))
+        reader = threading.Thread(
+            target=lambda: answers.append((runner.get(job.id).status, runner.cancel(other.id).status)))
         reader.start()
         reader.join(5)
         assert not reader.is_alive(), "reading a job waited on another job's file write"
@@ -606,8 +609,8 @@ def test_recover_goes_through_every_job_and_says_why_each_was_interrupted(store,
         assert runner.get(job_id).error == {"type": "interrupted", "message": message}
         assert store.get_task(task).status == "failed" and store.get_task(task).error == message
     done = runner.get(committed)
-    assert done.status == "succeeded" and ("status", "recovered: the result was committed before the server stopped") in [
-        (e["type"], e["message"]) for e in done.events]
+    recovered = ("status", "recovered: the result was committed before the server stopped")
+    assert done.status == "succeeded" and recovered in [(e["type"], e["message"]) for e in done.events]
     assert real_get(late)["status"] == "running" and store.get_task("live").status == "training"
     live.release()
 

@@ -31,7 +31,8 @@ def here(tmp_path):
         settings=SimpleNamespace(redis_url=None, job_retention_seconds=3600, rescan_seconds=1.0, jobs="local",
                                  api_keys=[], admin_keys=[]),
         metrics=SimpleNamespace(redis_errors=SimpleNamespace(inc=lambda: None)),
-        registry=SimpleNamespace(forget=forgotten.append, isolated=False), engine=SimpleNamespace(forget=lambda task: None))
+        registry=SimpleNamespace(forget=forgotten.append, isolated=False),
+        engine=SimpleNamespace(forget=lambda task: None))
     store.put_job(OTHER_JOB.to_json() | {"status": "running"})
     store.put_record(TaskRecord(id="t", method="routing", status="training", version=0, created_at=0.0,
                                 updated_at=0.0, job_id=OTHER_JOB.id))

@@ -59,7 +59,8 @@ def generate(client: httpx.Client, task: str, prompt: str = "w3 x3") -> httpx.Re
 
 
 def test_register_poll_succeed_generate(client):
-    r = client.post("/v1/tasks", json={"task": "swap-two", "method": "routing", "examples": EXAMPLES, "steps": 30, "seed": 1})
+    r = client.post("/v1/tasks",
+                    json={"task": "swap-two", "method": "routing", "examples": EXAMPLES, "steps": 30, "seed": 1})
     assert r.status_code == 202, r.text
     job = r.json()
     assert job["status"] in ("queued", "running") and job["task"] == "swap-two" and job["id"].startswith("job-")
@@ -110,7 +111,8 @@ def test_retrieve_registers_a_mixture_of_existing_rows_without_training(client, 
 
 
 def test_routing_registration_starts_from_retrieval(client):
-    r = client.post("/v1/tasks", json={"task": "swap-r", "method": "routing", "examples": EXAMPLES, "steps": 5, "seed": 1})
+    r = client.post("/v1/tasks",
+                    json={"task": "swap-r", "method": "routing", "examples": EXAMPLES, "steps": 5, "seed": 1})
     done = wait_job(client, r.json()["id"])
     assert done["status"] == "succeeded", done
     metrics = client.get("/v1/tasks/swap-r").json()["metrics"]
@@ -130,7 +132,8 @@ def wait_live(client: httpx.Client, job_id: str, version: int, timeout: float = 
 
 
 def test_serve_early_serves_the_retrieved_row_while_training_then_the_trained_one(client, tmp_path):
-    r = client.post("/v1/tasks", json={"task": "early", "method": "routing", "examples": EXAMPLES, "steps": 40, "serve_early": True})
+    r = client.post("/v1/tasks", json={"task": "early", "method": "routing", "examples": EXAMPLES, "steps": 40,
+                                       "serve_early": True})
     assert r.status_code == 202 and r.json()["serve_early"] is True and r.json()["live_version"] is None
     job = wait_live(client, r.json()["id"], 1)
     assert job["status"] == "running"  # still training, and already servable:
@@ -149,7 +152,8 @@ def test_serve_early_serves_the_retrieved_row_while_training_then_the_trained_on
 
 
 def test_serve_early_cancel_keeps_the_early_version_and_delete_wins(client):
-    r = client.post("/v1/tasks", json={"task": "early-c", "method": "routing", "examples": EXAMPLES, "steps": 5000, "serve_early": True})
+    r = client.post("/v1/tasks", json={"task": "early-c", "method": "routing", "examples": EXAMPLES, "steps": 5000,
+                                       "serve_early": True})
     job = wait_live(client, r.json()["id"], 1)
     assert client.post(f"/v1/jobs/{job['id']}/cancel").status_code == 200
     assert wait_job(client, job["id"])["status"] == "cancelled"
@@ -157,7 +161,8 @@ def test_serve_early_cancel_keeps_the_early_version_and_delete_wins(client):
     assert task["status"] == "ready" and task["version"] == 1
     assert generate(client, "early-c").status_code == 200
 
-    r = client.post("/v1/tasks", json={"task": "early-d", "method": "routing", "examples": EXAMPLES, "steps": 5000, "serve_early": True})
+    r = client.post("/v1/tasks", json={"task": "early-d", "method": "routing", "examples": EXAMPLES, "steps": 5000,
+                                       "serve_early": True})
     job = wait_live(client, r.json()["id"], 1)
     assert client.delete("/v1/tasks/early-d").status_code == 204  # deleting a served task cancels its job
     assert wait_job(client, job["id"])["status"] == "cancelled"
@@ -247,7 +252,8 @@ def test_crash_mid_job_leaves_nothing_half_written_and_no_running_job(tmp_path):
     try:
         wait_process_ready(proc, url)
         with httpx.Client(base_url=url, timeout=10) as c:
-            job = c.post("/v1/tasks", json={"task": "doomed", "method": "routing", "examples": EXAMPLES, "steps": 5000}).json()
+            job = c.post("/v1/tasks",
+                         json={"task": "doomed", "method": "routing", "examples": EXAMPLES, "steps": 5000}).json()
             deadline = time.time() + 30
             while c.get(f"/v1/jobs/{job['id']}").json()["status"] != "running" and time.time() < deadline:
                 time.sleep(0.05)
@@ -269,7 +275,8 @@ def test_crash_mid_job_leaves_nothing_half_written_and_no_running_job(tmp_path):
         task = c.get("/v1/tasks/doomed").json()
         assert task["status"] == "failed"
         # a failed task's id can be registered again
-        assert c.post("/v1/tasks", json={"task": "doomed", "method": "routing", "examples": EXAMPLES, "steps": 3}).status_code == 202
+        again = c.post("/v1/tasks", json={"task": "doomed", "method": "routing", "examples": EXAMPLES, "steps": 3})
+        assert again.status_code == 202
 
 
 @pytest.mark.redis
@@ -287,7 +294,8 @@ def test_two_server_processes_share_store_and_redis(tmp_path):
                 httpx.Client(base_url=srv.url, timeout=30) as a, \
                 httpx.Client(base_url=f"http://127.0.0.1:{port}", timeout=30) as b:
             wait_process_ready(other, f"http://127.0.0.1:{port}")
-            job = a.post("/v1/tasks", json={"task": "shared-task", "method": "routing", "examples": EXAMPLES, "steps": 5}).json()
+            job = a.post("/v1/tasks",
+                         json={"task": "shared-task", "method": "routing", "examples": EXAMPLES, "steps": 5}).json()
             # visible through B at once (a loaded host may finish the 5 steps first: then it is ready)
             assert b.get("/v1/tasks/shared-task").json()["status"] in ("training", "ready")
             assert wait_job(a, job["id"])["status"] == "succeeded"

@@ -23,7 +23,8 @@ def exact_match(client: httpx.Client, task: str, cases) -> float:
     return hits / len(cases)
 
 
-@pytest.mark.skipif(not shipped_inventory_available(), reason="no shipped default inventory (training/default_inventory)")
+@pytest.mark.skipif(not shipped_inventory_available(),
+                    reason="no shipped default inventory (training/default_inventory)")
 def test_register_a_heldout_task_over_http_on_the_default_backbone(tmp_path):
     from training.suite import build_suite, examples
 

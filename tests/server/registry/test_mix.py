@@ -176,7 +176,8 @@ def test_a_mix_on_chat_streaming_and_generate(oc, server):
     assert chat.model == "mix:alpha=0.7,beta=0.3"
     streamed = oc.chat.completions.create(model="mix:alpha=0.7,beta=0.3", messages=msgs, max_tokens=12,
                                           temperature=0, stream=True)
-    assert "".join(c.choices[0].delta.content or "" for c in streamed if c.choices) == offline.choices[0].message.content
+    assert ("".join(c.choices[0].delta.content or "" for c in streamed if c.choices)
+            == offline.choices[0].message.content)
     with httpx.Client(base_url=server.url, timeout=30) as http:
         gen = http.post("/v1/generate", json={"task": "mix:alpha=0.7,beta=0.3", "prompt": "abc", "max_new_tokens": 12})
         ref = http.post("/v1/generate", json={"task": "offline-mix", "prompt": "abc", "max_new_tokens": 12})

@@ -50,7 +50,8 @@ def twin_store(root, n_extra: int = 0):
     """alpha..delta, alpha-twin (alpha's row, slightly moved) and n_extra random tasks."""
     store = build_store(root)
     logits = store.load_routing("alpha")
-    store.put_routing("alpha-twin", logits + 0.05 * torch.randn(logits.shape, generator=torch.Generator().manual_seed(5)))
+    store.put_routing("alpha-twin",
+                      logits + 0.05 * torch.randn(logits.shape, generator=torch.Generator().manual_seed(5)))
     for i in range(n_extra):
         put_task(store, f"extra-{i:03d}", seed=100 + i)
     return store

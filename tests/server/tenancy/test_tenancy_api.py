@@ -221,7 +221,8 @@ def test_a_tenant_serves_itself_beside_admin_keys(admin_server):
     assert c.post("/v1/generate", json=body, headers=alice).status_code == 200
     assert c.get("/v1/tasks/alice-self", headers=alice).status_code == 200
     # a long job of hers: bob cannot see or cancel it, she can
-    r = c.post("/v1/tasks", json={"task": "alice-long", "method": "routing", "examples": EXAMPLES, "steps": 5000}, headers=alice)
+    r = c.post("/v1/tasks", json={"task": "alice-long", "method": "routing", "examples": EXAMPLES, "steps": 5000},
+               headers=alice)
     assert r.status_code == 202, r.text
     long_job = r.json()["id"]
     for method, path in (("GET", "/v1/tasks/alice-self"), ("GET", f"/v1/jobs/{job['id']}"),
@@ -277,7 +278,8 @@ def test_someone_elses_failed_task_is_not_replaced(admin_server):
     wait_job(c, r.json()["id"], BOB)
     store = srv.runtime.store
     store.put_record(dataclasses.replace(store.get_task("bob-failed"), status="failed", error="made to fail"))
-    r = c.post("/v1/tasks", json={"task": "bob-failed", "examples": EXAMPLES, "method": "retrieve"}, headers=auth(ALICE))
+    r = c.post("/v1/tasks", json={"task": "bob-failed", "examples": EXAMPLES, "method": "retrieve"},
+               headers=auth(ALICE))
     assert r.status_code == 409, r.text
     assert store.get_task("bob-failed").owner == "bob"
     r = c.post("/v1/tasks", json={"task": "bob-failed", "examples": EXAMPLES, "method": "retrieve"}, headers=auth(BOB))

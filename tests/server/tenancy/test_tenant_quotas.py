@@ -25,7 +25,8 @@ def auth(key: str) -> dict[str, str]:
 
 
 def long_job(c: httpx.Client, task: str, key: str) -> httpx.Response:
-    return c.post("/v1/tasks", json={"task": task, "method": "routing", "examples": EXAMPLES, "steps": 5000}, headers=auth(key))
+    return c.post("/v1/tasks", json={"task": task, "method": "routing", "examples": EXAMPLES, "steps": 5000},
+                  headers=auth(key))
 
 
 def wait_job(c: httpx.Client, job_id: str, key: str) -> dict:

@@ -77,7 +77,8 @@ class NativeEngine:
     name = "native"
 
     def __init__(self, model: torch.nn.Module, tokenizer: Any, routed_model: RoutedModel | None = None,
-                 config: EngineConfig | None = None, *, metrics: Metrics | None = None, runner: ModelRunner | None = None) -> None:
+                 config: EngineConfig | None = None, *, metrics: Metrics | None = None,
+                 runner: ModelRunner | None = None) -> None:
         cfg = self.config = config or EngineConfig()
         self.background_share = cfg.background_share
         self._serve_debt = 0.0  # seconds of serving owed before the next background slice
@@ -94,7 +95,8 @@ class NativeEngine:
                  cfg.max_step_tokens,
                  "none" if lora is None else "in the native kernel" if lora.kernel is not None else "as torch ops",
                  "in the native kernel" if getattr(self.runner, "attention_kernel", False) else "as SDPA",
-                 "on the backbone's GGUF blocks" if getattr(self.runner, "weight_kernel", False) else "on dense weights",
+                 ("on the backbone's GGUF blocks" if getattr(self.runner, "weight_kernel", False)
+                  else "on dense weights"),
                  "in the native kernel" if getattr(self.runner, "elementwise", False) else "as torch ops")
         self.pool = SlotPool(cfg.max_batch_rows)
         # prompt KV kept across requests, copied into a row's slot at admission (prefix_cache.py)

@@ -47,7 +47,8 @@ BLOCK = 16  # tokens a block (vLLM's default block size)
 FIRST_BLOCKS = 64  # storage allocated on the first store; doubled as needed, up to the budget
 
 
-def chain(namespace: str, tokens: Sequence[int], blocks: int | None = None, hashes: list[bytes] | None = None) -> list[bytes]:
+def chain(namespace: str, tokens: Sequence[int], blocks: int | None = None,
+          hashes: list[bytes] | None = None) -> list[bytes]:
     """The hashes of the first `blocks` full blocks of `tokens` (all full blocks: None), extending
     `hashes` (those of the first blocks, already computed)."""
     full = len(tokens) // BLOCK if blocks is None else min(blocks, len(tokens) // BLOCK)

@@ -263,8 +263,8 @@ class Scheduler:
                 self._running -= 1
                 self._tokens -= v.tokens
                 out.preempted.append(row)
-                self.preempted.append(Preempted(row, list(row.req.prompt_ids) + row.generated_ids[:row.length
-                                                                                               - len(row.req.prompt_ids)]))
+                generated = row.generated_ids[:row.length - len(row.req.prompt_ids)]
+                self.preempted.append(Preempted(row, list(row.req.prompt_ids) + generated))
             picker.retry(key)
             return True
         return False
@@ -335,7 +335,8 @@ class Scheduler:
             last = prefill.done + size == len(tokens)
             wanted: LogitsWanted = ("none" if prefill.resume is not None else "all" if prefill.prompt_lp is not None
                       else "last" if last else "none")
-            items.append(Item(prefill.slots[0], prefill.done, tuple(tokens[prefill.done : prefill.done + size]), wanted))
+            items.append(Item(prefill.slots[0], prefill.done, tuple(tokens[prefill.done : prefill.done + size]),
+                              wanted))
             owners.append(prefill)
             budget -= size
             if delays_others:

@@ -74,8 +74,9 @@ def decode_attention(q: torch.Tensor, K: torch.Tensor, V: torch.Tensor, slots: t
             raise ValueError("slots and ends must be contiguous int64 tensors with an entry per row")
     if n == 0:
         return
-    rc = fn(n, q.data_ptr(), q.stride(0) if n > 1 else heads * hd, int(q.dtype == torch.bfloat16), K.data_ptr(), V.data_ptr(),
-            int(K.dtype == torch.bfloat16), slots.data_ptr(), ends.data_ptr(), K.stride(0), K.stride(1), K.stride(2),
+    rc = fn(n, q.data_ptr(), q.stride(0) if n > 1 else heads * hd, int(q.dtype == torch.bfloat16),
+            K.data_ptr(), V.data_ptr(), int(K.dtype == torch.bfloat16), slots.data_ptr(), ends.data_ptr(),
+            K.stride(0), K.stride(1), K.stride(2),
             kvh, heads // kvh, hd, scale, out.data_ptr(), int(out.dtype == torch.bfloat16),
             None if k is None else k.data_ptr(), None if v is None else v.data_ptr(),
             _row_stride(k, kvh * hd), _row_stride(v, kvh * hd))

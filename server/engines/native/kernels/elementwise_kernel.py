@@ -75,7 +75,8 @@ def rope_(qk: torch.Tensor, heads: int, head_dim: int, positions: torch.Tensor, 
             or table.dtype != torch.complex64 or not table.is_contiguous() or table.dim() != 2
             or table.shape[1] * 2 != head_dim or positions.dtype != torch.int64 or not positions.is_contiguous()
             or positions.shape != (rows,)):
-        raise ValueError(f"elementwise rope: qk {tuple(qk.shape)} {qk.dtype}, table {tuple(table.shape)} {table.dtype}, "
+        raise ValueError(f"elementwise rope: qk {tuple(qk.shape)} {qk.dtype}, "
+                         f"table {tuple(table.shape)} {table.dtype}, "
                          f"positions {tuple(positions.shape)} {positions.dtype}")
     if fn(rows, qk.data_ptr(), qk.stride(0), heads, head_dim, positions.data_ptr(), table.data_ptr(),
           table.shape[0], int(qk.dtype == torch.bfloat16)) != 0:

@@ -94,7 +94,8 @@ class QuantLinear:
             raise ValueError(f"the weight kernel computes in float32 or bf16, not {dtype}")
         fn = load() if dtype == torch.float32 else bf16.load()
         if fn is None:
-            raise RuntimeError(f"the weight kernel is unavailable: {error() if dtype == torch.float32 else bf16.error()}")
+            raise RuntimeError("the weight kernel is unavailable: "
+                               f"{error() if dtype == torch.float32 else bf16.error()}")
         self._fn: Any = fn
         self.fmt, self.dtype = weight.fmt, dtype
         # kept alive: the kernel reads it by address (not the blocks too)
@@ -109,7 +110,8 @@ class QuantLinear:
 
     def _run(self, x: torch.Tensor, op: str, other: torch.Tensor | None) -> torch.Tensor:
         if x.dtype != self.dtype or x.dim() != 2 or x.shape[1] != self.in_features:
-            raise ValueError(f"weight kernel: x {tuple(x.shape)} {x.dtype}, wants (rows, {self.in_features}) {self.dtype}")
+            raise ValueError(f"weight kernel: x {tuple(x.shape)} {x.dtype}, "
+                             f"wants (rows, {self.in_features}) {self.dtype}")
         if x.stride(1) != 1:
             x = x.contiguous()
         m = x.shape[0]

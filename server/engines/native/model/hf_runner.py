@@ -120,8 +120,9 @@ class HFRunner:
             config._attn_implementation = ATTENTION
             if self.routed is not None:
                 self.routed.batch.set(_SlotPlan(self.lora.step(batch) if self.lora is not None else None))
-            out = self.model(input_ids=batch.tokens[None], position_ids=batch.positions[None], attention_mask=self._mask,
-                             use_cache=False, logits_to_keep=index, polyserve=_Context(self.kv, batch))
+            out = self.model(input_ids=batch.tokens[None], position_ids=batch.positions[None],
+                             attention_mask=self._mask, use_cache=False, logits_to_keep=index,
+                             polyserve=_Context(self.kv, batch))
         finally:
             config._attn_implementation = before
             if self.routed is not None:
@@ -175,5 +176,6 @@ class HFRunner:
         got = torch.cat([first, second, last])
         gap = float((got - ref).abs().max())
         if not gap <= atol * max(1.0, float(ref.abs().max())):
-            raise ValueError(f"the model's own forward on slot-cache steps differs from its plain forward by {gap:.3g}: "
-                             f"its attention is not plain causal attention over its own K/V; it cannot be served natively")
+            raise ValueError(f"the model's own forward on slot-cache steps differs from its plain forward "
+                             f"by {gap:.3g}: its attention is not plain causal attention over its own K/V; "
+                             "it cannot be served natively")

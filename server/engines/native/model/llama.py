@@ -188,7 +188,8 @@ class _Layer:
                  head_dim: int, fuse_mlp: bool) -> None:
         dtype = weights.dtype
         self.norm1 = layer.input_layernorm.weight.detach().to(dtype)
-        self.eps1 = float(getattr(layer.input_layernorm, "variance_epsilon", getattr(layer.input_layernorm, "eps", 1e-6)))
+        self.eps1 = float(getattr(layer.input_layernorm, "variance_epsilon",
+                                  getattr(layer.input_layernorm, "eps", 1e-6)))
         self.norm2 = layer.post_attention_layernorm.weight.detach().to(dtype)
         self.eps2 = float(getattr(layer.post_attention_layernorm, "variance_epsilon",
                                   getattr(layer.post_attention_layernorm, "eps", 1e-6)))

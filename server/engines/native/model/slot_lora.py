@@ -311,7 +311,8 @@ class SlotLoRAStep:
             assert args is not None
             args.rows(self.lora.kernel, x, out, n, self.gather, self.rows, self.row_end)
         elif n:
-            a, b = (A[:n], B[:n]) if self.gather is None else (A.index_select(0, self.gather), B.index_select(0, self.gather))
+            a, b = ((A[:n], B[:n]) if self.gather is None
+                    else (A.index_select(0, self.gather), B.index_select(0, self.gather)))
             u = torch.bmm(x[:n].unsqueeze(1).to(dtype), a)  # (n, 1, m*r)
             if out.dtype == dtype:
                 out[:n].unsqueeze(1).baddbmm_(u, b)

@@ -108,7 +108,8 @@ class StaticDecode:
         st.positions.copy_(host[:, 1], non_blocking=True)
         assert st.decode_slots_t is not None and st.decode_mask is not None
         st.decode_slots_t.copy_(host[:, 2], non_blocking=True)
-        st.decode_mask.copy_((torch.arange(cap, device=self.device)[None, :] <= st.positions[:, None])[:, None, None, :])
+        visible = torch.arange(cap, device=self.device)[None, :] <= st.positions[:, None]
+        st.decode_mask.copy_(visible[:, None, None, :])
         assert st.decode_ends_t is not None
         torch.add(st.positions, 1, out=st.decode_ends_t)
         st.decode_slots = [it.slot for it in items] + [self.spare] * (size - n)

@@ -159,7 +159,8 @@ def test_chat_takes_the_extensions(http):
 
 
 @pytest.mark.parametrize(("extra", "param"), [
-    ({"min_p": 1.5}, "min_p"), ({"min_tokens": -1}, "min_tokens"), ({"min_tokens": 65}, "min_tokens"), ({"stop_token_ids": [100000]}, "stop_token_ids"),
+    ({"min_p": 1.5}, "min_p"), ({"min_tokens": -1}, "min_tokens"), ({"min_tokens": 65}, "min_tokens"),
+    ({"stop_token_ids": [100000]}, "stop_token_ids"),
     ({"ignore_eos": "yes"}, "ignore_eos"), ({"max_tokens": 0}, "max_tokens"), ({"prompt": ["a"] * 6}, "prompt"),
     ({"prompt": []}, "prompt"), ({"prompt": [[1], "a"]}, "prompt"), ({"use_beam_search": True}, "use_beam_search"),
 ])

@@ -79,7 +79,8 @@ def test_json_schema_text_format(oc):
 
 
 def test_streamed_events(oc):
-    kwargs = {"model": "base", "input": "weather?", "tools": TOOLS, "tool_choice": {"type": "function", "name": "weather"},
+    kwargs = {"model": "base", "input": "weather?", "tools": TOOLS,
+              "tool_choice": {"type": "function", "name": "weather"},
               "max_output_tokens": 60, "temperature": 0}
     whole = oc.responses.create(**kwargs)
     events = list(oc.responses.create(**kwargs, stream=True))

@@ -207,8 +207,8 @@ def test_engine_ends_a_constrained_row_by_its_grammar(tiny_base, tokenizer, one_
     engine = NativeEngine(tiny_base, tokenizer)
     engine.start()
     try:
-        (choice,) = run(engine, tokenizer, "hello", SamplingParams(max_new_tokens=6, response_format=("json_object", ""),
-                                                                  logprobs=0))
+        (choice,) = run(engine, tokenizer, "hello",
+                        SamplingParams(max_new_tokens=6, response_format=("json_object", ""), logprobs=0))
     finally:
         engine.stop()
     assert choice.final.finish_reason == reason and choice.final.completion_tokens == tokens

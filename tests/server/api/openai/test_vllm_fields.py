@@ -165,7 +165,8 @@ def test_prompt_logprobs_cover_the_prompt(http):
         for token, entry in zip(ids[1:], entries[1:], strict=True):
             assert str(token) in entry and 1 <= len(entry) <= 3
             assert all(v["logprob"] <= 0 and "decoded_token" in v for v in entry.values())
-        refused = http.post(route, json={"model": "base", "max_tokens": 2, "prompt_logprobs": 1, "stream": True, **extra})
+        refused = http.post(route, json={"model": "base", "max_tokens": 2, "prompt_logprobs": 1, "stream": True,
+                                         **extra})
         assert refused.status_code == 400 and refused.json()["error"]["param"] == "prompt_logprobs"
 
 
@@ -173,12 +174,13 @@ def test_truncate_prompt_tokens(http):
     long = "word " * 40  # over POLYSERVE_MAX_PROMPT_TOKENS=64 byte tokens
     assert http.post("/v1/completions", json={"model": "base", "prompt": long, "max_tokens": 1}).status_code == 400
     for n, want in ((-1, 64), (10, 10)):
-        r = http.post("/v1/completions", json={"model": "base", "prompt": long, "max_tokens": 1, "return_prompt_text": True,
-                                               "truncate_prompt_tokens": n}).json()
+        r = http.post("/v1/completions", json={"model": "base", "prompt": long, "max_tokens": 1,
+                                               "return_prompt_text": True, "truncate_prompt_tokens": n}).json()
         assert r["usage"]["prompt_tokens"] == want
         assert long.endswith(r["choices"][0]["prompt_text"])  # left: the last tokens are kept
-    right = http.post("/v1/completions", json={"model": "base", "prompt": long, "max_tokens": 1, "return_prompt_text": True,
-                                               "truncate_prompt_tokens": 10, "truncation_side": "right"}).json()
+    right = http.post("/v1/completions", json={"model": "base", "prompt": long, "max_tokens": 1,
+                                               "return_prompt_text": True, "truncate_prompt_tokens": 10,
+                                               "truncation_side": "right"}).json()
     assert right["choices"][0]["prompt_text"] == long[:10]
     chat = http.post("/v1/chat/completions", json={"model": "base", "messages": [{"role": "user", "content": long}],
                                                    "max_tokens": 1, "truncate_prompt_tokens": 20}).json()
@@ -211,7 +213,8 @@ def test_chat_template_extensions(http):
 
 
 def test_structured_outputs_is_response_format(http):
-    schema = {"type": "object", "properties": {"ok": {"type": "boolean"}}, "required": ["ok"], "additionalProperties": False}
+    schema = {"type": "object", "properties": {"ok": {"type": "boolean"}}, "required": ["ok"],
+              "additionalProperties": False}
     for so in ({"json": schema}, {"json_object": True}):
         for route, extra in (("/v1/chat/completions", {"messages": MSGS}), ("/v1/completions", {"prompt": "x"})):
             r = http.post(route, json={"model": "base", "max_tokens": 32, "temperature": 0, "structured_outputs": so,
@@ -227,7 +230,8 @@ def test_structured_outputs_is_response_format(http):
 REFUSED = [
     ({"priority": 1}, "priority"), ({"use_beam_search": True}, "use_beam_search"),
     ({"allowed_token_ids": [1]}, "allowed_token_ids"), ({"bad_words": ["x"]}, "bad_words"),
-    ({"structured_outputs": {"regex": "a+"}}, "structured_outputs.regex"), ({"chat_template": "{{ x }}"}, "chat_template"),
+    ({"structured_outputs": {"regex": "a+"}}, "structured_outputs.regex"),
+    ({"chat_template": "{{ x }}"}, "chat_template"),
     ({"structured_outputs": {"json": {}, "json_object": True}}, "structured_outputs"),
     ({"structured_outputs": {"json": "{}"}}, "structured_outputs.json"),
     ({"structured_outputs": {"json_object": True}, "response_format": {"type": "json_object"}}, "structured_outputs"),

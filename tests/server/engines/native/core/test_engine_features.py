@@ -243,8 +243,8 @@ def test_prompt_logprobs_equal_a_plain_forward(tiny_base, tokenizer, one_thread,
             assert [t for t, _ in entry.top] == ref[i - 1].topk(2).indices.tolist()
     assert out[1][0].final.prompt_logprobs is None
     # logits of every prompt position of the asking request only (the other: its last position)
-    prompt_items = [(it, batch.logit_rows[j]) for batch in seen for j, it in enumerate(batch.items) if it.logits != "last"
-                    or len(it.tokens) > 1]
+    prompt_items = [(it, batch.logit_rows[j]) for batch in seen for j, it in enumerate(batch.items)
+                    if it.logits != "last" or len(it.tokens) > 1]
     asked = sum(r.stop - r.start for it, r in prompt_items if it.logits == "all")
     assert asked == len(ids)
     assert len([it for it, _ in prompt_items if it.logits == "all"]) == (1 if step_tokens > len(ids) else 3)

@@ -32,7 +32,8 @@ def model():
 
 def engine(model, caps: TenantCaps) -> NativeEngine:
     m, tok = model
-    return NativeEngine(m, tok, None, EngineConfig(max_batch_rows=ROWS, max_batch_tokens=4096, max_step_tokens=64, caps=caps), metrics=Metrics())
+    config = EngineConfig(max_batch_rows=ROWS, max_batch_tokens=4096, max_step_tokens=64, caps=caps)
+    return NativeEngine(m, tok, None, config, metrics=Metrics())
 
 
 def tokens_per_step(eng: NativeEngine) -> float:

@@ -167,7 +167,8 @@ def test_tables_from_routing_weights_equal_the_materialised_adapters(layers):
     g = torch.Generator().manual_seed(0)
     h, S, r = 2, 3, 2
     order = torch.tensor([1, 0, 3, 2, 5, 4])
-    groups = [[Group(4, 6 + 2, (Member(2 * layer, 0, 6, order), Member(2 * layer + 1, 6, 2)))] for layer in range(layers)]
+    groups = [[Group(4, 6 + 2, (Member(2 * layer, 0, 6, order), Member(2 * layer + 1, 6, 2)))]
+              for layer in range(layers)]
     skills = [(torch.randn(h, S, 4 // h, r, generator=g), torch.randn(h, S, r, w // h, generator=g))
               for _ in range(layers) for w in (6, 2)]
     weights = torch.softmax(torch.randn(2 * layers, h, S, generator=g), -1)
@@ -188,7 +189,8 @@ def test_tables_from_routing_weights_equal_the_materialised_adapters(layers):
 def _skills(dtype=torch.float32, h=1, S=3, r=2):
     """Skills of _lora's three adapted linears: (A (h, S, d_in/h, r), B (h, S, r, d_out/h))."""
     g = torch.Generator().manual_seed(7)
-    return [(torch.randn(h, S, d_in // h, r, generator=g).to(dtype), torch.randn(h, S, r, d_out // h, generator=g).to(dtype))
+    return [(torch.randn(h, S, d_in // h, r, generator=g).to(dtype),
+             torch.randn(h, S, r, d_out // h, generator=g).to(dtype))
             for d_in, d_out in ((5, 6), (5, 3), (7, 5))]
 
 

@@ -15,7 +15,8 @@ pytestmark = pytest.mark.skipif(elementwise_kernel.NORM.load() is None,
                                 reason=f"no elementwise kernel: {elementwise_kernel.NORM.error()}")
 
 def resolve(setting: str, *args, **kwargs) -> bool:
-    """The elementwise_kernel switch as the runner resolves it (tuning.resolve_switch over elementwise_kernel.why_not)."""
+    """The elementwise_kernel switch as the runner resolves it (tuning.resolve_switch over
+    elementwise_kernel.why_not)."""
     return resolve_switch("elementwise_kernel", setting, lambda: elementwise_kernel.why_not(*args, **kwargs))
 
 

@@ -178,7 +178,8 @@ def test_the_llama_runner_with_the_panel_helper_gives_the_same_logits(tmp_path, 
     runner = build_model_runner(model, slots=4, dtype=dtype, tuning=Tuning(native_executor="llama", weight_kernel="on"))
     kept.append(runner)
     assert runner.helper_possible()
-    assert not build_model_runner(model, slots=4, dtype=dtype, tuning=Tuning(native_executor="llama", weight_kernel="off")).helper_possible()
+    assert not build_model_runner(model, slots=4, dtype=dtype,
+                                  tuning=Tuning(native_executor="llama", weight_kernel="off")).helper_possible()
     gen = torch.Generator().manual_seed(0)
     prompts = [torch.randint(0, 259, (n,), generator=gen).tolist() for n in (7, 13, 1, 20)]
     nxt = [5, 6, 7, 8]

@@ -215,7 +215,8 @@ def test_the_setting_resolves_by_device_dtype_and_blocks(tmp_path, monkeypatch):
     with pytest.raises(ValueError, match="no GGUF blocks"):
         build_model_runner(tiny_llama(seed=0), slots=2, tuning=Tuning(native_executor="llama", weight_kernel="on"))
     with pytest.raises(ValueError, match="no AVX512_BF16"):
-        build_model_runner(_gguf_model(tmp_path), slots=2, dtype=torch.bfloat16, tuning=Tuning(native_executor="llama", weight_kernel="on"))
+        build_model_runner(_gguf_model(tmp_path), slots=2, dtype=torch.bfloat16,
+                           tuning=Tuning(native_executor="llama", weight_kernel="on"))
 
 
 def test_no_compiler_falls_back_under_auto_and_fails_under_on(monkeypatch, tmp_path):

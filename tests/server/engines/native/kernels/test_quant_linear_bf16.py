@@ -147,8 +147,10 @@ def test_the_llama_runner_in_bf16_on_blocks_stays_with_its_dense_self(tmp_path):
     pytest.importorskip("gguf")
     model = tiny_llama(seed=0)
     write_gguf(model, tmp_path)
-    on = build_model_runner(model, slots=4, dtype=torch.bfloat16, tuning=Tuning(native_executor="llama", weight_kernel="on"))
-    off = build_model_runner(model, slots=4, dtype=torch.bfloat16, tuning=Tuning(native_executor="llama", weight_kernel="off"))
+    on = build_model_runner(model, slots=4, dtype=torch.bfloat16,
+                            tuning=Tuning(native_executor="llama", weight_kernel="on"))
+    off = build_model_runner(model, slots=4, dtype=torch.bfloat16,
+                             tuning=Tuning(native_executor="llama", weight_kernel="off"))
     assert on.weight_kernel and not off.weight_kernel
     layer = on.layers[0]
     assert all(isinstance(lin, QuantLinear) and lin.dtype == torch.bfloat16

@@ -47,7 +47,8 @@ def _routed_runner(tiny_model, slots: int):
     from adapters_store.lora.spec import InventorySpec
     from server.adapter_cache.types import Adapter
 
-    spec = InventorySpec(n_skills=3, n_heads=2, rank=4, target_modules=("q_proj", "k_proj", "v_proj", "o_proj", "down_proj"))
+    spec = InventorySpec(n_skills=3, n_heads=2, rank=4,
+                         target_modules=("q_proj", "k_proj", "v_proj", "o_proj", "down_proj"))
     rm = RoutedModel(tiny_model, spec)
     gen = torch.Generator().manual_seed(3)
     with torch.no_grad():

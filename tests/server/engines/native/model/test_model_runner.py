@@ -74,7 +74,8 @@ def test_llama_runner_handles_qkv_bias_and_gqa():
 
     torch.manual_seed(0)
     model = Qwen2ForCausalLM(Qwen2Config(vocab_size=259, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                                         num_attention_heads=8, num_key_value_heads=2, max_position_embeddings=256)).eval()
+                                         num_attention_heads=8, num_key_value_heads=2,
+                                         max_position_embeddings=256)).eval()
     assert model.model.layers[0].self_attn.q_proj.bias is not None and unsupported(model) is None
     with torch.no_grad():
         for layer in model.model.layers:  # non-zero biases, so a dropped bias shows
@@ -88,7 +89,8 @@ def test_llama_runner_handles_qkv_bias_and_gqa():
 def test_llama_runner_equals_the_models_forward_with_and_without_the_elementwise_kernel(tiny_base, elementwise, dtype):
     if elementwise == "on" and elementwise_kernel.NORM.load() is None:
         pytest.skip(f"no elementwise kernel: {elementwise_kernel.NORM.error()}")
-    ex = build_model_runner(tiny_base, slots=4, dtype=dtype, tuning=Tuning(native_executor="llama", elementwise_kernel=elementwise))
+    ex = build_model_runner(tiny_base, slots=4, dtype=dtype,
+                            tuning=Tuning(native_executor="llama", elementwise_kernel=elementwise))
     assert ex.elementwise is (elementwise == "on")
     if dtype == torch.float32:
         check_against(tiny_base, ex, 259, atol=1e-5)
@@ -352,7 +354,8 @@ def test_graphs_are_captured_again_when_the_kv_cache_is_replaced_at_the_same_cap
     the logits still equal the dynamic path's."""
     from server.engines.native.core.slots import MIN_CAPACITY
 
-    runners = [build_model_runner(tiny_model, None, slots=4, tuning=Tuning(static_decode=flag)) for flag in ("off", "on")]
+    runners = [build_model_runner(tiny_model, None, slots=4, tuning=Tuning(static_decode=flag))
+               for flag in ("off", "on")]
     log = _fake_graphs(runners[1])
     outs: list[list[torch.Tensor]] = [[], []]
     for ex, out in zip(runners, outs, strict=True):

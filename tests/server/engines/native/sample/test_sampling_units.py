@@ -398,7 +398,8 @@ def tied_logits(gen: torch.Generator) -> torch.Tensor:
     (tied_logits, 1.0, 50, 1.0, 0.0),                                          # the k-th tied past k: the mask
     (lambda g: torch.randn(49152, generator=g) * 3.0, 1.0, 40, 1.0, 0.9),   # min-p leaves fewer than k: -inf ties
 ])
-def test_a_draw_among_the_nucleus_gives_the_token_the_whole_vocabulary_draw_gives(make, temperature, top_k, top_p, min_p):
+def test_a_draw_among_the_nucleus_gives_the_token_the_whole_vocabulary_draw_gives(
+        make, temperature, top_k, top_p, min_p):
     """The sampler draws among the nucleus's members only; with the same uniform it must pick the
     token the inverse CDF over the whole vocabulary (every other token weighing 0) picks, so a
     seeded request's text does not depend on which of the two ran."""
@@ -549,7 +550,8 @@ def test_ledger_error_finals_carry_nothing_generated_and_the_prompt_count():
     assert ledger.fail_open("engine stopped") == 2
     waiting = GenRequest([1, 2], SamplingParams(n=3))
     answer_unadmitted(waiting, "length", "queue closed")
-    for request, reason, message, n in ((req, "cancelled", "engine stopped", 2), (waiting, "length", "queue closed", 3)):
+    for request, reason, message, n in ((req, "cancelled", "engine stopped", 2),
+                                        (waiting, "length", "queue closed", 3)):
         finals = request.handle.events
         assert [(f.text, f.finish_reason, f.prompt_tokens, f.completion_tokens, f.error) for f in finals] == [
             ("", reason, len(request.prompt_ids), 0, message)] * n
