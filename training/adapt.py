@@ -53,8 +53,10 @@ from training.routing_table import INIT, row_weights
 #: Methods whose trained tensors are one LoRA per linear (A (1, d_in, r), B (1, r, d_out)).
 _SINGLE_LORA = ("mu", "plain-lora")
 FULL_ROW_LR = 0.1
-TRAIN_DEMONSTRATIONS = 4  # demos+routing: the other demonstrations a training example is trained after,
-TRAIN_DEMONSTRATION_TOKENS = 256  # and at most this many tokens of them (at least one): a step's cost
+# demos+routing: a training example is trained after this many of the other demonstrations, within
+# this many tokens (at least one): a step's cost stays near a routing step's
+TRAIN_DEMONSTRATIONS = 4
+TRAIN_DEMONSTRATION_TOKENS = 256
 
 
 @dataclass
@@ -204,9 +206,9 @@ class Adaptation:
         out = []
         for ex in examples:
             others = [d for d in self.demonstrations if d is not ex]
-            if sample and len(others) > sample:
-                others = [others[i] for i in sorted(self.rng.sample(range(len(others)), sample))]
             if sample:
+                if len(others) > sample:
+                    others = [others[i] for i in sorted(self.rng.sample(range(len(others)), sample))]
                 others = select_demonstrations(others, tokenizer, TRAIN_DEMONSTRATION_TOKENS) or others[:1]
             out.append(encode_example(tokenizer, ex, room, context_for(ex, others)))
         return out
