@@ -3,8 +3,9 @@
 What counts as a path (``doc_paths``):
 - a token that starts with one of the repository's top-level directories and a slash
   (``server/api/app.py``, ``bench/``, ``docs/history/``), wherever it stands: in prose,
-  in backticks, in a command line. A token preceded by ``/``, ``.``, ``~``, ``$`` or a word
-  character is not one (``/tmp/bench/x``, ``../other/docs/x.md``, ``.venv/bin``);
+  in backticks, in a command line. A token preceded by ``/``, ``.``, ``~``, ``$``, ``:`` or a word
+  character is not one (``/tmp/bench/x``, ``../other/docs/x.md``, ``.venv/bin``; ``REV:path``
+  names a file of an earlier commit, as ``git show`` takes it: history notes cite removed files so);
 - a top-level file named as a word (``Makefile``, ``pyproject.toml``, ``docker-compose.yml``);
 - the target of a relative markdown link or image (``[x](routing.png)``), from the doc's folder.
 
@@ -28,7 +29,7 @@ TOP_DIRS = ("adapters_store", "bench", "client", "docker", "docs", "scripts", "s
 TOP_FILES = ("Makefile", "pyproject.toml", "docker-compose.yml", "README.md", "BENCHMARKS.md")
 
 _DIR_TOKEN = re.compile(
-    r"(?<![\w./~$-])(?:" + "|".join(re.escape(d) for d in TOP_DIRS) + r")/[^\s`'\"()\[\]|,;]*"
+    r"(?<![\w./~$:-])(?:" + "|".join(re.escape(d) for d in TOP_DIRS) + r")/[^\s`'\"()\[\]|,;]*"
 )
 _FILE_TOKEN = re.compile(
     r"(?<![\w./~$-])(?:" + "|".join(re.escape(f) for f in TOP_FILES) + r")(?![\w./-]*\w)"
@@ -95,6 +96,7 @@ def test_every_path_a_doc_names_exists(doc: Path) -> None:
         ("/tmp/bench/x.py ../other/docs/a.md .venv/bin ~/server/x $HOME/docs/y", set()),
         ("docs/history/<topic>.md, server/{a,b}.py, tests/test_*.py", set()),
         ("POLYSERVE_HOME=docs/ x", {"docs/"}),
+        ("`git show 9a07e87:server/infra/old.py` (removed), not server/x.py", {"server/x.py"}),
     ],
 )
 def test_extraction_rule(text: str, expected: set[str]) -> None:
