@@ -1,7 +1,7 @@
 """How much of a decode step's linears is dequantising the GGUF blocks, and how much the rows' own
 multiply-adds, on a CPU where the native engine serves float32 on the blocks (server/engines/native/
 quant_linear.py). Every linear of the Llama runner (each layer's fused linears, then the LM head) is
-called once a pass with random rows, one torch thread, as a lane's decode step calls them; then the
+called once a pass with random rows, one torch thread, as a one-thread decode step calls them; then the
 same over the first layer alone, whose blocks stay in the CPU's caches between passes. A pass of one
 row is mostly the dequantising (every panel, whatever the rows); each further row adds its
 multiply-adds; if the first layer alone runs at the same weights a second as all of them, the

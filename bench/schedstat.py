@@ -76,7 +76,7 @@ def sched_delta(before: dict[str, tuple[int, int]], after: dict[str, tuple[int, 
     """CPU seconds the threads got between the snapshots and seconds they waited runnable, summed;
     with names (pid -> command), also CPU seconds per process, by "name (pid)"; with threads = N,
     also the N threads that got the most, by "pid/tid": [CPU s, s waiting runnable] (which of a
-    process's threads took its CPU: an engine thread, a lane, an OpenMP team's worker)."""
+    process's threads took its CPU: an engine thread, the panel helper, an OpenMP team's worker)."""
     cpu = wait = 0
     per: dict[int, int] = {}
     each: dict[str, tuple[int, int]] = {}

@@ -306,10 +306,9 @@ def main() -> None:
                     help="the engine's POLYSERVE_STATIC_DECODE (CUDA graphs of decode steps; auto = on CUDA)")
     ap.add_argument("--adaptive-threads", choices=["on", "off"], default="on",
                     help="the engine's POLYSERVE_ADAPTIVE_THREADS (one thread while other processes hold the CPUs)")
-    ap.add_argument("--contended", choices=["auto", "lanes", "one", "helper"], default="auto",
-                    help="native engine under contention: the step's items over single-thread lanes, or all on "
-                         "one thread, alone or with the weight kernel's panel helper, or as the CPU suits "
-                         "(POLYSERVE_CONTENDED_LANES, POLYSERVE_CONTENDED_HELPER)")
+    ap.add_argument("--contended", choices=["auto", "one", "helper"], default="auto",
+                    help="native engine under contention: one thread alone, or with the weight kernel's panel "
+                         "helper, or the helper where the linears have it (POLYSERVE_CONTENDED_HELPER)")
     ap.add_argument("--packed-weights", choices=["auto", "on", "off"], default="auto",
                     help="the engine's POLYSERVE_PACKED_WEIGHTS")
     ap.add_argument("--temperature", type=float, default=0.0,
@@ -342,8 +341,7 @@ def main() -> None:
                 max_step_tokens=args.max_step_tokens, dtype=serving, threads=args.threads, tuning=Tuning(
                     packed_weights=args.packed_weights, static_decode=args.static_decode, lora_kernel=lora_kernel,
                     weight_kernel=weight_kernel, adaptive_threads=args.adaptive_threads == "on",
-                    contended_lanes={"auto": "auto", "lanes": "on", "one": "off", "helper": "off"}[args.contended],
-                    contended_helper={"auto": "auto", "lanes": "off", "one": "off", "helper": "on"}[args.contended])))
+                    contended_helper={"auto": "auto", "one": "off", "helper": "on"}[args.contended])))
             eng.start()
             return eng
 
@@ -351,16 +349,15 @@ def main() -> None:
         try:
             run_engine(eng, bb.tokenizer, jobs[:4], adapters, "warm-up")
             before, steps = thread_times(), eng.steps
-            one_before = eng.governor.steps_at.get(1, 0) if eng.governor else 0  # steps without the team
-            how_before = dict(eng.contended_steps)
+            how_before = dict(eng.execution.steps)
             out = run_engine(eng, bb.tokenizer, jobs, adapters, name, temperature=args.temperature,
                              top_p=args.top_p, **kw)
             out["steps"] = eng.steps - steps
             out["dtype"] = dtype_name(serving)  # "auto" resolves per process: say which
-            one = (eng.governor.steps_at.get(1, 0) if eng.governor else 0) - one_before
-            out["one_thread_steps"] = one if args.threads > 1 else out["steps"]
-            out["contended_steps"] = {k: v - how_before[k] for k, v in eng.contended_steps.items()}
-            out.update(sched_delta(before, thread_times(), threads=4))  # the engine's, the lanes', a team's
+            how = {k: v - how_before[k] for k, v in eng.execution.steps.items()}
+            out["one_thread_steps"] = how["one"] + how["helper"] if args.threads > 1 else out["steps"]
+            out["contended_steps"] = {k: how[k] for k in ("one", "helper")}
+            out.update(sched_delta(before, thread_times(), threads=4))  # the engine's, the helper's, a team's
             return out
         finally:
             eng.stop()

@@ -21,7 +21,7 @@
     fleet/            replicas (agreement between processes sharing a store) and worker/
                       (`polyserve worker`: runs leased jobs from the store's queue)
     infra/            Prometheus metrics, the CPU budget, OpenMP's spin defaults (set here,
-                      before torch loads) and the one-pool rule, the thread governor
+                      before torch loads) and the one-pool rule
 """
 
 from server.infra import openmp

@@ -23,7 +23,7 @@ threads are then ceil(quota) (1 under a 1-CPU quota: no team, no barrier).
 
 Spinning is also wrong while other processes hold the CPUs without a quota (busy neighbours);
 that changes during a process's life, so it is handled per step, by the team's size
-(server/infra/contention.py), not here.
+(server/engines/native/core/execution.py), not here.
 
 The spin setting is not enough for the native engine, whose steps are hundreds of small ops:
 measured on this project's 2-core AMX machine (bench/openmp_spin.py, "engine loop"), a linear +

@@ -16,10 +16,8 @@
     threads            the engine thread's torch threads (None: the constructing thread's count)
     tuning             the internal switches, carried whole to the model runner (tuning.py):
                        the executor, packing, static decode, the kernels, and how a step runs
-                       while other processes hold the CPUs (adaptive_threads, contended_lanes:
-                       off = every item on the engine thread alone, auto = as the machine and
-                       the helper suit (lanes_pay, model/lanes.py) and lanes while contention is deep where
-                       deep_lanes_pay says so; contended_helper)
+                       while other processes hold the CPUs (adaptive_threads, contended_helper:
+                       core/execution.py)
     caps               per-tenant caps and weights (server/engines/fair.py)
 
 `from_settings` maps the POLYSERVE_* settings onto it; tests and benchmarks build one directly.

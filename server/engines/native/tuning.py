@@ -6,10 +6,9 @@ choice is for measuring and for working around a machine where `auto` chooses wr
 settings (server/wiring/settings.py); each keeps its POLYSERVE_* environment variable.
 
     adaptive_threads    each step as one OpenMP team, or, while other processes hold the CPUs,
-                        without it (server/infra/contention.py)
-    contended_lanes     without the team: the step's items split over single-thread lanes (model/lanes.py)
-    contended_helper    without the team: the weight kernel's linears share their panels with a
-                        helper thread (kernels/panel_helper.h) instead of lanes
+                        on one thread (core/execution.py)
+    contended_helper    on one thread, the weight kernel's linears share their panels with a
+                        helper thread (kernels/panel_helper.h)
     packed_weights      the Llama runner's linears packed once for oneDNN
     native_executor     llama = the engine's own fused forward, hf = the model's forward on flat steps
     static_decode       decode steps padded to fixed shapes and replayed as CUDA graphs
@@ -17,11 +16,13 @@ settings (server/wiring/settings.py); each keeps its POLYSERVE_* environment var
                         a path of the runner in a C++ kernel built on first use (kernels/:
                         lora_kernel.py, attention_kernel.py, quant_linear.py, elementwise_kernel.py)
 
-A new kernel adds its switch here and calls `resolve_switch` where its path is chosen.
+A new kernel adds its switch here and calls `resolve_switch` where its path is chosen. A switch
+whose path was removed stays in RETIRED, so a deployment that still sets it is told, not ignored.
 """
 
 from __future__ import annotations
 
+import logging
 import os
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, fields
@@ -33,6 +34,10 @@ Switch = Literal["auto", "on", "off"]
 SWITCH = ("auto", "on", "off")
 EXECUTORS = ("auto", "llama", "hf")
 PREFIX = "POLYSERVE_"
+log = logging.getLogger("polyserve")
+# switches whose path is gone: what replaced it (a start-up warning where one is still set)
+RETIRED = {"contended_lanes": "a contended step runs on one thread, with the panel helper where the linears "
+                              "have it (docs/tuning.md)"}
 
 
 def switch(value: str) -> bool | None:
@@ -47,7 +52,6 @@ def env_name(field: str) -> str:
 @dataclass(frozen=True)
 class Tuning:
     adaptive_threads: bool = True
-    contended_lanes: Switch = "auto"
     contended_helper: Switch = "auto"
     packed_weights: Switch = "auto"
     native_executor: Literal["auto", "llama", "hf"] = "auto"
@@ -74,6 +78,9 @@ class Tuning:
         """The switches set in the environment (POLYSERVE_<NAME>, any case, as the settings read
         theirs); the rest at their defaults."""
         env = {key.upper(): value for key, value in (os.environ if environ is None else environ).items()}
+        for name, instead in RETIRED.items():
+            if env_name(name) in env:
+                log.warning("%s has no effect: %s", env_name(name), instead)
         values: dict[str, Any] = {}
         for f in fields(cls):
             raw = env.get(env_name(f.name))

@@ -52,20 +52,18 @@ from adapters_store.lora.inject import RoutedModel
 from server.engines.base import EngineStopped, QueueFull, check_fits
 from server.engines.fair import TenantLimit, check_caps
 from server.engines.native.config import EngineConfig
+from server.engines.native.core.execution import Execution
 from server.engines.native.core.isolate import find_culprits
 from server.engines.native.core.ledger import FinalLedger, answer_unadmitted
 from server.engines.native.core.prefix_cache import BLOCK, PrefixCache, chain, namespace
 from server.engines.native.core.scheduler import Prefill, Scheduler
 from server.engines.native.core.slots import SlotPool
 from server.engines.native.core.step import Item, StepBatch
-from server.engines.native.model.lanes import deep_lanes_pay, lanes_pay
 from server.engines.native.model.model_runner import ModelRunner, build_model_runner
 from server.engines.native.sample.logprobs import prompt_chunk_logprobs
 from server.engines.native.sample.rows import Row, describe, new_rows, sample_rows, stop_token
-from server.engines.native.tuning import switch
 from server.engines.request import FinalEvent, FinishReason, GenRequest, TokenEvent, TokenLogprob
 from server.infra import cpus, openmp
-from server.infra.contention import ThreadGovernor
 from server.infra.metrics import Metrics
 
 log = logging.getLogger("polyserve.engine")
@@ -88,16 +86,16 @@ class NativeEngine:
         self.runner = runner or build_model_runner(model, routed_model, slots=cfg.max_batch_rows, dtype=cfg.dtype,
                                                    tuning=cfg.tuning)
         self.device = self.runner.device
-        lora = getattr(self.runner, "lora", None)
+        lora = self.runner.lora
         log.info("native engine: %s runner, %s, %d slots, %d tokens per step, LoRA %s, decode attention %s, "
                  "linears %s, norms and rope %s",
                  self.runner.name, str(self.runner.dtype).removeprefix("torch."), cfg.max_batch_rows,
                  cfg.max_step_tokens,
                  "none" if lora is None else "in the native kernel" if lora.kernel is not None else "as torch ops",
-                 "in the native kernel" if getattr(self.runner, "attention_kernel", False) else "as SDPA",
-                 ("on the backbone's GGUF blocks" if getattr(self.runner, "weight_kernel", False)
+                 "in the native kernel" if self.runner.attention_kernel else "as SDPA",
+                 ("on the backbone's GGUF blocks" if self.runner.weight_kernel
                   else "on dense weights"),
-                 "in the native kernel" if getattr(self.runner, "elementwise", False) else "as torch ops")
+                 "in the native kernel" if self.runner.elementwise else "as torch ops")
         self.pool = SlotPool(cfg.max_batch_rows)
         # prompt KV kept across requests, copied into a row's slot at admission (prefix_cache.py)
         budget = cfg.prefix_cache_budget
@@ -128,38 +126,10 @@ class NativeEngine:
         # the engine thread's torch threads (default: the constructing thread's); the process's only
         # OpenMP pool (server/infra/openmp.py)
         self.threads = cfg.threads or torch.get_num_threads()
-        # the team size of each step: all of them alone, one while other processes hold the CPUs
-        # (server/infra/contention.py), the step's rows then split over self.threads lanes
-        # (lanes.py) where they pay; None: always self.threads
-        self.governor = ThreadGovernor(self.threads, cpus.budget().usable) if cfg.tuning.adaptive_threads else None
-        # where a step without the team runs on the engine thread (no lanes), its linears share their
-        # panels with the weight kernel's helper thread where the runner has it (panel_helper.h): a
-        # second runnable thread with no weight dequantised twice and no barrier
-        helper_setting, lanes_setting = switch(cfg.tuning.contended_helper), switch(cfg.tuning.contended_lanes)
-        self.contended_helper = False
-        if self.governor is not None and self.threads > 1 and helper_setting is not False:
-            possible = self.runner.helper_possible()
-            if helper_setting and not possible:
-                log.warning("POLYSERVE_CONTENDED_HELPER=on, but the runner's linears have no panel helper "
-                            "(it needs the weight kernel on a CPU)")
-            self.contended_helper = possible
-        self.contended_lanes = lanes_setting
-        if self.governor is not None and self.contended_lanes is None:
-            self.contended_lanes, why = lanes_pay(bool(getattr(self.runner, "weight_kernel", False)), self.runner.dtype,
-                                                  self.contended_helper)
-            log.info("without the team, a step runs on %s (%s)",
-                     "lanes" if self.contended_lanes else "one thread with the panel helper" if self.contended_helper
-                     else "one thread", why)
-        # auto: where the CPU alone does not choose lanes, lanes may still run while contention is
-        # deep (ThreadGovernor.deep: one thread holds under half a CPU)
-        self.lanes_when_deep = False
-        if self.governor is not None and lanes_setting is None and not self.contended_lanes:
-            self.lanes_when_deep, why = deep_lanes_pay(self.runner.dtype)
-            log.info("under deep contention, a step runs on %s (%s)",
-                     "lanes" if self.lanes_when_deep else "one thread", why)
-        self.lanes = 1  # threads the step's items are split over (runner.use_lanes), while the team is 1
-        self.helper = False  # the helper runs (runner.use_helper)
-        self.contended_steps = {"one": 0, "lanes": 0, "helper": 0}  # steps without the team, by how they ran
+        # how each step runs on the CPUs: the whole team alone, one thread (with the weight kernel's
+        # panel helper where the runner has it) while other processes hold them (core/execution.py)
+        self.execution = Execution.build(self.threads, cpus.budget().usable, cfg.tuning, self.runner.panel_helper,
+                                         self.runner.set_mode)
 
     # -- public API (any thread) -----------------------------------------------------------------
     def start(self) -> None:
@@ -235,7 +205,6 @@ class NativeEngine:
     def _run(self) -> None:
         reason = "server shutting down"
         openmp.use_threads(self.threads)  # this thread's own count: other threads run torch on one (openmp.py)
-        team, lanes = self.threads, False
         try:
             while True:
                 with self._cond:
@@ -243,23 +212,7 @@ class NativeEngine:
                         self._cond.wait()
                     if self._stop:
                         break
-                if self.governor is not None:
-                    now = self.governor.threads()
-                    # without the team, the step's items over as many single-thread lanes, where they pay
-                    want = now == 1 and bool(self.contended_lanes or (self.lanes_when_deep and self.governor.deep))
-                    if now != team:
-                        team = now
-                        torch.set_num_threads(team)  # this thread's team from the next parallel op on
-                    if want != lanes:
-                        lanes = want
-                        self.lanes = self.runner.use_lanes(self.threads if want else 1)
-                    helper = now == 1 and not lanes and self.contended_helper
-                    if helper != self.helper:
-                        self.helper = self.runner.use_helper(helper)
-                    self.governor.lanes_running = self.lanes > 1
-                    self.governor.helper_running = self.helper
-                    if now == 1:
-                        self.contended_steps["lanes" if self.lanes > 1 else "helper" if self.helper else "one"] += 1
+                self.execution.step()
                 try:
                     self.step()
                 except Exception:  # a bug outside the isolated parts: fail the rows in flight only
@@ -270,8 +223,7 @@ class NativeEngine:
             reason = "engine stopped unexpectedly"
             raise
         finally:
-            if self.helper:
-                self.helper = self.runner.use_helper(False)  # its thread joined
+            self.execution.close()
             self._shutdown(reason)
 
     def _in_flight(self) -> bool:

@@ -1,10 +1,9 @@
 // A second thread that takes panels of a linear from a caller that runs without an OpenMP team,
 // with no barrier: where the caller would wait for it, the caller does the work itself.
 //
-// Why: beside busy processes the engine runs a step on one thread (server/infra/contention.py),
-// because every barrier of a team waits for whichever member the scheduler has descheduled. One
-// thread holds one runnable thread's share of the CPUs; lanes (lanes.py) hold two, but each lane
-// dequantises every weight for half the rows. The helper is a second runnable thread for the
+// Why: beside busy processes the engine runs a step on one thread (core/execution.py), because
+// every barrier of a team waits for whichever member the scheduler has descheduled. One thread
+// holds one runnable thread's share of the CPUs. The helper is a second runnable thread for the
 // step's linears, which share out the panels of one call: no weight is dequantised twice, and no
 // one waits for a descheduled thread.
 //
@@ -25,8 +24,8 @@
 // function whichever thread runs it, so the output does not depend on who computed what.
 //
 // The helper sleeps on a futex between calls; a call wakes it (one system call where it sleeps).
-// A caller that finds the helper in use by another thread (lanes), or a call larger than the
-// buffers, runs alone.
+// A caller that finds the helper in use by another thread, or a call larger than the buffers,
+// runs alone.
 
 #pragma once
 

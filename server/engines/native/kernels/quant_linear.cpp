@@ -20,7 +20,7 @@
 // caller keeps the float32 GEMMs. With AVX-512 the panels are dequantised and multiplied 16 floats
 // an instruction in 32 registers (twice the work of an AVX2 instruction, and a larger tile). The
 // panels are shared out over the calling thread's OpenMP team (torch's libgomp): one thread when
-// torch runs on one (lanes, one-thread steps), no team at all; a caller without a team shares them
+// torch runs on one (one-thread steps), no team at all; a caller without a team shares them
 // with the panel helper where it runs (panel_helper.h).
 
 #include <immintrin.h>

@@ -21,6 +21,7 @@ from typing import Any, cast
 import torch
 from torch import nn
 
+from server.engines.native.core.execution import Mode
 from server.engines.native.core.slots import SlotKV
 from server.engines.native.core.step import Item, StepBatch
 from server.engines.native.model.attention import slot_attention
@@ -74,6 +75,8 @@ class _SlotPlan:
 
 class HFRunner:
     name = "hf"
+    # its attention, linears, norms and rope are the model's own torch ops
+    attention_kernel = weight_kernel = elementwise = panel_helper = False
 
     def __init__(self, model: nn.Module, routed: Any = None, *, slots: int, tuning: Tuning = DEFAULT) -> None:
         """tuning: the switches this runner reads (lora_kernel; tuning.py)."""
@@ -142,18 +145,10 @@ class HFRunner:
     def idle(self) -> None:
         self.kv.reset()
 
-    def use_lanes(self, n: int) -> int:
-        """Always 1: a step here sets state every caller shares (the model config's attention
-        implementation, the routed model's batch plan), so two steps cannot run side by side."""
-        return 1
-
-    def helper_possible(self) -> bool:
-        """False: its linears are torch's."""
-        return False
-
-    def use_helper(self, on: bool) -> bool:
-        """Always False: its linears are torch's."""
-        return False
+    def set_mode(self, mode: Mode) -> Mode:
+        """The team only: its linears are torch's, with no panel helper."""
+        torch.set_num_threads(mode.threads)
+        return Mode(mode.threads)
 
     def check(self, prompt: list[int], atol: float = 1e-3) -> None:
         """Start-up self-test: a prompt prefilled in two chunks, then one decode step, must give the

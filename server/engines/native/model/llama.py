@@ -32,6 +32,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from adapters_store.backbone.gguf_blocks import QuantWeight, concat, frozen_weights, stored_blocks
+from server.engines.native.core.execution import Mode
 from server.engines.native.core.slots import SlotKV
 from server.engines.native.core.step import StepBatch
 from server.engines.native.kernels import attention_kernel as attention_kernels
@@ -41,7 +42,6 @@ from server.engines.native.kernels import panel_helper, quant_linear_bf16
 from server.engines.native.kernels import quant_linear as quant_linears
 from server.engines.native.kernels.quant_linear import QuantLinear
 from server.engines.native.model.attention import cuda_backends, slot_attention
-from server.engines.native.model.lanes import Lanes
 from server.engines.native.model.slot_lora import Group, Member, SlotLoRA, SlotLoRAStep, write_adapter
 from server.engines.native.model.static_decode import StaticDecode
 from server.engines.native.tuning import DEFAULT, Tuning, resolve_switch, switch
@@ -248,6 +248,8 @@ class LlamaRunner:
         head = cast(Any, model).get_output_embeddings()
         weights = Weights(dtype, packed, self._blocks(model, head, tuning.weight_kernel))
         self.weight_kernel = bool(weights.blocks)
+        self.panel_helper = self.weight_kernel and self.device.type == "cpu"  # the blocks' kernel has it
+        self._helper_on = False  # its thread runs (set_mode)
         with torch.no_grad():
             self.layers = [_Layer(layer, weights, self.heads, self.kv_heads, self.head_dim, not mlp_adapted)
                            for layer in decoder.layers]
@@ -284,8 +286,6 @@ class LlamaRunner:
         static_decode = switch(tuning.static_decode)
         if static_decode is None:
             static_decode = self.device.type == "cuda"
-        self._lanes: Lanes | None = None  # the step's items over threads, while use_lanes(n > 1)
-        self._lanes_on = False
         self.static: StaticDecode | None = None
         if static_decode:
             self.static = StaticDecode(self._static_compute, spare_slot=self.spare_slot, largest=slots,
@@ -351,35 +351,21 @@ class LlamaRunner:
         self._rope_version += 1
 
     # -- forward -------------------------------------------------------------------------------
-    def use_lanes(self, n: int) -> int:
-        """The next steps' items split over n threads of one torch thread each (lanes.py), or
-        (n = 1) all of them on the calling thread and its team. On a CPU only: on CUDA one stream
-        runs the step. Returns the lanes the steps will use."""
-        if n > 1 and self.device.type == "cpu":
-            if self._lanes is None or self._lanes.n != n:
-                if self._lanes is not None:
-                    self._lanes.close()
-                self._lanes = Lanes(n)
-            self._lanes_on = True
-            return n
-        self._lanes_on = False  # the threads stay, idle, for the next time
-        return 1
-
-    def helper_possible(self) -> bool:
-        """Whether the linears have the panel helper: they read the GGUF blocks on a CPU."""
-        return self.weight_kernel and self.device.type == "cpu"
-
-    def use_helper(self, on: bool) -> bool:
-        """Where `on`, the weight kernel's panel helper (panel_helper.h) takes panels of the linears
-        the calling thread runs without an OpenMP team, from the next step on; off, its thread is
-        joined. Returns whether it runs. Its buffers hold a call of up to MAX_ROWS rows (the LM
-        head's: HEAD_ROWS); larger calls run on the calling thread alone."""
-        if not self.helper_possible():
-            return False
+    def set_mode(self, mode: Mode) -> Mode:
+        """The calling thread's team for the next steps; with `mode.helper` on a one-thread step,
+        the weight kernel's panel helper (panel_helper.h) takes panels of its linears (its thread
+        starts; without it, it is joined). Returns the Mode that runs: no helper where the linears
+        have none. Its buffers hold a call of up to MAX_ROWS rows (the LM head's: HEAD_ROWS);
+        larger calls run on the calling thread alone."""
+        torch.set_num_threads(mode.threads)
+        if not self.panel_helper:
+            return Mode(mode.threads)
         kernel = quant_linear_bf16 if self.dtype == torch.bfloat16 else quant_linears
-        if not on:
-            panel_helper.share(kernel, 0)
-            return False
+        if not (mode.helper and mode.threads == 1):
+            if self._helper_on:
+                panel_helper.share(kernel, 0)
+                self._helper_on = False
+            return Mode(mode.threads)
         body = [lin for layer in self.layers for lin in vars(layer).values() if isinstance(lin, QuantLinear)]
         head = [self.lm_head] if isinstance(self.lm_head, QuantLinear) else []
         rows, panel = quant_linears.MAX_ROWS, kernel.PANEL
@@ -389,7 +375,8 @@ class LlamaRunner:
 
         inputs = rows * max(lin.in_features for lin in body + head)
         results = max([rows * padded(lin) for lin in body] + [HEAD_ROWS * padded(lin) for lin in head])
-        return panel_helper.share(kernel, inputs, results, max(lin.out_features for lin in body + head))
+        self._helper_on = panel_helper.share(kernel, inputs, results, max(lin.out_features for lin in body + head))
+        return Mode(1, helper=self._helper_on)
 
     def prepare(self, batch: StepBatch) -> None:
         """Room in the KV cache and the rope table for this step (may allocate)."""
@@ -405,8 +392,6 @@ class LlamaRunner:
         self.prepare(batch)
         if self.static is not None and self.static.fits(batch):
             return self.static.run(batch)
-        if self._lanes_on and self._lanes is not None:
-            return self._lanes.run(batch, self._compute_all)
         with cuda_backends(batch.tokens.device):
             return self._compute_all(batch)
 

@@ -16,8 +16,10 @@ from typing import Any, Protocol
 
 import torch
 
+from server.engines.native.core.execution import Mode
 from server.engines.native.core.slots import SlotKV
 from server.engines.native.core.step import StepBatch
+from server.engines.native.model.slot_lora import SlotLoRA
 from server.engines.native.tuning import DEFAULT, Tuning
 
 log = logging.getLogger("polyserve.engine")
@@ -29,6 +31,12 @@ class ModelRunner(Protocol):
     vocab_size: int
     max_positions: int | None
     kv: SlotKV  # every row's KV, one slot a row (the prefix cache copies blocks in and out)
+    lora: SlotLoRA | None  # the per-slot adapter tables (None: no routed linears)
+    # which of the runner's paths run in a C++ kernel (the engine's start-up log states them)
+    attention_kernel: bool
+    weight_kernel: bool  # the linears read the backbone's GGUF blocks
+    elementwise: bool
+    panel_helper: bool  # one-thread steps may share their linears' panels with a helper thread
 
     def forward(self, batch: StepBatch) -> torch.Tensor:
         """Logits (R, V) float32 at batch.logit_index; writes the items' K/V into their slots."""
@@ -40,18 +48,9 @@ class ModelRunner(Protocol):
 
     def copy_slot(self, src: int, dst: int, length: int) -> None: ...
 
-    def use_lanes(self, n: int) -> int:
-        """Split the next steps' items over n threads (lanes.py) where the runner can; returns
-        the lanes it will use (1: the calling thread runs every item)."""
-        ...
-
-    def helper_possible(self) -> bool:
-        """Whether the runner's linears have the weight kernel's panel helper."""
-        ...
-
-    def use_helper(self, on: bool) -> bool:
-        """Where `on`, the next steps' weight-kernel linears called without an OpenMP team share
-        their panels with the kernel's helper thread (panel_helper.h); returns whether it runs."""
+    def set_mode(self, mode: Mode) -> Mode:
+        """Run the next steps in `mode` (core/execution.py): its OpenMP team on the calling thread,
+        and the panel helper where asked and the runner has one; returns the Mode it runs."""
         ...
 
     def idle(self) -> None: ...

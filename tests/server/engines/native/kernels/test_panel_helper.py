@@ -16,6 +16,7 @@ import torch
 
 from adapters_store.backbone.gguf_blocks import dequantize, quantize
 from adapters_store.backbone.tiny import tiny_llama
+from server.engines.native.core.execution import Mode
 from server.engines.native.kernels import panel_helper, quant_linear, quant_linear_bf16
 from server.engines.native.kernels.quant_linear import QuantLinear
 from server.engines.native.model.llama import Linear
@@ -177,14 +178,15 @@ def test_the_llama_runner_with_the_panel_helper_gives_the_same_logits(tmp_path, 
     write_gguf(model, tmp_path)
     runner = build_model_runner(model, slots=4, dtype=dtype, tuning=Tuning(native_executor="llama", weight_kernel="on"))
     kept.append(runner)
-    assert runner.helper_possible()
+    assert runner.panel_helper
     assert not build_model_runner(model, slots=4, dtype=dtype,
-                                  tuning=Tuning(native_executor="llama", weight_kernel="off")).helper_possible()
+                                  tuning=Tuning(native_executor="llama", weight_kernel="off")).panel_helper
     gen = torch.Generator().manual_seed(0)
     prompts = [torch.randint(0, 259, (n,), generator=gen).tolist() for n in (7, 13, 1, 20)]
     nxt = [5, 6, 7, 8]
+    threads = torch.get_num_threads()
     alone = drive(runner, prompts, nxt)
-    assert runner.use_helper(True)
+    assert runner.set_mode(Mode(1, helper=True)) == Mode(1, helper=True)
     taken = panel_helper.taken(module)
 
     def same_logits() -> None:
@@ -194,4 +196,5 @@ def test_the_llama_runner_with_the_panel_helper_gives_the_same_logits(tmp_path, 
 
     same_logits()
     until_the_helper_took_panels(module, taken, same_logits)
-    assert runner.use_helper(False) is False
+    assert runner.set_mode(Mode(threads)) == Mode(threads)  # the helper's thread joined
+    assert torch.get_num_threads() == threads
