@@ -7,7 +7,7 @@ import json
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
-from .types import Job, Model, Task, UsageRow, timestamp
+from .types import Job, Model, Quality, Task, UsageRow, timestamp
 
 # the fields job_details shows in its own head lines; any other field the server sends follows them
 _JOB_SHOWN = frozenset({"id", "task", "status", "progress", "created_at", "started_at", "finished_at",
@@ -52,10 +52,21 @@ def key_values(pairs: Mapping[str, Any], indent: str = "") -> str:
 
 
 def tasks_table(tasks: Sequence[Task]) -> str:
-    """One line a task; its description last (on that line, however long)."""
-    rows = [(t.id, t.status, t.method, t.version, t.params, fmt_time(t.created_at), one_line(t.description))
-            for t in tasks]
-    return table(["id", "status", "method", "version", "params", "created", "description"], rows)
+    """One line a task: its measured quality (a shipped task's), and its description last (on that
+    line, however long)."""
+    rows = [(t.id, t.status, t.method, t.version, t.params, fmt_time(t.created_at), quality_text(t.quality),
+             one_line(t.description)) for t in tasks]
+    return table(["id", "status", "method", "version", "params", "created", "quality", "description"], rows)
+
+
+def quality_text(quality: Quality | None) -> str | None:
+    """A measured quality in a few words: ``words 0.88 sentences 0.56``, ``below floor`` where it is."""
+    if quality is None:
+        return None
+    text = f"words {quality.heldout_exact:.2f}"
+    if quality.sentences_exact is not None:
+        text += f" sentences {quality.sentences_exact:.2f}"
+    return text + (" below floor" if quality.below_floor else "")
 
 
 def one_line(text: str | None) -> str | None:
@@ -82,6 +93,8 @@ def task_details(task: Task) -> str:
     """All the fields the server sent for a task, timestamps made readable; a registration's
     estimate (each form's cross-validated exact match) as a table after them."""
     raw = dict(task.raw or {"id": task.id, "status": task.status})
+    if task.quality is not None:  # in words, with what it was measured on
+        raw["quality"] = quality_line(task.quality)
     metrics = raw.get("metrics")
     estimate = metrics.get("estimate") if isinstance(metrics, dict) else None
     if isinstance(metrics, dict) and isinstance(estimate, dict):
@@ -107,9 +120,29 @@ def estimate_table(estimate: Mapping[str, Any]) -> str:
     return head + "\n" + table(["form", "exact", "n", "interval", ""], rows) + note
 
 
+def quality_line(quality: Quality) -> str:
+    """A measured quality in full, for ``tasks show`` and ``models show``."""
+    text = f"exact match {quality.heldout_exact:.2f} on held-out words"
+    if quality.sentences_exact is not None:
+        text += f", {quality.sentences_exact:.2f} on sentences"
+    text += f" ({quality.n} inputs each, measured {quality.measured or '-'})"
+    if quality.below_floor:
+        text += "; below the quality floor: installed only on request (POLYSERVE_SHIPPED_BELOW_FLOOR)"
+    return text
+
+
+def model_details(model: Model) -> str:
+    """Every field the server sent for a model, its measured quality in words."""
+    raw = dict(model.raw or {"id": model.id})
+    if model.quality is not None:
+        raw["quality"] = quality_line(model.quality)
+    return raw_details(raw)
+
+
 def models_table(models: Sequence[Model]) -> str:
-    rows = [(m.id, m.parent, m.owned_by, fmt_time(m.created), one_line(m.description)) for m in models]
-    return table(["id", "parent", "owned_by", "created", "description"], rows)
+    rows = [(m.id, m.parent, m.owned_by, fmt_time(m.created), quality_text(m.quality), one_line(m.description))
+            for m in models]
+    return table(["id", "parent", "owned_by", "created", "quality", "description"], rows)
 
 
 def usage_table(rows: Sequence[UsageRow]) -> str:

@@ -363,7 +363,7 @@ def models_show(model_id: str, url: str, api_key: str | None, as_json: bool) -> 
     """Show one model: every field the server sends."""
     with _session(url, api_key) as client:
         model = client.get_model(model_id)
-    _echo_json(model.raw) if as_json else click.echo(fmt.raw_details(model.raw))
+    _echo_json(model.raw) if as_json else click.echo(fmt.model_details(model))
 
 
 @click.command()

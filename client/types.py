@@ -169,6 +169,30 @@ class StreamChunk:
 
 
 @dataclass(frozen=True)
+class Quality:
+    """A shipped task's measured exact match: on held-out words, and on sentences for a word-level
+    task (None for the others), over ``n`` inputs each. ``below_floor``: under the server's floor,
+    installed only on request."""
+
+    heldout_exact: float
+    n: int
+    measured: str | None = None
+    sentences_exact: float | None = None
+    below_floor: bool = False
+
+    @classmethod
+    def from_json(cls, data: Any) -> Quality | None:
+        """None for a missing or unreadable quality (a registered task has none)."""
+        if not isinstance(data, dict) or data.get("heldout_exact") is None:
+            return None
+        sentences = data.get("sentences_exact")
+        return cls(heldout_exact=_float(data.get("heldout_exact")), n=_int(data.get("n")),
+                   measured=_opt_str(data.get("measured")),
+                   sentences_exact=None if sentences is None else _float(sentences),
+                   below_floor=data.get("below_floor") is True)
+
+
+@dataclass(frozen=True)
 class Task:
     """A registered task (``GET /v1/tasks/{task}``)."""
 
@@ -182,6 +206,7 @@ class Task:
     kind: str | None = None
     job_id: str | None = None
     description: str | None = None
+    quality: Quality | None = None
     raw: dict[str, Any] = field(default_factory=dict, repr=False, compare=False)
 
     @property
@@ -204,6 +229,7 @@ class Task:
             kind=_opt_str(data.get("kind")),
             job_id=_opt_str(data.get("job_id")),
             description=_opt_str(data.get("description")),
+            quality=Quality.from_json(data.get("quality")),
             raw=data,
         )
 
@@ -289,6 +315,7 @@ class Model:
     owned_by: str | None = None
     parent: str | None = None
     description: str | None = None
+    quality: Quality | None = None
     raw: dict[str, Any] = field(default_factory=dict, repr=False, compare=False)
 
     @classmethod
@@ -300,6 +327,7 @@ class Model:
             owned_by=_opt_str(data.get("owned_by")),
             parent=_opt_str(data.get("parent")),
             description=_opt_str(data.get("description")),
+            quality=Quality.from_json(data.get("quality")),
             raw=data,
         )
 

@@ -243,7 +243,8 @@ def adapt(task, examples_file, method, init, steps, lr, batch_size, seed, store_
 @click.option("--mu", is_flag=True, help="also evaluate zero-shot μ (the skills' average) on each task")
 @click.option("--vocabs", default="train,heldout,madeup", show_default=True,
               help="procedural tasks: the words of the test inputs, side by side (training.vocab: train, "
-                   "heldout, madeup, legacy); the first one fills the top-level figures")
+                   "heldout, madeup, legacy; sentences, for word-level tasks only); the first one a task has fills "
+                   "its top-level figures")
 @click.option("--backbone", default="default", show_default=True)
 @click.option("--threads", default=None, type=int)
 @click.option("--json-out", default=None, type=click.Path(dir_okay=False))
@@ -257,13 +258,13 @@ def eval_cmd(store_dir, tasks, split, n, seed, examples_file, mu, vocabs, backbo
     from training.data import group_by_task, load_jsonl
     from training.evaluate import evaluate_task
     from training.suite import examples as suite_examples
-    from training.suite import parse_task
-    from training.vocab import VOCABS
+    from training.suite import parse_task, takes_sentences
+    from training.vocab import EVAL_VOCABS, SENTENCES
     from training.zstats import z_stats
 
     vocab_list = vocabs.split(",")
-    if not vocab_list or not set(vocab_list) <= set(VOCABS):
-        raise click.BadParameter(f"each of {', '.join(VOCABS)}", param_hint="--vocabs")
+    if not vocab_list or not set(vocab_list) <= set(EVAL_VOCABS):
+        raise click.BadParameter(f"each of {', '.join(EVAL_VOCABS)}", param_hint="--vocabs")
 
     store = _open_store(store_dir, install_default=True)
     bb, rm, info, skills = _routed(store, backbone)
@@ -278,9 +279,15 @@ def eval_cmd(store_dir, tasks, split, n, seed, examples_file, mu, vocabs, backbo
             sets = {"given": given[name][:n]}
         else:
             try:
-                sets = {v: suite_examples(parse_task(name), n, seed=seed, split=split, vocab=v) for v in vocab_list}
+                spec = parse_task(name)
             except ValueError:
                 click.echo(f"skip {name}: not a procedural task and not in --examples", err=True)
+                continue
+            # a sentence is an input only to a task of word-level primitives (no number task's)
+            sets = {v: suite_examples(spec, n, seed=seed, split=split, vocab=v) for v in vocab_list
+                    if v != SENTENCES or takes_sentences(spec)}
+            if not sets:
+                click.echo(f"skip {name}: no word-level task, so no sentence inputs", err=True)
                 continue
         rec = records[name]
         layers = task_layers(info, skills, str(rec.kind), store.load_weights(rec))

@@ -6,7 +6,11 @@
 (the store layout, with the training tasks' routing rows). `install_default_inventory(store)`
 copies it into a working store (any backend) that has no inventory; nothing is ever written into the
 package directory at run time. A shipped task's record carries the suite's description of it and a
-few examples (`describe`; `describe_shipped(store)` adds them to a store installed without).
+few examples (`describe`), and its measured quality (`quality`: exact match on held-out words and,
+for a word-level task, on sentences; written by scripts/shipped_quality.py). A task whose held-out
+figure is below QUALITY_FLOOR is left out unless the opt-in (POLYSERVE_SHIPPED_BELOW_FLOOR) asks for
+it, and is then marked `below_floor`. `refresh_shipped(store)` brings a store installed before
+records carried these up to date (and installs the tasks below the floor there, when opted in).
 `python -m training.shipped_inventory --from-store DIR` refreshes
 the package data from a freshly trained store (a development step, see
 scripts/train_default_inventory.sh).
@@ -16,6 +20,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import shutil
 from dataclasses import replace
 from pathlib import Path
@@ -32,6 +37,14 @@ WORDS_DIR = Path(__file__).resolve().parent / "words"
 # What the wheel's package data may weigh, inventory and word lists together: a server installs it
 # on every node, and pip downloads it with every upgrade.
 PACKAGE_BUDGET_BYTES = 40 * 1000 * 1000
+# A shipped task that gets fewer than half of its held-out inputs right is not installed by default:
+# a user who tries it on words of their own gets more wrong answers than right ones (`caesar`,
+# `rev-chars`: none right). The opt-in installs them too, marked `below_floor` (docs/RESULTS.md).
+QUALITY_FLOOR = 0.5
+# the opt-in, a POLYSERVE_* setting (server/wiring/settings.py reads it for the server and workers;
+# the offline commands read it here)
+OPT_IN_ENV = "POLYSERVE_SHIPPED_BELOW_FLOOR"
+_TRUE = frozenset({"1", "true", "yes", "on"})
 
 
 def tree_bytes(*roots: Path) -> int:
@@ -48,18 +61,42 @@ def _task_dirs(src: Path) -> list[Path]:
     return sorted(p.parent for p in (src / "tasks").glob("*/task.json"))
 
 
-def install_default_inventory(store: AdapterStore, source: Path | None = None) -> bool:
+def opted_in() -> bool:
+    """Whether the environment asks for the shipped tasks below the floor too (OPT_IN_ENV)."""
+    return os.environ.get(OPT_IN_ENV, "").strip().lower() in _TRUE
+
+
+def below_floor(record: TaskRecord) -> bool:
+    """Whether a shipped task was measured below QUALITY_FLOOR on held-out words (never measured: no)."""
+    return bool(record.quality) and float(record.quality["heldout_exact"]) < QUALITY_FLOOR
+
+
+def as_installed(record: TaskRecord, below_floor_too: bool) -> TaskRecord | None:
+    """A shipped record as a store gets it: described, and marked `below_floor` where it is under
+    the floor; None for such a task unless `below_floor_too` (the opt-in)."""
+    record = describe(record)
+    if not below_floor(record):
+        return record
+    if not below_floor_too:
+        return None
+    return replace(record, quality={**record.quality, "below_floor": True})
+
+
+def install_default_inventory(store: AdapterStore, source: Path | None = None,
+                              below_floor_too: bool | None = None) -> bool:
     """Copy the shipped inventory and its tasks' routing rows into `store` if it has no inventory.
 
     Returns True if it copied, False if the store already had an inventory (left untouched)
-    or no default inventory is shipped. Tasks the store already has are never overwritten.
+    or no default inventory is shipped. Tasks the store already has are never overwritten; tasks
+    below QUALITY_FLOOR are left out unless `below_floor_too` (default: the opt-in, OPT_IN_ENV).
     Processes starting together install it once (`AdapterStore.install_once`); every task and the
     inventory are checked against their digests on the way in; the inventory goes last.
     """
     src = Path(source) if source is not None else PACKAGE_DIR
     if not default_inventory_available(src):
         return False
-    return store.install_once(lambda target: _install(target, src))
+    opt_in = opted_in() if below_floor_too is None else below_floor_too
+    return store.install_once(lambda target: _install(target, src, opt_in))
 
 
 def suite_description(task: str) -> str | None:
@@ -93,36 +130,72 @@ def describe(record: TaskRecord) -> TaskRecord:
     return replace(record, description=text, examples=record.examples or shown)
 
 
-def describe_shipped(store: AdapterStore) -> int:
-    """Add the suite's description and examples to the shipped tasks of `store` that have none
-    (a store installed before records carried them); returns how many it wrote."""
+def shipped_records(source: Path | None = None) -> dict[str, TaskRecord]:
+    """The shipped tasks' records as packaged, by id."""
+    src = Path(source) if source is not None else PACKAGE_DIR
+    out = {}
+    for task_dir in _task_dirs(src):
+        task = validate_task_id(task_dir.name)
+        data = read_json(task_dir / "task.json")
+        if data.get("id") != task or not data.get("file"):
+            raise ValueError(f"{task_dir}/task.json does not describe task {task!r}")
+        out[task] = TaskRecord.from_json(data)
+    return out
+
+
+def _completed(record: TaskRecord, wanted: TaskRecord) -> TaskRecord:
+    """`record` with what it lacks of `wanted`'s description, examples and quality."""
+    return replace(record, description=record.description or wanted.description,
+                   examples=record.examples or wanted.examples, quality=record.quality or wanted.quality)
+
+
+def refresh_shipped(store: AdapterStore, source: Path | None = None, below_floor_too: bool | None = None) -> int:
+    """Bring the shipped tasks of a store installed before records carried a description and a
+    measured quality up to date: each unchanged shipped task (same weights, no owner) that lacks
+    them gets the package's (and the `below_floor` mark where it is under the floor; it stays
+    installed). With the opt-in (`below_floor_too`, default OPT_IN_ENV), the shipped tasks below
+    the floor that the store lacks are installed, when its inventory is the shipped one.
+    Returns how many records it wrote."""
+    src = Path(source) if source is not None else PACKAGE_DIR
+    shipped = shipped_records(src) if default_inventory_available(src) else {}
     written = 0
     for record in store.list_tasks():
-        if record.description is not None or record.owner is not None or record.source.get("kind") != "pretraining":
+        if record.owner is not None or record.source.get("kind") != "pretraining":
             continue
-        if suite_description(record.id) is None:
+        package = shipped.get(record.id)
+        wanted = as_installed(package, True) if package is not None and package.digest == record.digest \
+            else describe(record)
+        if wanted is None or _completed(record, wanted) == record:
             continue
         with store.task_lock(record.id):
             try:
                 current = store.get_task(record.id)
             except TaskNotFound:
                 continue
-            if current.description is None and current.digest == record.digest:
-                store.put_record(describe(current))
+            if (current.digest, current.version) == (record.digest, record.version):
+                store.put_record(_completed(current, wanted))
                 written += 1
+    opt_in = opted_in() if below_floor_too is None else below_floor_too
+    if opt_in and shipped and store.has_inventory():
+        info = InventoryInfo.from_json(read_json(src / "inventory" / "inventory.json"))
+        if store.inventory_info().version == info.version:
+            for task, package in shipped.items():
+                installed = as_installed(package, True)
+                if installed is None or not below_floor(package) or store.has_task(task):
+                    continue
+                with store.task_lock(task):
+                    if not store.has_task(task):
+                        store.import_task(installed, (src / "tasks" / task / str(package.file)).read_bytes())
+                        written += 1
     return written
 
 
-def _install(store: AdapterStore, src: Path) -> bool:
-    for task_dir in _task_dirs(src):
-        task = validate_task_id(task_dir.name)
-        if store.has_task(task):
+def _install(store: AdapterStore, src: Path, below_floor_too: bool) -> bool:
+    for task, package in shipped_records(src).items():
+        record = as_installed(package, below_floor_too)
+        if record is None or store.has_task(task):
             continue
-        data = read_json(task_dir / "task.json")
-        if data.get("id") != task or not data.get("file"):
-            raise ValueError(f"{task_dir}/task.json does not describe task {task!r}")
-        record = describe(TaskRecord.from_json(data))
-        store.import_task(record, (task_dir / Path(str(record.file)).name).read_bytes())
+        store.import_task(record, (src / "tasks" / task / Path(str(record.file)).name).read_bytes())
     # The inventory last: a crash before this leaves a store that installs again on next start.
     info = InventoryInfo.from_json(read_json(src / "inventory" / "inventory.json"))
     store.import_inventory(info, (src / "inventory" / "skills.safetensors").read_bytes())

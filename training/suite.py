@@ -31,11 +31,11 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
 from training.data import Example, write_jsonl
-from training.vocab import LEGACY_WORDS, VOCABS, draw_word
+from training.vocab import EVAL_VOCABS, LEGACY_WORDS, SENTENCES, draw_word, sentence
 
 __all__ = [
-    "PRIMITIVES", "SPLITS", "TERMINAL_PRIMITIVES", "Suite", "TaskSpec", "build_suite", "examples",
-    "parse_task", "probe_inputs", "random_input", "suite_examples", "write_jsonl",
+    "PRIMITIVES", "SPLITS", "TERMINAL_PRIMITIVES", "WORD_PRIMITIVES", "Suite", "TaskSpec", "build_suite",
+    "examples", "parse_task", "probe_inputs", "random_input", "suite_examples", "takes_sentences", "write_jsonl",
 ]
 
 WORDS = LEGACY_WORDS
@@ -160,6 +160,18 @@ PRIMITIVES: dict[str, Callable[[str], str]] = {
 }
 #: Primitives whose output is a single number; they may only come last in a composition.
 TERMINAL_PRIMITIVES = frozenset({"count", "sum"})
+#: Primitives that move, select or case whole words: the ones a sentence is a sensible input to.
+WORD_PRIMITIVES = frozenset({"rev-words", "title", "first2", "last2", "swap-ends", "rotate", "dedupe", "sort"})
+
+
+def takes_sentences(task: TaskSpec) -> bool:
+    """Whether ``task`` is a composition of word-level primitives only, so that a sentence
+    (vocab ``"sentences"``) is an input it makes sense on; a number or spelling task is not.
+
+    >>> takes_sentences(parse_task("rev-words.title")), takes_sentences(parse_task("rev-words.inc"))
+    (True, False)
+    """
+    return set(task.primitives) <= WORD_PRIMITIVES
 
 
 @dataclass(frozen=True)
@@ -193,7 +205,10 @@ def parse_task(name: str) -> TaskSpec:
 # --- inputs -------------------------------------------------------------------------------------
 
 def random_input(rng: random.Random, vocab: str = "train") -> str:
-    """A 3-6 token input with at least one word (of ``vocab``) and one number; ~40% repeat a token."""
+    """A 3-6 token input with at least one word (of ``vocab``) and one number; ~40% repeat a token.
+    With ``vocab="sentences"``, a sentence instead (:func:`training.vocab.sentence`)."""
+    if vocab == SENTENCES:
+        return sentence(rng)
     while True:
         n = rng.randrange(3, 7)
         toks = [draw_word(rng, vocab) if rng.random() < 0.6 else str(rng.randrange(MAX_NUMBER + 1))
@@ -227,7 +242,8 @@ def examples(task: TaskSpec, n: int, seed: int, split: str = "train", vocab: str
     A smaller ``n`` gives a prefix of a larger one; inputs are distinct within
     a call where possible; the splits draw from disjoint sets of inputs. Training
     suites use ``vocab="train"`` only; ``"heldout"`` and ``"madeup"`` words are
-    for few-shot and test inputs (:mod:`training.vocab`).
+    for few-shot and test inputs (:mod:`training.vocab`); ``"sentences"`` are for evaluation only
+    and refused for the training split.
 
     >>> ex = examples(parse_task("upper"), 2, seed=0, split="test")
     >>> len(ex), all(e.output == e.input.upper() for e in ex)
@@ -235,8 +251,10 @@ def examples(task: TaskSpec, n: int, seed: int, split: str = "train", vocab: str
     """
     if split not in SPLITS:
         raise ValueError(f"split must be one of {SPLITS}, got {split!r}")
-    if vocab not in VOCABS:
-        raise ValueError(f"vocab must be one of {VOCABS}, got {vocab!r}")
+    if vocab not in EVAL_VOCABS:
+        raise ValueError(f"vocab must be one of {EVAL_VOCABS}, got {vocab!r}")
+    if vocab == SENTENCES and split == "train":
+        raise ValueError("sentences are evaluation inputs: ask for split 'valid' or 'test'")
     # the legacy vocabulary keeps the seeds, and so the exact examples, of the first suite
     rng = random.Random(_seed("examples", task.name, seed, split) if vocab == "legacy"
                         else _seed("examples", task.name, seed, split, vocab))

@@ -11,6 +11,12 @@ a training side and a held-out side:
 - ``madeup``: made-up strings never in any training input;
 - ``legacy``: the 24 words of the first suite, kept so older inventories can be compared on it.
 
+and one kind of input for evaluation only, never drawn for training (:data:`EVAL_VOCABS`):
+
+- ``sentences``: ordinary short sentences and phrases, with capitals, function words ("the", "to",
+  "and") and punctuation attached to words ("Maria drove to Lisbon.", "the old lighthouse keeper"),
+  what users send to the word-level tasks; made by :func:`sentence` from fixed hand-written lists.
+
 The split is a hash of the string itself, so it holds for every string ever generated, in any
 process, and a test can check any input against it (:func:`is_heldout_word`). The legacy words are
 always on the training side: the old inventory saw them.
@@ -28,14 +34,17 @@ import hashlib
 import random
 from pathlib import Path
 
-__all__ = ["LEGACY_WORDS", "VOCABS", "draw_word", "english_words", "heldout_words", "is_heldout_word",
-           "made_up", "train_words"]
+__all__ = ["EVAL_VOCABS", "LEGACY_WORDS", "SENTENCES", "VOCABS", "draw_word", "english_words", "heldout_words",
+           "is_heldout_word", "made_up", "sentence", "train_words"]
 
 LEGACY_WORDS = (
     "cat", "dog", "sun", "map", "red", "blue", "tree", "fish", "bird", "star", "moon", "rock",
     "leaf", "rain", "wind", "fire", "lake", "hill", "road", "ship", "king", "rose", "milk", "salt",
 )
 VOCABS = ("train", "heldout", "madeup", "legacy")
+#: Test inputs that are sentences (:func:`sentence`): evaluation only, refused for a training split.
+SENTENCES = "sentences"
+EVAL_VOCABS = (*VOCABS, SENTENCES)
 #: One string in HELDOUT_BUCKETS of every N_BUCKETS is held out.
 N_BUCKETS, HELDOUT_BUCKETS = 5, 1
 #: Share of the training side's draws that are made-up strings (the rest are English words).
@@ -110,3 +119,46 @@ def draw_word(rng: random.Random, vocab: str) -> str:
         word = made_up(rng)
         if is_heldout_word(word) == held:
             return word
+
+
+# --- sentences (evaluation only) ---------------------------------------------------------------
+
+_NAMES = ("Maria", "Tom", "Aisha", "Kenji", "Olga", "Pedro", "Lena", "Sam", "Nadia", "Omar", "Ruth", "Ivan")
+_PLACES = ("Lisbon", "Oslo", "Cairo", "Lima", "Dublin", "Kyoto", "Quebec", "Nairobi", "Porto", "Seoul")
+_PRONOUNS = ("I", "We", "They", "She", "He", "You")
+_NOUNS = ("shop", "station", "garden", "river", "library", "market", "kitchen", "office", "harbour", "bakery",
+          "lighthouse", "museum", "bridge", "school", "park", "beach")
+_PEOPLE = ("keeper", "teacher", "baker", "driver", "doctor", "painter", "farmer", "singer")
+_ADJECTIVES = ("old", "small", "quiet", "busy", "new", "cold", "bright", "empty", "green", "tall")
+_MOTION = ("went", "walked", "drove", "cycled", "hurried", "returned", "ran", "moved")
+_ACTION = ("saw", "found", "painted", "cleaned", "visited", "left", "opened", "closed")
+_WHEN = ("yesterday", "today", "early", "again", "later", "last night")
+_TEMPLATES = (
+    "{Subj} {motion} to the {noun}{end}",
+    "{Name} {motion} to {Place}{end}",
+    "the {adj} {noun} {person}",
+    "{Subj} {action} the {adj} {noun} {when}{end}",
+    "{Name} and {Name2} {action} a {noun} in {Place}{end}",
+    "{Subj} {motion} home, then {subj} {action} the {noun}{end}",
+    "the {noun} by the {noun2} is {adj}{end}",
+    "Was the {noun} {adj} {when}?",
+    "{Name}, the {person}, {action} it{end}",
+    "this {adj} {noun} and that {adj2} {noun2}",
+)
+
+
+def sentence(rng: random.Random) -> str:
+    """An ordinary sentence or phrase of 3-9 words, with the function words, capitals and punctuation
+    (attached to its words, as a user types them) that a word list lacks: "Maria drove to Lisbon.",
+    "the old lighthouse keeper". For evaluation only: no inventory is trained on these."""
+    def pick(words: tuple[str, ...], *avoid: str) -> str:
+        while True:
+            word = words[rng.randrange(len(words))]
+            if word not in avoid:
+                return word
+    subj, name, noun, adj = pick(_PRONOUNS), pick(_NAMES), pick(_NOUNS), pick(_ADJECTIVES)
+    slots = {"Subj": subj, "subj": pick(_PRONOUNS, "I").lower(), "Name": name, "Name2": pick(_NAMES, name),
+             "Place": pick(_PLACES), "noun": noun, "noun2": pick(_NOUNS, noun), "person": pick(_PEOPLE),
+             "adj": adj, "adj2": pick(_ADJECTIVES, adj), "motion": pick(_MOTION), "action": pick(_ACTION),
+             "when": pick(_WHEN), "end": (".", ".", "!", "")[rng.randrange(4)]}
+    return _TEMPLATES[rng.randrange(len(_TEMPLATES))].format(**slots)

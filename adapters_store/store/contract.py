@@ -39,7 +39,7 @@ from adapters_store.lora.spec import InventorySpec
 from adapters_store.store.errors import FingerprintMismatch, JobNotFound, StoreError, TaskNotFound
 from adapters_store.store.ids import validate_task_id
 from adapters_store.store.job_queue import JobLease, new_token
-from adapters_store.store.records import InventoryInfo, TaskRecord
+from adapters_store.store.records import InventoryInfo, TaskRecord, check_quality
 
 JOB_ID_RE = re.compile(r"^job-[a-z0-9]{6,40}$")
 TERMINAL_JOB_STATES = ("succeeded", "failed", "cancelled")
@@ -69,6 +69,14 @@ class JobHold(Protocol):
     def release(self) -> None: ...
 
     def still_held(self) -> bool: ...
+
+
+def check_record_quality(record: TaskRecord) -> None:
+    """The record's `quality` is well formed (records.check_quality), or StoreError naming the task."""
+    try:
+        check_quality(record.quality)
+    except ValueError as err:
+        raise StoreError(f"task {record.id!r}: {err}") from None
 
 
 def check_demonstrations(demonstrations: list[dict[str, str]]) -> list[dict[str, str]]:
@@ -333,6 +341,7 @@ class AdapterStore(ABC):
     def put_record(self, record: TaskRecord) -> TaskRecord:
         """Write a registry entry as is (e.g. status 'training' or 'failed' without weights)."""
         validate_task_id(record.id)
+        check_record_quality(record)
         with self._transaction(record.id):
             data = self._read_record(record.id)
             self._commit_task(record, None, TaskRecord.from_json(data) if data else None)
@@ -368,6 +377,7 @@ class AdapterStore(ABC):
                 owner=previous.owner if previous else None, shared=previous.shared if previous else False,
                 description=previous.description if previous else None,
                 examples=list(previous.examples) if previous else [], demonstrations=demonstrations,
+                # no `quality`: it was measured on the previous version's weights, not these
             )
             self._commit_task(record, blob, previous)
         return record
@@ -406,6 +416,7 @@ class AdapterStore(ABC):
         """Write a task exactly as another store holds it (its version, digest and times), e.g.
         `polyserve store copy`; the blob must match the record's digest."""
         validate_task_id(record.id)
+        check_record_quality(record)
         if record.file:
             if blob is None or tensors_digest(st_load(blob)) != record.digest:
                 raise StoreError(f"task {record.id!r}: its weights do not match its digest")

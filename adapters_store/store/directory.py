@@ -38,7 +38,7 @@ from adapters_store.store.atomic import (
     read_json,
     sweep_temp_files,
 )
-from adapters_store.store.contract import AdapterStore, check_job_id, tensors_digest
+from adapters_store.store.contract import AdapterStore, check_job_id, check_record_quality, tensors_digest
 from adapters_store.store.ids import validate_task_id
 from adapters_store.store.records import InventoryInfo, TaskRecord
 
@@ -201,6 +201,7 @@ class DirectoryStore(AdapterStore):
         rename, and callers decide about an id under `task_lock`, so a registration's placeholder
         never waits for another process's write (which may hold the store lock for a long time)."""
         validate_task_id(record.id)
+        check_record_quality(record)
         data = self._read_record(record.id)
         self._commit_task(record, None, TaskRecord.from_json(data) if data else None)
         return record

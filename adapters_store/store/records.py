@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass, field, fields
+from datetime import date
 from typing import Any, Literal
 
 from adapters_store.lora.spec import InventorySpec
@@ -16,6 +17,11 @@ DEFAULT_PROMPT_FORMAT = "input-output"
 # registration sent, or the suite's for a shipped task), not its training data
 MAX_RECORD_EXAMPLES = 3
 MAX_DESCRIPTION_CHARS = 500
+# a task record's `quality`: what a shipped task was measured to do (training/shipped_inventory.py):
+# exact match on held-out words and, for a word-level task, on sentences, over `n` inputs each, on
+# the day `measured`; `below_floor` marks a task under the shipped floor (installed only on request)
+QUALITY_FIGURES = ("heldout_exact", "sentences_exact")
+QUALITY_KEYS = frozenset({*QUALITY_FIGURES, "n", "measured", "below_floor"})
 
 
 @dataclass(frozen=True)
@@ -86,6 +92,8 @@ class TaskRecord:
     # served before every prompt of this version (training/demos.py), {"input", "output"} each; with
     # kind "demos", on the bare backbone. The owner's data: seen only by whoever may see the task
     demonstrations: list[dict[str, str]] = field(default_factory=list)
+    # measured quality of these weights (QUALITY_KEYS; empty: never measured, as for a registered task)
+    quality: dict[str, Any] = field(default_factory=dict)
 
     def to_json(self) -> dict[str, Any]:
         return asdict(self)
@@ -98,6 +106,32 @@ class TaskRecord:
     def cache_version(self) -> str:
         """Identifies the weights' content (for cache keys): never reused for other weights."""
         return f"{self.version}-{self.digest}"
+
+
+def check_quality(quality: dict[str, Any]) -> dict[str, Any]:
+    """A record's `quality` as stored, or ValueError: empty, or `heldout_exact` (with
+    `sentences_exact` where measured) each a fraction in [0, 1], `n` the inputs each was measured
+    on, `measured` an ISO date, `below_floor` a bool; nothing else."""
+    if not quality:
+        return {}
+    if not isinstance(quality, dict) or not set(quality) <= QUALITY_KEYS or "heldout_exact" not in quality:
+        raise ValueError(f"quality is an object with heldout_exact and only {sorted(QUALITY_KEYS)}")
+    for key in QUALITY_FIGURES:
+        value = quality.get(key)
+        if key in quality and (isinstance(value, bool) or not isinstance(value, int | float) or not 0 <= value <= 1):
+            raise ValueError(f"quality.{key} is a fraction in [0, 1], got {value!r}")
+    n = quality.get("n")
+    if isinstance(n, bool) or not isinstance(n, int) or n < 1:
+        raise ValueError(f"quality.n is the number of inputs measured (>= 1), got {n!r}")
+    measured = quality.get("measured")
+    try:
+        date.fromisoformat(measured)  # type: ignore[arg-type]
+    except (TypeError, ValueError):
+        raise ValueError(f"quality.measured is an ISO date (YYYY-MM-DD), got {measured!r}") from None
+    below = quality.get("below_floor", False)
+    if below is not True and below is not False:
+        raise ValueError(f"quality.below_floor is a bool, got {below!r}")
+    return dict(quality)
 
 
 # the field names, worked out once (from_json runs for every record a listing or request reads)

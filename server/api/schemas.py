@@ -13,6 +13,7 @@ from server.api.wire import Bool, Number
 
 DESCRIPTION_DOC = "what the task does, in words (the registration's, or the suite's for a shipped task)"
 EXAMPLES_DOC = "a few input/output pairs that show it (the first ones its registration sent)"
+QUALITY_DOC = "a shipped task's measured exact match (null for a registered task: its job's estimate is in metrics)"
 PROMPT_FORMAT_DOC = "the name of the prompt format the task was trained with (null for `base`)"
 PROMPT_TEMPLATE_DOC = ("that format's text: `{input}` is replaced by the input and the model answers after one "
                        "space. /v1/generate and chat add it; /v1/completions sends the prompt raw, so a raw "
@@ -61,6 +62,19 @@ class ExampleOut(BaseModel):
     output: str
 
 
+class QualityOut(BaseModel):
+    """What a shipped task was measured to do (docs/RESULTS.md, "Each shipped task's measured quality")."""
+
+    heldout_exact: float = Field(description="greedy exact match on test inputs of English words never trained on")
+    sentences_exact: float | None = Field(
+        default=None, description="the same on ordinary sentences (word-level tasks only; null for the others)")
+    n: int = Field(description="test inputs each figure was measured on")
+    measured: str = Field(description="the day it was measured (YYYY-MM-DD)")
+    below_floor: bool = Field(
+        default=False, description="held-out exact match below the shipped floor: installed only on request "
+        "(POLYSERVE_SHIPPED_BELOW_FLOOR)")
+
+
 class TaskOut(BaseModel):
     id: str
     status: Literal["ready", "training", "failed"]
@@ -78,6 +92,7 @@ class TaskOut(BaseModel):
     prompt_template: str | None = Field(default=None, description=PROMPT_TEMPLATE_DOC)
     description: str | None = Field(default=None, description=DESCRIPTION_DOC)
     examples: list[ExampleOut] = Field(default_factory=list, description=EXAMPLES_DOC)
+    quality: QualityOut | None = Field(default=None, description=QUALITY_DOC)
     demonstrations: list[ExampleOut] = Field(
         default_factory=list, description="what this version puts before every prompt, in its prompt format "
         "(methods auto, demos, demos+routing); counted in usage as prompt tokens, never echoed")
@@ -119,6 +134,7 @@ class ModelOut(BaseModel):
     root: str | None = Field(default=None, description="the backbone")
     parent: str | None = Field(default=None, description="`base` for a task")
     description: str | None = Field(default=None, description=DESCRIPTION_DOC)
+    quality: QualityOut | None = Field(default=None, description=QUALITY_DOC)
     prompt_format: str | None = Field(default=None, description=PROMPT_FORMAT_DOC)
     prompt_template: str | None = Field(default=None, description=PROMPT_TEMPLATE_DOC)
 
@@ -134,8 +150,13 @@ def task_out(record: TaskRecord) -> TaskOut:
         created_at=record.created_at, updated_at=record.updated_at, params=record.params, kind=record.kind,
         inventory_version=record.inventory_version, job_id=record.job_id, error=record.error,
         metrics=record.metrics, **prompt_fields(record), description=record.description,
-        examples=_pairs(record.examples), demonstrations=_pairs(record.demonstrations),
+        examples=_pairs(record.examples), quality=quality_out(record), demonstrations=_pairs(record.demonstrations),
     )
+
+
+def quality_out(record: TaskRecord) -> QualityOut | None:
+    """A record's measured quality as the API shows it (None where it has none)."""
+    return QualityOut(**record.quality) if record.quality else None
 
 
 def _pairs(pairs: list[dict[str, str]]) -> list[ExampleOut]:

@@ -38,7 +38,8 @@ from training.precision import resolve_autocast
 
 log = logging.getLogger("polyserve")
 
-def _maybe_install_default_inventory(store: AdapterStore, backbone_spec: str) -> bool:
+def _maybe_install_default_inventory(store: AdapterStore, backbone_spec: str, below_floor_too: bool = False) -> bool:
+    """`below_floor_too`: also the shipped tasks below the quality floor (POLYSERVE_SHIPPED_BELOW_FLOOR)."""
     if backbone_spec != "default" or store.has_inventory():
         return False
     if store.task_stamps():
@@ -51,23 +52,24 @@ def _maybe_install_default_inventory(store: AdapterStore, backbone_spec: str) ->
     except ImportError:
         log.info("no shipped default inventory; serving `base` only until one is trained")
         return False
-    installed = install_default_inventory(store)  # False: another process installed it first
+    installed = install_default_inventory(store, below_floor_too=below_floor_too)  # False: installed by another
     if installed:
         log.info("installed the default inventory into %s", store.location)
     return installed
 
 
-def _describe_shipped_tasks(store: AdapterStore, backbone_spec: str) -> None:
-    """A store installed before task records carried a description: the shipped tasks get theirs."""
+def _refresh_shipped_tasks(store: AdapterStore, backbone_spec: str, below_floor_too: bool = False) -> None:
+    """A store installed before task records carried a description and a measured quality: the
+    shipped tasks get theirs; with the opt-in, the shipped tasks below the floor it lacks too."""
     if backbone_spec != "default" or not store.has_inventory():
         return
     try:
-        from training.shipped_inventory import describe_shipped  # type: ignore[import-not-found]
+        from training.shipped_inventory import refresh_shipped  # type: ignore[import-not-found]
     except ImportError:
         return
-    written = describe_shipped(store)
+    written = refresh_shipped(store, below_floor_too=below_floor_too)
     if written:
-        log.info("added the suite's descriptions to %d shipped tasks", written)
+        log.info("brought %d shipped task records up to date (descriptions, measured quality)", written)
 
 @dataclass
 class Runtime:
@@ -100,8 +102,8 @@ class Runtime:
         bb = backbone or load_backbone(settings.backbone, device=settings.device,
                                        dtype=dtype_name(backbone_dtype(settings.device, settings.dtype)))
         store = open_store(settings.store_location, cache_dir=settings.home.expanduser() / "inventories")
-        _maybe_install_default_inventory(store, settings.backbone)
-        _describe_shipped_tasks(store, settings.backbone)
+        _maybe_install_default_inventory(store, settings.backbone, settings.shipped_below_floor)
+        _refresh_shipped_tasks(store, settings.backbone, settings.shipped_below_floor)
         routed, cache, l2 = None, None, None
         if store.has_inventory():
             try:

@@ -106,6 +106,9 @@ class Settings(BaseSettings):
     # serving a non-loopback address with no key at all needs this (server/wiring/exposure.py)
     allow_unauthenticated: bool = False
     usage_window_max_seconds: int = Field(default=24 * 3600, ge=60)  # GET /v1/usage keeps this much history
+    # also install the shipped tasks measured below the quality floor, marked `below_floor`
+    # (training/shipped_inventory.py; the offline commands read the same variable there)
+    shipped_below_floor: bool = False
     # the native engine's internal switches (docs/tuning.md): each read from its own POLYSERVE_*
     # variable (POLYSERVE_LORA_KERNEL, ...) by Tuning.from_env, not from one POLYSERVE_TUNING
     tuning: Tuning = Field(default_factory=Tuning)

@@ -83,7 +83,7 @@ def test_tasks_list_and_show(fake: FakeServer) -> None:
     fake.on("GET", "/v1/tasks/reverse", ok(TASK))
     result = invoke(cli.tasks, "list")
     header, *rows = result.stdout.splitlines()
-    assert header.split() == ["ID", "STATUS", "METHOD", "VERSION", "PARAMS", "CREATED", "DESCRIPTION"]
+    assert header.split() == ["ID", "STATUS", "METHOD", "VERSION", "PARAMS", "CREATED", "QUALITY", "DESCRIPTION"]
     assert rows[0].split()[:5] == ["reverse", "ready", "routing", "2", "4096"]
     assert "2024-05-01 12:00:00Z" in rows[0] and rows[1].split()[:3] == ["other", "training", "-"]
     assert [t["id"] for t in json.loads(invoke(cli.tasks, "list", "--json").stdout)] == ["reverse", "other"]
@@ -292,3 +292,33 @@ def test_models_list_shows_each_models_description(fake: FakeServer) -> None:
     assert header.split()[-1] == "DESCRIPTION" and len(rows) == 2
     assert rows[1].startswith("reverse") and rows[1].endswith("Reverse the order of the tokens.")
     assert rows[0].split()[-1] == "-"
+
+
+MEASURED = {"heldout_exact": 0.875, "sentences_exact": 0.5, "n": 16, "measured": "2026-12-02", "below_floor": False}
+WEAK = {"heldout_exact": 0.0, "n": 16, "measured": "2026-12-02", "below_floor": True}
+
+
+def test_tasks_list_shows_each_shipped_tasks_measured_quality_and_the_floor_mark(fake: FakeServer) -> None:
+    shipped = {**TASK, "description": "Reverse the order of the tokens.", "quality": MEASURED}
+    weak = {**TASK, "id": "caesar", "description": "Shift every letter by one.", "quality": WEAK}
+    fake.on("GET", "/v1/tasks", ok({"data": [shipped, weak, {"id": "mine", "status": "ready", "quality": None}]}))
+    header, *rows = invoke(cli.tasks, "list").stdout.splitlines()
+    assert len(rows) == 3 and header.split()[-2:] == ["QUALITY", "DESCRIPTION"]
+    assert "words 0.88 sentences 0.50" in rows[0] and rows[0].endswith("Reverse the order of the tokens.")
+    assert "words 0.00 below floor" in rows[1] and rows[1].endswith("Shift every letter by one.")
+    assert rows[2].split()[-2:] == ["-", "-"]  # a registered task: no measured quality, no description
+
+
+def test_tasks_show_and_models_show_say_the_quality_in_words(fake: FakeServer) -> None:
+    fake.on("GET", "/v1/tasks/caesar", ok({**TASK, "id": "caesar", "quality": WEAK}))
+    (line,) = [x for x in invoke(cli.tasks, "show", "caesar").stdout.splitlines() if x.startswith("quality:")]
+    assert "exact match 0.00 on held-out words (16 inputs each, measured 2026-12-02)" in line
+    assert "below the quality floor: installed only on request (POLYSERVE_SHIPPED_BELOW_FLOOR)" in line
+    assert json.loads(invoke(cli.tasks, "show", "caesar", "--json").stdout)["quality"] == WEAK  # as sent
+    model = {"id": "reverse", "object": "model", "created": 0, "owned_by": "polyserve", "quality": MEASURED}
+    fake.on("GET", "/v1/models/reverse", ok(model))
+    (line,) = [x for x in invoke(cli.models, "show", "reverse").stdout.splitlines() if x.startswith("quality:")]
+    assert "0.88 on held-out words, 0.50 on sentences (16 inputs each" in line and "floor" not in line
+    fake.on("GET", "/v1/models", ok({"object": "list", "data": [model]}))
+    (row,) = invoke(cli.models, "list").stdout.splitlines()[1:]
+    assert "words 0.88 sentences 0.50" in row

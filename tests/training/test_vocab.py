@@ -11,10 +11,12 @@ from pathlib import Path
 
 import pytest
 
-from training.suite import build_suite, examples
+from training.suite import WORD_PRIMITIVES, build_suite, examples, parse_task, rev_words, takes_sentences
 from training.trainer import NAMED_SUITES, suite_tasks
 from training.vocab import (
+    EVAL_VOCABS,
     LEGACY_WORDS,
+    SENTENCES,
     VOCABS,
     draw_word,
     english_words,
@@ -111,3 +113,52 @@ def test_named_suites():
 
 
 LEGACY_DIGEST = "af21d4e8de2762d2"  # computed with the suite before the open vocabulary
+
+
+# -- sentences: evaluation-only inputs for the word-level tasks -----------------------------------
+
+FUNCTION_WORDS = {"the", "to", "and", "a", "by", "in", "then", "is", "this", "that", "it"}
+
+
+def test_sentences_are_ordinary_sentences_with_function_words_and_punctuation():
+    exs = examples(parse_task("rev-words"), 200, seed=0, split="test", vocab=SENTENCES)
+    tokens = [t for e in exs for t in e.input.split()]
+    assert len({e.input for e in exs}) > 150 and all(3 <= len(e.input.split()) <= 9 for e in exs)
+    assert sum(t.lower().strip(",.!?") in FUNCTION_WORDS for t in tokens) / len(tokens) > 0.15
+    assert any(t[-1] in ",.!?" for t in tokens) and any(t[:1].isupper() for t in tokens)
+    assert not any(t.isdigit() for t in tokens)  # no numbers: a sentence is for the word-level tasks
+    assert all(e.output == rev_words(e.input) for e in exs)
+    again = examples(parse_task("rev-words"), 200, seed=0, split="test", vocab=SENTENCES)
+    assert again == exs and examples(parse_task("title"), 20, seed=0, split="test", vocab=SENTENCES) != exs[:20]
+
+
+def test_sentences_are_never_training_inputs():
+    assert SENTENCES in EVAL_VOCABS and SENTENCES not in VOCABS  # no suite or training path draws them
+    with pytest.raises(ValueError, match="evaluation"):
+        examples(parse_task("rev-words"), 4, seed=0, split="train", vocab=SENTENCES)
+
+
+def test_only_word_level_tasks_take_sentences():
+    assert WORD_PRIMITIVES == {"rev-words", "title", "first2", "last2", "swap-ends", "rotate", "dedupe", "sort"}
+    assert takes_sentences(parse_task("sort.title.rotate")) and takes_sentences(parse_task("dedupe"))
+    assert not any(takes_sentences(parse_task(t)) for t in ("inc", "rev-words.count", "title.caesar", "upper"))
+
+
+def test_eval_measures_sentences_on_word_level_tasks_only(tmp_path):
+    from click.testing import CliRunner
+
+    from tests.support.server_fixtures import build_store
+    from training.cli import eval_cmd
+
+    build_store(tmp_path / "store", tasks=("rev-words", "inc", "title.sort"))
+    out = tmp_path / "out.json"
+    result = CliRunner().invoke(eval_cmd, ["--store", str(tmp_path / "store"), "--tasks", "rev-words,inc,title.sort",
+                                           "--n", "2", "--vocabs", "heldout,sentences", "--backbone", "tiny",
+                                           "--json-out", str(out)], catch_exceptions=False)
+    assert result.exit_code == 0, result.output
+    rows = json.loads(out.read_text())["tasks"]
+    assert set(rows["rev-words"]["by_vocab"]) == set(rows["title.sort"]["by_vocab"]) == {"heldout", "sentences"}
+    assert set(rows["inc"]["by_vocab"]) == {"heldout"}
+    only = CliRunner().invoke(eval_cmd, ["--store", str(tmp_path / "store"), "--tasks", "inc", "--n", "2",
+                                         "--vocabs", "sentences", "--backbone", "tiny"], catch_exceptions=False)
+    assert only.exit_code == 0 and "skip inc: no word-level task" in only.output

@@ -38,7 +38,7 @@ from server.api.openai.schemas import (
     effective_temperature,
     effective_top_p,
 )
-from server.api.schemas import ModelList, ModelOut, prompt_fields
+from server.api.schemas import ModelList, ModelOut, prompt_fields, quality_out
 from server.engines.request import SamplingParams
 from server.registry.tasks import BASE
 from server.tenancy import tenants
@@ -181,7 +181,8 @@ def _model(rt: Runtime, record: TaskRecord | None = None) -> ModelOut:
     if record is None:
         return ModelOut(id=BASE, created=int(rt.started_at), owned_by="polyserve", root=rt.backbone.name)
     return ModelOut(id=record.id, created=int(record.created_at), owned_by="polyserve", root=rt.backbone.name,
-                    parent=BASE, **prompt_fields(record), description=record.description)
+                    parent=BASE, **prompt_fields(record), description=record.description,
+                    quality=quality_out(record))
 
 
 @router.get("/models", response_model=ModelList, responses=OPENAI_ERRORS["read"])

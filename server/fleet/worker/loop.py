@@ -125,7 +125,7 @@ def build_worker(settings: Settings, metrics: WorkerMetrics) -> Worker:
     bb = load_backbone(settings.backbone, device=settings.device,
                        dtype=dtype_name(backbone_dtype(settings.device, settings.dtype)))
     store = open_store(settings.store_location, cache_dir=settings.home.expanduser() / "inventories")
-    _maybe_install_default_inventory(store, settings.backbone)
+    _maybe_install_default_inventory(store, settings.backbone, settings.shipped_below_floor)
     if not store.has_inventory():
         raise StoreError(f"no skill inventory in {store.location}: a worker has nothing to register tasks against")
     info, skills = store.load_inventory(expected_fingerprint=bb.fingerprint)

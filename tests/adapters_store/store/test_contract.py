@@ -7,6 +7,7 @@ from __future__ import annotations
 import subprocess
 import sys
 import time
+from dataclasses import replace
 
 import pytest
 import torch
@@ -228,6 +229,35 @@ def test_demonstrations_are_part_of_a_version_with_or_without_weights(store, tmp
     with pytest.raises(StoreError, match="demonstration"):
         store.put_routing("bad", torch.randn(2, 2, 3), demonstrations=[{"input": "x"}])
     assert not store.has_task("none") and not store.has_task("bad")
+
+
+QUALITY = {"heldout_exact": 0.875, "sentences_exact": 0.5, "n": 16, "measured": "2026-12-02"}
+
+
+def test_a_measured_quality_round_trips_and_a_new_version_drops_it(store):
+    rec = store.put_routing("measured", torch.randn(2, 2, 3))
+    store.import_task(replace(rec, quality=QUALITY), store.weights_bytes(rec))  # as a shipped task comes in
+    assert store.get_task("measured").quality == QUALITY
+    assert next(r for r in store.list_tasks() if r.id == "measured").quality == QUALITY
+    marked = {**QUALITY, "heldout_exact": 0.0, "below_floor": True}
+    store.put_record(replace(store.get_task("measured"), quality=marked))
+    assert store.get_tasks(["measured"])["measured"].quality == marked
+    again = store.put_routing("measured", torch.randn(2, 2, 3))  # other weights: the figures were not theirs
+    assert again.quality == {} and store.get_task("measured").quality == {}
+
+
+@pytest.mark.parametrize("quality", [
+    {"sentences_exact": 0.5, "n": 16, "measured": "2026-12-02"},  # no held-out figure
+    {**QUALITY, "heldout_exact": 1.5}, {**QUALITY, "sentences_exact": True}, {**QUALITY, "n": 0},
+    {**QUALITY, "measured": "yesterday"}, {**QUALITY, "below_floor": "yes"}, {**QUALITY, "extra": 1},
+])
+def test_a_malformed_quality_is_refused_and_nothing_is_written(store, quality):
+    rec = store.put_routing("measured", torch.randn(2, 2, 3))
+    with pytest.raises(StoreError, match="quality"):
+        store.put_record(replace(rec, quality=quality))
+    with pytest.raises(StoreError, match="quality"):
+        store.import_task(replace(rec, id="other", quality=quality), store.weights_bytes(rec))
+    assert store.get_task("measured") == rec and not store.has_task("other")
 
 
 def test_import_task_keeps_the_record_and_checks_the_digest(store, tmp_path):

@@ -7,7 +7,6 @@ worker runs last. Each test names the mechanism it would catch failing."""
 
 from __future__ import annotations
 
-import json
 import shutil
 import threading
 import time
@@ -230,7 +229,7 @@ def test_four_processes_starting_at_once_on_an_empty_database_install_the_defaul
     database: exactly one installs the shipped inventory, and all four come up. Each home gets
     its own copy of the dequantised backbone (the first load's cache), so no directory is shared."""
     from adapters_store.backbone.load import warm_default_cache
-    from training.shipped_inventory import PACKAGE_DIR
+    from training.shipped_inventory import PACKAGE_DIR, below_floor, shipped_records
 
     warm = warm_default_cache()
     with temp_database("polyserve_fleet4") as dsn:
@@ -247,9 +246,8 @@ def test_four_processes_starting_at_once_on_an_empty_database_install_the_defaul
             with psycopg.connect(dsn) as conn:
                 assert conn.execute("SELECT count(*) FROM inventories").fetchone()[0] == 1
                 versions = dict(conn.execute("SELECT id, (record->>'version')::int FROM tasks").fetchall())
-            shipped = {p.parent.name: json.loads(p.read_text())["version"]
-                       for p in (PACKAGE_DIR / "tasks").glob("*/task.json")}
-            assert versions == shipped  # every shipped task imported as shipped, once
+            shipped = {task: r.version for task, r in shipped_records(PACKAGE_DIR).items() if not below_floor(r)}
+            assert versions == shipped  # every shipped task above the quality floor imported as shipped, once
             with procs[1].client() as b:
                 assert len(b.get("/v1/models").json()["data"]) > 1
         finally:

@@ -14,7 +14,7 @@ import torch
 from adapters_store.store.directory import DirectoryStore
 from adapters_store.store.records import MAX_DESCRIPTION_CHARS, MAX_RECORD_EXAMPLES
 from tests.support.server_fixtures import build_store, live_server, settings_for, tiny_backbone
-from training.shipped_inventory import describe_shipped, install_default_inventory, suite_description
+from training.shipped_inventory import install_default_inventory, refresh_shipped, suite_description
 from training.suite import parse_task
 
 EXAMPLES = [{"input": f"w{i} x{i}", "output": f"x{i} w{i}"} for i in range(8)]
@@ -114,7 +114,7 @@ def test_a_store_installed_without_descriptions_gets_them_once(tmp_path):
         store.put_routing(task, torch.ones(shape), method="mhr", source={"kind": "pretraining"})
     store.put_routing("count", torch.ones(shape), method="routing")  # registered, not shipped: left alone
     before = store.get_task("rev-words")
-    assert describe_shipped(store) == 2 and describe_shipped(store) == 0
+    assert refresh_shipped(store) == 2 and refresh_shipped(store) == 0
     after = store.get_task("rev-words")
     assert after.description == suite_description("rev-words") and after.examples
     assert (after.version, after.digest) == (before.version, before.digest)
