@@ -44,7 +44,6 @@ QUALITY_FLOOR = 0.5
 # the opt-in, a POLYSERVE_* setting (server/wiring/settings.py reads it for the server and workers;
 # the offline commands read it here)
 OPT_IN_ENV = "POLYSERVE_SHIPPED_BELOW_FLOOR"
-_TRUE = frozenset({"1", "true", "yes", "on"})
 
 
 def tree_bytes(*roots: Path) -> int:
@@ -62,8 +61,18 @@ def _task_dirs(src: Path) -> list[Path]:
 
 
 def opted_in() -> bool:
-    """Whether the environment asks for the shipped tasks below the floor too (OPT_IN_ENV)."""
-    return os.environ.get(OPT_IN_ENV, "").strip().lower() in _TRUE
+    """Whether the environment asks for the shipped tasks below the floor too (OPT_IN_ENV), read
+    as the settings read a boolean (true/false, on/off, yes/no, 1/0), so both agree on every value;
+    ValueError naming the variable for any other."""
+    from pydantic import TypeAdapter, ValidationError
+
+    raw = os.environ.get(OPT_IN_ENV)
+    if raw is None or not raw.strip():
+        return False
+    try:
+        return TypeAdapter(bool).validate_python(raw.strip())
+    except ValidationError:
+        raise ValueError(f"{OPT_IN_ENV} must be a boolean (true/false, 1/0), got {raw!r}") from None
 
 
 def below_floor(record: TaskRecord) -> bool:

@@ -165,3 +165,22 @@ def test_the_client_reads_the_quality(served):
         assert tasks["caesar"].quality == Quality(heldout_exact=0.0, n=16, measured=MEASURED, below_floor=True)
         assert tasks["mine"].quality is None
         assert {m.id: m.quality for m in c.list_models()}["inc.sum"].below_floor is True
+
+
+@pytest.mark.parametrize("raw, want", [("1", True), ("yes", True), ("True", True), ("0", False), ("off", False),
+                                       ("", False)])
+def test_the_opt_in_reads_a_boolean_as_the_settings_do(monkeypatch, raw, want):
+    from training.shipped_inventory import opted_in
+
+    monkeypatch.setenv(OPT_IN_ENV, raw)
+    assert opted_in() is want
+    if raw:
+        assert Settings().shipped_below_floor is want
+
+
+def test_a_malformed_opt_in_is_refused_naming_the_variable(monkeypatch):
+    from training.shipped_inventory import opted_in
+
+    monkeypatch.setenv(OPT_IN_ENV, "maybe")
+    with pytest.raises(ValueError, match=OPT_IN_ENV):
+        opted_in()
