@@ -10,8 +10,9 @@ shipped task (`polyserve eval`, training/evaluate.py: greedy exact match, 16 tes
     polyserve eval --store STORE --tasks <every shipped task> --n 16 --split test --seed 0 \\
         --vocabs heldout,sentences --threads 2 --json-out shipped.json
 
-held-out English words for every task, and sentences (training.vocab.sentence, evaluation-only
-inputs) for the tasks of word-level primitives alone (training.suite.takes_sentences). Then it
+held-out English words for every task, and sentences (training.vocab.sentence, the held-out
+templates no training input is made from) for the tasks of word-level primitives alone
+(training.suite.takes_sentences). Then it
 writes each task's `quality` ({"heldout_exact", "sentences_exact" where measured, "n",
 "measured"}) into training/default_inventory/tasks/<id>/task.json and prints a summary: the means,
 the primitives alone, and the tasks below the floor (training.shipped_inventory.QUALITY_FLOOR).

@@ -23,7 +23,8 @@ import json
 from pathlib import Path
 
 from training.far_heldout import FAR_BOUND, FAR_HELDOUT, agreement_inputs, far_tasks, nearest, wide_suite
-from training.suite import build_suite, examples
+from training.suite import build_suite, examples, takes_sentences
+from training.vocab import SENTENCES
 
 
 def main() -> None:
@@ -33,6 +34,9 @@ def main() -> None:
     ap.add_argument("--examples-per-task", type=int, default=500)
     ap.add_argument("--vocab", choices=["train", "legacy"], default="train",
                     help="the inputs' words: the open vocabulary's training side, or the first suite's 24")
+    ap.add_argument("--sentences", type=int, default=0,
+                    help="also this many sentence inputs per task of word-level primitives only "
+                         "(training.vocab.training_sentence; the tasks training.suite.takes_sentences names)")
     ap.add_argument("--out", required=True, type=Path)
     args = ap.parse_args()
 
@@ -57,14 +61,18 @@ def main() -> None:
         for task in wide.train_tasks:
             for ex in examples(task, args.examples_per_task, seed=0, split="train", vocab=args.vocab):
                 f.write(json.dumps({"task": ex.task, "input": ex.input, "output": ex.output}) + "\n")
+            if args.sentences and takes_sentences(task):
+                for ex in examples(task, args.sentences, seed=0, split="train", vocab=SENTENCES):
+                    f.write(json.dumps({"task": ex.task, "input": ex.input, "output": ex.output}) + "\n")
     tmp.replace(args.out)
     for task, (share, name) in zip(wide.heldout_tasks, nearest(wide.heldout_tasks, wide.train_tasks,
                                                                agreement_inputs(2000)), strict=True):
         print(f"held-out {task.name:28s} nearest training task {name:28s} agrees on {share:.1%} of 2,000 inputs")
     for task, (share, name) in zip(far_tasks(), far_nearest, strict=True):
         print(f"far      {task.name:28s} nearest training task {name:28s} agrees on {share:.1%} of 1,000 inputs")
+    n_sentence_tasks = sum(takes_sentences(t) for t in wide.train_tasks) if args.sentences else 0
     print(f"{args.out}: {len(names)} training tasks ({len(names) - len(shipped.train_tasks)} beyond the shipped "
-          f"48) x {args.examples_per_task} examples; "
+          f"48) x {args.examples_per_task} examples, and {args.sentences} sentences for each of {n_sentence_tasks}; "
           f"the 16 held-out and {len(FAR_HELDOUT)} far held-out tasks excluded")
 
 

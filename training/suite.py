@@ -31,7 +31,7 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
 from training.data import Example, write_jsonl
-from training.vocab import EVAL_VOCABS, LEGACY_WORDS, SENTENCES, draw_word, sentence
+from training.vocab import EVAL_VOCABS, LEGACY_WORDS, SENTENCES, draw_word, sentence, training_sentence
 
 __all__ = [
     "PRIMITIVES", "SPLITS", "TERMINAL_PRIMITIVES", "WORD_PRIMITIVES", "Suite", "TaskSpec", "build_suite",
@@ -241,9 +241,10 @@ def examples(task: TaskSpec, n: int, seed: int, split: str = "train", vocab: str
 
     A smaller ``n`` gives a prefix of a larger one; inputs are distinct within
     a call where possible; the splits draw from disjoint sets of inputs. Training
-    suites use ``vocab="train"`` only; ``"heldout"`` and ``"madeup"`` words are
-    for few-shot and test inputs (:mod:`training.vocab`); ``"sentences"`` are for evaluation only
-    and refused for the training split.
+    suites use ``vocab="train"``, and ``"sentences"`` for the word-level tasks (:func:`takes_sentences`);
+    ``"heldout"`` and ``"madeup"`` words are for few-shot and test inputs (:mod:`training.vocab`).
+    Sentences of the training split are :func:`training.vocab.training_sentence`, those of the
+    others the held-out templates of :func:`training.vocab.sentence`.
 
     >>> ex = examples(parse_task("upper"), 2, seed=0, split="test")
     >>> len(ex), all(e.output == e.input.upper() for e in ex)
@@ -253,8 +254,8 @@ def examples(task: TaskSpec, n: int, seed: int, split: str = "train", vocab: str
         raise ValueError(f"split must be one of {SPLITS}, got {split!r}")
     if vocab not in EVAL_VOCABS:
         raise ValueError(f"vocab must be one of {EVAL_VOCABS}, got {vocab!r}")
-    if vocab == SENTENCES and split == "train":
-        raise ValueError("sentences are evaluation inputs: ask for split 'valid' or 'test'")
+    if vocab == SENTENCES and not takes_sentences(task):
+        raise ValueError(f"{task.name!r} is not made of word-level primitives only: sentences are no input to it")
     # the legacy vocabulary keeps the seeds, and so the exact examples, of the first suite
     rng = random.Random(_seed("examples", task.name, seed, split) if vocab == "legacy"
                         else _seed("examples", task.name, seed, split, vocab))
@@ -262,7 +263,7 @@ def examples(task: TaskSpec, n: int, seed: int, split: str = "train", vocab: str
     out: list[Example] = []
     budget = 200 * n + 1000
     while len(out) < n:
-        text = random_input(rng, vocab)
+        text = training_sentence(rng) if vocab == SENTENCES and split == "train" else random_input(rng, vocab)
         if _split_of(text) != split:
             continue
         budget -= 1

@@ -11,11 +11,15 @@ a training side and a held-out side:
 - ``madeup``: made-up strings never in any training input;
 - ``legacy``: the 24 words of the first suite, kept so older inventories can be compared on it.
 
-and one kind of input for evaluation only, never drawn for training (:data:`EVAL_VOCABS`):
+and sentences, what users send to the word-level tasks (:data:`SENTENCES`), with their own two sides:
 
-- ``sentences``: ordinary short sentences and phrases, with capitals, function words ("the", "to",
-  "and") and punctuation attached to words ("Maria drove to Lisbon.", "the old lighthouse keeper"),
-  what users send to the word-level tasks; made by :func:`sentence` from fixed hand-written lists.
+- held out (the ``valid`` and ``test`` splits): ordinary short sentences and phrases, with capitals,
+  function words ("the", "to", "and") and punctuation attached to words ("Maria drove to Lisbon.",
+  "the old lighthouse keeper"); made by :func:`sentence` from fixed hand-written templates and lists
+  that no training input is made from;
+- training (the ``train`` split): :func:`training_sentence`, strings of the same kinds of token
+  (function words, capitalised and lowercase training-side words, punctuation on a word) in random
+  order, never from those templates.
 
 The split is a hash of the string itself, so it holds for every string ever generated, in any
 process, and a test can check any input against it (:func:`is_heldout_word`). The legacy words are
@@ -35,14 +39,15 @@ import random
 from pathlib import Path
 
 __all__ = ["EVAL_VOCABS", "LEGACY_WORDS", "SENTENCES", "VOCABS", "draw_word", "english_words", "heldout_words",
-           "is_heldout_word", "made_up", "sentence", "train_words"]
+           "is_heldout_word", "made_up", "sentence", "train_words",
+           "training_sentence"]
 
 LEGACY_WORDS = (
     "cat", "dog", "sun", "map", "red", "blue", "tree", "fish", "bird", "star", "moon", "rock",
     "leaf", "rain", "wind", "fire", "lake", "hill", "road", "ship", "king", "rose", "milk", "salt",
 )
 VOCABS = ("train", "heldout", "madeup", "legacy")
-#: Test inputs that are sentences (:func:`sentence`): evaluation only, refused for a training split.
+#: Inputs that are sentences: :func:`sentence` for test and valid, :func:`training_sentence` for training.
 SENTENCES = "sentences"
 EVAL_VOCABS = (*VOCABS, SENTENCES)
 #: One string in HELDOUT_BUCKETS of every N_BUCKETS is held out.
@@ -121,7 +126,7 @@ def draw_word(rng: random.Random, vocab: str) -> str:
             return word
 
 
-# --- sentences (evaluation only) ---------------------------------------------------------------
+# --- sentences ---------------------------------------------------------------------------------
 
 _NAMES = ("Maria", "Tom", "Aisha", "Kenji", "Olga", "Pedro", "Lena", "Sam", "Nadia", "Omar", "Ruth", "Ivan")
 _PLACES = ("Lisbon", "Oslo", "Cairo", "Lima", "Dublin", "Kyoto", "Quebec", "Nairobi", "Porto", "Seoul")
@@ -150,7 +155,7 @@ _TEMPLATES = (
 def sentence(rng: random.Random) -> str:
     """An ordinary sentence or phrase of 3-9 words, with the function words, capitals and punctuation
     (attached to its words, as a user types them) that a word list lacks: "Maria drove to Lisbon.",
-    "the old lighthouse keeper". For evaluation only: no inventory is trained on these."""
+    "the old lighthouse keeper". The held-out side: no inventory is trained on these templates."""
     def pick(words: tuple[str, ...], *avoid: str) -> str:
         while True:
             word = words[rng.randrange(len(words))]
@@ -162,3 +167,33 @@ def sentence(rng: random.Random) -> str:
              "adj": adj, "adj2": pick(_ADJECTIVES, adj), "motion": pick(_MOTION), "action": pick(_ACTION),
              "when": pick(_WHEN), "end": (".", ".", "!", "")[rng.randrange(4)]}
     return _TEMPLATES[rng.randrange(len(_TEMPLATES))].format(**slots)
+
+
+#: The words that hold a sentence together; both sides of the sentences draw on them.
+_FUNCTION_WORDS = ("the", "a", "an", "to", "and", "of", "in", "on", "at", "by", "for", "with", "from", "is",
+                   "was", "it", "this", "that", "then", "but", "or", "not", "my", "your", "our", "their", "his",
+                   "her", "we", "they", "she", "he", "I", "you", "home", "very", "there", "here")
+
+
+def training_sentence(rng: random.Random) -> str:
+    """A sentence-like string of 3-9 tokens for training: function words and training-side words
+    (one in four capitalised, as names are) in random order, the first often capitalised, a comma
+    on a word now and then, an end mark most of the time, a token repeated in about a third.
+    ``"Then her velvet, and the lamp was Dofa."``"""
+    n = rng.randrange(3, 10)
+    toks = []
+    for _ in range(n):
+        if rng.random() < 0.4:
+            toks.append(_FUNCTION_WORDS[rng.randrange(len(_FUNCTION_WORDS))])
+        else:
+            word = draw_word(rng, "train")
+            toks.append(word.capitalize() if rng.random() < 0.25 else word)
+    if rng.random() < 0.35:
+        i = rng.randrange(n - 1)
+        toks[rng.randrange(i + 1, n)] = toks[i]
+    if rng.random() < 0.5:
+        toks[0] = toks[0][:1].upper() + toks[0][1:]
+    if rng.random() < 0.25:
+        toks[rng.randrange(n - 1)] += ","
+    toks[-1] += (".", ".", "!", "?", "")[rng.randrange(5)]
+    return " ".join(toks)

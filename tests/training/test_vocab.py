@@ -11,10 +11,10 @@ from pathlib import Path
 
 import pytest
 
+from training import vocab as vocab_module
 from training.suite import WORD_PRIMITIVES, build_suite, examples, parse_task, rev_words, takes_sentences
 from training.trainer import NAMED_SUITES, suite_tasks
 from training.vocab import (
-    EVAL_VOCABS,
     LEGACY_WORDS,
     SENTENCES,
     VOCABS,
@@ -115,7 +115,7 @@ def test_named_suites():
 LEGACY_DIGEST = "af21d4e8de2762d2"  # computed with the suite before the open vocabulary
 
 
-# -- sentences: evaluation-only inputs for the word-level tasks -----------------------------------
+# -- sentences: the word-level tasks' inputs, held-out templates and training sentences ---------
 
 FUNCTION_WORDS = {"the", "to", "and", "a", "by", "in", "then", "is", "this", "that", "it"}
 
@@ -132,10 +132,22 @@ def test_sentences_are_ordinary_sentences_with_function_words_and_punctuation():
     assert again == exs and examples(parse_task("title"), 20, seed=0, split="test", vocab=SENTENCES) != exs[:20]
 
 
-def test_sentences_are_never_training_inputs():
-    assert SENTENCES in EVAL_VOCABS and SENTENCES not in VOCABS  # no suite or training path draws them
-    with pytest.raises(ValueError, match="evaluation"):
-        examples(parse_task("rev-words"), 4, seed=0, split="train", vocab=SENTENCES)
+def test_training_sentences_are_made_of_training_words_never_of_the_held_out_templates():
+    train = examples(parse_task("rev-words"), 300, seed=0, split="train", vocab=SENTENCES)
+    test = examples(parse_task("rev-words"), 300, seed=0, split="test", vocab=SENTENCES)
+    assert all(e.output == rev_words(e.input) for e in train) and not {e.input for e in train} & {e.input for e in test}
+    tokens = [t.strip(",.!?") for e in train for t in e.input.split()]
+    assert all(3 <= len(e.input.split()) <= 9 for e in train) and not any(t.isdigit() for t in tokens)
+    function_words = {w.lower() for w in vocab_module._FUNCTION_WORDS}
+    assert sum(t.lower() in function_words for t in tokens) / len(tokens) > 0.3
+    content = [t.lower() for t in tokens if t.lower() not in function_words]
+    assert content and not any(is_heldout_word(w) for w in content)  # the held-out words stay held out
+    assert any(t[:1].isupper() for t in tokens) and any(e.input[-1] in ".!?" for e in train)
+
+
+def test_sentences_are_refused_for_tasks_that_are_not_word_level():
+    with pytest.raises(ValueError, match="word-level"):
+        examples(parse_task("rev-words.inc"), 4, seed=0, split="test", vocab=SENTENCES)
 
 
 def test_only_word_level_tasks_take_sentences():
