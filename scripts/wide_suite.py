@@ -59,18 +59,18 @@ def main() -> None:
     tmp = args.out.with_suffix(".tmp")
     with tmp.open("w") as f:
         for task in wide.train_tasks:
-            for ex in examples(task, args.examples_per_task, seed=0, split="train", vocab=args.vocab):
+            rows = examples(task, args.examples_per_task, seed=0, split="train", vocab=args.vocab)
+            if takes_sentences(task):
+                rows += examples(task, args.sentences, seed=0, split="train", vocab=SENTENCES)
+            for ex in rows:
                 f.write(json.dumps({"task": ex.task, "input": ex.input, "output": ex.output}) + "\n")
-            if args.sentences and takes_sentences(task):
-                for ex in examples(task, args.sentences, seed=0, split="train", vocab=SENTENCES):
-                    f.write(json.dumps({"task": ex.task, "input": ex.input, "output": ex.output}) + "\n")
     tmp.replace(args.out)
     for task, (share, name) in zip(wide.heldout_tasks, nearest(wide.heldout_tasks, wide.train_tasks,
                                                                agreement_inputs(2000)), strict=True):
         print(f"held-out {task.name:28s} nearest training task {name:28s} agrees on {share:.1%} of 2,000 inputs")
     for task, (share, name) in zip(far_tasks(), far_nearest, strict=True):
         print(f"far      {task.name:28s} nearest training task {name:28s} agrees on {share:.1%} of 1,000 inputs")
-    n_sentence_tasks = sum(takes_sentences(t) for t in wide.train_tasks) if args.sentences else 0
+    n_sentence_tasks = sum(takes_sentences(t) for t in wide.train_tasks)
     print(f"{args.out}: {len(names)} training tasks ({len(names) - len(shipped.train_tasks)} beyond the shipped "
           f"48) x {args.examples_per_task} examples, and {args.sentences} sentences for each of {n_sentence_tasks}; "
           f"the 16 held-out and {len(FAR_HELDOUT)} far held-out tasks excluded")

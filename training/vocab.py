@@ -39,8 +39,7 @@ import random
 from pathlib import Path
 
 __all__ = ["EVAL_VOCABS", "LEGACY_WORDS", "SENTENCES", "VOCABS", "draw_word", "english_words", "heldout_words",
-           "is_heldout_word", "made_up", "sentence", "train_words",
-           "training_sentence"]
+           "is_heldout_word", "made_up", "sentence", "train_words", "training_sentence"]
 
 LEGACY_WORDS = (
     "cat", "dog", "sun", "map", "red", "blue", "tree", "fish", "bird", "star", "moon", "rock",
