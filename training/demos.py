@@ -41,6 +41,21 @@ def demonstration_text(demonstrations: Sequence[Example]) -> str:
     return icl_context(demonstrations)
 
 
+def demonstration_token_ids(tokenizer: Any, text: str, special_tokens: bool = True) -> list[int]:
+    """The ids of a demonstration text as they come out of `text + prompt` tokenised whole, for a
+    prompt that starts with a non-space (as a task's formatted prompt does), but computed from the
+    text alone, so that every prompt of the task begins with the same ids (the prefix cache's).
+
+    The text ends in a blank line. Tokenised alone, a byte-level BPE merges its two newlines into
+    one token ("\\n\\n") that it never makes before a word; tokenised with the prompt, they are two.
+    So the body is tokenised, then each trailing whitespace character on its own."""
+    body = text.rstrip()
+    ids = list(tokenizer(body, add_special_tokens=special_tokens).input_ids)
+    for char in text[len(body):]:
+        ids += tokenizer(char, add_special_tokens=False).input_ids
+    return ids
+
+
 def select_demonstrations(examples: Sequence[Example], tokenizer: Any, budget_tokens: int) -> list[Example]:
     """The examples, from the first, whose demonstration text fits `budget_tokens` tokens (at most
     MAX_DEMONSTRATIONS). An example too long to fit is skipped, not cut: a demonstration is shown
@@ -52,7 +67,7 @@ def select_demonstrations(examples: Sequence[Example], tokenizer: Any, budget_to
     for ex in examples:
         if len(chosen) == MAX_DEMONSTRATIONS:
             break
-        cost = len(tokenizer(demonstration_text([ex]), add_special_tokens=False).input_ids)
+        cost = len(demonstration_token_ids(tokenizer, demonstration_text([ex]), special_tokens=False))
         if used + cost <= budget_tokens:
             chosen.append(ex)
             used += cost

@@ -46,6 +46,7 @@ from server.engines.request import (
 from server.registry.tasks import ANSWER_END
 from server.tenancy import tenants
 from server.wiring.runtime import Runtime
+from training.demos import demonstration_token_ids
 
 log = logging.getLogger("polyserve.api")
 
@@ -154,14 +155,15 @@ _demo_lock = threading.Lock()
 
 
 def demonstration_ids(tokenizer: Any, text: str, special_tokens: bool) -> list[int]:
-    """The token ids of a task's demonstration text (tokenised once per text, LRU)."""
+    """The token ids of a task's demonstration text, as training encodes them before a prompt
+    (training.demos.demonstration_token_ids), tokenised once per text (LRU)."""
     key = (id(tokenizer), special_tokens, text)
     with _demo_lock:
         ids = _DEMO_IDS.get(key)
         if ids is not None:
             _DEMO_IDS.move_to_end(key)
             return list(ids)
-    ids = list(tokenizer(text, add_special_tokens=special_tokens).input_ids)
+    ids = demonstration_token_ids(tokenizer, text, special_tokens)
     with _demo_lock:
         _DEMO_IDS[key] = ids
         while len(_DEMO_IDS) > _DEMO_IDS_HELD:

@@ -7,11 +7,18 @@ from __future__ import annotations
 import pytest
 import torch
 
+from adapters_store.backbone.prompt import format_prompt
 from training.adapt import Adaptation, AdaptResult
 from training.adapt_config import AdaptConfig
 from training.auto import AutoAdaptation, Candidate, folds_of
 from training.data import Example
-from training.demos import context_for, demonstration_text, majority_hits, select_demonstrations
+from training.demos import (
+    context_for,
+    demonstration_text,
+    demonstration_token_ids,
+    majority_hits,
+    select_demonstrations,
+)
 from training.estimate import wilson
 from training.suite import examples, parse_task
 
@@ -39,6 +46,27 @@ def test_demonstrations_fill_the_budget_from_the_first_and_skip_what_does_not_fi
     assert select_demonstrations(exs, tokenizer, 0) == []
     with pytest.raises(ValueError, match="budget_tokens"):
         select_demonstrations(exs, tokenizer, -1)
+
+
+@pytest.mark.parametrize("backbone", ["tiny", pytest.param("default", marks=pytest.mark.slow)])
+def test_demonstration_ids_are_those_the_demonstrations_get_tokenised_with_the_prompt(backbone, tokenizer):
+    # training encodes demonstrations and prompt as one string (training.batching.encode_example);
+    # serving tokenises the demonstrations alone (the prefix cache's ids) and then the prompt: on
+    # SmolLM2's byte-level BPE the blank line alone is one token, and two before "Input"
+    if backbone == "default":
+        from transformers import AutoTokenizer
+
+        from adapters_store.backbone.load import hf_dir
+
+        tokenizer = AutoTokenizer.from_pretrained(str(hf_dir("default")))
+    text = demonstration_text([Example("t", "France", "Paris"), Example("t", "cat dog 3", "3 dog cat")])
+    for prompt in ("cat dog 3", "Maria drove to Lisbon.", "ünï", "a\n\nb"):
+        formatted = format_prompt(prompt)
+        whole = tokenizer(text + formatted).input_ids
+        assert demonstration_token_ids(tokenizer, text) + tokenizer(formatted, add_special_tokens=False).input_ids \
+            == whole
+    alone = tokenizer(text).input_ids
+    assert len(demonstration_token_ids(tokenizer, text)) >= len(alone)
 
 
 def test_an_example_never_sees_its_own_answer_in_its_context():

@@ -19,6 +19,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
+from adapters_store.backbone.prompt import format_prompt, format_target
 from adapters_store.interop.peft_io import PREFIX
 from adapters_store.lora.combine import from_peft_lora
 from server.adapter_cache.types import Adapter
@@ -116,7 +117,6 @@ def wait_ready(proc: subprocess.Popen, url: str, log: Path, timeout: float) -> N
 
 
 def native_answers(tmp_path: Path) -> dict[tuple[str, str], str]:
-    from adapters_store.backbone.prompt import format_prompt
     from server.engines.request import GenRequest
     from server.infra.metrics import Metrics
     from server.wiring.runtime import Runtime
@@ -210,8 +210,8 @@ def test_a_polyserve_server_on_the_vllm_engine(tmp_path):
             examples = [{"input": f"{a} {b}", "output": f"{b} {a}"} for a, b in
                         [("cat", "dog"), ("red", "blue"), ("one", "two"), ("sun", "moon"), ("up", "down"),
                          ("left", "right"), ("hot", "cold"), ("big", "small")]]
-            def register(pairs) -> None:
-                job = c.post("/v1/tasks", json={"task": "swap-pair", "examples": pairs, "method": "retrieve"})
+            def register(pairs, task: str = "swap-pair", method: str = "retrieve") -> None:
+                job = c.post("/v1/tasks", json={"task": task, "examples": pairs, "method": method})
                 assert job.status_code == 202, job.text
                 deadline = time.time() + 180
                 while (state := c.get(f"/v1/jobs/{job.json()['id']}").json())["status"] not in ("succeeded", "failed"):
@@ -237,6 +237,20 @@ def test_a_polyserve_server_on_the_vllm_engine(tmp_path):
             assert gone.status_code == 404
             register([{"input": e["input"], "output": e["input"].upper()} for e in examples])  # the same name again
             assert cached("swap-pair") == 0  # a new LoRA name: the old version's KV is never served
+
+            # a task that carries demonstrations: on this engine too they go before its prompt, count
+            # in usage, and it answers as the bare backbone fed them and the formatted prompt raw
+            register(examples, task="swap-shown", method="demos")
+            demos = c.get("/v1/tasks/swap-shown").json()["demonstrations"]
+            assert [d["input"] for d in demos] == [e["input"] for e in examples]
+            text = "".join(format_prompt(d["input"]) + format_target(d["output"]) + "\n\n" for d in demos)
+            shown = c.post("/v1/generate", json={"task": "swap-shown", "prompt": "tea milk", "max_new_tokens": 8})
+            raw = c.post("/v1/completions", json={"model": "base", "prompt": text + format_prompt("tea milk"),
+                                                  "max_tokens": 8, "temperature": 0})
+            assert shown.status_code == 200 and raw.status_code == 200, (shown.text, raw.text)
+            assert shown.json()["usage"]["prompt_tokens"] == raw.json()["usage"]["prompt_tokens"]
+            # after demonstrations a served answer ends at its first newline, as theirs do
+            assert shown.json()["text"].strip() == raw.json()["choices"][0]["text"].split("\n")[0].strip()
 
             # tools on this engine: required and named calls through vLLM's structured outputs
             tools = [{"type": "function", "function": {"name": "get_weather", "parameters": {
