@@ -26,6 +26,7 @@ from collections import Counter
 from collections.abc import Sequence
 from typing import Any
 
+from adapters_store.backbone.prompt import demonstration_token_ids
 from training.data import Example
 from training.icl import icl_context
 
@@ -39,21 +40,6 @@ _end_lock = threading.Lock()
 def demonstration_text(demonstrations: Sequence[Example]) -> str:
     """The text placed before a prompt: each demonstration as prompt + answer, then a blank line."""
     return icl_context(demonstrations)
-
-
-def demonstration_token_ids(tokenizer: Any, text: str, special_tokens: bool = True) -> list[int]:
-    """The ids of a demonstration text as they come out of `text + prompt` tokenised whole, for a
-    prompt that starts with a non-space (as a task's formatted prompt does), but computed from the
-    text alone, so that every prompt of the task begins with the same ids (the prefix cache's).
-
-    The text ends in a blank line. Tokenised alone, a byte-level BPE merges its two newlines into
-    one token ("\\n\\n") that it never makes before a word; tokenised with the prompt, they are two.
-    So the body is tokenised, then each trailing whitespace character on its own."""
-    body = text.rstrip()
-    ids = list(tokenizer(body, add_special_tokens=special_tokens).input_ids)
-    for char in text[len(body):]:
-        ids += tokenizer(char, add_special_tokens=False).input_ids
-    return ids
 
 
 def select_demonstrations(examples: Sequence[Example], tokenizer: Any, budget_tokens: int) -> list[Example]:

@@ -12,6 +12,8 @@ formatted identically whichever task it is sent to.
 
 from __future__ import annotations
 
+from typing import Any
+
 PROMPT_TEMPLATE = "Input: {input}\nOutput:"
 TARGET_SEPARATOR = " "  # between "Output:" and the answer; not part of the answer
 # The name of this format, recorded in every task record (adapters_store.store.records.TaskRecord
@@ -56,3 +58,18 @@ def strip_separator(generated: str) -> str:
     'CAT'
     """
     return generated.removeprefix(TARGET_SEPARATOR)
+
+
+def demonstration_token_ids(tokenizer: Any, text: str, special_tokens: bool = True) -> list[int]:
+    """The ids of a demonstration text as they come out of `text + prompt` tokenised whole, for a
+    prompt that starts with a non-space (as a task's formatted prompt does), but computed from the
+    text alone, so that every prompt of the task begins with the same ids (the prefix cache's).
+
+    The text ends in a blank line. Tokenised alone, a byte-level BPE merges its two newlines into
+    one token ("\\n\\n") that it never makes before a word; tokenised with the prompt, they are two.
+    So the body is tokenised, then each trailing whitespace character on its own."""
+    body = text.rstrip()
+    ids = list(tokenizer(body, add_special_tokens=special_tokens).input_ids)
+    for char in text[len(body):]:
+        ids += tokenizer(char, add_special_tokens=False).input_ids
+    return ids

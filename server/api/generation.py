@@ -30,6 +30,7 @@ from typing import Any
 from fastapi.responses import StreamingResponse
 from starlette.requests import Request
 
+from adapters_store.backbone.prompt import demonstration_token_ids
 from server.api.errors import ApiError, api_error, error_payload
 from server.api.validation import check_prompt_ids, check_rendered, check_sampling, task_errors, vocab_size
 from server.engines.base import EngineStopped, QueueFull
@@ -46,7 +47,6 @@ from server.engines.request import (
 from server.registry.tasks import ANSWER_END
 from server.tenancy import tenants
 from server.wiring.runtime import Runtime
-from training.demos import demonstration_token_ids
 
 log = logging.getLogger("polyserve.api")
 
@@ -156,7 +156,7 @@ _demo_lock = threading.Lock()
 
 def demonstration_ids(tokenizer: Any, text: str, special_tokens: bool) -> list[int]:
     """The token ids of a task's demonstration text, as training encodes them before a prompt
-    (training.demos.demonstration_token_ids), tokenised once per text (LRU)."""
+    (adapters_store.backbone.prompt.demonstration_token_ids), tokenised once per text (LRU)."""
     key = (id(tokenizer), special_tokens, text)
     with _demo_lock:
         ids = _DEMO_IDS.get(key)

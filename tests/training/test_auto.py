@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from adapters_store.backbone.prompt import format_prompt
+from adapters_store.backbone.prompt import demonstration_token_ids, format_prompt
 from training.adapt import Adaptation, AdaptResult
 from training.adapt_config import AdaptConfig
 from training.auto import AutoAdaptation, Candidate, folds_of
@@ -15,7 +15,6 @@ from training.data import Example
 from training.demos import (
     context_for,
     demonstration_text,
-    demonstration_token_ids,
     majority_hits,
     select_demonstrations,
 )
