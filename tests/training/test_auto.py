@@ -12,12 +12,7 @@ from training.adapt import Adaptation, AdaptResult
 from training.adapt_config import AdaptConfig
 from training.auto import AutoAdaptation, Candidate, folds_of
 from training.data import Example
-from training.demos import (
-    context_for,
-    demonstration_text,
-    majority_hits,
-    select_demonstrations,
-)
+from training.demos import context_for, demonstration_text, majority_hits, select_demonstrations
 from training.estimate import wilson
 from training.suite import examples, parse_task
 
