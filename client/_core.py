@@ -26,6 +26,7 @@ DEFAULT_URL = "http://127.0.0.1:8000"
 USER_AGENT = "polyserve-client/0.1"
 RETRY_STATUSES = frozenset({429, 503})
 METHODS = ("auto", "routing", "retrieve", "demos", "demos+routing", "mu", "full")
+SERVE_EARLY_METHODS = ("auto", "routing", "mu", "full")  # those with a form to serve before training ends
 # POST /v1/tasks with "method": "lora" is import_lora_request's (a LoRA, not examples)
 TASK_ID_RE = re.compile(r"^[a-z0-9][a-z0-9._-]{0,63}$")
 MIX_RE = re.compile(r"^mix:[a-z0-9._=,+-]{3,720}$")
@@ -228,8 +229,9 @@ def register_request(
         if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < 0):
             raise InvalidInput(f"{name} must be a non-negative integer, got {value!r}")
     rows = load_jsonl(jsonl_path) if jsonl_path is not None else list(examples or [])
-    if serve_early and method not in ("routing", "mu", "full"):
-        raise InvalidInput(f"serve_early needs a method that retrieves a row first (routing, mu, full), not {method}")
+    if serve_early and method not in SERVE_EARLY_METHODS:
+        raise InvalidInput(f"serve_early needs a method with a form to serve before training "
+                           f"({', '.join(SERVE_EARLY_METHODS)}), not {method}")
     body = {"task": task, "examples": validate_examples(rows, task), "method": method}
     if description is not None and not (isinstance(description, str) and description.strip()):
         raise InvalidInput("description must be a non-empty string")

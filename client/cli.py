@@ -157,7 +157,8 @@ def generate(
 @click.option(
     "--serve-early",
     is_flag=True,
-    help="Serve the retrieved starting routing at once while training goes on (routing, mu, full).",
+    help="Serve a first form while training goes on: auto's demonstrations, or the retrieved starting "
+    "routing (routing, mu, full).",
 )
 @click.option("--shared", is_flag=True, help="Every tenant may use the task (admin keys).")
 @click.option("--description", default=None, help="What the task does, in words (shown by `tasks list`).")

@@ -178,8 +178,9 @@ class PolyserveClient:
         """``POST /v1/tasks``: start a job that trains ``task`` from examples (a list or a JSONL file).
 
         Examples are validated locally first (non-empty; ``input`` and ``output`` are strings).
-        ``method``: routing, retrieve (no training, ready in seconds), mu or full. ``serve_early``:
-        serve the retrieved starting routing while training goes on. ``shared`` (admin keys): the
+        ``method``: auto (the default), routing, retrieve (no training, ready in seconds), demos,
+        demos+routing, mu or full. ``serve_early``: serve a first form while training goes on (auto:
+        the demonstrations; routing, mu, full: the retrieved starting routing). ``shared`` (admin keys): the
         task is usable by every tenant. ``description``: what the task does, in words (shown in
         listings and searched by ``list_tasks(search=...)``).
         """

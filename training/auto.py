@@ -21,9 +21,12 @@ candidate's score with its count and a 90% interval (training.estimate), and the
 majority answer's.
 
 Cost, in forwards: the leave-one-out scoring is one forward over k prompts; each trained candidate
-trains `folds` times. training/adapt.py and training/retrieve.py make the final form. `step()` does
-one forward (or one training step) at a time, like an Adaptation, so a server runs it between decode
-steps.
+trains `folds` times. With `on_early` (a registration's `serve_early`) a first form is handed out
+before any training: the demonstrations once their leave-one-out score is in (a few forwards), or,
+where the examples cannot be demonstrations, a retrieved row (`make_run("retrieve", ...)`: a
+retrieval on all the examples, about two training steps). training/adapt.py and training/retrieve.py
+make the final form. `step()` does one forward (or one training step) at a time, like an Adaptation,
+so a server runs it between decode steps.
 """
 
 from __future__ import annotations
@@ -124,6 +127,7 @@ class AutoAdaptation:
         steps: int | None = None,
         autocast: bool | str | None = None,
         progress: Callable[[dict], None] | None = None,
+        on_early: Callable[[AdaptResult], None] | None = None,
     ) -> None:
         if len(examples) < 2:
             raise ValueError("auto needs at least two examples: one to score with the others")
@@ -145,7 +149,7 @@ class AutoAdaptation:
             raise ValueError(f"no candidate form: {why}, and nothing else was asked for")
         self.forms, self.folds = forms, folds_of(len(self.examples), folds, seed)
         self.candidates = {f: Candidate(f) for f in forms}
-        self.progress = progress
+        self.progress, self.on_early = progress, on_early
         self.device = rm.layers[0].lora_A.device
         self.autocast = resolve_autocast(autocast, self.device)
         self.pad = int(tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id)
@@ -221,6 +225,20 @@ class AutoAdaptation:
             for hits in self._score(rows, None, demonstrations=True):
                 self.candidates["demos"].hits = dict(hits)
                 yield
+            if self.on_early is not None:
+                loo = self.candidates["demos"].estimate(k)  # their leave-one-out score, as the job reports it
+                self.on_early(self._demos_result({f"cv_exact{'' if key == 'exact' else '_' + key}": v
+                                                  for key, v in loo.items()}))
+        elif self.on_early is not None:  # nothing to serve without training but a retrieved row
+            self.phase = "early:retrieve"
+            run = self.make_run("retrieve", self.examples, [])
+            while run.step():
+                if self.cancelled:
+                    run.cancel()
+                yield
+            if self.cancelled or getattr(run, "chosen", None) is None:
+                return
+            self.on_early(run.result())
         for form in (f for f in self.forms if f != "demos"):
             candidate = self.candidates[form]
             self.phase = f"cv:{form}"
@@ -301,6 +319,11 @@ class AutoAdaptation:
                            f"an estimate needs at least {MIN_HELD})")
         return out
 
+    def _demos_result(self, metrics: dict[str, Any]) -> AdaptResult:
+        """The demonstrations as a task version (the bare backbone: nothing trained)."""
+        metrics = {"method": "demos", **metrics, "demonstrations": len(self.demonstrations)}
+        return AdaptResult("demos", {}, metrics, 0, as_pairs(self.demonstrations))
+
     def result(self) -> AdaptResult:
         if not self.finished or self.chosen is None:
             raise RuntimeError("auto registration is unfinished or was cancelled before a form was chosen")
@@ -313,9 +336,7 @@ class AutoAdaptation:
         if "note" in estimate:
             summary["eval_note"] = estimate["note"]
         if self.chosen == "demos":
-            return AdaptResult("demos", {},
-                               {**summary, "estimate": estimate, "demonstrations": len(self.demonstrations)},
-                               0, as_pairs(self.demonstrations))
+            return self._demos_result({**summary, "estimate": estimate})
         res = self.final.result()
         # the final run's own held-out figure is replaced by the cross-validated one: it was taken on
         # a quarter of the examples, which early stopping also chose its step on

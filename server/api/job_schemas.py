@@ -11,6 +11,8 @@ from adapters_store.store.records import MAX_DESCRIPTION_CHARS, MAX_RECORD_EXAMP
 from server.api.wire import Bool, Number
 
 MAX_FIELD_CHARS = 4096
+# the methods with a form to serve before their training ends (serve_early)
+SERVE_EARLY_METHODS = ("auto", "routing", "mu", "full")
 
 
 class ExampleIn(BaseModel):
@@ -32,9 +34,9 @@ class RegisterRequest(BaseModel):
     model_config = ConfigDict(extra="forbid", json_schema_extra={"allOf": [
         {"if": {"properties": {"method": {"enum": ["retrieve", "demos"]}}, "required": ["method"]},
          "then": {"properties": {"steps": {"type": "null"}}}},
-        # serve_early serves a retrieved row first: only the methods that retrieve one
+        # serve_early serves a form before training (auto: the demonstrations; the others: a retrieved row)
         {"if": {"properties": {"serve_early": {"const": True}}, "required": ["serve_early"]},
-         "then": {"required": ["method"], "properties": {"method": {"enum": ["routing", "mu", "full"]}}}},
+         "then": {"properties": {"method": {"enum": list(SERVE_EARLY_METHODS)}}}},
         {"if": {"properties": {"method": {"const": "lora"}}, "required": ["method"]},
          "then": {"required": ["adapter", "adapter_config"],
                   "properties": {"adapter": {"type": "string"}, "adapter_config": {"type": "object"}}},
@@ -69,9 +71,10 @@ class RegisterRequest(BaseModel):
     # numbers as JSON Schema says (server.api.wire): 5 or 5.0, never "5" or true
     steps: Annotated[int, Field(ge=1, le=100_000), Number] | None = None
     seed: Annotated[int, Field(ge=0, lt=2**31), Number] | None = None
-    serve_early: Bool = Field(False, description="serve the retrieved starting routing at once (a first version) "
-                              "while training goes on; the trained result becomes the next version. "
-                              "`retrieve` is served as soon as it is done either way")
+    serve_early: Bool = Field(False, description="serve a first version while training goes on: with routing, mu "
+                              "and full the retrieved starting routing; with auto the demonstrations, once scored "
+                              "(the retrieved routing where the examples cannot be demonstrations). The result "
+                              "becomes the next version. `retrieve` is served as soon as it is done either way")
     shared: Bool = Field(False, description="every tenant may see and use the task (admin keys only; "
                          "otherwise a task is its registering tenant's)")
 

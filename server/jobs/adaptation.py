@@ -10,7 +10,9 @@ in-process runner (server.jobs.service) and the fleet's workers (server.fleet.wo
     demos+routing   an Adaptation of a routing row with the demonstrations in its context
     auto            every form cross-validated, then the best made as its method would
                     (training.auto)
-    serve_early     every method retrieves first; `on_early(result)` commits the retrieved row
+    serve_early     routing, mu, full retrieve first and `on_early(result)` commits the retrieved
+                    row; auto commits its demonstrations once scored (a retrieved row where the
+                    examples cannot be demonstrations), then weighs the forms
 """
 
 from __future__ import annotations
@@ -70,13 +72,22 @@ def make_adaptation(model: TrainingModel, job: Job, examples: list[dict[str, str
         retrieval = Retrieval(model.routed, model.info, candidates, examples, model.tokenizer, seed=seed)
         return RetrievedAdaptation(retrieval, adaptation, on_retrieved=on_early if early else None)
 
+    def retrieval(examples: list[Example]) -> Retrieval:
+        candidates = model.store.routing_rows(limit=MAX_CANDIDATES, exclude=job.task)
+        return Retrieval(model.routed, model.info, candidates, examples, model.tokenizer, seed=seed,
+                         progress=progress)
+
+    def auto_run(form: str, examples: list[Example], demos: list[Example]) -> AdaptationLike:
+        if form == "retrieve":  # serve_early's first version where there are no demonstrations
+            return retrieval(examples)
+        return trained("routing" if form == "demos+routing" else form, demos, False, examples)
+
     budget = model.demonstration_tokens
     if job.method in ("auto", "demos"):
-        return AutoAdaptation(model.routed, model.info, model.skills, exs, model.tokenizer,
-                              lambda form, examples, demos: trained("routing" if form == "demos+routing" else form,
-                                                                    demos, False, examples),
+        return AutoAdaptation(model.routed, model.info, model.skills, exs, model.tokenizer, auto_run,
                               demonstration_tokens=budget, seed=seed, steps=job.steps, progress=progress,
-                              forms=("demos",) if job.method == "demos" else None)
+                              forms=("demos",) if job.method == "demos" else None,
+                              on_early=on_early if job.serve_early and job.method == "auto" else None)
     if job.method == "demos+routing":
         if not fits_on_a_line(exs):
             raise ValueError("demos+routing: answers that span lines cannot be demonstrations")
@@ -86,6 +97,5 @@ def make_adaptation(model: TrainingModel, job: Job, examples: list[dict[str, str
                              "POLYSERVE_MAX_DEMONSTRATION_TOKENS)")
         return trained("routing", demos, False)
     if job.method == "retrieve":
-        candidates = model.store.routing_rows(limit=MAX_CANDIDATES, exclude=job.task)
-        return Retrieval(model.routed, model.info, candidates, exs, model.tokenizer, seed=seed, progress=progress)
+        return retrieval(exs)
     return trained(job.method, [], job.serve_early)

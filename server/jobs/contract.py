@@ -19,7 +19,8 @@ from server.jobs.model import Job
 
 class AdaptationResult(Protocol):
     """A finished adaptation's tensors (training/adapt.py's AdaptResult): "routing" commits
-    {"logits": (L, h, S)} as the task's routing row, "lora" commits "<layer>.A" / "<layer>.B"."""
+    {"logits": (L, h, S)} as the task's routing row, "lora" commits "<layer>.A" / "<layer>.B",
+    "demos" commits no tensors; any kind may carry `demonstrations`, read with getattr."""
 
     @property
     def kind(self) -> str: ...

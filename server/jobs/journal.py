@@ -155,9 +155,10 @@ class Journal:
         self.settle()
 
     def commit_early(self, job: Job, result: AdaptationResult) -> None:
-        """serve_early: the retrieved routing becomes the task's first version, servable at once,
-        while training goes on (called from the job's slice, on the engine thread: the commit
-        itself is written by the I/O thread, before the job's final commit)."""
+        """serve_early: the retrieved routing (auto: the demonstrations) becomes the task's first
+        version, servable at once, while training goes on (called from the job's slice, on the
+        engine thread: the commit itself is written by the I/O thread, before the job's final
+        commit)."""
         self._pool.submit(_logged, self._commit_early, job, result)
 
     def _commit_early(self, job: Job, result: AdaptationResult) -> None:
@@ -165,11 +166,17 @@ class Journal:
             if not still_ours(self.store, job):
                 return  # deleted or cancelled meanwhile: the final commit discards the rest
             source = {"job_id": job.id, "n_examples": job.n_examples, "method": job.method, "stage": "early"}
-            record = self.store.put_routing(job.task, result.tensors["logits"], method=job.method, source=source,
-                                            metrics=dict(result.metrics), job_id=job.id)
+            if result.kind == "demos":  # auto: its demonstrations, while it weighs the forms
+                demonstrations = list(getattr(result, "demonstrations", None) or [])
+                record = self.store.put_demonstrations(job.task, demonstrations, method=job.method, source=source,
+                                                       metrics=dict(result.metrics), job_id=job.id)
+            else:
+                record = self.store.put_routing(job.task, result.tensors["logits"], method=job.method,
+                                                source=source, metrics=dict(result.metrics), job_id=job.id)
+        what = "demonstrations" if result.kind == "demos" else "retrieved routing"
         with self.state.lock:
             job.live_version = record.version
-            job.add_event("status", f"serving the retrieved routing as version {record.version} while training "
+            job.add_event("status", f"serving the {what} as version {record.version} while training "
                           "goes on", version=record.version)
         self.persist(job)
         self.on_task_changed(job.task)

@@ -268,7 +268,9 @@ def test_new_register_flags_and_local_refusals(fake: FakeServer, tmp_path) -> No
     assert "serve_early" not in fake.last.body and "shared" not in fake.last.body  # old servers accept it
     sync.register_task("t", [{"input": "a", "output": "b"}], method="routing", serve_early=True, shared=True)
     assert fake.last.body["serve_early"] is True and fake.last.body["shared"] is True
-    for method in ("retrieve", "auto", "demos", "demos+routing"):
+    sync.register_task("t", [{"input": "a", "output": "b"}], method="auto", serve_early=True)
+    assert fake.last.body["serve_early"] is True and fake.last.body["method"] == "auto"
+    for method in ("retrieve", "demos", "demos+routing"):
         with pytest.raises(InvalidInput, match="serve_early"):
             sync.register_task("t", [{"input": "a", "output": "b"}], method=method, serve_early=True)
     with pytest.raises(InvalidInput, match="window"):

@@ -257,3 +257,53 @@ def test_long_examples_train_after_fewer_demonstrations_and_are_scored_after_all
         assert e.input_ids.count(tokenizer("Input:", add_special_tokens=False).input_ids[0]) == 3  # 2 + its own
     for e in run.held:
         assert e.input_ids.count(tokenizer("Input:", add_special_tokens=False).input_ids[0]) == len(exs)
+
+
+def test_serve_early_hands_out_the_demonstrations_before_anything_trains(inventory, tokenizer):
+    rm, info, skills = inventory
+    exs = few(8)
+    runs: list = []
+    early: list = []
+
+    def any_run(form, examples, demos):
+        runs.append(form)
+        return final_factory(rm, info, skills, exs, tokenizer, [])(form, examples, demos)
+
+    def on_early(result):
+        early.append((result, list(runs)))
+
+    auto = AutoAdaptation(rm, info, skills, exs, tokenizer, any_run, demonstration_tokens=256, folds=2, steps=1,
+                          on_early=on_early)
+    res = run_auto(auto)
+    assert len(early) == 1
+    first, trained_before = early[0]
+    assert trained_before == []  # served before any form trained
+    assert first.kind == "demos" and first.tensors == {}
+    assert first.demonstrations == [{"input": d.input, "output": d.output}
+                                    for d in select_demonstrations(exs, tokenizer, 256)]
+    loo = res.metrics["estimate"]["candidates"]["demos"]
+    assert first.metrics["cv_exact"] == loo["exact"] and first.metrics["cv_exact_n"] == 8
+    assert first.metrics["cv_exact_low"] == loo["low"] and first.metrics["method"] == "demos"
+
+
+def test_serve_early_without_demonstrations_hands_out_a_retrieved_row_first(inventory, tokenizer):
+    from training.retrieve import Retrieval
+
+    rm, info, skills = inventory
+    exs = few(4)
+    runs: list = []
+    early: list = []
+    others = {"other": torch.zeros(len(info.layer_names), info.spec.n_heads, info.spec.n_skills)}
+
+    def any_run(form, examples, demos):
+        runs.append((form, len(examples)))
+        if form == "retrieve":
+            return Retrieval(rm, info, others, examples, tokenizer, seed=0)
+        return final_factory(rm, info, skills, exs, tokenizer, [])(form, examples, demos)
+
+    auto = AutoAdaptation(rm, info, skills, exs, tokenizer, any_run, demonstration_tokens=0, folds=2, steps=1,
+                          on_early=lambda r: early.append((r, list(runs))))
+    run_auto(auto)
+    assert len(early) == 1 and early[0][1] == [("retrieve", 4)]  # on every example, before the folds
+    assert early[0][0].kind == "routing" and early[0][0].tensors["logits"].shape == others["other"].shape
+    assert runs[0] == ("retrieve", 4) and all(form == "routing" for form, _ in runs[1:])

@@ -11,7 +11,7 @@ from adapters_store.store.ids import RESERVED_TASK_IDS, validate_task_id
 from server.api.api_docs import ERRORS
 from server.api.deps import ApiKey, RuntimeDep, SettingsDep, TenantKey, require_admin
 from server.api.errors import ApiError
-from server.api.job_schemas import JobOut, RegisterRequest
+from server.api.job_schemas import SERVE_EARLY_METHODS, JobOut, RegisterRequest
 from server.api.lora_tasks import import_lora_task
 from server.api.routes.jobs import job_out
 from server.api.schemas import TaskList, TaskOut, matches, task_out
@@ -74,9 +74,9 @@ async def register_task(body: RegisterRequest, request: Request, rt: RuntimeDep,
                        param="examples")
     if body.steps is not None and body.method in ("retrieve", "demos"):
         raise ApiError(422, "validation_error", f"steps: {body.method} takes no optimisation steps", param="steps")
-    if body.serve_early and body.method not in ("routing", "mu", "full"):
-        raise ApiError(422, "validation_error", "serve_early: only with a method that retrieves a row before "
-                       f"training (routing, mu, full), not {body.method}", param="serve_early")
+    if body.serve_early and body.method not in SERVE_EARLY_METHODS:
+        raise ApiError(422, "validation_error", "serve_early: only with a method that has a form to serve before "
+                       f"training ({', '.join(SERVE_EARLY_METHODS)}), not {body.method}", param="serve_early")
     if body.steps is not None and body.steps > settings.max_job_steps:
         raise ApiError(422, "validation_error", f"steps: at most {settings.max_job_steps}, got {body.steps}",
                        param="steps")

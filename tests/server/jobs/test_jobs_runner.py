@@ -575,6 +575,26 @@ def test_the_early_version_carries_the_jobs_source_method_and_metrics(store):
     assert changed == ["t"]
 
 
+def test_auto_serves_its_demonstrations_early_then_the_chosen_form(store):
+    runner, _ = make_runner(store, steps=3)
+    job = runner.submit("t", EXAMPLES, method="auto", steps=3, seed=0, serve_early=True)
+    runner.step()
+    demos = [{"input": "a", "output": "b"}]
+    early = FakeResult(kind="demos", tensors={}, metrics={"method": "demos", "cv_exact": 0.5})
+    early.demonstrations = demos
+    runner.commit_early(runner.state.jobs[job.id], early)
+    runner.flush()
+    record = store.get_task("t")
+    assert record.status == "ready" and record.version == 1 and record.source["stage"] == "early"
+    assert record.kind == "demos" and record.demonstrations == demos and record.metrics["cv_exact"] == 0.5
+    events = [e["message"] for e in runner.get(job.id).events]
+    assert "serving the demonstrations as version 1 while training goes on" in events
+    run_to_end(runner)
+    done = runner.get(job.id)
+    assert done.status == "succeeded" and done.live_version == 2
+    assert store.get_task("t").version == 2 and "stage" not in store.get_task("t").source
+
+
 def test_recover_goes_through_every_job_and_says_why_each_was_interrupted(store, monkeypatch):
     """Jobs listed in id order: one unreadable, one finished, one enqueued for the workers, one a
     live replica holds, one that finished after the listing, then the orphans: each of the first

@@ -171,6 +171,26 @@ def test_serve_early_cancel_keeps_the_early_version_and_delete_wins(client):
     assert generate(client, "early-d").status_code == 404
 
 
+def test_auto_with_serve_early_serves_its_demonstrations_first(client):
+    r = client.post("/v1/tasks", json={"task": "early-auto", "examples": EXAMPLES, "steps": 2, "serve_early": True})
+    assert r.status_code == 202 and r.json()["method"] == "auto" and r.json()["serve_early"] is True
+    done = wait_job(client, r.json()["id"])
+    assert done["status"] == "succeeded" and done["live_version"] == 2, done
+    events = [e["message"] for e in client.get(f"/v1/jobs/{done['id']}/events").json()["data"]]
+    assert "serving the demonstrations as version 1 while training goes on" in events
+    task = client.get("/v1/tasks/early-auto").json()
+    assert task["version"] == 2 and task["metrics"]["chosen"] in ("demos", "routing", "demos+routing")
+    assert generate(client, "early-auto").status_code == 200
+
+
+@pytest.mark.parametrize("method", ["retrieve", "demos", "demos+routing"])
+def test_serve_early_is_refused_where_nothing_can_be_served_before_training(client, method):
+    r = client.post("/v1/tasks", json={"task": "early-no", "method": method, "examples": EXAMPLES,
+                                       "serve_early": True})
+    assert r.status_code == 422, r.text
+    assert r.json()["error"]["param"] == "serve_early" and "auto" in r.json()["error"]["message"]
+
+
 def test_conflicts_and_cancel(client):
     r = client.post("/v1/tasks", json={"task": "slow", "method": "routing", "examples": EXAMPLES, "steps": 5000})
     assert r.status_code == 202
