@@ -7,6 +7,9 @@ each path (the server's: the job's own finished_at - created_at) and the adaptat
 
     .venv/bin/python -m bench.registration_paths --methods routing,retrieve --repeats 2 --threads 2
 
+--serve-early registers over HTTP with `"serve_early": true` and also reports when the first
+version became servable (its job event's time less the job's creation).
+
 --inventories A,B times the same registrations on other inventories in the shipped layout
 (`training/default_inventory`, e.g. an older one from `git archive`), alternated with each other
 run by run: seconds differ 2x between hosts here, so a comparison of inventories is one run's ratio.
@@ -59,16 +62,22 @@ def via_cli(args, home: Path, method: str, jsonl: Path) -> tuple[float, float]:
 
 def via_http(args, home: Path, method: str, train: list) -> tuple[float, float]:
     env = {"POLYSERVE_HOME": str(home), "POLYSERVE_STORE": str(home / "store"), "POLYSERVE_THREADS": str(args.threads)}
+    body = {"task": "new-task", "method": method, "examples": [{"input": e.input, "output": e.output} for e in train],
+            **({"serve_early": True} if args.serve_early else {})}
     with polyserve_server(env) as url:
         with httpx.Client(base_url=url, timeout=30) as c:
-            job = c.post("/v1/tasks", json={"task": "new-task", "method": method,
-                                            "examples": [{"input": e.input, "output": e.output} for e in train]}).json()
+            job = c.post("/v1/tasks", json=body).json()
             while True:
                 job = c.get(f"/v1/jobs/{job['id']}").json()
                 if job["status"] in ("succeeded", "failed", "cancelled"):
                     break
                 time.sleep(0.5)  # the Python client's poll interval
             wall = job["finished_at"] - job["created_at"]
+            if args.serve_early:
+                events = c.get(f"/v1/jobs/{job['id']}/events").json()["data"]
+                first = [e for e in events if e["data"].get("version") == 1 and "while training" in e["message"]]
+                print(f"    first version servable after {first[0]['created_at'] - job['created_at']:.2f} s "
+                      f"({first[0]['message']})" if first else "    no early version", flush=True)
         if job["status"] != "succeeded":
             raise SystemExit(f"the job ended {job['status']}: {job.get('error')}")
     return wall, float(job["metrics"].get("seconds", float("nan")))
@@ -82,8 +91,10 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--paths", default="cli,http", help="cli (polyserve adapt), http (polyserve serve)")
     ap.add_argument("--task", default=None,
-                    help="a held-out task of the procedural suite (default: its first) or of the BIG-bench suite "
-                         "(bb-..., its longer examples; scripts/bigbench_suite.py builds it)")
+                    help="a held-out task of the procedural suite (default: its first), of the BIG-bench suite "
+                         "(bb-..., its longer examples; scripts/bigbench_suite.py builds it) or of the small real "
+                         "tasks (real-capital, ...: training/real_tasks.py, seed 0's draw)")
+    ap.add_argument("--serve-early", action="store_true", help="http: register with serve_early")
     ap.add_argument("--inventories", default="", help="directories in the shipped layout (default: the "
                     "shipped inventory only); 'shipped' names the shipped one")
     args = ap.parse_args()
@@ -97,6 +108,12 @@ def main() -> None:
         if args.task not in bb:
             raise SystemExit(f"{args.task} is not a held-out task of the BIG-bench suite: {sorted(bb)}")
         name, train = args.task, bb[args.task].examples("train")[: args.k]
+    elif args.task and args.task.startswith("real-"):
+        from training.real_tasks import REAL_TASKS, real_task_examples
+
+        if args.task[5:] not in REAL_TASKS:
+            raise SystemExit(f"{args.task}: the real tasks are {', '.join('real-' + t for t in REAL_TASKS)}")
+        name, train = args.task, real_task_examples(args.task[5:], args.k, 0)[0]
     else:
         task = build_suite().task(args.task) if args.task else build_suite().heldout_tasks[0]
         name, train = task.name, examples(task, args.k, seed=0, split="train")

@@ -22,9 +22,9 @@ majority answer's.
 
 Cost, in forwards: the leave-one-out scoring is one forward over k prompts; each trained candidate
 trains `folds` times. With `on_early` (a registration's `serve_early`) a first form is handed out
-before any training: the demonstrations once their leave-one-out score is in (a few forwards), or,
-where the examples cannot be demonstrations, a retrieved row (`make_run("retrieve", ...)`: a
-retrieval on all the examples, about two training steps). training/adapt.py and training/retrieve.py
+before anything is scored or trained: the demonstrations, or, where the examples cannot be
+demonstrations, a retrieved row (`make_run("retrieve", ...)`: a retrieval on all the examples,
+about two training steps). training/adapt.py and training/retrieve.py
 make the final form. `step()` does one forward (or one training step) at a time, like an Adaptation,
 so a server runs it between decode steps.
 """
@@ -216,6 +216,8 @@ class AutoAdaptation:
     def _stages(self) -> Iterator[None]:
         k = len(self.examples)
         if "demos" in self.candidates:
+            if self.on_early is not None:  # they cost nothing to serve: at once, scored or not
+                self.on_early(self._demos_result({}))
             self.phase = "cv:demos"
             rows = []
             for i, ex in enumerate(self.examples):
@@ -225,10 +227,6 @@ class AutoAdaptation:
             for hits in self._score(rows, None, demonstrations=True):
                 self.candidates["demos"].hits = dict(hits)
                 yield
-            if self.on_early is not None:
-                loo = self.candidates["demos"].estimate(k)  # their leave-one-out score, as the job reports it
-                self.on_early(self._demos_result({f"cv_exact{'' if key == 'exact' else '_' + key}": v
-                                                  for key, v in loo.items()}))
         elif self.on_early is not None:  # nothing to serve without training but a retrieved row
             self.phase = "early:retrieve"
             run = self.make_run("retrieve", self.examples, [])

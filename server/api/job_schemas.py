@@ -72,7 +72,7 @@ class RegisterRequest(BaseModel):
     steps: Annotated[int, Field(ge=1, le=100_000), Number] | None = None
     seed: Annotated[int, Field(ge=0, lt=2**31), Number] | None = None
     serve_early: Bool = Field(False, description="serve a first version while training goes on: with routing, mu "
-                              "and full the retrieved starting routing; with auto the demonstrations, once scored "
+                              "and full the retrieved starting routing; with auto the demonstrations, at once "
                               "(the retrieved routing where the examples cannot be demonstrations). The result "
                               "becomes the next version. `retrieve` is served as soon as it is done either way")
     shared: Bool = Field(False, description="every tenant may see and use the task (admin keys only; "

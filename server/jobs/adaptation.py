@@ -11,7 +11,7 @@ in-process runner (server.jobs.service) and the fleet's workers (server.fleet.wo
     auto            every form cross-validated, then the best made as its method would
                     (training.auto)
     serve_early     routing, mu, full retrieve first and `on_early(result)` commits the retrieved
-                    row; auto commits its demonstrations once scored (a retrieved row where the
+                    row; auto commits its demonstrations at once (a retrieved row where the
                     examples cannot be demonstrations), then weighs the forms
 """
 
