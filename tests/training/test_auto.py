@@ -126,6 +126,14 @@ def final_factory(rm, info, skills, exs, tokenizer, made):
     return make
 
 
+def recording_factory(make, runs):
+    """`make`, each form it is asked for recorded in `runs` first."""
+    def run(form, examples, demos):
+        runs.append(form)
+        return make(form, examples, demos)
+    return run
+
+
 def run_auto(auto):
     while auto.step():
         pass
@@ -163,11 +171,7 @@ def test_a_form_that_cannot_win_stops_before_it_trains(inventory, tokenizer, mon
     exs = few(8)
     made: list = []
     runs: list = []
-
-    def any_run(form, examples, demos):
-        runs.append(form)
-        return final_factory(rm, info, skills, exs, tokenizer, made)(form, examples, demos)
-
+    any_run = recording_factory(final_factory(rm, info, skills, exs, tokenizer, made), runs)
     auto = AutoAdaptation(rm, info, skills, exs, tokenizer, any_run, demonstration_tokens=256, folds=2, steps=2)
 
     def perfect(rows, adapter, demonstrations=False):  # the demonstrations answer every example
@@ -264,10 +268,7 @@ def test_serve_early_hands_out_the_demonstrations_before_anything_is_scored(inve
     exs = few(8)
     runs: list = []
     early: list = []
-
-    def any_run(form, examples, demos):
-        runs.append(form)
-        return final_factory(rm, info, skills, exs, tokenizer, [])(form, examples, demos)
+    any_run = recording_factory(final_factory(rm, info, skills, exs, tokenizer, []), runs)
 
     def on_early(result):
         early.append((result, list(runs), auto.forwards))
